@@ -1,0 +1,38 @@
+"""The one place that decides whether an operation runs its PyTorch reference or its Triton kernel.
+
+Every operation has a public function that validates its arguments and then calls
+``use_triton(backend, *tensors)``:
+
+- ``"torch"``  — the PyTorch reference (readable; the definition of correct; any device);
+- ``"triton"`` — the Triton kernel: CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``
+  (how CI tests kernel logic without a GPU);
+- ``"auto"``   — Triton when every tensor is on a CUDA device and the op has a kernel, else torch.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+BACKENDS = ("auto", "torch", "triton")
+
+
+def interpreter_enabled() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def use_triton(backend: str, *tensors: torch.Tensor | None, has_kernel: bool = True) -> bool:
+    """Resolve ``backend`` for an op whose tensor arguments are ``tensors``."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+    on_cuda = all(t.is_cuda for t in tensors if t is not None)
+    if backend == "torch":
+        return False
+    if backend == "triton":
+        if not has_kernel:
+            raise ValueError("backend='triton': this operation has no Triton kernel")
+        if not on_cuda and not interpreter_enabled():
+            raise ValueError("backend='triton' needs CUDA tensors, or TRITON_INTERPRET=1 for CPU tensors")
+        return True
+    return has_kernel and on_cuda
