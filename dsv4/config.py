@@ -98,13 +98,10 @@ class ModelConfig:
             )
         if self.index_head_dim <= self.rope_head_dim:
             raise ValueError(
-                f"ModelConfig.index_head_dim: expected > rope_head_dim={self.rope_head_dim}, "
-                f"got {self.index_head_dim}"
+                f"ModelConfig.index_head_dim: expected > rope_head_dim={self.rope_head_dim}, got {self.index_head_dim}"
             )
         if self.n_heads % self.o_groups:
-            raise ValueError(
-                f"ModelConfig.o_groups: expected a divisor of n_heads={self.n_heads}, got {self.o_groups}"
-            )
+            raise ValueError(f"ModelConfig.o_groups: expected a divisor of n_heads={self.n_heads}, got {self.o_groups}")
         if not self.norm_eps > 0:
             raise ValueError(f"ModelConfig.norm_eps: expected > 0, got {self.norm_eps}")
 
@@ -129,9 +126,7 @@ class ModelConfig:
     def ratio(self, layer_id: int) -> int:
         """Tokens per compressed entry of ``layer_id`` (0 for window-only layers)."""
         if not isinstance(layer_id, int) or not 0 <= layer_id < self.num_cache_layers:
-            raise ValueError(
-                f"layer_id: expected an int in [0, {self.num_cache_layers}), got {layer_id!r}"
-            )
+            raise ValueError(f"layer_id: expected an int in [0, {self.num_cache_layers}), got {layer_id!r}")
         return self.compress_ratios[layer_id]
 
     def is_mtp(self, layer_id: int) -> bool:
@@ -206,11 +201,26 @@ _HF_ALIASES = {
 
 # Defaults of the official ModelArgs dataclass for fields a config.json may omit.
 _MODELARGS_DEFAULTS: dict[str, Any] = {
-    "dim": 4096, "n_layers": 7, "n_heads": 64, "q_lora_rank": 1024, "head_dim": 512,
-    "rope_head_dim": 64, "norm_eps": 1e-6, "o_groups": 8, "o_lora_rank": 1024, "window_size": 128,
-    "compress_rope_theta": 40000.0, "original_seq_len": 0, "rope_theta": 10000.0,
-    "rope_factor": 40.0, "beta_fast": 32, "beta_slow": 1, "index_n_heads": 64,
-    "index_head_dim": 128, "index_topk": 512, "max_seq_len": 4096,
+    "dim": 4096,
+    "n_layers": 7,
+    "n_heads": 64,
+    "q_lora_rank": 1024,
+    "head_dim": 512,
+    "rope_head_dim": 64,
+    "norm_eps": 1e-6,
+    "o_groups": 8,
+    "o_lora_rank": 1024,
+    "window_size": 128,
+    "compress_rope_theta": 40000.0,
+    "original_seq_len": 0,
+    "rope_theta": 10000.0,
+    "rope_factor": 40.0,
+    "beta_fast": 32,
+    "beta_slow": 1,
+    "index_n_heads": 64,
+    "index_head_dim": 128,
+    "index_topk": 512,
+    "max_seq_len": 4096,
 }
 
 
@@ -220,21 +230,48 @@ def _alternating(n_layers: int, head: tuple[int, ...], mtp: tuple[int, ...]) -> 
 
 
 V4_FLASH = ModelConfig(
-    name="v4-flash", dim=4096, n_layers=43, n_mtp_layers=1, n_heads=64, q_lora_rank=1024,
-    o_groups=8, o_lora_rank=1024, index_topk=512,
+    name="v4-flash",
+    dim=4096,
+    n_layers=43,
+    n_mtp_layers=1,
+    n_heads=64,
+    q_lora_rank=1024,
+    o_groups=8,
+    o_lora_rank=1024,
+    index_topk=512,
     compress_ratios=_alternating(43, (0, 0), (0,)),
-    n_routed_experts=256, n_activated_experts=6,
+    n_routed_experts=256,
+    n_activated_experts=6,
 )
 V4_PRO = ModelConfig(
-    name="v4-pro", dim=7168, n_layers=61, n_mtp_layers=1, n_heads=128, q_lora_rank=1536,
-    o_groups=16, o_lora_rank=1024, index_topk=1024,
+    name="v4-pro",
+    dim=7168,
+    n_layers=61,
+    n_mtp_layers=1,
+    n_heads=128,
+    q_lora_rank=1536,
+    o_groups=16,
+    o_lora_rank=1024,
+    index_topk=1024,
     compress_ratios=_alternating(61, (128, 128), (0,)),
-    n_routed_experts=384, n_activated_experts=6,
+    n_routed_experts=384,
+    n_activated_experts=6,
 )
 TINY = ModelConfig(
-    name="tiny", dim=256, n_layers=4, n_mtp_layers=1, n_heads=8, q_lora_rank=128,
-    o_groups=2, o_lora_rank=128, index_n_heads=4, index_topk=16, max_seq_len=65536,
-    compress_ratios=(0, 4, 128, 4, 0), n_routed_experts=0, n_activated_experts=0,
+    name="tiny",
+    dim=256,
+    n_layers=4,
+    n_mtp_layers=1,
+    n_heads=8,
+    q_lora_rank=128,
+    o_groups=2,
+    o_lora_rank=128,
+    index_n_heads=4,
+    index_topk=16,
+    max_seq_len=65536,
+    compress_ratios=(0, 4, 128, 4, 0),
+    n_routed_experts=0,
+    n_activated_experts=0,
 )
 
 PRESETS: dict[str, ModelConfig] = {c.name: c for c in (V4_FLASH, V4_PRO, TINY)}

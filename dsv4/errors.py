@@ -38,7 +38,7 @@ def check_tensor(
         raise ValueError(f"{name}: expected {ndim} dims, got shape {tuple(t.shape)}")
     if shape is not None:
         ok = t.dim() == len(shape) and all(
-            want is None or want == got for want, got in zip(shape, t.shape)
+            want is None or want == got for want, got in zip(shape, t.shape, strict=False)
         )
         if not ok:
             want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"

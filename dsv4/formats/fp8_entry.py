@@ -24,6 +24,7 @@ value times a power of two, so re-quantising a dequantised entry reproduces the 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -33,6 +34,28 @@ from dsv4.formats.ue8m0 import byte_to_scale, ceil_log2_ratio, exponent_to_byte
 
 FP8_DTYPE = torch.float8_e4m3fn
 ROPE_DTYPE = torch.bfloat16
+
+
+class EntryPages(NamedTuple):
+    """Typed views of FP8 entries in MODEL1 pages: what kernels read and write.
+
+    ``nope`` [pages, bs, 448] float8_e4m3fn, ``rope`` [pages, bs, 64] bf16, ``scale`` [pages, bs, 7]
+    uint8 (UE8M0).  An entry's *physical slot* is ``page * bs + row``; slot -1 means "none".
+    The window ring of one layer is the same type with one page of ``ring_size`` rows per request slot.
+    """
+
+    nope: torch.Tensor
+    rope: torch.Tensor
+    scale: torch.Tensor
+
+    @property
+    def entries_per_page(self) -> int:
+        return self.nope.shape[1]
+
+    @property
+    def num_slots(self) -> int:
+        """Total physical slots (pages * bs)."""
+        return self.nope.shape[0] * self.nope.shape[1]
 
 
 def _round_up(x: int, m: int) -> int:
@@ -53,8 +76,7 @@ class FP8EntryFormat:
     def __post_init__(self) -> None:
         if self.nope_dim <= 0 or self.nope_dim % self.tile:
             raise ValueError(
-                f"FP8EntryFormat: head_dim - rope_dim = {self.nope_dim} must be a positive multiple "
-                f"of tile={self.tile}"
+                f"FP8EntryFormat: head_dim - rope_dim = {self.nope_dim} must be a positive multiple of tile={self.tile}"
             )
 
     @property
@@ -97,9 +119,7 @@ class FP8EntryFormat:
         return entries_per_page * self.data_bytes
 
     # ------------------------------------------------------------------ views
-    def page_views(
-        self, flat: torch.Tensor, num_pages: int, entries_per_page: int
-    ) -> dict[str, torch.Tensor]:
+    def page_views(self, flat: torch.Tensor, num_pages: int, entries_per_page: int) -> dict[str, torch.Tensor]:
         """Typed views over ``num_pages`` consecutive pages at the start of ``flat`` (uint8, 1-D).
 
         Returns ``nope`` [pages, bs, 448] e4m3, ``rope`` [pages, bs, 64] bf16, ``scale``
@@ -117,11 +137,18 @@ class FP8EntryFormat:
             ),
             "scale": byte_view(flat, torch.uint8, (num_pages, bs, self.n_tiles), (ps, self.scale_stride, 1), so),
             "pad": byte_view(
-                flat, torch.uint8, (num_pages, bs, self.scale_stride - self.n_tiles),
-                (ps, self.scale_stride, 1), so + self.n_tiles,
+                flat,
+                torch.uint8,
+                (num_pages, bs, self.scale_stride - self.n_tiles),
+                (ps, self.scale_stride, 1),
+                so + self.n_tiles,
             ),
             "data": byte_view(flat, torch.uint8, (num_pages, bs, self.data_bytes), (ps, self.data_bytes, 1)),
         }
+
+    def entry_pages(self, flat: torch.Tensor, num_pages: int, entries_per_page: int) -> EntryPages:
+        v = self.page_views(flat, num_pages, entries_per_page)
+        return EntryPages(v["nope"], v["rope"], v["scale"])
 
     # ------------------------------------------------------------------ numerics
     def quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -155,6 +182,4 @@ class FP8EntryFormat:
         """The logical 584 bytes of each entry: fp8 | bf16 rope | scales | zero pad (uint8 [..., 584])."""
         nope, rope, scale = self.quantize(x)
         pad = torch.zeros(*scale.shape[:-1], self.scale_stride - self.n_tiles, dtype=torch.uint8, device=x.device)
-        return torch.cat(
-            [nope.view(torch.uint8), rope.contiguous().view(torch.uint8), scale, pad], dim=-1
-        )
+        return torch.cat([nope.view(torch.uint8), rope.contiguous().view(torch.uint8), scale, pad], dim=-1)

@@ -17,6 +17,7 @@ An e2m1 code is sign<<3 | magnitude index; a value that rounds to zero is stored
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -27,6 +28,18 @@ from dsv4.formats.ue8m0 import byte_to_scale, ceil_log2_ratio, exponent_to_byte
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 # Decision points between neighbouring codes, and whether a tie there rounds up (to the even code).
 _E2M1_THRESHOLDS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
+
+
+class KeyPages(NamedTuple):
+    """Typed views of MXFP4 keys in pages: ``data`` [pages, bs, 64] uint8 (packed e2m1),
+    ``scale`` [pages, bs, 4] uint8 (UE8M0).  Physical slot = page * bs + row."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+
+    @property
+    def entries_per_page(self) -> int:
+        return self.data.shape[1]
 
 
 @dataclass(frozen=True)
@@ -76,9 +89,16 @@ class MXFP4KeyFormat:
             ),
         }
 
+    def key_pages(self, flat: torch.Tensor, num_pages: int, entries_per_page: int) -> KeyPages:
+        v = self.page_views(flat, num_pages, entries_per_page)
+        return KeyPages(v["data"], v["scale"])
+
     # ------------------------------------------------------------------ numerics
     def quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Reference MXFP4 quantisation of ``x`` [..., dim] -> (packed uint8 [..., dim/2], scale uint8 [..., dim/32])."""
+        """Reference MXFP4 quantisation of ``x`` [..., dim].
+
+        Returns (packed uint8 [..., dim/2], scale uint8 [..., dim/32]).
+        """
         check_tensor("x", x, dtype=(torch.bfloat16, torch.float16, torch.float32))
         if x.shape[-1] != self.dim:
             raise ValueError(f"x: expected last dim {self.dim}, got {list(x.shape)}")
