@@ -1,0 +1,287 @@
+"""LayerCacheHandle — the typed per-layer, per-step view onto one layer's cache (the seed's design).
+
+``KVCacheManager.acquire(layer_id, plan)`` builds one per layer per step.  It holds tensor
+references and the plan's indices and allocates nothing.  Attention code reads and writes the cache
+only through it, and a handle exposes only the views its layer kind has: an SWA-only layer has no
+classical or indexer view, an HCA layer no indexer view (asking raises ``ValueError``).
+
+Differences from the seed, and why:
+
+- ``paged``/``state`` are the *layer's* views (``PagedLayerCache``/``LayerState``), not whole pools:
+  the seed's field accesses (``self.state.swa_fp8``) only make sense per layer.
+- ``write_swa`` writes the window ring only.  DeepSeek-V4's compressor pools its own fp32 projections
+  of the layer input, not the window KV (spec §3), so compressor state is written separately through
+  ``compressor_state()``.
+- ``flush_compression`` writes into slots the manager assigned when it built the plan (design §2):
+  it never allocates, so it can run inside a captured CUDA graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dsv4.cache.paged_cache import PagedLayerCache
+from dsv4.cache.plan import RatioPlan, StepPlan
+from dsv4.cache.schema import CacheSchema, LayerSchema
+from dsv4.cache.state_cache import CompressorState, LayerState
+from dsv4.config import LayerKind
+from dsv4.errors import check_tensor
+from dsv4.formats import EntryPages, KeyPages
+
+
+@dataclass(frozen=True)
+class SWAView:
+    """The window rings of one layer.  ``fp8``/``rope``/``inv_scale`` are [num_slots, ring, *] (request
+    slot ``s`` is page ``s``); ``positions`` int32 [num_slots, ring] (-1 = empty); ``head`` int32
+    [num_slots]; ``slots`` int32 [B] this step's request slots."""
+
+    fp8: torch.Tensor
+    rope: torch.Tensor
+    inv_scale: torch.Tensor
+    positions: torch.Tensor
+    head: torch.Tensor
+    slots: torch.Tensor
+
+    @property
+    def pages(self) -> EntryPages:
+        return EntryPages(self.fp8, self.rope, self.inv_scale)
+
+
+@dataclass(frozen=True)
+class ClassicalView:
+    """Compressed entries of one layer (FP8, MODEL1 pages) and this step's block tables.
+
+    ``block_table`` int32 [B, max_blocks] (-1 padded), ``block_lens`` int32 [B], ``num_entries`` int32 [B]
+    (after the step), ``n_visible`` int32 [T] (entries visible to each token's query).
+    Physical slot of logical entry ``e`` of batch row ``b``: ``block_table[b, e // P] * P + e % P``.
+    """
+
+    entries_fp8: torch.Tensor
+    entries_rope: torch.Tensor
+    inv_scale: torch.Tensor
+    block_table: torch.Tensor
+    block_lens: torch.Tensor
+    num_entries: torch.Tensor
+    n_visible: torch.Tensor
+    max_entries: int
+
+    @property
+    def pages(self) -> EntryPages:
+        return EntryPages(self.entries_fp8, self.entries_rope, self.inv_scale)
+
+    @property
+    def entries_per_page(self) -> int:
+        return self.entries_fp8.shape[1]
+
+
+@dataclass(frozen=True)
+class IndexerView:
+    """MXFP4 indexer keys of one CSA layer: ``keys_fp4`` uint8 [pages, P, 64] (packed e2m1, low nibble =
+    even index), ``scale`` uint8 [pages, P, 4] (UE8M0).  ``global_scale`` is always None (no global scale
+    in V4's MXFP4).  Block tables as in ``ClassicalView`` (the same ones)."""
+
+    keys_fp4: torch.Tensor
+    scale: torch.Tensor
+    global_scale: None
+    block_table: torch.Tensor
+    block_lens: torch.Tensor
+    n_visible: torch.Tensor
+    max_entries: int
+
+    @property
+    def pages(self) -> KeyPages:
+        return KeyPages(self.keys_fp4, self.scale)
+
+
+@dataclass(frozen=True)
+class CompressorStateView:
+    """One layer's compressor state(s) and where this step's tokens go.
+
+    ``main``/``indexer``: ``CompressorState`` (fp32 kv/score [num_slots, c*m, c*d], row = position mod c*m);
+    ``indexer`` is None on HCA layers.  ``state_rows`` int32 [T]: flat row (slot * c*m + pos mod c*m) of
+    each token, -1 for tokens whose row is overwritten later in the same step.
+    """
+
+    ratio: int
+    main: CompressorState
+    indexer: CompressorState | None
+    state_rows: torch.Tensor
+    request_slots: torch.Tensor
+
+
+@dataclass(frozen=True)
+class LayerCacheHandle:
+    """Read/write interface of one layer's cache for one step (see module docstring)."""
+
+    layer: LayerSchema
+    schema: CacheSchema
+    plan: StepPlan
+    paged: PagedLayerCache | None
+    state: LayerState
+    ratio_plan: RatioPlan | None
+
+    # ------------------------------------------------------------------ plan fields (seed names)
+    @property
+    def layer_id(self) -> int:
+        return self.layer.layer_id
+
+    @property
+    def kind(self) -> LayerKind:
+        return self.layer.kind
+
+    @property
+    def request_slots(self) -> torch.Tensor:
+        return self.plan.request_slots
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return self.plan.positions
+
+    @property
+    def request_ids(self) -> torch.Tensor:
+        return self.plan.request_ids
+
+    @property
+    def block_table(self) -> torch.Tensor | None:
+        return self.ratio_plan.block_table if self.ratio_plan else None
+
+    @property
+    def block_lens(self) -> torch.Tensor | None:
+        return self.ratio_plan.block_lens if self.ratio_plan else None
+
+    @property
+    def emit_slots(self) -> torch.Tensor:
+        """int32 [T]: physical slot of the compressed entry each token emits (-1 = none)."""
+        return self._need_ratio("emit_slots").emit_slots
+
+    # ------------------------------------------------------------------ writes
+    def write_swa(self, kv: torch.Tensor, backend: str = "auto") -> None:
+        """FP8-quantise this step's window KV and write it into the ring rows the plan assigned.
+
+        ``kv``: [T, head_dim] bf16, one row per token of the step, already kv_norm'ed and RoPE'd.
+        Tokens with ``plan.swa_slots == -1`` (older than their request's last ring_size tokens of this
+        step) are skipped.  Updates the ring positions and heads.
+        """
+        from dsv4.kernels.cache.append_swa import append_swa
+
+        check_tensor("kv", kv, dtype=torch.bfloat16, shape=(self.plan.num_tokens, self.schema.config.head_dim))
+        append_swa(
+            kv,
+            self.plan.swa_slots,
+            self.plan.positions,
+            self.state.ring,
+            self.state.ring_positions_flat,
+            self.schema.entry_fmt,
+            backend=backend,
+        )
+        self._advance_ring_head()
+
+    def _advance_ring_head(self) -> None:
+        head = (self.plan.seq_lens % self.schema.ring_size).to(torch.int32)
+        self.state.ring_head.index_copy_(0, self.plan.request_slots.long(), head)
+
+    def flush_compression(
+        self,
+        compressed: torch.Tensor,
+        indexer_keys: torch.Tensor | None = None,
+        token_index: torch.Tensor | None = None,
+        backend: str = "auto",
+    ) -> None:
+        """Quantise emitted compressed entries (and CSA indexer keys) into their pre-assigned slots.
+
+        ``compressed``: [N, head_dim] bf16/fp32, final entries (pooled, RMSNorm'ed, RoPE'd at i*m).
+        ``indexer_keys``: [N, index_head_dim], final keys (normed, RoPE'd, Hadamard-rotated); required on
+        CSA layers, refused elsewhere.  ``token_index``: [N] int, which step token emitted each row
+        (slots come from ``plan.ratios[m].emit_slots[token_index]``); None means N == T, row i is token i
+        (rows of tokens that emit nothing are skipped).  Allocates nothing.
+        """
+        from dsv4.kernels.cache.flush_compression import flush_compression
+
+        rp = self._need_ratio("flush_compression")
+        cfg = self.schema.config
+        n = compressed.shape[0] if isinstance(compressed, torch.Tensor) else None
+        check_tensor("compressed", compressed, dtype=(torch.bfloat16, torch.float32), shape=(n, cfg.head_dim))
+        if token_index is None:
+            if n != self.plan.num_tokens:
+                raise ValueError(f"compressed: expected {self.plan.num_tokens} rows (one per token), got {n}")
+            slots = rp.emit_slots
+        else:
+            check_tensor("token_index", token_index, dtype=(torch.int32, torch.int64), shape=(n,))
+            slots = rp.emit_slots[token_index.long()]
+        keys = None
+        if self.paged.keys is not None:
+            if indexer_keys is None:
+                raise ValueError("indexer_keys: required on CSA layers, got None")
+            check_tensor(
+                "indexer_keys", indexer_keys, dtype=(torch.bfloat16, torch.float32), shape=(n, cfg.index_head_dim)
+            )
+            keys = self.paged.keys
+        elif indexer_keys is not None:
+            raise ValueError(f"indexer_keys: layer {self.layer_id} ({self.kind.value}) has no indexer, got a tensor")
+        flush_compression(
+            compressed,
+            slots,
+            self.paged.entries,
+            self.schema.entry_fmt,
+            indexer_keys,
+            keys,
+            self.schema.key_fmt,
+            backend=backend,
+        )
+
+    # ------------------------------------------------------------------ views
+    def read_swa_view(self) -> SWAView:
+        ring = self.state.ring
+        return SWAView(
+            fp8=ring.nope,
+            rope=ring.rope,
+            inv_scale=ring.scale,
+            positions=self.state.ring_positions,
+            head=self.state.ring_head,
+            slots=self.plan.request_slots,
+        )
+
+    def read_classical_view(self) -> ClassicalView:
+        rp = self._need_ratio("read_classical_view")
+        e = self.paged.entries
+        return ClassicalView(
+            entries_fp8=e.nope,
+            entries_rope=e.rope,
+            inv_scale=e.scale,
+            block_table=rp.block_table,
+            block_lens=rp.block_lens,
+            num_entries=rp.num_entries,
+            n_visible=rp.n_visible,
+            max_entries=rp.max_entries,
+        )
+
+    def read_indexer_view(self) -> IndexerView:
+        rp = self._need_ratio("read_indexer_view")
+        if self.paged.keys is None:
+            raise ValueError(f"read_indexer_view: layer {self.layer_id} is {self.kind.value}; only CSA layers have one")
+        return IndexerView(
+            keys_fp4=self.paged.keys.data,
+            scale=self.paged.keys.scale,
+            global_scale=None,
+            block_table=rp.block_table,
+            block_lens=rp.block_lens,
+            n_visible=rp.n_visible,
+            max_entries=rp.max_entries,
+        )
+
+    def compressor_state(self) -> CompressorStateView:
+        rp = self._need_ratio("compressor_state")
+        return CompressorStateView(
+            ratio=rp.ratio,
+            main=self.state.compressor,
+            indexer=self.state.indexer_compressor,
+            state_rows=rp.state_rows,
+            request_slots=self.plan.request_slots,
+        )
+
+    def _need_ratio(self, what: str) -> RatioPlan:
+        if self.ratio_plan is None or self.paged is None:
+            raise ValueError(f"{what}: layer {self.layer_id} is SWA-only; it has no compressed cache")
+        return self.ratio_plan

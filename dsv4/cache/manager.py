@@ -1,0 +1,484 @@
+"""KVCacheManager: admission, slots, pages, block tables, the step plan, freeing and accounting.
+
+Life of a request::
+
+    add(rid) ──► plan({rid: n}) ──► [step: acquire(layer, plan) per layer] ──► commit(plan) ──► ...
+        │            │ None = "not now" (pages short): preempt someone and retry    │
+        │ False = no free slot                                                       ▼
+        └──────────────────────────── preempt(rid) / free(rid) ◄──────────────── finished
+
+Rules (design §2, §4):
+
+- "Not now" is a return value: ``add`` returns False without a free slot, ``plan`` returns None when
+  a ratio class lacks pages.  Misuse raises (unknown or duplicate ids, bad token counts, a second
+  plan while one is outstanding, a stale plan).  A call that returns "not now" or raises changes
+  nothing.
+- ``free`` is idempotent: freeing an unknown, never-started or already-freed id is a no-op that
+  returns False.  ``preempt`` of a finished/unknown/already-preempted id is also a no-op (False).
+- A request named by the outstanding plan is still being written by that step: its ``free`` /
+  ``preempt`` is deferred until ``commit``/``cancel`` (so a page is never handed to a new owner
+  while a step still writes it).
+- Preemption releases everything the request holds; re-``add`` it later and re-run its tokens
+  (recompute).  ``check_invariants`` proves every page and slot is free or owned exactly once.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Hashable, Iterable, Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from dsv4.cache.handle import LayerCacheHandle
+from dsv4.cache.paged_cache import PagedKVPool
+from dsv4.cache.plan import RatioPlan, StepPlan
+from dsv4.cache.schema import DEFAULT_BLOCK_TOKENS, CacheSchema
+from dsv4.cache.state_cache import StateCachePool
+from dsv4.config import ModelConfig
+
+
+class InvariantError(RuntimeError):
+    """Raised by ``check_invariants`` when accounting is broken (a bug, never a user error)."""
+
+
+class _Deferred(enum.Enum):
+    FREE = "free"
+    PREEMPT = "preempt"
+
+
+@dataclass
+class _Request:
+    slot: int
+    num_tokens: int = 0  # committed tokens (cached)
+    blocks: dict[int, list[int]] = field(default_factory=dict)  # ratio -> page ids, logical order
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    """Accounting of one ratio class.  Units in the names."""
+
+    ratio: int
+    pages_total: int
+    pages_used: int
+    pages_free: int
+    entries_stored: int
+    entries_capacity_used: int  # entries the used pages could hold
+    bytes_total: int
+    bytes_used: int
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    """Whole-manager accounting.  ``bytes_by_region`` is allocated device memory per region."""
+
+    requests_active: int
+    requests_preempted: int
+    slots_total: int
+    slots_used: int
+    tokens_cached: int
+    pools: dict[int, PoolStats]
+    bytes_by_region: dict[str, int]
+
+    @property
+    def bytes_total(self) -> int:
+        return sum(self.bytes_by_region.values())
+
+
+class KVCacheManager:
+    """The cache of one model replica (see module docstring).
+
+    Args:
+        config: the model.
+        max_requests: state slots (requests holding cache at once).
+        num_pages: pages per ratio class, an int for every class or ``{ratio: pages}``.
+        block_tokens: raw tokens per logical block (page) in every ratio class.
+        device: where the cache lives.
+        debug: run ``check_invariants`` after every mutation (host-side only; never syncs the device).
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        max_requests: int,
+        num_pages: int | Mapping[int, int],
+        block_tokens: int = DEFAULT_BLOCK_TOKENS,
+        device: torch.device | str = "cpu",
+        debug: bool = False,
+    ) -> None:
+        self.schema = CacheSchema(config, block_tokens)
+        self.config = config
+        self.device = torch.device(device)
+        self.debug = debug
+        classes = self.schema.ratio_classes
+        if isinstance(num_pages, Mapping):
+            if set(num_pages) != set(classes):
+                raise ValueError(f"num_pages: expected keys {sorted(classes)}, got {sorted(num_pages)}")
+            pages = dict(num_pages)
+        else:
+            pages = {m: num_pages for m in classes}
+        self.pools: dict[int, PagedKVPool] = {m: PagedKVPool(rc, pages[m], self.device) for m, rc in classes.items()}
+        self.state = StateCachePool(self.schema, max_requests, self.device)
+        self._requests: dict[Hashable, _Request] = {}
+        self._preempted: set[Hashable] = set()
+        self._outstanding: StepPlan | None = None
+        self._deferred: dict[Hashable, _Deferred] = {}
+        self._epoch = 0
+
+    @classmethod
+    def from_memory_budget(
+        cls,
+        config: ModelConfig,
+        *,
+        max_requests: int,
+        budget_bytes: int,
+        block_tokens: int = DEFAULT_BLOCK_TOKENS,
+        **kwargs,
+    ) -> KVCacheManager:
+        """Size the page pools so that slots + pages fit ``budget_bytes``.
+
+        After the per-slot state, the remaining bytes are split so that every ratio class can hold
+        the same number of tokens (pages per class = tokens / block_tokens).
+        """
+        schema = CacheSchema(config, block_tokens)
+        left = budget_bytes - max_requests * schema.per_request_fixed_bytes()
+        per_block = sum(rc.block_bytes for rc in schema.ratio_classes.values())
+        if left < 0 or (per_block and left < per_block):
+            raise ValueError(
+                f"budget_bytes: {budget_bytes} cannot hold {max_requests} request slots and one page per ratio class"
+            )
+        n = left // per_block if per_block else 0
+        return cls(config, max_requests=max_requests, num_pages=n, block_tokens=block_tokens, **kwargs)
+
+    # ------------------------------------------------------------------ queries
+    def __contains__(self, rid: Hashable) -> bool:
+        return rid in self._requests
+
+    @property
+    def request_ids(self) -> tuple[Hashable, ...]:
+        return tuple(self._requests)
+
+    def num_tokens(self, rid: Hashable) -> int:
+        """Committed (cached) tokens of an active request."""
+        return self._get(rid).num_tokens
+
+    def slot_of(self, rid: Hashable) -> int:
+        return self._get(rid).slot
+
+    def block_ids(self, rid: Hashable, ratio: int) -> list[int]:
+        """Page ids of ``rid`` in ratio class ``ratio``, logical order (a copy)."""
+        if ratio not in self.pools:
+            raise ValueError(f"ratio: expected one of {sorted(self.pools)}, got {ratio!r}")
+        return list(self._get(rid).blocks.get(ratio, []))
+
+    def is_preempted(self, rid: Hashable) -> bool:
+        return rid in self._preempted
+
+    @property
+    def outstanding_plan(self) -> StepPlan | None:
+        return self._outstanding
+
+    def _get(self, rid: Hashable) -> _Request:
+        try:
+            return self._requests[rid]
+        except (KeyError, TypeError):
+            raise KeyError(f"request {rid!r}: not an active request of this manager") from None
+
+    # ------------------------------------------------------------------ admission
+    def can_add(self) -> bool:
+        return self.state.num_free_slots > 0
+
+    def add(self, rid: Hashable) -> bool:
+        """Admit a request (or resume a preempted one, from zero tokens).  False = no free slot."""
+        try:
+            hash(rid)
+        except TypeError:
+            raise ValueError(f"request id: expected a hashable id, got {type(rid).__name__}") from None
+        if rid in self._requests:
+            raise ValueError(f"request {rid!r}: already added")
+        slot = self.state.allocate()
+        if slot is None:
+            return False
+        self._preempted.discard(rid)
+        self._requests[rid] = _Request(slot=slot, blocks={m: [] for m in self.pools})
+        self._after_mutation()
+        return True
+
+    def pages_needed(self, rid: Hashable, num_new_tokens: int) -> dict[int, int]:
+        """Pages per ratio class that scheduling ``num_new_tokens`` more tokens of ``rid`` takes."""
+        req = self._get(rid)
+        new_len = req.num_tokens + num_new_tokens
+        return {
+            m: max(0, pool.ratio_class.pages_for_tokens(new_len) - len(req.blocks[m])) for m, pool in self.pools.items()
+        }
+
+    def _normalise_schedule(self, schedule) -> list[tuple[Hashable, int]]:
+        items = list(schedule.items()) if isinstance(schedule, Mapping) else list(schedule)
+        if not items:
+            raise ValueError("schedule: expected at least one (request id, num_new_tokens)")
+        seen = set()
+        for item in items:
+            if not isinstance(item, tuple) or len(item) != 2:
+                raise ValueError(f"schedule: expected (request id, num_new_tokens) pairs, got {item!r}")
+            rid, n = item
+            req = self._get(rid)
+            if rid in seen:
+                raise ValueError(f"schedule: request {rid!r} appears twice")
+            seen.add(rid)
+            if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 1:
+                raise ValueError(f"schedule[{rid!r}]: expected num_new_tokens >= 1, got {n!r}")
+            if req.num_tokens + n > self.config.max_seq_len:
+                raise ValueError(
+                    f"schedule[{rid!r}]: {req.num_tokens} + {n} tokens exceeds max_seq_len={self.config.max_seq_len}"
+                )
+        return [(rid, int(n)) for rid, n in items]
+
+    def can_schedule(self, schedule: Mapping[Hashable, int] | Iterable[tuple[Hashable, int]]) -> bool:
+        """Whether ``plan(schedule)`` would find enough pages now (it mutates nothing)."""
+        items = self._normalise_schedule(schedule)
+        return self._missing_pages(items) is None
+
+    def _missing_pages(self, items: list[tuple[Hashable, int]]) -> dict[int, int] | None:
+        want = {m: 0 for m in self.pools}
+        for rid, n in items:
+            for m, k in self.pages_needed(rid, n).items():
+                want[m] += k
+        short = {m: k - self.pools[m].num_free_pages for m, k in want.items() if k > self.pools[m].num_free_pages}
+        return short or None
+
+    # ------------------------------------------------------------------ the step
+    def plan(self, schedule: Mapping[Hashable, int] | Iterable[tuple[Hashable, int]]) -> StepPlan | None:
+        """Allocate the step's pages and build its ``StepPlan``; None = "not now" (pages short).
+
+        ``schedule`` maps request id -> new tokens this step (batch order = iteration order).  Only one
+        plan may be outstanding: ``commit`` or ``cancel`` it before planning the next step.
+        """
+        if self._outstanding is not None:
+            raise RuntimeError("plan: a plan is outstanding; commit() or cancel() it first")
+        items = self._normalise_schedule(schedule)
+        if self._missing_pages(items) is not None:
+            return None
+        for rid, n in items:
+            req = self._requests[rid]
+            for m, k in self.pages_needed(rid, n).items():
+                got = self.pools[m].allocate(k)
+                assert got is not None  # checked above
+                req.blocks[m].extend(got)
+        self._epoch += 1
+        plan = self._build_plan(items)
+        self._outstanding = plan
+        self._after_mutation()
+        return plan
+
+    def _build_plan(self, items: list[tuple[Hashable, int]]) -> StepPlan:
+        reqs = [self._requests[rid] for rid, _ in items]
+        counts = np.array([n for _, n in items], dtype=np.int64)
+        starts = np.array([r.num_tokens for r in reqs], dtype=np.int64)
+        slots = np.array([r.slot for r in reqs], dtype=np.int64)
+        qstart = np.concatenate([[0], np.cumsum(counts)])
+        row = np.repeat(np.arange(len(items)), counts)
+        pos = np.arange(int(qstart[-1])) - qstart[row] + starts[row]
+        end = (starts + counts)[row]  # exclusive end position of the token's request
+        ring = self.schema.ring_size
+        swa = np.where(pos >= end - ring, slots[row] * ring + pos % ring, -1)
+
+        dev = self.device
+        i32 = lambda a: torch.as_tensor(np.asarray(a, dtype=np.int32), device=dev)  # noqa: E731
+        ratios = {}
+        for m, pool in self.pools.items():
+            per_page = pool.entries_per_page
+            width = max(1, max(len(r.blocks[m]) for r in reqs))
+            table = np.full((len(reqs), width), -1, dtype=np.int64)
+            for b, r in enumerate(reqs):
+                table[b, : len(r.blocks[m])] = r.blocks[m]
+            entry = pos // m
+            emits = (pos + 1) % m == 0
+            page = table[row, np.minimum(entry // per_page, width - 1)]
+            emit_slots = np.where(emits, page * per_page + entry % per_page, -1)
+            rows = pool.ratio_class.ratio * (2 if self.config.overlap(m) else 1)
+            state_rows = np.where(pos >= end - rows, slots[row] * rows + pos % rows, -1)
+            num_entries = (starts + counts) // m
+            ratios[m] = RatioPlan(
+                ratio=m,
+                entries_per_page=per_page,
+                block_table=i32(table),
+                block_lens=i32([len(r.blocks[m]) for r in reqs]),
+                num_entries=i32(num_entries),
+                n_visible=i32((pos + 1) // m),
+                emit_slots=i32(emit_slots),
+                state_rows=i32(state_rows),
+                max_entries=int(num_entries.max()),
+            )
+        return StepPlan(
+            epoch=self._epoch,
+            request_keys=tuple(rid for rid, _ in items),
+            num_new_tokens=tuple(int(n) for n in counts),
+            context_lens=tuple(int(s) for s in starts),
+            request_slots=i32(slots),
+            positions=i32(pos),
+            request_ids=i32(row),
+            query_start=i32(qstart),
+            seq_lens=i32(starts + counts),
+            swa_slots=i32(swa),
+            ratios=ratios,
+        )
+
+    def _check_outstanding(self, plan: StepPlan, what: str) -> None:
+        if not isinstance(plan, StepPlan):
+            raise ValueError(f"{what}: expected a StepPlan, got {type(plan).__name__}")
+        if self._outstanding is None or plan.epoch != self._outstanding.epoch:
+            raise ValueError(f"{what}: plan {plan.epoch} is not the outstanding plan of this manager")
+
+    def acquire(self, layer_id: int, plan: StepPlan) -> LayerCacheHandle:
+        """The handle through which layer ``layer_id`` reads and writes its cache in ``plan``'s step."""
+        self._check_outstanding(plan, "acquire")
+        ls = self.schema.layer(layer_id)
+        paged = self.pools[ls.ratio].layer(layer_id) if ls.ratio else None
+        return LayerCacheHandle(
+            layer=ls,
+            schema=self.schema,
+            plan=plan,
+            paged=paged,
+            state=self.state.layer(layer_id),
+            ratio_plan=plan.ratios.get(ls.ratio),
+        )
+
+    def commit(self, plan: StepPlan) -> None:
+        """The step ran: advance every planned request by its new tokens, then apply deferred frees."""
+        self._check_outstanding(plan, "commit")
+        for rid, n in zip(plan.request_keys, plan.num_new_tokens, strict=True):
+            self._requests[rid].num_tokens += n
+        self._close_step()
+
+    def cancel(self, plan: StepPlan) -> None:
+        """Drop the outstanding plan without advancing lengths (its pages stay with their requests and
+        are reused when the same tokens are planned again).  Deferred frees are applied."""
+        self._check_outstanding(plan, "cancel")
+        self._close_step()
+
+    def _close_step(self) -> None:
+        self._outstanding = None
+        deferred, self._deferred = self._deferred, {}
+        for rid, what in deferred.items():
+            self._release(rid, preempted=what is _Deferred.PREEMPT)
+        self._after_mutation()
+
+    # ------------------------------------------------------------------ release
+    def free(self, rid: Hashable) -> bool:
+        """Release a finished/aborted request.  Unknown or already-freed ids: no-op, returns False."""
+        try:
+            hash(rid)
+        except TypeError:
+            return False
+        if rid in self._preempted:
+            self._preempted.discard(rid)
+            return True
+        if rid not in self._requests:
+            return False
+        if self._in_flight(rid):
+            self._deferred[rid] = _Deferred.FREE
+            return True
+        self._release(rid, preempted=False)
+        self._after_mutation()
+        return True
+
+    def preempt(self, rid: Hashable) -> bool:
+        """Release everything ``rid`` holds but remember it as preempted (re-``add`` to resume).
+
+        No-op returning False for unknown, finished (freed) or already-preempted ids.
+        """
+        try:
+            hash(rid)
+        except TypeError:
+            return False
+        if rid not in self._requests:
+            return False
+        if self._in_flight(rid):
+            self._deferred.setdefault(rid, _Deferred.PREEMPT)
+            return True
+        self._release(rid, preempted=True)
+        self._after_mutation()
+        return True
+
+    def _in_flight(self, rid: Hashable) -> bool:
+        return self._outstanding is not None and rid in self._outstanding.request_keys
+
+    def _release(self, rid: Hashable, preempted: bool) -> None:
+        req = self._requests.pop(rid, None)
+        if req is None:
+            return
+        for m, pages in req.blocks.items():
+            self.pools[m].release(pages)
+        self.state.release(req.slot)
+        if preempted:
+            self._preempted.add(rid)
+
+    # ------------------------------------------------------------------ accounting
+    def stats(self) -> CacheStats:
+        pools = {}
+        for m, pool in self.pools.items():
+            rc = pool.ratio_class
+            used = pool.num_used_pages
+            pools[m] = PoolStats(
+                ratio=m,
+                pages_total=pool.num_pages,
+                pages_used=used,
+                pages_free=pool.num_free_pages,
+                entries_stored=sum(rc.entries_for_tokens(r.num_tokens) for r in self._requests.values()),
+                entries_capacity_used=used * rc.entries_per_page,
+                bytes_total=pool.num_pages * rc.block_bytes,
+                bytes_used=used * rc.block_bytes,
+            )
+        n_slots = self.state.num_slots
+        fixed = self.schema.per_request_fixed_bytes_by_region()
+        entry_bytes = sum(p.num_pages * p.ratio_class.entry_page_bytes * len(p.layers) for p in self.pools.values())
+        key_bytes = sum(p.num_pages * p.ratio_class.key_page_bytes * len(p.layers) for p in self.pools.values())
+        return CacheStats(
+            requests_active=len(self._requests),
+            requests_preempted=len(self._preempted),
+            slots_total=n_slots,
+            slots_used=n_slots - self.state.num_free_slots,
+            tokens_cached=sum(r.num_tokens for r in self._requests.values()),
+            pools=pools,
+            bytes_by_region={
+                "compressed_entries": entry_bytes,
+                "indexer_keys": key_bytes,
+                **{k: v * n_slots for k, v in fixed.items()},
+            },
+        )
+
+    def check_invariants(self) -> None:
+        """Raise ``InvariantError`` unless every page and slot is free or owned exactly once."""
+        for m, pool in self.pools.items():
+            free = pool.free_page_ids()
+            owned = [p for r in self._requests.values() for p in r.blocks[m]]
+            _check_partition(f"ratio {m} pages", pool.num_pages, free, owned)
+            for rid, r in self._requests.items():
+                need = pool.ratio_class.pages_for_tokens(r.num_tokens)
+                if len(r.blocks[m]) < need:
+                    raise InvariantError(f"request {rid!r} holds {len(r.blocks[m])} ratio-{m} pages < {need} needed")
+        slots = [r.slot for r in self._requests.values()]
+        _check_partition("state slots", self.state.num_slots, self.state.free_slot_ids(), slots)
+        both = self._preempted & set(self._requests)
+        if both:
+            raise InvariantError(f"requests both active and preempted: {sorted(map(repr, both))}")
+        stray = set(self._deferred) - set(self._requests)
+        if stray:
+            raise InvariantError(f"deferred releases of unknown requests: {sorted(map(repr, stray))}")
+
+    def _after_mutation(self) -> None:
+        if self.debug:
+            self.check_invariants()
+
+
+def _check_partition(what: str, total: int, free: list[int], owned: list[int]) -> None:
+    ids = free + owned
+    if len(ids) != total or sorted(ids) != list(range(total)):
+        dup = sorted({i for i in ids if ids.count(i) > 1})
+        missing = sorted(set(range(total)) - set(ids))
+        raise InvariantError(
+            f"{what}: free ({len(free)}) + owned ({len(owned)}) != total ({total}); duplicated {dup[:8]}, "
+            f"missing {missing[:8]}"
+        )

@@ -1,0 +1,94 @@
+"""StepPlan: everything one step needs from the cache, built on the host before the step.
+
+The step contract (design §2): the manager allocates every page the step's compressed entries will
+land in *before* the step and hands the device a ``StepPlan`` of tensors.  During the step nothing
+allocates, syncs or changes shape with the data, so a decode step can be captured in a CUDA graph.
+
+Token layout: the step's ``T`` tokens are grouped by request in batch order (request ``b`` owns tokens
+``query_start[b] : query_start[b+1]``, consecutive positions).  Example with two requests, one
+prefilling positions 4..6 and one decoding position 9 (window 8, ratio 4, 2 entries per page)::
+
+    token            0   1   2   3
+    request_ids      0   0   0   1        (batch row of each token)
+    positions        4   5   6   9
+    emit (m=4)       .   .   .   .        (a token t emits entry t//4 iff (t+1) % 4 == 0)
+    n_visible (m=4)  1   1   1   2        ((t+1)//4 entries visible to its query)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class RatioPlan:
+    """The part of a plan for one ratio class (shared by every layer of that ratio).
+
+    Attributes:
+        ratio: tokens per entry (m).
+        entries_per_page: entries per page (P = block_tokens / m).
+        block_table: int32 [B, max_blocks] page ids per logical block, -1 padded.
+        block_lens: int32 [B] pages the request holds (valid prefix of its block_table row).
+        num_entries: int32 [B] completed entries of the request after the step.
+        n_visible: int32 [T] entries visible to each token's query, (pos + 1) // m.
+        emit_slots: int32 [T] physical slot (page * P + row) of the entry the token emits, else -1.
+        state_rows: int32 [T] flat compressor-state row (slot * c*m + pos mod c*m) the token's
+            projections go to, -1 for tokens older than the request's last c*m in this step.
+    """
+
+    ratio: int
+    entries_per_page: int
+    block_table: torch.Tensor
+    block_lens: torch.Tensor
+    num_entries: torch.Tensor
+    n_visible: torch.Tensor
+    emit_slots: torch.Tensor
+    state_rows: torch.Tensor
+    max_entries: int  # host int: max over the batch of num_entries (static column count for scores)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One step's cache plan (see module docstring).  Build it with ``KVCacheManager.plan``.
+
+    Host fields: ``request_keys`` (the caller's ids, batch order), ``num_new_tokens`` and
+    ``context_lens`` (tokens cached before the step) per request, ``epoch`` (plans are single-use).
+
+    Device fields (int32): ``request_slots`` [B] state slot of each request; ``positions`` [T];
+    ``request_ids`` [T] batch row of each token (the seed's name); ``query_start`` [B+1];
+    ``seq_lens`` [B] tokens after the step; ``swa_slots`` [T] physical ring slot
+    (slot * ring_size + pos mod ring_size) the token's window KV goes to, -1 for tokens that are not
+    among their request's last ring_size tokens of this step (so no two writes hit one row).
+    """
+
+    epoch: int
+    request_keys: tuple[Hashable, ...]
+    num_new_tokens: tuple[int, ...]
+    context_lens: tuple[int, ...]
+    request_slots: torch.Tensor
+    positions: torch.Tensor
+    request_ids: torch.Tensor
+    query_start: torch.Tensor
+    seq_lens: torch.Tensor
+    swa_slots: torch.Tensor
+    ratios: dict[int, RatioPlan]
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.request_keys)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    @property
+    def is_decode(self) -> bool:
+        """Every request advances by exactly one token."""
+        return all(n == 1 for n in self.num_new_tokens)
+
+    @property
+    def device(self) -> torch.device:
+        return self.positions.device

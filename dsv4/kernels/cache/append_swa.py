@@ -1,0 +1,41 @@
+"""append_swa: write this step's window KV into the per-request FP8 rings (seed kernel name).
+
+One row per token: FP8-quantise into ring slot ``swa_slots[i]`` (= request_slot * ring_size +
+pos mod ring_size; -1 skipped) and record the token's absolute position for that row.  The quantise +
+store is ``store_fp8_entries`` (PyTorch reference or Triton kernel, chosen by ``backend``); the position
+write is a scatter into a table whose last element absorbs skipped rows, so no data-dependent branch
+and no host sync is needed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsv4.errors import check_tensor
+from dsv4.formats import EntryPages, FP8EntryFormat
+from dsv4.kernels.cache.store import store_fp8_entries
+
+
+def append_swa(
+    kv: torch.Tensor,
+    swa_slots: torch.Tensor,
+    positions: torch.Tensor,
+    ring: EntryPages,
+    ring_positions_flat: torch.Tensor,
+    fmt: FP8EntryFormat,
+    backend: str = "auto",
+) -> None:
+    """Quantise ``kv`` [T, head_dim] into ``ring`` at ``swa_slots`` [T] and record ``positions`` [T].
+
+    ``ring_positions_flat``: int32 [ring.num_slots + 1], the last element is a scratch row.  Slots
+    outside [0, ring.num_slots) are skipped (never written out of bounds).
+    """
+    t = kv.shape[0]
+    check_tensor("swa_slots", swa_slots, dtype=(torch.int32, torch.int64), shape=(t,))
+    check_tensor("positions", positions, dtype=torch.int32, shape=(t,))
+    check_tensor("ring_positions_flat", ring_positions_flat, dtype=torch.int32, shape=(ring.num_slots + 1,))
+    store_fp8_entries(kv, swa_slots, ring, fmt, backend=backend)
+    scratch = ring.num_slots
+    valid = (swa_slots >= 0) & (swa_slots < scratch)
+    idx = torch.where(valid, swa_slots.long(), torch.full_like(swa_slots, scratch, dtype=torch.long))
+    ring_positions_flat.scatter_(0, idx, positions)

@@ -1,0 +1,106 @@
+"""LayerCacheHandle writes through the manager's plan: the right bytes land in the right rows, nothing else moves."""
+
+import pytest
+import torch
+
+from dsv4.cache import KVCacheManager
+from dsv4.config import get_preset
+from dsv4.formats import FP8EntryFormat, MXFP4KeyFormat
+
+TINY = get_preset("tiny")
+F, K = FP8EntryFormat(), MXFP4KeyFormat()
+
+
+def _manager(device="cpu"):
+    return KVCacheManager(TINY, max_requests=3, num_pages=4, block_tokens=128, device=device)
+
+
+def _ring_entry(view, slot, row):
+    return F.dequantize(view.fp8[slot, row], view.rope[slot, row], view.inv_scale[slot, row])
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_write_swa_chunked_prefill_and_decode(backend, device):
+    m = _manager(device)
+    m.add("a")
+    m.add("b")
+    g = torch.Generator().manual_seed(0)
+    history = {"a": [], "b": []}
+    for sched in ({"a": 150, "b": 3}, {"a": 1, "b": 1}, {"b": 130}):
+        plan = m.plan(sched)
+        kv = torch.randn(plan.num_tokens, 512, generator=g).to(torch.bfloat16).to(device)
+        h = m.acquire(0, plan)
+        ring_before = h.state.ring.nope.view(torch.uint8).clone()
+        h.write_swa(kv, backend=backend)
+        rows = 0
+        for rid, n in zip(plan.request_keys, plan.num_new_tokens, strict=True):
+            history[rid].extend(kv[rows : rows + n].unbind(0))
+            rows += n
+        m.commit(plan)
+        assert not torch.equal(ring_before, h.state.ring.nope.view(torch.uint8))
+    view = m.acquire(0, m.plan({"a": 1})).read_swa_view()
+    for rid in ("a", "b"):
+        slot, hist = m.slot_of(rid), history[rid]
+        n = len(hist)
+        assert m.num_tokens(rid) == n
+        for t in range(max(0, n - 128), n):
+            row = t % 128
+            assert view.positions[slot, row] == t
+            assert torch.equal(_ring_entry(view, slot, row), F.roundtrip(hist[t][None])[0])
+        assert view.head[slot] == n % 128
+    # the unused slot 2 was never touched
+    assert (view.positions[2] == -1).all()
+
+
+def test_flush_compression_writes_only_assigned_slots(device):
+    m = _manager(device)
+    m.add("a")
+    plan = m.plan({"a": 70})  # CSA (32 entries/page): 17 entries -> page 0 rows 0..16
+    h = m.acquire(1, plan)
+    buf_before = h.paged.buffer.clone()
+    emit = (plan.positions + 1) % 4 == 0
+    tok = torch.nonzero(emit).flatten()
+    comp = torch.randn(len(tok), 512, device=device)
+    keys = torch.randn(len(tok), 128, device=device)
+    h.flush_compression(comp, keys, token_index=tok)
+    cv, iv = h.read_classical_view(), h.read_indexer_view()
+    page = m.block_ids("a", 4)[0]
+    for i in range(len(tok)):
+        got = F.dequantize(cv.entries_fp8[page, i], cv.entries_rope[page, i], cv.inv_scale[page, i])
+        assert torch.equal(got, F.roundtrip(comp[i : i + 1])[0])
+        assert torch.equal(
+            K.dequantize(iv.keys_fp4[page, i], iv.scale[page, i]), K.roundtrip(keys[i : i + 1], torch.float32)[0]
+        )
+    # bytes outside the 17 entries (and their scales) are unchanged
+    changed = torch.nonzero(h.paged.buffer != buf_before).flatten()
+    rc = m.schema.ratio_classes[4]
+    base = page * rc.entry_page_bytes
+    in_data = (changed >= base) & (changed < base + 17 * F.data_bytes)
+    so = base + F.scale_offset(rc.entries_per_page)
+    in_scale = (changed >= so) & (changed < so + 17 * F.scale_stride) & ((changed - so) % F.scale_stride < F.n_tiles)
+    kbase = 4 * rc.entry_page_bytes + page * rc.key_page_bytes
+    in_keys = (changed >= kbase) & (changed < kbase + 17 * K.data_bytes)
+    kso = kbase + K.scale_offset(rc.entries_per_page)
+    in_kscale = (changed >= kso) & (changed < kso + 17 * K.n_blocks)
+    assert (in_data | in_scale | in_keys | in_kscale).all()
+
+
+def test_handle_rejects_bad_input_and_changes_nothing():
+    m = _manager()
+    m.add("a")
+    plan = m.plan({"a": 8})
+    swa, csa, hca = m.acquire(0, plan), m.acquire(1, plan), m.acquire(2, plan)
+    before = swa.state.ring.nope.view(torch.uint8).clone()
+    with pytest.raises(ValueError, match="kv: expected shape"):
+        swa.write_swa(torch.zeros(7, 512, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="dtype"):
+        swa.write_swa(torch.zeros(8, 512))
+    assert torch.equal(before, swa.state.ring.nope.view(torch.uint8))
+    with pytest.raises(ValueError, match="SWA-only"):
+        swa.flush_compression(torch.zeros(8, 512))
+    with pytest.raises(ValueError, match="indexer_keys: required"):
+        csa.flush_compression(torch.zeros(8, 512))
+    with pytest.raises(ValueError, match="has no indexer"):
+        hca.flush_compression(torch.zeros(8, 512), torch.zeros(8, 128))
+    with pytest.raises(ValueError, match="one per token"):
+        hca.flush_compression(torch.zeros(3, 512))

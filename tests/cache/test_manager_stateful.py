@@ -1,0 +1,98 @@
+"""Hypothesis state machine over the manager: add / plan+commit / plan+cancel / free / preempt / resume,
+with frees and preempts landing inside a step; invariants and a shadow model checked after every rule."""
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from dsv4.cache import KVCacheManager
+from dsv4.config import get_preset
+
+IDS = st.integers(0, 7)
+
+
+class ManagerMachine(RuleBasedStateMachine):
+    def __init__(self):
+        super().__init__()
+        self.m = KVCacheManager(get_preset("tiny"), max_requests=3, num_pages={4: 6, 128: 5}, block_tokens=128)
+        self.tokens: dict[int, int] = {}  # shadow: active id -> committed tokens
+        self.preempted: set[int] = set()
+
+    @rule(rid=IDS)
+    def add(self, rid):
+        if rid in self.tokens:
+            return
+        ok = self.m.add(rid)
+        assert ok == (len(self.tokens) < 3)
+        if ok:
+            self.tokens[rid] = 0
+            self.preempted.discard(rid)
+
+    @precondition(lambda self: self.tokens)
+    @rule(
+        data=st.data(),
+        commit=st.booleans(),
+        free_mid=IDS,
+        preempt_mid=IDS,
+        mid=st.sampled_from(["none", "free", "preempt"]),
+    )
+    def step(self, data, commit, free_mid, preempt_mid, mid):
+        ids = data.draw(st.lists(st.sampled_from(sorted(self.tokens)), min_size=1, unique=True))
+        sizes = [data.draw(st.sampled_from([1, 1, 2, 3, 4, 5, 31, 127, 128, 129, 300])) for _ in ids]
+        before = self.m.stats()
+        plan = self.m.plan(list(zip(ids, sizes, strict=True)))
+        if plan is None:  # "not now" changed nothing
+            assert self.m.stats() == before
+            return
+        assert plan.num_tokens == sum(sizes)
+        # A free/preempt that arrives while the step runs
+        victim = {"free": free_mid, "preempt": preempt_mid}.get(mid)
+        if victim is not None:
+            (self.m.free if mid == "free" else self.m.preempt)(victim)
+        (self.m.commit if commit else self.m.cancel)(plan)
+        if commit:
+            for rid, n in zip(ids, sizes, strict=True):
+                self.tokens[rid] += n
+        if victim is not None and victim in self.tokens:
+            del self.tokens[victim]
+            if mid == "preempt":
+                self.preempted.add(victim)
+        elif mid == "free" and victim in self.preempted:
+            self.preempted.discard(victim)
+
+    @rule(rid=IDS)
+    def free(self, rid):
+        expect = rid in self.tokens or rid in self.preempted
+        assert self.m.free(rid) == expect
+        self.tokens.pop(rid, None)
+        self.preempted.discard(rid)
+
+    @rule(rid=IDS)
+    def preempt(self, rid):
+        assert self.m.preempt(rid) == (rid in self.tokens)
+        if rid in self.tokens:
+            del self.tokens[rid]
+            self.preempted.add(rid)
+
+    @invariant()
+    def consistent(self):
+        self.m.check_invariants()
+        assert set(self.m.request_ids) == set(self.tokens)
+        for rid, n in self.tokens.items():
+            assert self.m.num_tokens(rid) == n
+            for m, pool in self.m.pools.items():
+                assert len(self.m.block_ids(rid, m)) >= pool.ratio_class.pages_for_tokens(n)
+        s = self.m.stats()
+        assert s.requests_preempted == len(self.preempted)
+        assert s.tokens_cached == sum(self.tokens.values())
+
+    def teardown(self):
+        for rid in list(self.tokens) + list(self.preempted):
+            self.m.free(rid)
+        s = self.m.stats()
+        assert s.slots_used == 0 and all(p.pages_used == 0 for p in s.pools.values())
+        self.m.check_invariants()
+
+
+TestManagerStateful = ManagerMachine.TestCase
+TestManagerStateful.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)

@@ -1,0 +1,53 @@
+import json
+
+import pytest
+
+from dsv4.cache.planner import format_plan, plan_memory
+from dsv4.cli import main
+from dsv4.config import get_preset
+
+
+def test_1m_figures_match_spec():
+    pro = plan_memory(get_preset("v4-pro"), 1048576)
+    flash = plan_memory(get_preset("v4-flash"), 1048576)
+    assert pro.bytes_per_token == 5031.4375 and flash.bytes_per_token == 3514.25
+    assert pro.comparison_bytes_per_token["v4_bf16"] == 9848 and flash.comparison_bytes_per_token["v4_bf16"] == 6880
+    assert pro.comparison_bytes_per_token["v3.2_fp8"] == 48068
+    # Paged figure includes page padding and is therefore larger; fixed bytes are the rings + state.
+    assert pro.bytes_per_token_paged > pro.bytes_per_token
+    assert pro.per_request_bytes == pro.per_request_fixed_bytes + sum(
+        pro.per_request_by_region[k] for k in ("compressed_entries", "indexer_keys")
+    )
+    assert sum(pro.per_request_by_layer_kind.values()) == pro.per_request_bytes
+
+
+def test_budget_and_concurrency():
+    one = plan_memory(get_preset("v4-flash"), 131072)
+    b = plan_memory(get_preset("v4-flash"), 131072, budget_bytes=10 * one.per_request_bytes + 5)
+    assert b.max_requests_in_budget == 10 and b.total_bytes == 10 * one.per_request_bytes
+    c = plan_memory(get_preset("v4-flash"), 131072, concurrency=3)
+    assert c.total_bytes == 3 * one.per_request_bytes
+    with pytest.raises(ValueError, match="not both"):
+        plan_memory(get_preset("tiny"), 10, concurrency=1, budget_bytes=10)
+    with pytest.raises(ValueError, match="context_tokens"):
+        plan_memory(get_preset("tiny"), -1)
+    assert "requests of this length fit" in format_plan(b)
+
+
+def test_cli_plan_json(capsys):
+    assert main(["plan", "--model", "v4-pro", "--context", "1048576", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["bytes_per_token"] == 5031.4375
+    for k in ("bytes_per_token_paged", "per_request_fixed_bytes", "total_bytes"):
+        assert isinstance(d[k], (int, float)) and d[k] > 0
+
+
+def test_cli_plan_official_config_and_errors(tmp_path, capsys):
+    p = tmp_path / "config.json"
+    p.write_text(json.dumps(get_preset("v4-flash").to_official()))
+    assert main(["plan", "--config", str(p), "--context", "1048576", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["bytes_per_token"] == 3514.25
+    assert main(["plan", "--context", "-5"]) == 2
+    assert "context_tokens" in capsys.readouterr().err
+    assert main(["plan", "--budget", "80GiB", "--context", "4096"]) == 0
+    assert "fit" in capsys.readouterr().out
