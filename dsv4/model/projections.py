@@ -1,0 +1,62 @@
+"""The cache-independent parts of the attention layer, shared by the cached sub-block and the dense
+reference so that both round identically (spec §12: one ulp in the query norm moves outputs ~0.005).
+
+Shapes use ``...`` for leading token dims ([T] in the cached layer, [B, T] in the dense reference);
+``head_positions`` are absolute positions broadcastable to ``[..., heads]`` (e.g. ``positions[:, None]``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsv4.config import ModelConfig
+from dsv4.model import functional as F
+from dsv4.model.weights import AttentionWeights
+
+
+def query(
+    cfg: ModelConfig, w: AttentionWeights, x: torch.Tensor, head_positions: torch.Tensor, inv_freq: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Spec §2 step 1.  x [..., dim] bf16 -> (q [..., H, D] bf16 after per-head norm and RoPE(t),
+    qr [..., q_lora_rank] bf16: the normed latent the indexer's query also reads)."""
+    qr = F.rms_norm(F.linear(x, w.wq_a), w.q_norm, cfg.norm_eps)
+    q = F.linear(qr, w.wq_b).unflatten(-1, (cfg.n_heads, cfg.head_dim))
+    return F.apply_rope(F.head_rms_norm(q, cfg.norm_eps), head_positions, inv_freq), qr
+
+
+def indexer_query(
+    cfg: ModelConfig,
+    w: AttentionWeights,
+    x: torch.Tensor,
+    qr: torch.Tensor,
+    head_positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Spec §4 query side.  Returns (q_idx [..., Hi, Di] bf16 after RoPE, Hadamard and MXFP4 — exact
+    e2m1 x 2^k values; w [..., Hi] bf16 head weights already scaled by Di^-1/2 * Hi^-1/2)."""
+    iw = w.indexer
+    hi, di = cfg.index_n_heads, cfg.index_head_dim
+    q_idx = F.linear(qr, iw.wq_b).unflatten(-1, (hi, di))
+    q_idx = F.mxfp4_simulate(F.hadamard(F.apply_rope(q_idx, head_positions, inv_freq)), F.key_format(cfg))
+    return q_idx, F.indexer_head_weights(x, iw.weights_proj, hi, di)
+
+
+def output_projection(
+    cfg: ModelConfig, w: AttentionWeights, o: torch.Tensor, head_positions: torch.Tensor, inv_freq: torch.Tensor
+) -> torch.Tensor:
+    """Spec §2 steps 5–6.  o [..., H, D] bf16 attention output -> inverse RoPE(t) on the rope dims ->
+    grouped ``wo_a`` (o_groups blocks of H/o_groups heads) -> ``wo_b`` -> y [..., dim] bf16."""
+    return project_groups(cfg, w, derotate(o, head_positions, inv_freq))
+
+
+def derotate(o: torch.Tensor, head_positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Inverse RoPE at the query position on the rope dims of o [..., H, D] (values carry RoPE, spec §2)."""
+    return F.apply_rope(o, head_positions, inv_freq, inverse=True)
+
+
+def project_groups(cfg: ModelConfig, w: AttentionWeights, o: torch.Tensor) -> torch.Tensor:
+    """Grouped output projection of de-rotated o [..., H, D] -> [..., dim]."""
+    g = cfg.o_groups
+    wo_a = w.wo_a.to(o.dtype).view(g, cfg.o_lora_rank, -1)
+    og = torch.einsum("...gc,grc->...gr", o.flatten(-2).unflatten(-1, (g, -1)), wo_a)
+    return F.linear(og.flatten(-2), w.wo_b)

@@ -1,0 +1,427 @@
+"""One attention layer's parameters under the official names (spec §11), and how to load them.
+
+``AttentionWeights`` is a frozen, module-free container: plain tensors in the dtypes the official
+reference computes with (dequantised linear weights in bf16; ``attn_sink``, RMSNorm weights and the
+whole compressor — ``wkv``, ``wgate``, ``ape``, ``norm`` — in fp32).  Its state-dict keys are the
+official ones, without the ``layers.{i}.attn.`` prefix:
+
+    attn_sink                          [n_heads]                         fp32
+    wq_a.weight                        [q_lora_rank, dim]                bf16
+    q_norm.weight                      [q_lora_rank]                     fp32
+    wq_b.weight                        [n_heads·head_dim, q_lora_rank]   bf16
+    wkv.weight                         [head_dim, dim]                   bf16
+    kv_norm.weight                     [head_dim]                        fp32
+    wo_a.weight                        [o_groups·o_lora_rank, (n_heads/o_groups)·head_dim]  bf16
+    wo_b.weight                        [dim, o_groups·o_lora_rank]       bf16
+    compressor.{wkv,wgate}.weight      [c·head_dim, dim]                 fp32   (CSA and HCA layers)
+    compressor.ape                     [ratio, c·head_dim]               fp32
+    compressor.norm.weight             [head_dim]                        fp32
+    indexer.wq_b.weight                [index_n_heads·index_head_dim, q_lora_rank]  bf16  (CSA only)
+    indexer.weights_proj.weight        [index_n_heads, dim]              bf16
+    indexer.compressor.{wkv,wgate}.weight  [2·index_head_dim, dim]       fp32
+    indexer.compressor.ape             [ratio, 2·index_head_dim]         fp32
+    indexer.compressor.norm.weight     [index_head_dim]                  fp32
+
+(c = 2 for the overlapping CSA compressor, 1 for HCA.)  Released checkpoints store linear weights as
+``float8_e4m3fn`` with a companion block scale ``<module>.scale`` (float8_e8m0fnu or fp32; Hugging Face
+files call it ``<module>.weight_scale_inv``), one scale per 128×128 block: the loader dequantises
+them once (``w_fp32 = fp8 · scale``, exact in bf16 for power-of-two scales).  The official reference
+also FP8-quantises the *activation* of each FP8 GEMM (blocks of 128); the dense layers here use plain
+bf16 matmuls on the dequantised weights instead (a deviation of bf16-rounding size).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+from dsv4.config import LayerKind, ModelConfig
+from dsv4.formats.ue8m0 import UE8M0_BIAS
+
+__all__ = [
+    "WEIGHT_BLOCK",
+    "AttentionWeights",
+    "CompressorWeights",
+    "IndexerWeights",
+    "ParamSpec",
+    "attention_param_specs",
+    "checkpoint_prefix",
+    "dequantize_fp8_weight",
+    "random_attention_weights",
+    "attention_weights_from_state_dict",
+    "attention_weights_from_safetensors",
+]
+
+WEIGHT_BLOCK = 128  # FP8 checkpoint weights carry one scale per WEIGHT_BLOCK x WEIGHT_BLOCK block
+_SCALE_SUFFIXES = (".scale", ".weight_scale_inv")  # official convert-script name, Hugging Face name
+
+
+class ParamSpec(NamedTuple):
+    """Shape and storage class of one parameter.
+
+    ``kind``: ``"linear"`` (a linear weight; may be FP8 in a checkpoint; kept in the model dtype),
+    ``"linear_fp32"`` (a compressor linear weight; may be FP8; kept in fp32), ``"fp32"`` (sink, norms,
+    ape: never FP8; kept in fp32).
+    """
+
+    shape: tuple[int, ...]
+    kind: str
+
+
+# ---------------------------------------------------------------------------------------------- containers
+@dataclass(frozen=True)
+class CompressorWeights:
+    """Parameters of one compressor (spec §3): wkv, wgate [c·d, dim] fp32, ape [m, c·d] fp32, norm [d] fp32."""
+
+    wkv: torch.Tensor
+    wgate: torch.Tensor
+    ape: torch.Tensor
+    norm: torch.Tensor
+
+
+@dataclass(frozen=True)
+class IndexerWeights:
+    """Parameters of the lightning indexer (spec §4): wq_b [Hi·Di, q_lora_rank], weights_proj [Hi, dim]
+    (bf16) and its own d = index_head_dim compressor."""
+
+    wq_b: torch.Tensor
+    weights_proj: torch.Tensor
+    compressor: CompressorWeights
+
+
+@dataclass(frozen=True)
+class AttentionWeights:
+    """One attention layer's parameters (spec §11), field names = official module names.
+
+    ``compressor`` is None for SWA-only layers; ``indexer`` is None unless the layer is CSA.  Linear
+    weights are ``[out, in]`` (``y = x·Wᵀ``).  Build with ``random_attention_weights``,
+    ``attention_weights_from_state_dict`` or ``attention_weights_from_safetensors``; validate against a
+    config with ``check``.
+    """
+
+    attn_sink: torch.Tensor
+    wq_a: torch.Tensor
+    q_norm: torch.Tensor
+    wq_b: torch.Tensor
+    wkv: torch.Tensor
+    kv_norm: torch.Tensor
+    wo_a: torch.Tensor
+    wo_b: torch.Tensor
+    compressor: CompressorWeights | None = None
+    indexer: IndexerWeights | None = None
+
+    def to_state_dict(self) -> dict[str, torch.Tensor]:
+        """Official keys (no ``layers.{i}.attn.`` prefix) → the tensors held (not copies)."""
+        sd: dict[str, torch.Tensor] = {
+            "attn_sink": self.attn_sink,
+            "wq_a.weight": self.wq_a,
+            "q_norm.weight": self.q_norm,
+            "wq_b.weight": self.wq_b,
+            "wkv.weight": self.wkv,
+            "kv_norm.weight": self.kv_norm,
+            "wo_a.weight": self.wo_a,
+            "wo_b.weight": self.wo_b,
+        }
+        if self.compressor is not None:
+            sd.update(_compressor_sd(self.compressor, "compressor."))
+        if self.indexer is not None:
+            sd["indexer.wq_b.weight"] = self.indexer.wq_b
+            sd["indexer.weights_proj.weight"] = self.indexer.weights_proj
+            sd.update(_compressor_sd(self.indexer.compressor, "indexer.compressor."))
+        return sd
+
+    def check(self, cfg: ModelConfig, layer_id: int) -> None:
+        """Raise ``ValueError`` naming every missing/unexpected parameter or wrong shape for this layer."""
+        _validate(attention_param_specs(cfg, layer_id), self.to_state_dict(), prefix="", layer_id=layer_id)
+
+    def to(self, device: torch.device | str) -> AttentionWeights:
+        """A copy with every tensor moved to ``device`` (dtypes unchanged)."""
+        return _build(self.to_state_dict(), lambda key, t: t.to(device))
+
+    @property
+    def device(self) -> torch.device:
+        return self.wq_a.device
+
+
+def _compressor_sd(c: CompressorWeights, prefix: str) -> dict[str, torch.Tensor]:
+    return {
+        prefix + "wkv.weight": c.wkv,
+        prefix + "wgate.weight": c.wgate,
+        prefix + "ape": c.ape,
+        prefix + "norm.weight": c.norm,
+    }
+
+
+def _build(flat: Mapping[str, torch.Tensor], fn) -> AttentionWeights:
+    """AttentionWeights from official keys (already validated), applying ``fn(key, tensor)`` to each."""
+
+    def get(k: str) -> torch.Tensor:
+        return fn(k, flat[k])
+
+    def comp(prefix: str) -> CompressorWeights:
+        return CompressorWeights(
+            wkv=get(prefix + "wkv.weight"),
+            wgate=get(prefix + "wgate.weight"),
+            ape=get(prefix + "ape"),
+            norm=get(prefix + "norm.weight"),
+        )
+
+    return AttentionWeights(
+        attn_sink=get("attn_sink"),
+        wq_a=get("wq_a.weight"),
+        q_norm=get("q_norm.weight"),
+        wq_b=get("wq_b.weight"),
+        wkv=get("wkv.weight"),
+        kv_norm=get("kv_norm.weight"),
+        wo_a=get("wo_a.weight"),
+        wo_b=get("wo_b.weight"),
+        compressor=comp("compressor.") if "compressor.ape" in flat else None,
+        indexer=IndexerWeights(
+            wq_b=get("indexer.wq_b.weight"),
+            weights_proj=get("indexer.weights_proj.weight"),
+            compressor=comp("indexer.compressor."),
+        )
+        if "indexer.wq_b.weight" in flat
+        else None,
+    )
+
+
+# ---------------------------------------------------------------------------------------------- specs
+def attention_param_specs(cfg: ModelConfig, layer_id: int) -> dict[str, ParamSpec]:
+    """Every parameter of layer ``layer_id`` (official key, no prefix) with its shape and storage class."""
+    h, d, dim, ql = cfg.n_heads, cfg.head_dim, cfg.dim, cfg.q_lora_rank
+    g, r = cfg.o_groups, cfg.o_lora_rank
+    specs = {
+        "attn_sink": ParamSpec((h,), "fp32"),
+        "wq_a.weight": ParamSpec((ql, dim), "linear"),
+        "q_norm.weight": ParamSpec((ql,), "fp32"),
+        "wq_b.weight": ParamSpec((h * d, ql), "linear"),
+        "wkv.weight": ParamSpec((d, dim), "linear"),
+        "kv_norm.weight": ParamSpec((d,), "fp32"),
+        "wo_a.weight": ParamSpec((g * r, (h // g) * d), "linear"),
+        "wo_b.weight": ParamSpec((dim, g * r), "linear"),
+    }
+    m = cfg.ratio(layer_id)
+    if m:
+        specs.update(_compressor_specs("compressor.", dim, d, m, cfg.overlap(m)))
+    if cfg.layer_kind(layer_id) is LayerKind.CSA:
+        hi, di = cfg.index_n_heads, cfg.index_head_dim
+        specs["indexer.wq_b.weight"] = ParamSpec((hi * di, ql), "linear")
+        specs["indexer.weights_proj.weight"] = ParamSpec((hi, dim), "linear")
+        specs.update(_compressor_specs("indexer.compressor.", dim, di, m, True))
+    return specs
+
+
+def _compressor_specs(prefix: str, dim: int, d: int, m: int, overlap: bool) -> dict[str, ParamSpec]:
+    cd = (2 if overlap else 1) * d
+    return {
+        prefix + "wkv.weight": ParamSpec((cd, dim), "linear_fp32"),
+        prefix + "wgate.weight": ParamSpec((cd, dim), "linear_fp32"),
+        prefix + "ape": ParamSpec((m, cd), "fp32"),
+        prefix + "norm.weight": ParamSpec((d,), "fp32"),
+    }
+
+
+def checkpoint_prefix(cfg: ModelConfig, layer_id: int) -> str:
+    """Key prefix of a layer's attention in a full official checkpoint.
+
+    Main layers: ``layers.{i}.attn.``; MTP layers (ids ``n_layers ..``): ``mtp.{i - n_layers}.attn.``.
+    """
+    if cfg.is_mtp(layer_id):
+        return f"mtp.{layer_id - cfg.n_layers}.attn."
+    return f"layers.{layer_id}.attn."
+
+
+# ---------------------------------------------------------------------------------------------- FP8 weights
+def dequantize_fp8_weight(weight: torch.Tensor, scale: torch.Tensor, block: int = WEIGHT_BLOCK) -> torch.Tensor:
+    """Dequantise a block-scaled FP8 weight: fp32 ``[out, in] = fp32(weight) · scale[⌊o/b⌋, ⌊i/b⌋]``.
+
+    weight float8_e4m3fn [out, in]; scale float8_e8m0fnu (2**(byte-127)) or fp32,
+    [ceil(out/block), ceil(in/block)].
+    """
+    if weight.dtype != torch.float8_e4m3fn or weight.dim() != 2:
+        raise ValueError(f"weight: expected a 2-D float8_e4m3fn tensor, got {weight.dtype} {list(weight.shape)}")
+    out_f, in_f = weight.shape
+    want = ((out_f + block - 1) // block, (in_f + block - 1) // block)
+    if tuple(scale.shape) != want:
+        raise ValueError(f"scale: expected shape {list(want)}, got {list(scale.shape)}")
+    s = _scale_to_fp32(scale)
+    s = s.repeat_interleave(block, dim=0)[:out_f].repeat_interleave(block, dim=1)[:, :in_f]
+    return weight.float() * s
+
+
+def _scale_to_fp32(scale: torch.Tensor) -> torch.Tensor:
+    if scale.dtype == torch.float8_e8m0fnu:
+        e = scale.view(torch.uint8).to(torch.int32) - UE8M0_BIAS
+        return torch.ldexp(torch.ones_like(e, dtype=torch.float32), e)
+    if scale.dtype == torch.float32:
+        return scale
+    raise ValueError(f"scale: expected dtype float8_e8m0fnu or float32, got {scale.dtype}")
+
+
+# ---------------------------------------------------------------------------------------------- loading
+def _validate(
+    specs: Mapping[str, ParamSpec], local: Mapping[str, torch.Tensor], prefix: str, layer_id: int
+) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
+    """Check ``local`` (keys without prefix) against ``specs``; return key -> (tensor, fp8 scale or None).
+
+    Collects every problem and raises one ``ValueError`` naming each key with expected vs found.
+    """
+    problems: list[str] = []
+    consumed: set[str] = set()
+    out: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
+    for key, spec in specs.items():
+        name = prefix + key
+        if key not in local:
+            problems.append(f"missing key {name!r} (expected shape {list(spec.shape)})")
+            continue
+        t = local[key]
+        consumed.add(key)
+        if not isinstance(t, torch.Tensor):
+            problems.append(f"{name!r}: expected a tensor, found {type(t).__name__}")
+            continue
+        if tuple(t.shape) != spec.shape:
+            problems.append(f"{name!r}: expected shape {list(spec.shape)}, found shape {list(t.shape)}")
+            continue
+        scale = None
+        if t.dtype == torch.float8_e4m3fn:
+            if spec.kind == "fp32":
+                problems.append(f"{name!r}: expected a floating-point tensor, found float8_e4m3fn")
+                continue
+            module = key[: -len(".weight")]
+            found = [module + s for s in _SCALE_SUFFIXES if module + s in local]
+            if len(found) != 1:
+                what = "missing" if not found else f"ambiguous ({', '.join(prefix + f for f in found)})"
+                problems.append(
+                    f"{name!r} is float8_e4m3fn but its block scale is {what}: expected one of "
+                    f"{[prefix + module + s for s in _SCALE_SUFFIXES]}"
+                )
+                consumed.update(found)
+                continue
+            consumed.add(found[0])
+            scale = local[found[0]]
+            b = WEIGHT_BLOCK
+            want = [(spec.shape[0] + b - 1) // b, (spec.shape[1] + b - 1) // b]
+            if list(scale.shape) != want:
+                problems.append(f"{prefix + found[0]!r}: expected shape {want}, found shape {list(scale.shape)}")
+                continue
+            if scale.dtype not in (torch.float8_e8m0fnu, torch.float32):
+                problems.append(f"{prefix + found[0]!r}: expected dtype float8_e8m0fnu or float32, found {scale.dtype}")
+                continue
+        elif not t.is_floating_point():
+            problems.append(f"{name!r}: expected a floating-point tensor, found {t.dtype}")
+            continue
+        out[key] = (t, scale)
+    for key in sorted(set(local) - consumed):
+        problems.append(f"unexpected key {prefix + key!r} (not a parameter of layer {layer_id})")
+    if problems:
+        raise ValueError(f"attention weights of layer {layer_id}: " + "; ".join(problems))
+    return out
+
+
+def attention_weights_from_state_dict(
+    cfg: ModelConfig,
+    layer_id: int,
+    sd: Mapping[str, torch.Tensor],
+    prefix: str = "",
+    *,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+) -> AttentionWeights:
+    """Build a layer's weights from a state dict with official keys (spec §11).
+
+    Only keys starting with ``prefix`` are considered (e.g. ``checkpoint_prefix(cfg, i)`` for a full
+    checkpoint; ``""`` for a bare attention state dict, where *every* key must be a parameter).  Every
+    required key must be present with its exact shape, and no other key may appear under the prefix
+    (a block-scale companion is allowed only next to an FP8 weight); all problems are reported in one
+    ``ValueError``.  FP8 weights are dequantised; linear weights become ``dtype``; sink, norms and the
+    compressors become fp32.  Tensors land on ``device`` (default: where they are).
+    """
+    if not isinstance(sd, Mapping):
+        raise ValueError(f"sd: expected a mapping of str -> Tensor, got {type(sd).__name__}")
+    specs = attention_param_specs(cfg, layer_id)
+    local = {k[len(prefix) :]: v for k, v in sd.items() if k.startswith(prefix)}
+    checked = _validate(specs, local, prefix, layer_id)
+
+    def convert(key: str, item: tuple[torch.Tensor, torch.Tensor | None]) -> torch.Tensor:
+        t, scale = item
+        if device is not None:
+            t = t.to(device)
+            scale = None if scale is None else scale.to(device)
+        if scale is not None:
+            t = dequantize_fp8_weight(t, scale)
+        target = dtype if specs[key].kind == "linear" else torch.float32
+        return t.to(target).contiguous()
+
+    return _build(checked, convert)
+
+
+def attention_weights_from_safetensors(
+    paths: str | os.PathLike | Iterable[str | os.PathLike],
+    cfg: ModelConfig,
+    layer_id: int,
+    *,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.bfloat16,
+) -> AttentionWeights:
+    """Load one layer's attention weights from official-format ``.safetensors`` shards.
+
+    ``paths``: one file, a directory (all ``*.safetensors`` in it), or several of either.  Only the
+    tensors under ``checkpoint_prefix(cfg, layer_id)`` (``layers.{i}.attn.`` / ``mtp.{j}.attn.``) are
+    read; then as ``attention_weights_from_state_dict``.
+    """
+    from safetensors import safe_open  # lazy: only needed for checkpoint loading
+
+    if isinstance(paths, (str, os.PathLike)):
+        paths = [paths]
+    files: list[Path] = []
+    for p in paths:
+        p = Path(p)
+        files.extend(sorted(p.glob("*.safetensors")) if p.is_dir() else [p])
+    if not files:
+        raise ValueError(f"paths: expected at least one .safetensors file, got {paths!r}")
+    prefix = checkpoint_prefix(cfg, layer_id)
+    sd: dict[str, torch.Tensor] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt", device="cpu") as fh:
+            for key in fh.keys():
+                if key.startswith(prefix):
+                    sd[key] = fh.get_tensor(key)
+    return attention_weights_from_state_dict(cfg, layer_id, sd, prefix, device=device, dtype=dtype)
+
+
+# ---------------------------------------------------------------------------------------------- random
+def random_attention_weights(
+    cfg: ModelConfig,
+    layer_id: int,
+    seed: int = 0,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.bfloat16,
+) -> AttentionWeights:
+    """Seeded random weights for tests and demos, scaled so every activation is O(1).
+
+    Linear weights ~ N(0, 1/fan_in) (so projections of unit-RMS inputs stay unit-RMS, q·k·D^-½ has
+    unit spread and no softmax is degenerate); RMSNorm weights ~ 1 + N(0, 0.1²); ``attn_sink`` ~ N(0, 1);
+    ``ape`` ~ N(0, 0.1²).  Deterministic for a given (cfg, layer_id, seed) on every device (drawn on
+    the CPU, then moved).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    specs = attention_param_specs(cfg, layer_id)
+    flat: dict[str, torch.Tensor] = {}
+    for key, spec in specs.items():
+        z = torch.randn(spec.shape, generator=gen, dtype=torch.float32)
+        if spec.kind in ("linear", "linear_fp32"):
+            v = z / spec.shape[1] ** 0.5
+        elif key == "attn_sink":
+            v = z
+        elif key.endswith("ape"):
+            v = 0.1 * z
+        else:  # norm weights
+            v = 1.0 + 0.1 * z
+        flat[key] = v.to(dtype if spec.kind == "linear" else torch.float32)
+    return _build(flat, lambda key, t: t.to(device))
