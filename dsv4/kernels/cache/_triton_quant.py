@@ -1,0 +1,144 @@
+"""Triton device helpers shared by the cache write kernels: exact bit-level rounding.
+
+Everything here is integer arithmetic on the IEEE bits of fp32 values, so it gives the same bytes
+under ``TRITON_INTERPRET=1`` (numpy) and on a GPU, independent of how a Triton version lowers fp8
+casts, fp32 division or fast-math:
+
+- ``bf16_round``: fp32 -> nearest-even bf16 value (returned as fp32);
+- ``ceil_log2_ratio``: ``ceil(log2(max(amax, floor) / qmax))`` without a division (see below);
+- ``pow2_neg``: the fp32 ``2**-e`` built from its exponent field;
+- ``e4m3_code``: fp32 with |v| <= 448 -> float8_e4m3fn byte, round to nearest even, sign kept;
+- ``e2m1_code``: fp32 -> e2m1 code with the format's tie-to-even-code thresholds.
+
+NaN/Inf inputs are out of contract (the PyTorch references define those cases).
+"""
+
+from __future__ import annotations
+
+import math
+
+import triton
+import triton.language as tl
+
+from dsv4.formats.mxfp4_key import E2M1_VALUES
+
+
+def qmax_split(qmax: float) -> tuple[int, int]:
+    """``qmax = (1 + mant / 2**23) * 2**exp`` -> (exp, mant): what ``ceil_log2_ratio`` compares against."""
+    m, e = math.frexp(qmax)  # qmax = m * 2**e, m in [0.5, 1)
+    mant = round((2 * m - 1) * 2**23)
+    if (1 + mant / 2**23) * 2.0 ** (e - 1) != qmax:
+        raise ValueError(f"qmax={qmax} is not an fp32 value")
+    return e - 1, mant
+
+
+def e2m1_thresholds() -> tuple[tuple[float, bool], ...]:
+    """Decision points between neighbouring e2m1 magnitudes and whether a tie rounds up (to the even code)."""
+    pairs = zip(E2M1_VALUES[:-1], E2M1_VALUES[1:], strict=True)
+    return tuple(((lo + hi) / 2, (k + 1) % 2 == 0) for k, (lo, hi) in enumerate(pairs))
+
+
+@triton.jit
+def bf16_round(x):
+    """Round fp32 ``x`` to the nearest bf16 (ties to even); the result is returned as fp32."""
+    bits = x.to(tl.int32, bitcast=True)
+    bits = bits + 0x7FFF + ((bits >> 16) & 1)
+    bits = bits & -65536  # 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def bf16_bits(x):
+    """Bit pattern (int16) of an fp32 value that is exactly representable in bf16."""
+    return (x.to(tl.int32, bitcast=True) >> 16).to(tl.int16)
+
+
+@triton.jit
+def ceil_log2_ratio(amax, FLOOR: tl.constexpr, Q_EXP: tl.constexpr, Q_MANT: tl.constexpr):
+    """Exact ``ceil(log2(fp32(max(amax, FLOOR) / qmax)))`` for qmax = (1 + Q_MANT/2**23) * 2**Q_EXP.
+
+    With a = max(amax, FLOOR) = (1 + ma) * 2**ea (a normal fp32), the quotient a/qmax lies in
+    [2**(ea-Q_EXP-1), 2**(ea-Q_EXP+1)); it is >= 2**(ea-Q_EXP) iff ma >= Q_MANT, and equals it iff
+    ma == Q_MANT.  Rounding the fp32 quotient cannot land on that power of two from either side for
+    qmax in [1, 2) * 2**k with a short mantissa (448 = 1.75 * 2**8, 6 = 1.5 * 2**2), so the answer
+    is ``ea - Q_EXP + (ma > Q_MANT)``: the same as ``frexp`` of the fp32 division in the reference.
+    """
+    a = tl.maximum(amax, FLOOR)
+    bits = a.to(tl.int32, bitcast=True)
+    ea = ((bits >> 23) & 0xFF) - 127
+    ma = bits & 0x7FFFFF
+    return ea - Q_EXP + (ma > Q_MANT).to(tl.int32)
+
+
+@triton.jit
+def pow2_neg(e):
+    """fp32 ``2**-e`` for int32 ``e`` in [-126, 126]."""
+    return ((127 - e) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def e4m3_code(v):
+    """float8_e4m3fn byte (int32 in [0, 256)) of fp32 ``v`` with |v| <= 448, round to nearest even.
+
+    The quantum of e4m3 at |v| is 2**(max(E, -6) - 3) (E = unbiased exponent; -6 is the smallest
+    normal exponent, below it the subnormal step 2**-9).  With n = round(|v| / quantum), the code is
+    ``((qe + 10) << 3) + n - 8`` in the normal and the subnormal range alike (n = 16 after rounding
+    carries into the next exponent; n <= 8 with qe = -9 is the subnormal code n).  The sign bit is
+    copied from ``v``, so negative values that round to zero give 0x80 (-0), as a cast does.
+    """
+    bits = v.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    a = bits & 0x7FFFFFFF
+    e = a >> 23
+    m = (a & 0x7FFFFF) | 0x800000
+    qe = tl.maximum(e - 130, -9)  # log2 of the quantum
+    sh = tl.minimum(150 + qe - e, 25)  # mantissa bits below the quantum (>= 20); 25 drops everything
+    n = m >> sh
+    rem = m & ((1 << sh) - 1)
+    half = 1 << (sh - 1)
+    n = n + ((rem > half) | ((rem == half) & ((n & 1) == 1))).to(tl.int32)
+    code = ((qe + 10) << 3) + n - 8
+    return sign | code
+
+
+@triton.jit
+def e2m1_code(
+    v,
+    T0: tl.constexpr,
+    U0: tl.constexpr,
+    T1: tl.constexpr,
+    U1: tl.constexpr,
+    T2: tl.constexpr,
+    U2: tl.constexpr,
+    T3: tl.constexpr,
+    U3: tl.constexpr,
+    T4: tl.constexpr,
+    U4: tl.constexpr,
+    T5: tl.constexpr,
+    U5: tl.constexpr,
+    T6: tl.constexpr,
+    U6: tl.constexpr,
+):
+    """e2m1 code (int32, sign << 3 | magnitude index) of fp32 ``v`` by explicit thresholds.
+
+    ``Tk`` is the midpoint between magnitudes k and k+1; ``Uk`` whether a tie there rounds up.
+    A value that rounds to zero is +0 (code 0), as in ``dsv4.formats.mxfp4_key.e2m1_encode``.
+    """
+    a = tl.abs(v)
+    mag = tl.where(U0, a >= T0, a > T0).to(tl.int32)
+    mag += tl.where(U1, a >= T1, a > T1).to(tl.int32)
+    mag += tl.where(U2, a >= T2, a > T2).to(tl.int32)
+    mag += tl.where(U3, a >= T3, a > T3).to(tl.int32)
+    mag += tl.where(U4, a >= T4, a > T4).to(tl.int32)
+    mag += tl.where(U5, a >= T5, a > T5).to(tl.int32)
+    mag += tl.where(U6, a >= T6, a > T6).to(tl.int32)
+    return tl.where((v < 0) & (mag > 0), mag | 8, mag)
+
+
+def e2m1_constexprs() -> dict[str, object]:
+    """Keyword arguments T0..T6 / U0..U6 for kernels that call ``e2m1_code``."""
+    kw: dict[str, object] = {}
+    for k, (t, up) in enumerate(e2m1_thresholds()):
+        kw[f"T{k}"] = t
+        kw[f"U{k}"] = up
+    return kw

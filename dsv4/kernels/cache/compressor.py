@@ -1,0 +1,481 @@
+"""The compressor's cache side (spec §3, §3.1, §6.1): fold a step's projections into the position-indexed
+state ring, pool the entries that complete in this step, and emit them into the paged pools.
+
+State layout (fixed by the cache): per CSA/HCA layer, fp32 ``kv_state`` and ``score_state`` of shape
+[num_state_slots, c*m, c*d] (c = 2, m = 4 for CSA with overlap; c = 1, m = 128 for HCA; d = 512 main,
+128 for the CSA indexer's compressor).  Row ``pos mod (c*m)`` of a request's slot holds the projections
+of position ``pos`` (a ring indexed by absolute position, like vLLM's; not the reference's
+previous/current halves).  A fresh slot holds kv 0 / score -inf; score rows already include ``ape``.
+
+Pooling of the entry completed at position t (t + 1 ≡ 0 mod m; entry index t // m)::
+
+    HCA:  rows t-m+1 .. t          channels [0, d)
+    CSA:  rows t-2m+1 .. t-m  "A"  channels [0, d)     (the previous chunk; absent for entry 0)
+          rows t-m+1  .. t    "B"  channels [d, 2d)
+    pooled[ch] = sum_rows softmax_rows(score[row, ch]) * kv[row, ch]     (fp32)
+
+A row comes from this step's inputs when its position is in the step, else from the state as it was
+*before* this step (a long chunk would otherwise overwrite rows it still needs); positions < 0 count
+as absent.  After the step the state holds each request's last c*m positions.
+
+Which tokens write the state: token i (position t, state slot s) writes row t mod c*m unless the same
+request has position t + c*m in this step.  The kernels compute this from ``positions`` and
+``token_slot`` (no precomputed write rows are needed), assuming the step contract below.
+
+Step contract (not checked: it would need a host sync): the tokens of one request are contiguous in
+the batch, in increasing consecutive positions; a request appears in one run only; its state holds
+positions p0 - c*m .. p0 - 1 (those >= 0), p0 being its first position in the step.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from dsv4.errors import check_tensor
+from dsv4.formats.fp8_entry import EntryPages, FP8EntryFormat
+from dsv4.formats.mxfp4_key import KeyPages, MXFP4KeyFormat
+from dsv4.kernels.cache._triton_quant import bf16_round
+from dsv4.kernels.cache.store import (
+    _check_entry_pages,
+    _check_key_pages,
+    _check_pow2,
+    _launch_norm_rope_fp8,
+    _mxfp4_args,
+    _mxfp4_store_row,
+    hadamard_reference,
+    rms_norm_reference,
+    rope_cos_sin,
+    rope_reference,
+    store_fp8_entries_reference,
+    store_mxfp4_keys_reference,
+)
+from dsv4.kernels.dispatch import use_triton
+
+__all__ = [
+    "compressor_step",
+    "compressor_step_reference",
+    "emit_entries",
+    "emit_entries_reference",
+    "entry_positions",
+]
+
+_INT = (torch.int32, torch.int64)
+
+
+def _geometry(ratio: int, overlap: bool) -> tuple[int, int]:
+    """(c, c*m) for a compressor of ratio m."""
+    if not isinstance(ratio, int) or ratio <= 0:
+        raise ValueError(f"ratio: expected a positive int, got {ratio!r}")
+    c = 2 if overlap else 1
+    return c, c * ratio
+
+
+def entry_positions(positions: torch.Tensor, ratio: int) -> torch.Tensor:
+    """RoPE position of the entry a token at ``positions`` belongs to: ``ratio * (pos // ratio)`` (int64)."""
+    return positions.long() // ratio * ratio
+
+
+# ============================================================================ reference
+def compressor_step_reference(
+    kv: torch.Tensor,
+    score: torch.Tensor,
+    positions: torch.Tensor,
+    token_slot: torch.Tensor,
+    kv_state: torch.Tensor,
+    score_state: torch.Tensor,
+    ratio: int,
+    overlap: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PyTorch definition of ``compressor_step`` (a loop over the step's requests; syncs to the host).
+
+    Rows of ``pooled`` for tokens that do not emit are 0 here (unspecified for the Triton path).
+    """
+    c, cm = _geometry(ratio, overlap)
+    d = kv.shape[1] // c
+    t_all = kv.shape[0]
+    pooled = torch.zeros(t_all, d, dtype=torch.float32, device=kv.device)
+    emits = (positions.long() + 1) % ratio == 0
+    for s in torch.unique(token_slot).tolist():
+        if not 0 <= s < kv_state.shape[0]:
+            continue  # no state slot: nothing pooled, nothing written
+        idx = (token_slot == s).nonzero().squeeze(1)
+        pos = positions[idx].long()
+        p0, n = int(pos[0]), idx.numel()
+        # history: positions p0-cm .. p0-1 from the state (as before this step), then the step's rows
+        hist_pos = torch.arange(p0 - cm, p0 + n, device=kv.device)
+        st_rows = hist_pos[:cm] % cm
+        h_kv = torch.cat([kv_state[s, st_rows], kv[idx].float()], dim=0)
+        h_sc = torch.cat([score_state[s, st_rows], score[idx].float()], dim=0)
+        absent = hist_pos < 0
+        h_kv[absent] = 0.0
+        h_sc[absent] = float("-inf")
+        e_loc = emits[idx].nonzero().squeeze(1)
+        if e_loc.numel():
+            # token at local index l has history index l + cm; its rows are history l+1 .. l+cm
+            rows = e_loc.unsqueeze(1) + 1 + torch.arange(cm, device=kv.device).unsqueeze(0)
+            g_kv, g_sc = h_kv[rows], h_sc[rows]  # [E, cm, c*d]
+            if overlap:
+                g_kv = torch.cat([g_kv[:, :ratio, :d], g_kv[:, ratio:, d:]], dim=1)
+                g_sc = torch.cat([g_sc[:, :ratio, :d], g_sc[:, ratio:, d:]], dim=1)
+            pooled[idx[e_loc]] = (g_kv * g_sc.softmax(dim=1)).sum(dim=1)
+        # the state keeps the request's last cm positions
+        keep = idx[-cm:]
+        kp = positions[keep].long() % cm
+        kv_state[s, kp] = kv[keep].float()
+        score_state[s, kp] = score[keep].float()
+    return pooled, emits
+
+
+# ============================================================================ Triton
+@triton.jit
+def _compressor_kernel(
+    kv_ptr,
+    sc_ptr,
+    stride_in,
+    pos_ptr,
+    tslot_ptr,
+    kvs_ptr,
+    scs_ptr,
+    st_ss,
+    st_sr,
+    num_state_slots,
+    pooled_ptr,
+    emits_ptr,
+    T,
+    M: tl.constexpr,
+    CM: tl.constexpr,
+    D: tl.constexpr,
+    OVERLAP: tl.constexpr,
+    C: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DO_POOL: tl.constexpr,
+    DO_WRITE: tl.constexpr,
+):
+    """Program (token i, channel block b).  DO_POOL: pool entry channels [b*BLOCK_D, ...) if token i
+    emits (and write ``emits[i]``).  DO_WRITE: copy token i's row (channels [b*BLOCK_D, ...) of c*d) into
+    the state if no later token of its request maps to the same ring row."""
+    i = tl.program_id(0).to(tl.int64)
+    b = tl.program_id(1)
+    t = tl.load(pos_ptr + i).to(tl.int64)
+    slot = tl.load(tslot_ptr + i).to(tl.int64)
+    slot_ok = (slot >= 0) & (slot < num_state_slots)
+    if DO_POOL:
+        emit = ((t + 1) % M) == 0
+        if b == 0:
+            tl.store(emits_ptr + i, emit.to(tl.uint8))
+        if emit & slot_ok & (b * BLOCK_D < D):
+            k = tl.arange(0, BLOCK_R)
+            rmask = k < CM
+            p = t - CM + 1 + k  # positions of the pooled rows
+            j = i - CM + 1 + k  # the batch index position p would have if it is in this step
+            jin = rmask & (j >= 0) & (j < T)
+            js = tl.load(tslot_ptr + j, mask=jin, other=-1).to(tl.int64)
+            jp = tl.load(pos_ptr + j, mask=jin, other=-1).to(tl.int64)
+            in_step = jin & (js == slot) & (jp == p)
+            from_state = rmask & (in_step == 0) & (p >= 0)
+            ch = b * BLOCK_D + tl.arange(0, BLOCK_D)
+            chm = ch < D
+            if OVERLAP:
+                coff = tl.where(k < M, 0, D)
+            else:
+                coff = tl.zeros([BLOCK_R], tl.int32)
+            col = coff[:, None] + ch[None, :]
+            m_in = in_step[:, None] & chm[None, :]
+            m_st = from_state[:, None] & chm[None, :]
+            row = tl.where(p >= 0, p % CM, 0)
+            in_off = j[:, None] * stride_in + col
+            st_off = slot * st_ss + row[:, None] * st_sr + col
+            kv_r = tl.load(kv_ptr + in_off, mask=m_in, other=0.0) + tl.load(kvs_ptr + st_off, mask=m_st, other=0.0)
+            sc_in = tl.load(sc_ptr + in_off, mask=m_in, other=float("-inf"))
+            sc_st = tl.load(scs_ptr + st_off, mask=m_st, other=float("-inf"))
+            sc_r = tl.where(m_in, sc_in, sc_st)
+            mx = tl.max(sc_r, axis=0)
+            mx = tl.where(mx == float("-inf"), 0.0, mx)  # all-absent (padding) channels: no inf - inf
+            e = tl.exp(sc_r - mx[None, :])
+            den = tl.sum(e, axis=0)
+            w = e / tl.where(den == 0.0, 1.0, den)[None, :]
+            out = tl.sum(kv_r * w, axis=0)
+            tl.store(pooled_ptr + i * D + ch, out, mask=chm)
+    if DO_WRITE:
+        jn = i + CM
+        later = jn < T
+        js2 = tl.load(tslot_ptr + jn, mask=later, other=-1).to(tl.int64)
+        jp2 = tl.load(pos_ptr + jn, mask=later, other=-1).to(tl.int64)
+        superseded = later & (js2 == slot) & (jp2 == t + CM)
+        wch = b * BLOCK_D + tl.arange(0, BLOCK_D)
+        if slot_ok & (superseded == 0) & (t >= 0) & (b * BLOCK_D < C * D):
+            wm = wch < C * D
+            dst = slot * st_ss + (t % CM) * st_sr + wch
+            tl.store(kvs_ptr + dst, tl.load(kv_ptr + i * stride_in + wch, mask=wm), mask=wm)
+            tl.store(scs_ptr + dst, tl.load(sc_ptr + i * stride_in + wch, mask=wm), mask=wm)
+
+
+def compressor_step(
+    kv: torch.Tensor,
+    score: torch.Tensor,
+    positions: torch.Tensor,
+    token_slot: torch.Tensor,
+    kv_state: torch.Tensor,
+    score_state: torch.Tensor,
+    ratio: int,
+    overlap: bool,
+    decode: bool = False,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fold one step's compressor projections into the state ring and pool the entries that complete.
+
+    Args:
+        kv, score: [T, c*d] fp32, this step's ``wkv(x)`` and ``wgate(x) + ape[pos mod m]`` (tokens).
+        positions: [T] int32/int64 absolute positions; token_slot: [T] int32/int64 state slot per token
+            (a slot outside [0, num_state_slots) is ignored: no pooling, no state write).
+        kv_state, score_state: [num_state_slots, c*m, c*d] fp32, updated in place (module docstring).
+        ratio: m (4 for CSA, 128 for HCA); overlap: the CSA two-half pooling (c = 2).
+        decode: promise that every request has exactly one token in this step; the Triton path then
+            runs one fused launch (write own row + pool) instead of two (pool, then write).
+    Returns:
+        pooled [T, d] fp32 (meaningful where ``emits``; other rows unspecified: 0 in the reference,
+        unwritten by the kernel), emits [T] bool (``(pos + 1) % m == 0``; entry index ``pos // m``).
+    Preconditions: the step contract of the module docstring.
+    """
+    c, cm = _geometry(ratio, overlap)
+    check_tensor("kv", kv, dtype=torch.float32, ndim=2)
+    t, cd = kv.shape
+    dev = kv.device
+    if cd % c:
+        raise ValueError(f"kv: expected an even width for overlap=True, got {cd}")
+    d = cd // c
+    check_tensor("score", score, dtype=torch.float32, shape=[t, cd], device=dev)
+    check_tensor("positions", positions, dtype=_INT, shape=[t], device=dev)
+    check_tensor("token_slot", token_slot, dtype=_INT, shape=[t], device=dev)
+    check_tensor("kv_state", kv_state, dtype=torch.float32, shape=[None, cm, cd], device=dev)
+    check_tensor("score_state", score_state, dtype=torch.float32, shape=list(kv_state.shape), device=dev)
+    if kv.stride() != score.stride() or kv.stride(1) != 1:
+        raise ValueError(
+            f"kv, score: expected equal strides with a unit inner stride, got {kv.stride()} {score.stride()}"
+        )
+    if kv_state.stride() != score_state.stride() or kv_state.stride(2) != 1:
+        raise ValueError("kv_state, score_state: expected equal strides with a unit inner stride")
+    if not use_triton(backend, kv, score, positions, token_slot, kv_state, score_state):
+        return compressor_step_reference(kv, score, positions, token_slot, kv_state, score_state, ratio, overlap)
+    pooled = torch.empty(t, d, dtype=torch.float32, device=dev)
+    emits = torch.empty(t, dtype=torch.bool, device=dev)
+    if t == 0:
+        return pooled, emits
+    block_r = triton.next_power_of_2(cm)
+    block_d = max(16, min(triton.next_power_of_2(cd), 4096 // block_r))
+    grid = (t, triton.cdiv(cd, block_d))
+    args = (
+        kv, score, kv.stride(0), positions, token_slot, kv_state, score_state,
+        kv_state.stride(0), kv_state.stride(1), kv_state.shape[0], pooled, emits.view(torch.uint8), t,
+    )  # fmt: skip
+    kw = dict(M=ratio, CM=cm, D=d, OVERLAP=overlap, C=c, BLOCK_R=block_r, BLOCK_D=block_d)
+    if decode:
+        _compressor_kernel[grid](*args, DO_POOL=True, DO_WRITE=True, **kw)
+    else:
+        _compressor_kernel[grid](*args, DO_POOL=True, DO_WRITE=False, **kw)
+        _compressor_kernel[grid](*args, DO_POOL=False, DO_WRITE=True, **kw)
+    return pooled, emits
+
+
+# ============================================================================ emit
+def emit_entries_reference(
+    pooled: torch.Tensor,
+    emits: torch.Tensor,
+    positions: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    inv_freq: torch.Tensor,
+    slots: torch.Tensor,
+    pages: EntryPages | KeyPages,
+    fmt: FP8EntryFormat | MXFP4KeyFormat,
+    ratio: int,
+    kind: str = "main",
+) -> None:
+    """PyTorch definition of ``emit_entries``: bf16 -> RMSNorm -> RoPE(entry position) -> [Hadamard] -> store."""
+    sel = emits.nonzero().squeeze(1)
+    if sel.numel() == 0:
+        return
+    y = rms_norm_reference(pooled[sel].to(torch.bfloat16), norm_weight, eps)
+    y = rope_reference(y, entry_positions(positions[sel], ratio), inv_freq)
+    if kind == "main":
+        store_fp8_entries_reference(y, slots[sel], pages, fmt)
+    else:
+        store_mxfp4_keys_reference(hadamard_reference(y), slots[sel], pages, fmt)
+
+
+@triton.jit
+def _emit_indexer_kernel(
+    x_ptr,
+    stride_x,
+    w_ptr,
+    eps,
+    cos_ptr,
+    sin_ptr,
+    emit_ptr,
+    slot_ptr,
+    num_slots,
+    bs,
+    data_ptr,
+    data_sp,
+    data_sr,
+    scale_ptr,
+    scale_sp,
+    scale_sr,
+    DIM: tl.constexpr,
+    NOPE: tl.constexpr,
+    NOPE_PAD: tl.constexpr,
+    HR: tl.constexpr,
+    HAD_SCALE: tl.constexpr,
+    NB: tl.constexpr,
+    HB: tl.constexpr,
+    FLOOR: tl.constexpr,
+    Q_EXP: tl.constexpr,
+    Q_MANT: tl.constexpr,
+    T0: tl.constexpr,
+    U0: tl.constexpr,
+    T1: tl.constexpr,
+    U1: tl.constexpr,
+    T2: tl.constexpr,
+    U2: tl.constexpr,
+    T3: tl.constexpr,
+    U3: tl.constexpr,
+    T4: tl.constexpr,
+    U4: tl.constexpr,
+    T5: tl.constexpr,
+    U5: tl.constexpr,
+    T6: tl.constexpr,
+    U6: tl.constexpr,
+):
+    """One emitting token: bf16 -> RMSNorm -> RoPE -> Sylvester Hadamard (fp32, x DIM^-1/2, bf16) -> MXFP4."""
+    i = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + i).to(tl.int64)
+    go = (tl.load(emit_ptr + i) != 0) & (slot >= 0) & (slot < num_slots)
+    if go:
+        kn = tl.arange(0, NOPE_PAD)
+        nm = kn < NOPE
+        j = tl.arange(0, HR)
+        xrow = x_ptr + i * stride_x
+        xn = bf16_round(tl.load(xrow + kn, mask=nm, other=0.0).to(tl.float32))
+        xe = bf16_round(tl.load(xrow + NOPE + 2 * j).to(tl.float32))
+        xo = bf16_round(tl.load(xrow + NOPE + 2 * j + 1).to(tl.float32))
+        ss = tl.sum(xn * xn, axis=0) + tl.sum(xe * xe, axis=0) + tl.sum(xo * xo, axis=0)
+        r = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(ss, DIM) + eps))
+        yn = bf16_round(tl.load(w_ptr + kn, mask=nm, other=0.0).to(tl.float32) * (xn * r))
+        ye = bf16_round(tl.load(w_ptr + NOPE + 2 * j).to(tl.float32) * (xe * r))
+        yo = bf16_round(tl.load(w_ptr + NOPE + 2 * j + 1).to(tl.float32) * (xo * r))
+        c = tl.load(cos_ptr + i * HR + j)
+        s = tl.load(sin_ptr + i * HR + j)
+        re = bf16_round(ye * c - yo * s)
+        ro = bf16_round(ye * s + yo * c)
+        # Hadamard: out[o] = sum_k (-1)^popcount(o & k) y[k]; outputs arranged [NB, HB] as o = blk*2*HB + 2*jj (+1)
+        blk = tl.arange(0, NB)
+        jj = tl.arange(0, HB)
+        o_even = (blk[:, None] * (2 * HB) + 2 * jj[None, :])[:, :, None]
+        ze = tl.zeros([NB, HB], tl.float32)
+        zo = tl.zeros([NB, HB], tl.float32)
+        for part in tl.static_range(3):
+            if part == 0:
+                kk = kn
+                v = yn
+            elif part == 1:
+                kk = NOPE + 2 * j
+                v = re
+            else:
+                kk = NOPE + 2 * j + 1
+                v = ro
+            k3 = kk[None, None, :]
+            for odd in tl.static_range(2):
+                a = (o_even + odd) & k3
+                a = a ^ (a >> 16)
+                a = a ^ (a >> 8)
+                a = a ^ (a >> 4)
+                a = a ^ (a >> 2)
+                a = a ^ (a >> 1)
+                sgn = 1.0 - 2.0 * (a & 1).to(tl.float32)
+                acc = tl.sum(sgn * v[None, None, :], axis=2)
+                if odd == 0:
+                    ze += acc
+                else:
+                    zo += acc
+        ze = bf16_round(ze * HAD_SCALE)
+        zo = bf16_round(zo * HAD_SCALE)
+        _mxfp4_store_row(
+            ze, zo, slot // bs, slot % bs, go, data_ptr, data_sp, data_sr, scale_ptr, scale_sp, scale_sr,
+            NB, HB, FLOOR, Q_EXP, Q_MANT, T0, U0, T1, U1, T2, U2, T3, U3, T4, U4, T5, U5, T6, U6,
+        )  # fmt: skip
+
+
+def emit_entries(
+    pooled: torch.Tensor,
+    emits: torch.Tensor,
+    positions: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    inv_freq: torch.Tensor,
+    slots: torch.Tensor,
+    pages: EntryPages | KeyPages,
+    fmt: FP8EntryFormat | MXFP4KeyFormat,
+    ratio: int,
+    kind: str = "main",
+    backend: str = "auto",
+) -> None:
+    """Finish and store the entries pooled by ``compressor_step`` (spec §3 "after pooling").
+
+    For every token i with ``emits[i]`` and an in-range ``slots[i]`` (physical entry slot, int32/int64
+    [T]; -1 = skip): bf16(pooled[i]) -> RMSNorm(norm_weight, eps; fp32 math, bf16) -> interleaved RoPE on
+    the last ``2 * len(inv_freq)`` dims at the entry position ``ratio * (positions[i] // ratio)`` ->
+    ``kind="main"``: FP8 entry (``fmt`` FP8EntryFormat, ``pages`` EntryPages) exactly as
+    ``store_fp8_entries``; ``kind="indexer"``: Sylvester Hadamard x dim^-1/2 (fp32, bf16) then an MXFP4
+    key (``fmt`` MXFP4KeyFormat, ``pages`` KeyPages) as ``store_mxfp4_keys``.
+    ``pooled`` [T, d] fp32 with d = fmt.head_dim (main) / fmt.dim (indexer); rows of non-emitting
+    tokens are never read.  Triton vs reference: as ``store_window`` (RMSNorm / Hadamard sum order).
+    """
+    if kind not in ("main", "indexer"):
+        raise ValueError(f"kind: expected 'main' or 'indexer', got {kind!r}")
+    if kind == "main":
+        if not isinstance(fmt, FP8EntryFormat):
+            raise ValueError(f"fmt: expected FP8EntryFormat for kind='main', got {type(fmt).__name__}")
+        _check_entry_pages(pages, fmt)
+        dev, d, rd = pages.nope.device, fmt.head_dim, fmt.rope_dim
+    else:
+        if not isinstance(fmt, MXFP4KeyFormat):
+            raise ValueError(f"fmt: expected MXFP4KeyFormat for kind='indexer', got {type(fmt).__name__}")
+        _check_key_pages(pages, fmt)
+        dev, d, rd = pages.data.device, fmt.dim, 2 * inv_freq.shape[-1]
+    check_tensor("pooled", pooled, dtype=torch.float32, ndim=2, device=dev)
+    t = pooled.shape[0]
+    check_tensor("pooled", pooled, shape=[t, d])
+    check_tensor("emits", emits, dtype=torch.bool, shape=[t], device=dev)
+    check_tensor("positions", positions, dtype=_INT, shape=[t], device=dev)
+    check_tensor("norm_weight", norm_weight, dtype=(torch.float32, torch.bfloat16), shape=[d], device=dev)
+    check_tensor("inv_freq", inv_freq, dtype=torch.float32, shape=[rd // 2], device=dev)
+    check_tensor("slots", slots, dtype=_INT, shape=[t], device=dev)
+    if not 0 < rd < d or rd % 2:
+        raise ValueError(f"inv_freq: expected 0 < 2*len(inv_freq) < {d}, got {rd}")
+    if not isinstance(ratio, int) or ratio <= 0:
+        raise ValueError(f"ratio: expected a positive int, got {ratio!r}")
+    if not use_triton(backend, pooled, emits, slots):
+        emit_entries_reference(pooled, emits, positions, norm_weight, eps, inv_freq, slots, pages, fmt, ratio, kind)
+        return
+    if t == 0:
+        return
+    if pooled.stride(1) != 1 or not norm_weight.is_contiguous() or not inv_freq.is_contiguous():
+        raise ValueError("pooled (unit inner stride), norm_weight, inv_freq (contiguous): bad layout")
+    rope_pos = entry_positions(positions, ratio)
+    if kind == "main":
+        _launch_norm_rope_fp8(pooled, norm_weight, eps, rope_pos, inv_freq, slots, pages, fmt, None, emits)
+        return
+    _check_pow2("fmt.dim", d)
+    _check_pow2("rope_dim // 2", rd // 2)
+    cos, sin = rope_cos_sin(rope_pos, inv_freq)
+    pargs, kw = _mxfp4_args(pages, fmt)
+    bs = pages.entries_per_page
+    nope = d - rd
+    _emit_indexer_kernel[(t,)](
+        pooled, pooled.stride(0), norm_weight, float(eps), cos, sin, emits.view(torch.uint8), slots,
+        pages.data.shape[0] * bs, bs, *pargs,
+        DIM=d, NOPE=nope, NOPE_PAD=triton.next_power_of_2(nope), HR=rd // 2, HAD_SCALE=d**-0.5, **kw,
+    )  # fmt: skip

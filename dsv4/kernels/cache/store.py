@@ -1,0 +1,613 @@
+"""Write path of the cache: quantise rows and store them at physical slots (spec §2 step 2, §5, §13).
+
+Three operations, each a validating public function over a PyTorch reference and a Triton kernel:
+
+- ``store_fp8_entries``: rows [N, head_dim] -> FP8 entries (MODEL1 pages) at ``slots``;
+- ``store_mxfp4_keys``: rows [N, 128] -> MXFP4 indexer keys at ``slots``;
+- ``store_window``: the raw window KV (wkv output) -> kv_norm -> RoPE(t) -> FP8 entry at ``slots``,
+  optionally also returning the normed + roped bf16 rows (the prefill attention's own keys).
+
+Slots are physical (``page * entries_per_page + row``).  A slot < 0 or >= the number of slots is
+skipped; nothing else in the pages changes (the FP8 pad byte is never written: the pool zeroes it).
+Slots of one call must be distinct (two rows for one slot leave either row's bytes).
+
+How the Triton kernels quantise (the same bytes on a GPU and under ``TRITON_INTERPRET=1``): all
+rounding is done on fp32 bits (``_triton_quant``): power-of-two scale from the exponent field,
+``x * 2**-e`` (exact), round-to-nearest-even to e4m3 / e2m1 / bf16 by integer arithmetic.  The fp8
+pages are written through ``uint8`` views and the bf16 rope lanes through ``int16`` views, so no fp8
+or bf16 cast of Triton is relied on.  RoPE's cos/sin are computed by PyTorch on the device (the
+angle ``pos * inv_freq`` in fp32, as the reference) and read by the kernel: positions reach 1M, and
+neither the accuracy of ``tl.cos`` at such angles nor libdevice under the interpreter can be relied
+on.  RMSNorm uses IEEE ``sqrt_rn``/``div_rn``; its sum order differs from PyTorch's, so the normed
+values agree with the reference to fp32 rounding (after the bf16 rounding almost always exactly).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from dsv4.errors import check_tensor
+from dsv4.formats.fp8_entry import FP8_DTYPE, ROPE_DTYPE, EntryPages, FP8EntryFormat
+from dsv4.formats.mxfp4_key import KeyPages, MXFP4KeyFormat
+from dsv4.kernels.cache._triton_quant import (
+    bf16_bits,
+    bf16_round,
+    ceil_log2_ratio,
+    e2m1_code,
+    e2m1_constexprs,
+    e4m3_code,
+    pow2_neg,
+    qmax_split,
+)
+from dsv4.kernels.dispatch import use_triton
+
+__all__ = [
+    "store_fp8_entries",
+    "store_fp8_entries_reference",
+    "store_mxfp4_keys",
+    "store_mxfp4_keys_reference",
+    "store_window",
+    "store_window_reference",
+    "rms_norm_reference",
+    "rope_reference",
+    "rope_cos_sin",
+    "hadamard_reference",
+]
+
+_FLOAT_IN = (torch.bfloat16, torch.float16, torch.float32)
+_SLOT_DTYPES = (torch.int32, torch.int64)
+
+
+# ============================================================================ validation helpers
+def _check_entry_pages(pages: EntryPages, fmt: FP8EntryFormat) -> None:
+    check_tensor("pages.nope", pages.nope, dtype=FP8_DTYPE, shape=[None, None, fmt.nope_dim])
+    p, bs = pages.nope.shape[:2]
+    check_tensor("pages.rope", pages.rope, dtype=ROPE_DTYPE, shape=[p, bs, fmt.rope_dim], device=pages.nope.device)
+    check_tensor("pages.scale", pages.scale, dtype=torch.uint8, shape=[p, bs, fmt.n_tiles], device=pages.nope.device)
+    for name, t in (("pages.nope", pages.nope), ("pages.rope", pages.rope), ("pages.scale", pages.scale)):
+        if t.stride(2) != 1:
+            raise ValueError(f"{name}: expected unit stride in the last dim, got strides {t.stride()}")
+
+
+def _check_key_pages(pages: KeyPages, fmt: MXFP4KeyFormat) -> None:
+    check_tensor("pages.data", pages.data, dtype=torch.uint8, shape=[None, None, fmt.data_bytes])
+    p, bs = pages.data.shape[:2]
+    check_tensor("pages.scale", pages.scale, dtype=torch.uint8, shape=[p, bs, fmt.n_blocks], device=pages.data.device)
+    for name, t in (("pages.data", pages.data), ("pages.scale", pages.scale)):
+        if t.stride(2) != 1:
+            raise ValueError(f"{name}: expected unit stride in the last dim, got strides {t.stride()}")
+
+
+def _check_rows(name: str, x: torch.Tensor, width: int, device: torch.device) -> int:
+    check_tensor(name, x, dtype=_FLOAT_IN, ndim=2, device=device)
+    if x.shape[1] != width or x.stride(1) != 1:
+        raise ValueError(
+            f"{name}: expected shape [N, {width}] with unit inner stride, got {list(x.shape)} {x.stride()}"
+        )
+    return x.shape[0]
+
+
+def _check_slots(slots: torch.Tensor, n: int, device: torch.device) -> None:
+    check_tensor("slots", slots, dtype=_SLOT_DTYPES, shape=[n], device=device)
+
+
+def _valid_rows(slots: torch.Tensor, num_slots: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(mask of rows with an in-range slot, their page, their row) — a host sync (reference only)."""
+    s = slots.long()
+    ok = (s >= 0) & (s < num_slots)
+    return ok, s[ok], ok.nonzero().squeeze(1)
+
+
+# ============================================================================ references
+def store_fp8_entries_reference(x: torch.Tensor, slots: torch.Tensor, pages: EntryPages, fmt: FP8EntryFormat) -> None:
+    """PyTorch definition of ``store_fp8_entries`` (``fmt.quantize`` then an indexed write)."""
+    bs = pages.entries_per_page
+    ok, s, _ = _valid_rows(slots, pages.num_slots)
+    if not bool(ok.any()):
+        return
+    nope, rope, scale = fmt.quantize(x[ok])
+    pg, rw = s // bs, s % bs
+    pages.nope.view(torch.uint8)[pg, rw] = nope.view(torch.uint8)
+    pages.rope[pg, rw] = rope
+    pages.scale[pg, rw] = scale
+
+
+def store_mxfp4_keys_reference(x: torch.Tensor, slots: torch.Tensor, pages: KeyPages, fmt: MXFP4KeyFormat) -> None:
+    """PyTorch definition of ``store_mxfp4_keys`` (``fmt.quantize`` then an indexed write)."""
+    bs = pages.entries_per_page
+    ok, s, _ = _valid_rows(slots, pages.data.shape[0] * bs)
+    if not bool(ok.any()):
+        return
+    packed, scale = fmt.quantize(x[ok])
+    pg, rw = s // bs, s % bs
+    pages.data[pg, rw] = packed
+    pages.scale[pg, rw] = scale
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of the reference: fp32 math ``weight * (x * rsqrt(mean(x^2) + eps))``, result bf16."""
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
+    return (weight.float() * y).to(torch.bfloat16)
+
+
+def rope_cos_sin(rope_positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [T, rope_dim/2] fp32 of the angle ``fp32(pos) * inv_freq`` (fp32), as the reference."""
+    ang = rope_positions.float().unsqueeze(-1) * inv_freq.float().unsqueeze(0)
+    return ang.cos(), ang.sin()
+
+
+def rope_reference(x: torch.Tensor, rope_positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Interleaved (GPT-J) RoPE on the last ``2 * len(inv_freq)`` dims of bf16 ``x`` [T, D], fp32 math, bf16 out."""
+    rd = 2 * inv_freq.shape[0]
+    cos, sin = rope_cos_sin(rope_positions, inv_freq)
+    pairs = x[:, -rd:].float().unflatten(-1, (-1, 2))
+    a, b = pairs[..., 0], pairs[..., 1]
+    rot = torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1).flatten(-2)
+    return torch.cat([x[:, :-rd], rot.to(x.dtype)], dim=-1)
+
+
+def _sylvester(n: int, device: torch.device) -> torch.Tensor:
+    i = torch.arange(n, device=device)
+    v = i.unsqueeze(1) & i.unsqueeze(0)
+    parity = torch.zeros_like(v)
+    while bool((v != 0).any()):
+        parity ^= v & 1
+        v = v >> 1
+    return (1 - 2 * parity).float()
+
+
+def hadamard_reference(x: torch.Tensor) -> torch.Tensor:
+    """Sylvester Walsh-Hadamard over the last dim (a power of two) times dim^-1/2: fp32 math, bf16 out."""
+    n = x.shape[-1]
+    return ((x.float() @ _sylvester(n, x.device)) * n**-0.5).to(torch.bfloat16)
+
+
+def store_window_reference(
+    kv: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    slots: torch.Tensor,
+    pages: EntryPages,
+    fmt: FP8EntryFormat,
+    out: torch.Tensor | None = None,
+) -> None:
+    """PyTorch definition of ``store_window``: kv_norm -> RoPE(pos) -> ``store_fp8_entries_reference``."""
+    y = rope_reference(rms_norm_reference(kv, norm_weight, eps), positions, inv_freq)
+    if out is not None:
+        out.copy_(y)
+    store_fp8_entries_reference(y, slots, pages, fmt)
+
+
+# ============================================================================ Triton kernels
+@triton.jit
+def _fp8_store_row(
+    xn,  # [NT_PAD, TILE] fp32 nope values
+    xe,  # [HR] fp32 even rope lanes (bf16-representable)
+    xo,  # [HR] fp32 odd rope lanes
+    page,
+    row,
+    ok,
+    nope_ptr,
+    nope_sp,
+    nope_sr,
+    rope_ptr,
+    rope_sp,
+    rope_sr,
+    scale_ptr,
+    scale_sp,
+    scale_sr,
+    NT: tl.constexpr,
+    NT_PAD: tl.constexpr,
+    TILE: tl.constexpr,
+    HR: tl.constexpr,
+    FLOOR: tl.constexpr,
+    QMAX: tl.constexpr,
+    Q_EXP: tl.constexpr,
+    Q_MANT: tl.constexpr,
+):
+    tiles = tl.arange(0, NT_PAD)
+    cols = tl.arange(0, TILE)
+    # (scalar bool & block bool is mis-typed by the interpreter: broadcast ``ok`` by hand)
+    tmask = (tiles < NT) & ((tl.zeros([NT_PAD], tl.int32) + ok.to(tl.int32)) != 0)
+    amax = tl.max(tl.abs(xn), axis=1)
+    e = ceil_log2_ratio(amax, FLOOR, Q_EXP, Q_MANT)
+    v = xn * pow2_neg(e)[:, None]
+    v = tl.minimum(tl.maximum(v, -QMAX), QMAX)
+    code = e4m3_code(v)
+    nbase = nope_ptr + page * nope_sp + row * nope_sr
+    tl.store(nbase + tiles[:, None] * TILE + cols[None, :], code.to(tl.uint8), mask=tmask[:, None])
+    sbyte = tl.minimum(tl.maximum(e + 127, 0), 254)
+    tl.store(scale_ptr + page * scale_sp + row * scale_sr + tiles, sbyte.to(tl.uint8), mask=tmask)
+    j = tl.arange(0, HR)
+    jmask = (tl.zeros([HR], tl.int32) + ok.to(tl.int32)) != 0
+    rbase = rope_ptr + page * rope_sp + row * rope_sr
+    tl.store(rbase + 2 * j, bf16_bits(xe), mask=jmask)
+    tl.store(rbase + 2 * j + 1, bf16_bits(xo), mask=jmask)
+
+
+@triton.jit
+def _store_fp8_kernel(
+    x_ptr,
+    stride_x,
+    slot_ptr,
+    num_slots,
+    bs,
+    nope_ptr,
+    nope_sp,
+    nope_sr,
+    rope_ptr,
+    rope_sp,
+    rope_sr,
+    scale_ptr,
+    scale_sp,
+    scale_sr,
+    NOPE: tl.constexpr,
+    NT: tl.constexpr,
+    NT_PAD: tl.constexpr,
+    TILE: tl.constexpr,
+    HR: tl.constexpr,
+    FLOOR: tl.constexpr,
+    QMAX: tl.constexpr,
+    Q_EXP: tl.constexpr,
+    Q_MANT: tl.constexpr,
+):
+    i = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + i).to(tl.int64)
+    if (slot >= 0) & (slot < num_slots):
+        page = slot // bs
+        row = slot % bs
+        tiles = tl.arange(0, NT_PAD)
+        cols = tl.arange(0, TILE)
+        xrow = x_ptr + i * stride_x
+        xn = tl.load(xrow + tiles[:, None] * TILE + cols[None, :], mask=(tiles < NT)[:, None], other=0.0)
+        j = tl.arange(0, HR)
+        xe = bf16_round(tl.load(xrow + NOPE + 2 * j).to(tl.float32))
+        xo = bf16_round(tl.load(xrow + NOPE + 2 * j + 1).to(tl.float32))
+        _fp8_store_row(
+            xn.to(tl.float32), xe, xo, page, row, slot >= 0,
+            nope_ptr, nope_sp, nope_sr, rope_ptr, rope_sp, rope_sr, scale_ptr, scale_sp, scale_sr,
+            NT, NT_PAD, TILE, HR, FLOOR, QMAX, Q_EXP, Q_MANT,
+        )  # fmt: skip
+
+
+@triton.jit
+def _norm_rope_fp8_kernel(
+    x_ptr,
+    stride_x,
+    w_ptr,
+    eps,
+    cos_ptr,
+    sin_ptr,
+    emit_ptr,
+    slot_ptr,
+    num_slots,
+    bs,
+    out_ptr,
+    stride_out,
+    nope_ptr,
+    nope_sp,
+    nope_sr,
+    rope_ptr,
+    rope_sp,
+    rope_sr,
+    scale_ptr,
+    scale_sp,
+    scale_sr,
+    HAS_EMIT: tl.constexpr,
+    HAS_OUT: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    NOPE: tl.constexpr,
+    NT: tl.constexpr,
+    NT_PAD: tl.constexpr,
+    TILE: tl.constexpr,
+    HR: tl.constexpr,
+    FLOOR: tl.constexpr,
+    QMAX: tl.constexpr,
+    Q_EXP: tl.constexpr,
+    Q_MANT: tl.constexpr,
+):
+    """One row: bf16(x) -> RMSNorm (fp32, bf16 out) -> RoPE (fp32, bf16 out) -> [out] + FP8 entry at slot."""
+    i = tl.program_id(0).to(tl.int64)
+    go = True
+    if HAS_EMIT:
+        go = tl.load(emit_ptr + i) != 0
+    if go:
+        slot = tl.load(slot_ptr + i).to(tl.int64)
+        ok = (slot >= 0) & (slot < num_slots)
+        page = tl.where(ok, slot // bs, 0)
+        row = tl.where(ok, slot % bs, 0)
+        tiles = tl.arange(0, NT_PAD)
+        cols = tl.arange(0, TILE)
+        tmask = (tiles < NT)[:, None]
+        noff = tiles[:, None] * TILE + cols[None, :]
+        j = tl.arange(0, HR)
+        xrow = x_ptr + i * stride_x
+        xn = bf16_round(tl.load(xrow + noff, mask=tmask, other=0.0).to(tl.float32))
+        xe = bf16_round(tl.load(xrow + NOPE + 2 * j).to(tl.float32))
+        xo = bf16_round(tl.load(xrow + NOPE + 2 * j + 1).to(tl.float32))
+        ss = tl.sum(tl.sum(xn * xn, axis=1), axis=0) + tl.sum(xe * xe, axis=0) + tl.sum(xo * xo, axis=0)
+        r = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(ss, HEAD_DIM) + eps))
+        wn = tl.load(w_ptr + noff, mask=tmask, other=0.0).to(tl.float32)
+        we = tl.load(w_ptr + NOPE + 2 * j).to(tl.float32)
+        wo = tl.load(w_ptr + NOPE + 2 * j + 1).to(tl.float32)
+        yn = bf16_round(wn * (xn * r))
+        ye = bf16_round(we * (xe * r))
+        yo = bf16_round(wo * (xo * r))
+        c = tl.load(cos_ptr + i * HR + j)
+        s = tl.load(sin_ptr + i * HR + j)
+        re = bf16_round(ye * c - yo * s)
+        ro = bf16_round(ye * s + yo * c)
+        if HAS_OUT:
+            orow = out_ptr + i * stride_out
+            tl.store(orow + noff, bf16_bits(yn), mask=tmask)
+            tl.store(orow + NOPE + 2 * j, bf16_bits(re))
+            tl.store(orow + NOPE + 2 * j + 1, bf16_bits(ro))
+        _fp8_store_row(
+            yn, re, ro, page, row, ok,
+            nope_ptr, nope_sp, nope_sr, rope_ptr, rope_sp, rope_sr, scale_ptr, scale_sp, scale_sr,
+            NT, NT_PAD, TILE, HR, FLOOR, QMAX, Q_EXP, Q_MANT,
+        )  # fmt: skip
+
+
+@triton.jit
+def _mxfp4_store_row(
+    ze,  # [NB, HB] fp32: values 2j of each block
+    zo,  # [NB, HB] fp32: values 2j+1
+    page,
+    row,
+    ok,
+    data_ptr,
+    data_sp,
+    data_sr,
+    scale_ptr,
+    scale_sp,
+    scale_sr,
+    NB: tl.constexpr,
+    HB: tl.constexpr,
+    FLOOR: tl.constexpr,
+    Q_EXP: tl.constexpr,
+    Q_MANT: tl.constexpr,
+    T0: tl.constexpr,
+    U0: tl.constexpr,
+    T1: tl.constexpr,
+    U1: tl.constexpr,
+    T2: tl.constexpr,
+    U2: tl.constexpr,
+    T3: tl.constexpr,
+    U3: tl.constexpr,
+    T4: tl.constexpr,
+    U4: tl.constexpr,
+    T5: tl.constexpr,
+    U5: tl.constexpr,
+    T6: tl.constexpr,
+    U6: tl.constexpr,
+):
+    amax = tl.maximum(tl.max(tl.abs(ze), axis=1), tl.max(tl.abs(zo), axis=1))
+    e = ceil_log2_ratio(amax, FLOOR, Q_EXP, Q_MANT)
+    inv = pow2_neg(e)[:, None]
+    ce = e2m1_code(ze * inv, T0, U0, T1, U1, T2, U2, T3, U3, T4, U4, T5, U5, T6, U6)
+    co = e2m1_code(zo * inv, T0, U0, T1, U1, T2, U2, T3, U3, T4, U4, T5, U5, T6, U6)
+    b = tl.arange(0, NB)
+    jj = tl.arange(0, HB)
+    bmask = (tl.zeros([NB], tl.int32) + ok.to(tl.int32)) != 0
+    tl.store(
+        data_ptr + page * data_sp + row * data_sr + b[:, None] * HB + jj[None, :],
+        (ce | (co << 4)).to(tl.uint8),
+        mask=bmask[:, None],
+    )
+    sbyte = tl.minimum(tl.maximum(e + 127, 0), 254)
+    tl.store(scale_ptr + page * scale_sp + row * scale_sr + b, sbyte.to(tl.uint8), mask=bmask)
+
+
+@triton.jit
+def _store_mxfp4_kernel(
+    x_ptr,
+    stride_x,
+    slot_ptr,
+    num_slots,
+    bs,
+    data_ptr,
+    data_sp,
+    data_sr,
+    scale_ptr,
+    scale_sp,
+    scale_sr,
+    NB: tl.constexpr,
+    HB: tl.constexpr,
+    FLOOR: tl.constexpr,
+    Q_EXP: tl.constexpr,
+    Q_MANT: tl.constexpr,
+    T0: tl.constexpr,
+    U0: tl.constexpr,
+    T1: tl.constexpr,
+    U1: tl.constexpr,
+    T2: tl.constexpr,
+    U2: tl.constexpr,
+    T3: tl.constexpr,
+    U3: tl.constexpr,
+    T4: tl.constexpr,
+    U4: tl.constexpr,
+    T5: tl.constexpr,
+    U5: tl.constexpr,
+    T6: tl.constexpr,
+    U6: tl.constexpr,
+):
+    i = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + i).to(tl.int64)
+    if (slot >= 0) & (slot < num_slots):
+        b = tl.arange(0, NB)
+        jj = tl.arange(0, HB)
+        off = b[:, None] * (2 * HB) + 2 * jj[None, :]
+        ze = tl.load(x_ptr + i * stride_x + off).to(tl.float32)
+        zo = tl.load(x_ptr + i * stride_x + off + 1).to(tl.float32)
+        _mxfp4_store_row(
+            ze, zo, slot // bs, slot % bs, slot >= 0, data_ptr, data_sp, data_sr, scale_ptr, scale_sp, scale_sr,
+            NB, HB, FLOOR, Q_EXP, Q_MANT, T0, U0, T1, U1, T2, U2, T3, U3, T4, U4, T5, U5, T6, U6,
+        )  # fmt: skip
+
+
+# ============================================================================ launch helpers
+def _fp8_args(pages: EntryPages, fmt: FP8EntryFormat) -> tuple[list, dict]:
+    nope = pages.nope.view(torch.uint8)
+    rope = pages.rope.view(torch.int16)
+    args = [
+        nope, nope.stride(0), nope.stride(1),
+        rope, rope.stride(0), rope.stride(1),
+        pages.scale, pages.scale.stride(0), pages.scale.stride(1),
+    ]  # fmt: skip
+    q_exp, q_mant = qmax_split(fmt.fp8_max)
+    kw = dict(
+        NT=fmt.n_tiles,
+        NT_PAD=triton.next_power_of_2(fmt.n_tiles),
+        TILE=fmt.tile,
+        HR=fmt.rope_dim // 2,
+        FLOOR=fmt.amax_floor,
+        QMAX=fmt.fp8_max,
+        Q_EXP=q_exp,
+        Q_MANT=q_mant,
+    )
+    return args, kw
+
+
+def _mxfp4_args(pages: KeyPages, fmt: MXFP4KeyFormat) -> tuple[list, dict]:
+    args = [
+        pages.data, pages.data.stride(0), pages.data.stride(1),
+        pages.scale, pages.scale.stride(0), pages.scale.stride(1),
+    ]  # fmt: skip
+    q_exp, q_mant = qmax_split(fmt.fp4_max)
+    kw = dict(NB=fmt.n_blocks, HB=fmt.block // 2, FLOOR=fmt.amax_floor, Q_EXP=q_exp, Q_MANT=q_mant, **e2m1_constexprs())
+    return args, kw
+
+
+def _check_pow2(name: str, n: int) -> None:
+    if n & (n - 1):
+        raise ValueError(f"{name}: the Triton kernel needs a power of two, got {n}")
+
+
+def _launch_norm_rope_fp8(
+    x: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    rope_positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    slots: torch.Tensor,
+    pages: EntryPages,
+    fmt: FP8EntryFormat,
+    out: torch.Tensor | None,
+    emits: torch.Tensor | None,
+) -> None:
+    """Shared by ``store_window`` and the main compressor's ``emit_entries``."""
+    n = x.shape[0]
+    if n == 0:
+        return
+    _check_pow2("fmt.tile", fmt.tile)
+    _check_pow2("fmt.rope_dim // 2", fmt.rope_dim // 2)
+    cos, sin = rope_cos_sin(rope_positions, inv_freq)
+    pargs, kw = _fp8_args(pages, fmt)
+    o = out.view(torch.int16) if out is not None else x
+    e = emits.view(torch.uint8) if emits is not None else slots
+    _norm_rope_fp8_kernel[(n,)](
+        x, x.stride(0), norm_weight, float(eps), cos, sin, e, slots, pages.num_slots, pages.entries_per_page,
+        o, o.stride(0), *pargs,
+        HAS_EMIT=emits is not None, HAS_OUT=out is not None, HEAD_DIM=fmt.head_dim, NOPE=fmt.nope_dim, **kw,
+    )  # fmt: skip
+
+
+# ============================================================================ public API
+def store_fp8_entries(
+    x: torch.Tensor, slots: torch.Tensor, pages: EntryPages, fmt: FP8EntryFormat, backend: str = "auto"
+) -> None:
+    """Quantise rows ``x`` [N, head_dim] (bf16/fp16/fp32) as ``fmt.quantize`` and store them as FP8 entries.
+
+    Row ``i`` goes to physical slot ``slots[i]`` (int32/int64 [N]; page = slot // entries_per_page,
+    row = slot % entries_per_page) of the MODEL1 page views ``pages``.  Slots < 0 or >= pages.num_slots
+    are skipped.  Writes the 448 e4m3 bytes, the 64 bf16 rope lanes and the 7 scale bytes; never the pad.
+    Bytes equal ``fmt.quantize`` on every backend.
+    """
+    _check_entry_pages(pages, fmt)
+    dev = pages.nope.device
+    n = _check_rows("x", x, fmt.head_dim, dev)
+    _check_slots(slots, n, dev)
+    if not use_triton(backend, x, slots, pages.nope):
+        store_fp8_entries_reference(x, slots, pages, fmt)
+        return
+    if n == 0:
+        return
+    _check_pow2("fmt.tile", fmt.tile)
+    _check_pow2("fmt.rope_dim // 2", fmt.rope_dim // 2)
+    pargs, kw = _fp8_args(pages, fmt)
+    _store_fp8_kernel[(n,)](
+        x, x.stride(0), slots, pages.num_slots, pages.entries_per_page, *pargs, NOPE=fmt.nope_dim, **kw
+    )
+
+
+def store_mxfp4_keys(
+    x: torch.Tensor, slots: torch.Tensor, pages: KeyPages, fmt: MXFP4KeyFormat, backend: str = "auto"
+) -> None:
+    """Quantise rows ``x`` [N, fmt.dim] (bf16/fp16/fp32) to MXFP4 keys (as ``fmt.quantize``) at ``slots``.
+
+    Same slot rules as ``store_fp8_entries``; writes the packed e2m1 bytes and the UE8M0 block scales.
+    The e2m1 rounding (ties to the even code) is done with explicit thresholds: bytes are exact everywhere.
+    """
+    _check_key_pages(pages, fmt)
+    dev = pages.data.device
+    n = _check_rows("x", x, fmt.dim, dev)
+    _check_slots(slots, n, dev)
+    if not use_triton(backend, x, slots, pages.data):
+        store_mxfp4_keys_reference(x, slots, pages, fmt)
+        return
+    if n == 0:
+        return
+    _check_pow2("fmt.block", fmt.block)
+    pargs, kw = _mxfp4_args(pages, fmt)
+    bs = pages.entries_per_page
+    _store_mxfp4_kernel[(n,)](x, x.stride(0), slots, pages.data.shape[0] * bs, bs, *pargs, **kw)
+
+
+def store_window(
+    kv: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    slots: torch.Tensor,
+    pages: EntryPages,
+    fmt: FP8EntryFormat,
+    out: torch.Tensor | None = None,
+    backend: str = "auto",
+) -> None:
+    """Fused window-KV write (spec §2 step 2): kv_norm -> RoPE(t) -> FP8 -> ring slot.
+
+    ``kv`` [T, head_dim] bf16 is the raw ``wkv`` output (pre-norm); ``norm_weight`` [head_dim]
+    (fp32 or bf16) and ``eps`` are kv_norm's; ``positions`` [T] int32/int64 are absolute token
+    positions; ``inv_freq`` [rope_dim/2] fp32 the layer's RoPE frequencies (YaRN already applied);
+    ``slots`` [T] the physical ring slots (-1 / out of range: not stored).  RMSNorm in fp32, rounded
+    to bf16; interleaved RoPE on the last rope_dim dims in fp32 at angle ``fp32(pos) * inv_freq``,
+    rounded to bf16; then quantised as ``fmt.quantize``.  If ``out`` [T, head_dim] bf16 is given it
+    receives the normed + roped rows for every token (whatever its slot).
+    Triton vs reference: the bf16 rows agree up to the fp32 sum order of RMSNorm (rarely one bf16
+    ulp); the stored bytes always equal ``fmt.quantize`` of the kernel's own bf16 rows.
+    """
+    _check_entry_pages(pages, fmt)
+    dev = pages.nope.device
+    t = _check_rows("kv", kv, fmt.head_dim, dev)
+    check_tensor("kv", kv, dtype=torch.bfloat16)
+    check_tensor("norm_weight", norm_weight, dtype=_FLOAT_IN, shape=[fmt.head_dim], device=dev)
+    check_tensor("positions", positions, dtype=_SLOT_DTYPES, shape=[t], device=dev)
+    check_tensor("inv_freq", inv_freq, dtype=torch.float32, shape=[fmt.rope_dim // 2], device=dev)
+    _check_slots(slots, t, dev)
+    if out is not None:
+        check_tensor("out", out, dtype=torch.bfloat16, shape=[t, fmt.head_dim], device=dev)
+        if out.stride(1) != 1:
+            raise ValueError(f"out: expected unit inner stride, got strides {out.stride()}")
+    if not use_triton(backend, kv, slots, pages.nope):
+        store_window_reference(kv, norm_weight, eps, positions, inv_freq, slots, pages, fmt, out)
+        return
+    if not norm_weight.is_contiguous() or not inv_freq.is_contiguous():
+        raise ValueError("norm_weight, inv_freq: expected contiguous tensors")
+    _launch_norm_rope_fp8(kv, norm_weight, eps, positions, inv_freq, slots, pages, fmt, out, None)

@@ -1,0 +1,242 @@
+"""Compressor state ring + pooling + emit (dsv4/kernels/cache/compressor.py), both backends.
+
+The oracle pools each entry from a request's whole history in one pass (no state logic); stepping
+through the same history in chunks of any length must reproduce it.  Pooled values are fp32 softmax
+sums: the kernel's exp/sum order differs from torch, so they agree to ~1e-6 relative (atol 1e-5 on
+O(1) data), while the state rows are copies and must be bit-equal.
+"""
+
+import pytest
+import torch
+
+from dsv4.formats import FP8EntryFormat, MXFP4KeyFormat
+from dsv4.kernels.cache.compressor import compressor_step, emit_entries, entry_positions
+
+BACKENDS = ["torch", "triton"]
+CONFIGS = {"csa": (4, True), "hca": (128, False)}
+
+
+def oracle_pooled(kv_hist, sc_hist, ratio, overlap):
+    """Entries of one request from its whole history [L, c*d]: entry i pools positions as in spec §3."""
+    d = kv_hist.shape[1] // (2 if overlap else 1)
+    out = []
+    for i in range(kv_hist.shape[0] // ratio):
+        b = slice(i * ratio, (i + 1) * ratio)
+        kv, sc = kv_hist[b, d:] if overlap else kv_hist[b, :d], sc_hist[b, d:] if overlap else sc_hist[b, :d]
+        if overlap and i > 0:
+            a = slice((i - 1) * ratio, i * ratio)
+            kv = torch.cat([kv_hist[a, :d], kv])
+            sc = torch.cat([sc_hist[a, :d], sc])
+        out.append((kv * sc.softmax(0)).sum(0))
+    return torch.stack(out) if out else torch.zeros(0, d)
+
+
+def fresh_state(n_slots, ratio, overlap, d, device, garbage=False):
+    c = 2 if overlap else 1
+    shape = (n_slots, c * ratio, c * d)
+    if garbage:  # a reused slot that was never reset: finite junk everywhere
+        return torch.randn(shape, device=device) * 5, torch.randn(shape, device=device)
+    return torch.zeros(shape, device=device), torch.full(shape, float("-inf"), device=device)
+
+
+def run_steps(chunks, ratio, overlap, d, backend, device, garbage=False, slot_map=None):
+    """chunks: list of steps, each a list of (request, n_tokens).  Returns pooled per (request, entry), state."""
+    c = 2 if overlap else 1
+    n_req = 1 + max(r for step in chunks for r, _ in step)
+    slot_map = slot_map or list(range(n_req))
+    kv_state, sc_state = fresh_state(max(slot_map) + 1, ratio, overlap, d, device, garbage)
+    g = torch.Generator().manual_seed(7)
+    hist = {r: ([], []) for r in range(n_req)}
+    got = {}
+    for step in chunks:
+        pos, slot, req = [], [], []
+        for r, n in step:
+            start = sum(x.shape[0] for x in hist[r][0])
+            pos += list(range(start, start + n))
+            slot += [slot_map[r]] * n
+            req += [r] * n
+        t = len(pos)
+        kv = torch.randn(t, c * d, generator=g)
+        sc = torch.randn(t, c * d, generator=g) * 2
+        off = 0
+        for r, n in step:
+            hist[r][0].append(kv[off : off + n])
+            hist[r][1].append(sc[off : off + n])
+            off += n
+        pos_t = torch.tensor(pos, dtype=torch.int32, device=device)
+        pooled, emits = compressor_step(
+            kv.to(device), sc.to(device), pos_t, torch.tensor(slot, dtype=torch.int32, device=device),
+            kv_state, sc_state, ratio, overlap, backend=backend,
+        )  # fmt: skip
+        assert torch.equal(emits.cpu(), (torch.tensor(pos) + 1) % ratio == 0)
+        for i in emits.cpu().nonzero().squeeze(1).tolist():
+            got[(req[i], pos[i] // ratio)] = pooled[i].cpu()
+    hist = {r: (torch.cat(k), torch.cat(s)) for r, (k, s) in hist.items()}
+    return got, hist, kv_state.cpu(), sc_state.cpu(), slot_map
+
+
+def check_against_oracle(got, hist, kv_state, sc_state, slot_map, ratio, overlap):
+    cm = (2 if overlap else 1) * ratio
+    for r, (kv_h, sc_h) in hist.items():
+        want = oracle_pooled(kv_h, sc_h, ratio, overlap)
+        assert sorted(i for rr, i in got if rr == r) == list(range(want.shape[0]))
+        for i in range(want.shape[0]):
+            torch.testing.assert_close(got[(r, i)], want[i], atol=1e-5, rtol=1e-5)
+        # the state ring holds the last cm positions of the request, at row pos mod cm
+        L = kv_h.shape[0]
+        for p in range(max(0, L - cm), L):
+            assert torch.equal(kv_state[slot_map[r], p % cm], kv_h[p])
+            assert torch.equal(sc_state[slot_map[r], p % cm], sc_h[p])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", ["csa", "hca"])
+def test_chunked_steps_equal_one_pass(device, backend, kind):
+    ratio, overlap = CONFIGS[kind]
+    d = 16
+    chunks = [
+        [(0, 5), (1, 1), (2, 3)],
+        [(0, 1), (1, 130), (2, 3)],
+        [(2, 1), (0, 3)],  # request order changes between steps
+        [(0, 1), (1, 1), (2, 1)],  # decode-like
+        [(1, 7), (0, 130)],
+        [(2, 126), (0, 2)],
+    ]
+    got, hist, kv_s, sc_s, slot_map = run_steps(chunks, ratio, overlap, d, backend, device, slot_map=[3, 0, 2])
+    check_against_oracle(got, hist, kv_s, sc_s, slot_map, ratio, overlap)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_csa_entry0_ignores_previous_chunk_of_reused_slot(device, backend):
+    """A reused slot with finite junk in every row: entry 0 must pool only positions 0..3 (B half)."""
+    got, hist, kv_s, sc_s, slot_map = run_steps([[(0, 2)], [(0, 6)]], 4, True, 8, backend, device, garbage=True)
+    check_against_oracle(got, hist, kv_s, sc_s, slot_map, 4, True)
+
+
+@pytest.mark.parametrize("kind", ["csa", "hca"])
+def test_decode_fused_launch(device, kind):
+    """decode=True (one fused launch) == two-launch path == reference, for one token per request."""
+    ratio, overlap = CONFIGS[kind]
+    c, d, b = (2 if overlap else 1), 16, 5
+    outs = []
+    for backend, decode in (("torch", False), ("triton", True), ("triton", False)):
+        g = torch.Generator().manual_seed(11)
+        kv_state = torch.randn(b + 1, c * ratio, c * d, generator=g).to(device)
+        sc_state = torch.randn(b + 1, c * ratio, c * d, generator=g).to(device)
+        pos = torch.tensor([ratio - 1, 2 * ratio - 1, 2 * ratio, 5 * ratio + 2, 7 * ratio - 1], dtype=torch.int32)
+        kv = torch.randn(b, c * d, generator=g)
+        sc = torch.randn(b, c * d, generator=g)
+        slot = torch.tensor([4, 0, 1, 5, -1], dtype=torch.int32)  # the last token's slot is "none"
+        pooled, emits = compressor_step(
+            kv.to(device), sc.to(device), pos.to(device), slot.to(device), kv_state, sc_state, ratio, overlap,
+            decode=decode, backend=backend,
+        )  # fmt: skip
+        outs.append((pooled.cpu(), emits.cpu(), kv_state.cpu(), sc_state.cpu()))
+    (p0, e0, k0, s0) = outs[0]
+    valid = e0.clone()
+    valid[-1] = False  # slot -1: nothing pooled
+    for p, e, k, s in outs[1:]:
+        assert torch.equal(e, e0)
+        torch.testing.assert_close(p[valid], p0[valid], atol=1e-5, rtol=1e-5)
+        assert torch.equal(k, k0) and torch.equal(s, s0)
+    assert int(valid.sum()) == 2  # positions m-1 and 2m-1 emit; 7m-1 emits but has no slot
+
+
+def _emit_setup(kind, device, t=12):
+    g = torch.Generator().manual_seed(5)
+    pos = torch.arange(1000, 1000 + t, dtype=torch.int32)
+    ratio = 4
+    emits = (pos + 1) % ratio == 0
+    slots = torch.tensor([0, 5, -1, 3, 7, 2, 100, 1, 8, 4, 6, 9], dtype=torch.int32)[:t]
+    slots[2 + 4 * 0 + 1] = -1  # an emitting token with slot -1 (index 3) ...
+    slots[7] = 50  # ... and one with an out-of-range slot (index 7)
+    if kind == "main":
+        fmt = FP8EntryFormat()
+        d = fmt.head_dim
+    else:
+        fmt = MXFP4KeyFormat()
+        d = fmt.dim
+    pooled = torch.randn(t, d, generator=g)
+    pooled[~emits] = float("nan")  # never read
+    w = torch.rand(d, generator=g) + 0.5
+    inv = 1.0 / (160000.0 ** (torch.arange(0, 64, 2).float() / 64))
+    return [x.to(device) for x in (pooled, emits, pos, w, inv, slots)], fmt, ratio
+
+
+@pytest.mark.parametrize("kind", ["main", "indexer"])
+def test_emit_entries_triton_equals_reference(device, kind):
+    (pooled, emits, pos, w, inv, slots), fmt, ratio = _emit_setup(kind, device)
+    pages, bufs = [], []
+    for seed in (0, 0):
+        gen = torch.Generator().manual_seed(seed)
+        flat = torch.randint(0, 256, (fmt.page_bytes(4) * 3,), generator=gen, dtype=torch.uint8).to(device)
+        bufs.append(flat)
+        pages.append(fmt.entry_pages(flat, 3, 4) if kind == "main" else fmt.key_pages(flat, 3, 4))
+    before = bufs[0].clone()
+    emit_entries(pooled, emits, pos, w, 1e-6, inv, slots, pages[0], fmt, ratio, kind, backend="triton")
+    emit_entries(pooled, emits, pos, w, 1e-6, inv, slots, pages[1], fmt, ratio, kind, backend="torch")
+    # RMSNorm / Hadamard sum orders differ (fp32) but on these rows the bf16 results coincide: bytes equal
+    assert torch.equal(bufs[0], bufs[1])
+    # exactly the emitting, in-range slots changed (2 of the 3 emitting tokens: slots 7 and 8... see setup)
+    per = fmt.entry_bytes
+    changed_entries = set()
+    views = fmt.page_views(bufs[0], 3, 4)
+    views_b = fmt.page_views(before, 3, 4)
+    for name in ("nope", "scale") if kind == "main" else ("data", "scale"):
+        diff = (views[name].view(torch.uint8) != views_b[name].view(torch.uint8)).flatten(2).any(-1)
+        changed_entries |= {int(p) * 4 + int(r) for p, r in diff.nonzero().tolist()}
+    allowed = {int(s) for s, e in zip(slots.tolist(), emits.tolist(), strict=True) if e and 0 <= s < 12}
+    assert changed_entries <= allowed and len(allowed) == 1 and per > 0
+    if kind == "main":
+        assert torch.equal(views["pad"], views_b["pad"])
+
+
+def test_compressor_then_emit_main_matches_oracle_entries(device):
+    """End to end on the main CSA compressor: chunked steps + emit == one-pass pooled, normed, roped, FP8."""
+    fmt = FP8EntryFormat()
+    ratio, d = 4, fmt.head_dim
+    g = torch.Generator().manual_seed(9)
+    L = 13
+    kv_h = torch.randn(L, 2 * d, generator=g)
+    sc_h = torch.randn(L, 2 * d, generator=g)
+    w = torch.rand(d, generator=g) + 0.5
+    inv = 1.0 / (160000.0 ** (torch.arange(0, 64, 2).float() / 64))
+    kv_state, sc_state = fresh_state(1, ratio, True, d, device)
+    flat = torch.zeros(fmt.page_bytes(4) * 1, dtype=torch.uint8, device=device)
+    pages = fmt.entry_pages(flat, 1, 4)
+    start = 0
+    for n in (6, 1, 6):
+        pos = torch.arange(start, start + n, dtype=torch.int32, device=device)
+        pooled, emits = compressor_step(
+            kv_h[start : start + n].to(device), sc_h[start : start + n].to(device), pos,
+            torch.zeros(n, dtype=torch.int32, device=device), kv_state, sc_state, ratio, True, backend="triton",
+        )  # fmt: skip
+        slots = (pos // ratio).to(torch.int32)
+        emit_entries(pooled, emits, pos, w, 1e-6, inv, slots, pages, fmt, ratio, "main", backend="triton")
+        start += n
+    want = oracle_pooled(kv_h, sc_h, ratio, True)  # [3, d]
+    ref_flat = torch.zeros_like(flat)
+    e_pos = torch.arange(want.shape[0], dtype=torch.int32) * ratio + ratio - 1
+    emit_entries(
+        want.to(device), torch.ones(3, dtype=torch.bool, device=device), e_pos.to(device), w.to(device), 1e-6,
+        inv.to(device), torch.arange(3, dtype=torch.int32, device=device), fmt.entry_pages(ref_flat, 1, 4), fmt,
+        ratio, "main", backend="torch",
+    )  # fmt: skip
+    got = fmt.dequantize(pages.nope[0, :3], pages.rope[0, :3], pages.scale[0, :3]).float()
+    ref = fmt.dequantize(*[v[0, :3] for v in fmt.entry_pages(ref_flat, 1, 4)]).float()
+    # pooled differs by fp32 rounding only; after bf16 + e4m3 at most one e4m3 step (2^-3 relative) apart
+    assert ((got - ref).abs() <= ref.abs() * 2**-3 + 1e-6).all()
+    assert (got == ref).float().mean() > 0.99
+    assert torch.equal(entry_positions(e_pos, ratio), torch.tensor([0, 4, 8]))
+
+
+def test_validation_errors(device):
+    kv_state, sc_state = fresh_state(2, 4, True, 8, device)
+    kv = torch.zeros(3, 16, device=device)
+    pos = torch.arange(3, dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match="kv_state"):
+        compressor_step(kv, kv, pos, pos, kv_state[:, :4], sc_state[:, :4], 4, True)
+    with pytest.raises(ValueError, match="score"):
+        compressor_step(kv, kv.double(), pos, pos, kv_state, sc_state, 4, True)
+    with pytest.raises(ValueError, match="ratio"):
+        compressor_step(kv, kv, pos, pos, kv_state, sc_state, 0, True)

@@ -1,0 +1,198 @@
+"""Cache write kernels (dsv4/kernels/cache/store.py): Triton (interpreter on CPU) vs the PyTorch references.
+
+The FP8 / MXFP4 quantisation in the kernels is integer arithmetic on fp32 bits, so bytes must be
+*equal* to ``fmt.quantize`` on every backend (no tolerance).  ``store_window`` adds RMSNorm, whose
+fp32 sum order differs between tl.sum and torch: its bf16 rows may differ by one bf16 ulp on rare
+rows; its stored bytes must still equal ``fmt.quantize`` of the kernel's own bf16 rows.
+"""
+
+import pytest
+import torch
+
+from dsv4.formats import FP8EntryFormat, MXFP4KeyFormat
+from dsv4.kernels.cache.store import (
+    hadamard_reference,
+    store_fp8_entries,
+    store_mxfp4_keys,
+    store_window,
+)
+
+FMT = FP8EntryFormat()
+KFMT = MXFP4KeyFormat()
+BS, PAGES = 4, 5  # 20 slots
+
+
+def _fp8_buffer(device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    flat = torch.randint(0, 256, (FMT.page_bytes(BS) * PAGES,), generator=g, dtype=torch.uint8).to(device)
+    return flat, FMT.entry_pages(flat, PAGES, BS)
+
+
+def _key_buffer(device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    flat = torch.randint(0, 256, (KFMT.page_bytes(BS) * PAGES,), generator=g, dtype=torch.uint8).to(device)
+    return flat, KFMT.key_pages(flat, PAGES, BS)
+
+
+def _slots(device):
+    # 16 distinct in-range slots (4 untouched), plus -1, -7 and two out-of-range ones
+    perm = torch.randperm(PAGES * BS, generator=torch.Generator().manual_seed(1))[:16]
+    return torch.cat([perm, torch.tensor([-1, PAGES * BS, -7, 10_000])]).to(device)
+
+
+def _fp8_rows(n, dtype, device):
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(n, FMT.head_dim, generator=g) * torch.logspace(-9, 4, n).unsqueeze(1)
+    x[0, :64] = 0.0  # zero tile: amax floor
+    x[1, 64:128] = -3e-5  # below the floor
+    x[2, 128:192] = 448.0 * 2.0**-5  # amax exactly qmax * 2^k
+    x[3, 192:256] = torch.linspace(-1, 1, 64) * 448.0 * (1 + 2**-20)  # just above a power-of-two boundary
+    return x.to(dtype).to(device)
+
+
+def _written(slots, num):
+    s = slots.long().cpu()
+    return s[(s >= 0) & (s < num)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64])
+def test_store_fp8_entries_bytes_equal_reference(device, dtype, slot_dtype):
+    slots = _slots(device).to(slot_dtype)
+    x = _fp8_rows(slots.numel(), dtype, device)
+    flat_k, pages_k = _fp8_buffer(device)
+    flat_r, pages_r = _fp8_buffer(device)
+    before = flat_k.clone()
+    store_fp8_entries(x, slots, pages_k, FMT, backend="triton")
+    store_fp8_entries(x, slots, pages_r, FMT, backend="torch")
+    assert torch.equal(flat_k, flat_r)
+    # independently: each written slot holds fmt.quantize(row); everything else is unchanged
+    expect = before.clone()
+    views = FMT.page_views(expect, PAGES, BS)
+    for i, s in enumerate(slots.long().cpu().tolist()):
+        if 0 <= s < PAGES * BS:
+            nope, rope, scale = FMT.quantize(x[i : i + 1])
+            views["nope"][s // BS, s % BS] = nope[0]
+            views["rope"][s // BS, s % BS] = rope[0]
+            views["scale"][s // BS, s % BS] = scale[0]
+    assert torch.equal(flat_k, expect)
+    assert torch.equal(FMT.page_views(flat_k, PAGES, BS)["pad"], FMT.page_views(before, PAGES, BS)["pad"])
+
+
+def test_e4m3_rounding_every_code_and_tie(device):
+    """Every finite e4m3 value, every midpoint (ties to even) and its neighbours, both signs."""
+    vals = torch.arange(0, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # 0 .. 448
+    mids = (vals[1:] + vals[:-1]) / 2
+    cand = torch.cat([vals, mids, mids * (1 + 2**-20), mids * (1 - 2**-20)])
+    cand = torch.cat([cand, -cand, torch.tensor([-0.0, 2.0**-12, -(2.0**-10)])])
+    free = torch.ones(FMT.nope_dim, dtype=torch.bool)
+    free[:: FMT.tile] = False  # the first value of every tile is 448: amax 448, scale 2^0 (byte 127)
+    per_row = int(free.sum())
+    rows = []
+    for start in range(0, cand.numel(), per_row):
+        chunk = cand[start : start + per_row]
+        r = torch.zeros(FMT.head_dim)
+        r[: FMT.nope_dim : FMT.tile] = 448.0
+        r[torch.nonzero(free).squeeze(1)[: chunk.numel()]] = chunk
+        rows.append(r)
+    x = torch.stack(rows).to(device)
+    slots = torch.arange(x.shape[0], device=device)
+    flat, pages = _fp8_buffer(device)
+    assert x.shape[0] <= PAGES * BS
+    store_fp8_entries(x, slots, pages, FMT, backend="triton")
+    got = pages.nope.reshape(-1, FMT.nope_dim)[: x.shape[0]].view(torch.uint8)
+    want = x[:, : FMT.nope_dim].float().to(torch.float8_e4m3fn).view(torch.uint8)
+    assert torch.equal(pages.scale.reshape(-1, FMT.n_tiles)[: x.shape[0]], torch.full_like(got[:, : FMT.n_tiles], 127))
+    assert torch.equal(got, want)
+
+
+def test_store_mxfp4_keys_bytes_equal_reference(device):
+    slots = _slots(device)
+    n = slots.numel()
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(n, KFMT.dim, generator=g) * torch.logspace(-36, 6, n).unsqueeze(1)
+    grid = torch.tensor([0.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, 0.5, 1.0, 3.0, 0.26, 0.24, 4.9, 5.1])
+    x[0, :32] = torch.cat([grid, -grid])  # block amax 6: scale 1, every tie of the e2m1 grid
+    x[1, 32:64] = 0.0
+    x = x.to(device)
+    flat_k, pages_k = _key_buffer(device)
+    flat_r, pages_r = _key_buffer(device)
+    before = flat_k.clone()
+    store_mxfp4_keys(x, slots, pages_k, KFMT, backend="triton")
+    store_mxfp4_keys(x, slots, pages_r, KFMT, backend="torch")
+    assert torch.equal(flat_k, flat_r)
+    expect = before.clone()
+    views = KFMT.page_views(expect, PAGES, BS)
+    for i, s in enumerate(slots.long().cpu().tolist()):
+        if 0 <= s < PAGES * BS:
+            packed, scale = KFMT.quantize(x[i : i + 1])
+            views["data"][s // BS, s % BS] = packed[0]
+            views["scale"][s // BS, s % BS] = scale[0]
+    assert torch.equal(flat_k, expect)
+
+
+def _rope_inputs(t, device, seed=4):
+    g = torch.Generator().manual_seed(seed)
+    kv = (torch.randn(t, FMT.head_dim, generator=g) * 3).bfloat16().to(device)
+    w = (torch.rand(FMT.head_dim, generator=g) + 0.5).to(device)
+    pos = torch.randint(0, 1 << 20, (t,), generator=g, dtype=torch.int32).to(device)
+    inv_freq = (1.0 / (160000.0 ** (torch.arange(0, FMT.rope_dim, 2).float() / FMT.rope_dim))).to(device)
+    return kv, w, pos, inv_freq
+
+
+def test_store_window_matches_reference(device):
+    slots = _slots(device)
+    t = slots.numel()
+    kv, w, pos, inv_freq = _rope_inputs(t, device)
+    flat_k, pages_k = _fp8_buffer(device)
+    flat_r, pages_r = _fp8_buffer(device)
+    before = flat_k.clone()
+    out_k = torch.zeros(t, FMT.head_dim, dtype=torch.bfloat16, device=device)
+    out_r = out_k.clone()
+    store_window(kv, w, 1e-6, pos, inv_freq, slots, pages_k, FMT, out=out_k, backend="triton")
+    store_window(kv, w, 1e-6, pos, inv_freq, slots, pages_r, FMT, out=out_r, backend="torch")
+    # bf16 rows: equal up to one bf16 ulp (RMSNorm's fp32 sum order); almost always bit-equal
+    rel = ((out_k.float() - out_r.float()).abs() / out_r.float().abs().clamp_min(1e-30)).max()
+    assert rel <= 2.0**-7
+    assert (out_k != out_r).float().mean() < 0.01
+    # bytes: exactly fmt.quantize of the kernel's own rows, at the right slots, nothing else touched
+    expect = before.clone()
+    store_fp8_entries(out_k, slots, FMT.entry_pages(expect, PAGES, BS), FMT, backend="torch")
+    assert torch.equal(flat_k, expect)
+    if torch.equal(out_k, out_r):
+        assert torch.equal(flat_k, flat_r)
+
+
+def test_store_window_rope_and_norm_semantics(device):
+    """Reference semantics pinned independently: position 0 leaves the rope lanes unrotated."""
+    t = 3
+    kv, w, _, inv_freq = _rope_inputs(t, device)
+    pos = torch.zeros(t, dtype=torch.int32, device=device)
+    out = torch.empty(t, FMT.head_dim, dtype=torch.bfloat16, device=device)
+    _, pages = _fp8_buffer(device)
+    store_window(kv, w, 1e-6, pos, inv_freq, torch.full((t,), -1, device=device), pages, FMT, out=out, backend="triton")
+    xf = kv.float()
+    normed = (w * (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + 1e-6))).bfloat16()
+    assert (out.float() - normed.float()).abs().max() <= normed.float().abs().max() * 2**-7
+
+
+def test_hadamard_reference_is_orthonormal():
+    x = torch.randn(5, 128).bfloat16()
+    y = hadamard_reference(hadamard_reference(x))
+    assert torch.allclose(y.float(), x.float(), rtol=2**-6, atol=1e-2)
+
+
+def test_validation_errors(device):
+    _, pages = _fp8_buffer(device)
+    x = torch.zeros(2, FMT.head_dim, device=device)
+    with pytest.raises(ValueError, match="slots"):
+        store_fp8_entries(x, torch.zeros(2, dtype=torch.float32, device=device), pages, FMT)
+    with pytest.raises(ValueError, match="x"):
+        store_fp8_entries(x[:, :64], torch.zeros(2, dtype=torch.int32, device=device), pages, FMT)
+    _, kpages = _key_buffer(device)
+    with pytest.raises(ValueError, match="x"):
+        store_mxfp4_keys(
+            torch.zeros(2, 64, device=device), torch.zeros(2, dtype=torch.int32, device=device), kpages, KFMT
+        )
+    with pytest.raises(ValueError, match="backend"):
+        store_fp8_entries(x, torch.zeros(2, dtype=torch.int32, device=device), pages, FMT, backend="cuda")
