@@ -1,0 +1,270 @@
+"""Benchmark of the lightning-indexer read path: scores over paged keys, and top-k.
+
+    python benchmarks/bench_indexer.py --out benchmarks/results/indexer.jsonl     # H200
+    python benchmarks/bench_indexer.py --smoke                                   # CPU, interpreter, tiny
+
+Scores (decode: one query row per request, B requests, Hi = 64 heads x 128, every entry visible):
+contexts 4K / 128K / 1M tokens -> entries = ctx / 4 (up to 262,144), B = 1, 4, 8, pages of 64 entries
+scattered through a shared pool.  In one run, on the same data:
+
+- ``indexer_fp4``      Triton, 68-byte MXFP4 keys converted in registers;
+- ``indexer_fp4_dot_scaled``  the same with ``tl.dot_scaled`` doing the e2m1 operand (experiment;
+                       skipped with a message if it does not compile or is wrong);
+- ``indexer_fp8keys``  Triton, 132-byte FP8 keys (same values: built from the MXFP4 keys, exactly);
+- ``torch_fp8keys``    plain PyTorch eager: gather FP8 pages, dequantise to bf16, bmm, ReLU, weighted
+                       head sum (the baseline of both kernels); ``torch_compile_fp8keys`` when
+                       torch.compile works.
+
+bytes = B x entries x (68 | 132) + q + weights + scores written; roofline_s = bytes / 4.17e12.
+
+Top-k: k = 1024 and 512 over R x 262,144 fp32 scores (R = 1, 4, 8), Triton radix select vs
+``torch.topk`` (which does not order ties like ours; checked as a set).  bytes = one read of the scores.
+Also the whole step (FP4 scores + top-1024) vs PyTorch eager (scores + torch.topk) at 1M.
+
+Correctness is checked on each shape's data before timing (kernels vs the fp32 references).  Times are
+``triton.testing.do_bench`` medians on the GPU (perf_counter means under --smoke).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+from functools import partial
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import triton  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from dsv4.formats import FP8_DTYPE, MXFP4KeyFormat  # noqa: E402
+from dsv4.kernels.indexer import (  # noqa: E402
+    fp8_key_pages_from_mxfp4,
+    indexer_scores,
+    indexer_scores_fp8keys,
+    indexer_scores_reference,
+    topk_indices,
+    topk_indices_reference,
+)
+
+HBM_BYTES_PER_S = 4.17e12
+FMT = MXFP4KeyFormat()
+FP8_KEY_BYTES = FMT.dim * torch.finfo(FP8_DTYPE).bits // 8 + torch.finfo(torch.float32).bits // 8  # 132
+
+
+def timer(fn, smoke: bool) -> float:
+    if smoke:
+        fn()
+        t0 = time.perf_counter()
+        for _ in range(3):
+            fn()
+        return (time.perf_counter() - t0) / 3
+    return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e-3
+
+
+def make_problem(B: int, entries: int, H: int, bs: int, dev, gen):
+    """B requests of `entries` MXFP4 keys each, pages shuffled in one pool; q, weights for one row each."""
+    pages_per_req = triton.cdiv(entries, bs)
+    P = B * pages_per_req
+    flat = torch.empty(P * FMT.page_bytes(bs), dtype=torch.uint8, device=dev)
+    keys = FMT.key_pages(flat, P, bs)
+    # random codes (every e2m1 value) and scales around 1: valid MXFP4 keys of unit-ish size
+    keys.data.copy_(torch.randint(0, 256, keys.data.shape, device=dev, dtype=torch.uint8, generator=gen))
+    keys.scale.copy_(torch.randint(122, 127, keys.scale.shape, device=dev, dtype=torch.uint8, generator=gen))
+    perm = torch.randperm(P, device=dev, generator=gen).to(torch.int32)
+    block_table = perm.view(B, pages_per_req)
+    q = FMT.roundtrip(torch.randn(B, H, FMT.dim, device=dev, generator=gen), dtype=torch.bfloat16)
+    w = torch.rand(B, H, device=dev, generator=gen) * (FMT.dim**-0.5 * H**-0.5)
+    token_row = torch.arange(B, dtype=torch.int32, device=dev)
+    n_visible = torch.full((B,), entries, dtype=torch.int32, device=dev)
+    return keys, block_table, q, w, token_row, n_visible
+
+
+def torch_scores_fp8(q, w, fp8_keys, block_table, n: int):
+    """Plain PyTorch: gather each request's FP8 pages, dequantise to bf16, bmm, ReLU, weighted head sum."""
+    B = q.shape[0]
+    data = fp8_keys.data[block_table.long()]  # [B, pages, bs, 128] uint8
+    scale = fp8_keys.scale[block_table.long()]  # [B, pages, bs]
+    k = (data.view(FP8_DTYPE).to(torch.bfloat16) * scale.unsqueeze(-1).to(torch.bfloat16)).view(B, -1, FMT.dim)
+    logits = torch.bmm(q, k[:, :n].transpose(1, 2))  # [B, H, n]
+    return (torch.relu(logits.float()) * w[:, :, None]).sum(1)
+
+
+def env_info(dev) -> dict:
+    return {
+        "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu (TRITON_INTERPRET)",
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def record(rows, info, name, shape, t, nbytes, baseline=None, baseline_t=None, **extra):
+    row = {
+        "name": name,
+        **info,
+        "shape": shape,
+        "time_s": t,
+        "bytes": nbytes,
+        "roofline_s": nbytes / HBM_BYTES_PER_S,
+        "baseline": baseline,
+        "baseline_time_s": baseline_t,
+        **extra,
+    }
+    rows.append(row)
+    return row
+
+
+def check_close(out, ref, what):
+    inf_ok = torch.equal(torch.isneginf(out), torch.isneginf(ref))
+    fin = torch.isfinite(ref)
+    err = ((out[fin] - ref[fin]).abs() / (ref[fin].abs() + 1e-3)).max().item() if fin.any() else 0.0
+    if not inf_ok or err > 1e-4:
+        raise SystemExit(f"{what}: mismatch (inf pattern ok={inf_ok}, max rel err {err:.3g})")
+    return err
+
+
+def bench_scores(args, dev, info, rows, gen):
+    ctxs = [1024] if args.smoke else [4096, 131072, 1048576]
+    batches = [1, 2] if args.smoke else [1, 4, 8]
+    compiled = None
+    if not args.smoke and not args.no_compile:
+        try:
+            compiled = torch.compile(torch_scores_fp8, dynamic=False)
+        except Exception as e:  # pragma: no cover - depends on the machine
+            print(f"torch.compile unavailable: {e}")
+    for ctx in ctxs:
+        for B in batches:
+            with_step = ctx == ctxs[-1] and B == batches[len(batches) // 2]
+            compiled = bench_scores_shape(args, dev, info, rows, gen, ctx, B, compiled, with_step)
+
+
+def bench_scores_shape(args, dev, info, rows, gen, ctx, B, compiled, with_step):
+    """One (context, batch) shape: check, then time every variant.  Returns `compiled` (None once it fails)."""
+    entries = ctx // 4
+    H = args.heads
+    keys, bt, q, w, tr, nv = make_problem(B, entries, H, args.page, dev, gen)
+    fk = fp8_key_pages_from_mxfp4(keys)
+    kw = {"block_n": args.block_n, "tiles_per_program": args.tiles}
+    run_fp4 = partial(indexer_scores, q, w, keys, bt, tr, nv, entries, "triton", **kw)
+    run_fp8 = partial(indexer_scores_fp8keys, q, w, fk, bt, tr, nv, entries, "triton", **kw)
+    run_torch = partial(torch_scores_fp8, q, w, fk, bt, entries)
+
+    ref = indexer_scores_reference(q, w, keys, bt, tr, nv, entries)
+    err4 = check_close(run_fp4(), ref, f"fp4 ctx={ctx} B={B}")
+    err8 = check_close(run_fp8(), ref, f"fp8 ctx={ctx} B={B}")
+    torch_err = ((run_torch() - ref).abs().max() / ref.abs().max()).item()  # bf16 logits: loose
+    if torch_err > 2e-2:
+        raise SystemExit(f"torch baseline ctx={ctx} B={B}: rel err {torch_err:.3g}")
+    del ref
+
+    shape = {"ctx_tokens": ctx, "entries": entries, "B": B, "heads": H, "head_dim": FMT.dim, "page": args.page}
+    extra_bytes = q.numel() * q.element_size() + w.numel() * 4 + B * entries * 4
+    b4 = B * entries * FMT.entry_bytes + extra_bytes
+    b8 = B * entries * FP8_KEY_BYTES + extra_bytes
+    t_torch = timer(run_torch, args.smoke)
+    record(rows, info, "torch_fp8keys", shape, t_torch, b8)
+    if compiled is not None:
+        try:
+            run_c = partial(compiled, q, w, fk, bt, entries)
+            run_c()
+            record(rows, info, "torch_compile_fp8keys", shape, timer(run_c, False), b8, "torch_fp8keys", t_torch)
+        except Exception as e:  # pragma: no cover
+            print(f"torch.compile failed: {type(e).__name__}: {e}")
+            compiled = None
+    t4, t8 = timer(run_fp4, args.smoke), timer(run_fp8, args.smoke)
+    record(rows, info, "indexer_fp4", shape, t4, b4, "torch_fp8keys", t_torch, max_rel_err=err4)
+    record(rows, info, "indexer_fp8keys", shape, t8, b8, "torch_fp8keys", t_torch, max_rel_err=err8)
+    try:  # experiment: let tl.dot_scaled lower the MXFP4 operand (performance.md "Leads")
+        run_ds = partial(indexer_scores, q, w, keys, bt, tr, nv, entries, "triton", impl="dot_scaled", **kw)
+        err_ds = check_close(run_ds(), indexer_scores_reference(q, w, keys, bt, tr, nv, entries), "dot_scaled")
+        t_ds = timer(run_ds, args.smoke)
+        record(rows, info, "indexer_fp4_dot_scaled", shape, t_ds, b4, "torch_fp8keys", t_torch, max_rel_err=err_ds)
+    except (Exception, SystemExit) as e:  # noqa: BLE001 - an optional variant must not stop the run
+        print(f"indexer_fp4_dot_scaled ctx={ctx} B={B} skipped: {type(e).__name__}: {str(e)[:200]}")
+
+    if with_step:  # the whole selection step: scores + top-k
+        k = min(1024, entries)
+
+        def step_fp4():
+            return topk_indices(run_fp4(), k, nv, "triton")
+
+        def step_torch():
+            return torch.topk(run_torch(), k, dim=1).indices
+
+        t_step_torch = timer(step_torch, args.smoke)
+        record(rows, info, "torch_scores_topk", {**shape, "k": k}, t_step_torch, b8)
+        t_step = timer(step_fp4, args.smoke)
+        record(rows, info, "indexer_fp4_topk", {**shape, "k": k}, t_step, b4, "torch_scores_topk", t_step_torch)
+    return compiled
+
+
+def bench_topk(args, dev, info, rows, gen):
+    n = 2048 if args.smoke else 262144
+    for k in [64] if args.smoke else [1024, 512]:
+        for R in [2] if args.smoke else [1, 4, 8]:
+            s = torch.randn(R, n, device=dev, generator=gen)
+            nv = torch.full((R,), n, dtype=torch.int32, device=dev)
+            run = partial(topk_indices, s, k, nv, "triton")
+            base = partial(torch.topk, s, k, dim=1)
+            got = run()
+            if not torch.equal(got, topk_indices_reference(s, k, nv)):
+                raise SystemExit(f"topk R={R} k={k}: differs from the reference")
+            if not torch.equal(got.long().sort(1).values, base().indices.sort(1).values):
+                raise SystemExit(f"topk R={R} k={k}: set differs from torch.topk")
+            t_base = timer(base, args.smoke)
+            shape = {"rows": R, "n": n, "k": k}
+            nbytes = R * n * 4 + R * k * 4
+            record(rows, info, "torch_topk", shape, t_base, nbytes)
+            record(rows, info, "topk_radix", shape, timer(run, args.smoke), nbytes, "torch_topk", t_base)
+
+
+def print_table(rows):
+    print(f"{'name':24} {'shape':52} {'time_us':>10} {'roofline_us':>12} {'%roof':>6} {'vs baseline':>12}")
+    for r in rows:
+        sh = ",".join(f"{k}={v}" for k, v in r["shape"].items() if k not in ("head_dim", "page"))
+        pct = 100 * r["roofline_s"] / r["time_s"]
+        vs = f"{r['baseline_time_s'] / r['time_s']:.2f}x" if r["baseline_time_s"] else ""
+        print(f"{r['name']:24} {sh:52} {r['time_s'] * 1e6:10.1f} {r['roofline_s'] * 1e6:12.1f} {pct:6.1f} {vs:>12}")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", help="append JSON lines here")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes, CPU/interpreter allowed")
+    ap.add_argument("--heads", type=int, default=64)
+    ap.add_argument("--page", type=int, default=64, help="entries per page")
+    ap.add_argument("--block-n", type=int, default=None, help="scores kernel: entries per tile")
+    ap.add_argument("--tiles", type=int, default=None, help="scores kernel: tiles per program")
+    ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
+    ap.add_argument("--only", choices=["scores", "topk"], default=None)
+    args = ap.parse_args(argv)
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if dev.type == "cpu" and not args.smoke:
+        raise SystemExit("no CUDA device: run with --smoke")
+    if args.smoke:
+        args.heads = min(args.heads, 16)
+        args.page = min(args.page, 16)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    info = env_info(dev)
+    rows: list[dict] = []
+    if args.only in (None, "scores"):
+        bench_scores(args, dev, info, rows, gen)
+    if args.only in (None, "topk"):
+        bench_topk(args, dev, info, rows, gen)
+    if args.out:
+        with open(args.out, "a") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+    print_table(rows)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,373 @@
+"""Sparse attention over FP8 cache entries: the read path of every DeepSeek-V4 attention layer (spec §2 step 4).
+
+For each query row ``t`` and head ``h`` the keys are the entries named by the index rows of one or more
+caches (typically the window ring and the compressed pool).  K = V = the dequantised 512-d entry (one
+latent shared by all heads: MQA).  With ``s_j = (q_th . k_j) * scale`` in fp32 over the valid entries
+``j`` of *all* caches together, and the per-head sink logit ``sink_h`` (denominator only)::
+
+    M      = max(max_j s_j, sink_h)
+    denom  = sum_j exp(s_j - M) + exp(sink_h - M)
+    out    = sum_j exp(s_j - M) * v_j / denom                (bf16)
+    lse    = M + log(denom) = log(sum_j exp(s_j) + exp(sink_h))   (fp32, natural log, sink included)
+
+A row with no valid entry gives ``out = 0`` and ``lse = sink_h`` (``-inf`` if the sink is ``-inf``,
+e.g. a padded head).  An index is valid iff ``0 <= slot < pages.num_slots``; ``-1`` (and any other
+out-of-range value) is skipped and never read.  Duplicated slots are attended as often as they occur.
+
+Numerics.  The reference is a plain fp32 softmax over exactly dequantised entries.  The Triton kernel
+keeps an fp32 online softmax (running max and sum in fp32, sum over the unrounded probabilities) and
+rounds the probabilities to bf16 for the P.V product, as the official kernel does (spec §12); the two
+agree to bf16 level.
+
+Kernel design (sm90; ``_triton_sparse_attention.py``)
+-----------------------------------------------------
+- Grid ``(T, cdiv(H, BLOCK_H), splits)``.  A program owns one query row and BLOCK_H heads, keeps
+  ``q`` [BLOCK_H, 512] bf16 and ``acc`` [BLOCK_H, 512] fp32, and walks key blocks of BLOCK_N entries.
+  Each block is gathered ONCE for all heads of the program: the nope part is loaded as
+  [BLOCK_N, 8, 64] (7 FP8 tiles + the slot of the rope tile), converted e4m3 -> fp32 and multiplied by
+  its per-tile UE8M0 scale (``2**(b-127)`` built from exponent bits), the bf16 rope part fills the 8th
+  tile, and the result (exact in bf16) is reshaped to [BLOCK_N, 512].  QK^T is one ``tl.dot`` of
+  [BLOCK_H, 512] x [512, BLOCK_N] and P.V one ``tl.dot`` of [BLOCK_H, BLOCK_N] x [BLOCK_N, 512]; the
+  same register tile serves as K and V, so an entry's bytes are read once per (row, head block).
+- FP8 is passed to Triton as ``float8_e4m3fn`` (``tl.float8e4nv`` on sm90; the interpreter of
+  triton >= 3.9 loads it too and its fp8 -> fp32 conversion is exact on both).  Two interpreter
+  defects are worked around behind the constexpr ``INTERPRETER`` (set for CPU tensors): its ``tl.dot``
+  multiplies the raw bits of bf16 operands (so the operands are upcast to fp32 there) and its
+  fp32 -> bf16 cast truncates (so P and the output are rounded to nearest-even on the bits first).
+  The GPU path uses the bf16 MMA and the hardware cast.
+- Up to two caches go into one launch: the key blocks of cache A, then those of cache B, form one
+  sequence of blocks; a split takes a contiguous range of it.  More than two caches are launched in
+  pairs, always through the split workspace.
+- Flash-decoding: when ``T * head_blocks`` programs cannot fill the GPU and the key lists are long
+  (HCA with up to 8192 entries), the block sequence is split across programs.  The split count is
+  chosen on the host from the *static* index shapes (no device sync; see ``choose_num_splits``); each
+  split writes (max, sum, acc) in fp32 to a workspace, and ``_sparse_attn_combine`` merges them and
+  adds the sink.
+- Register budget: acc 16x512 fp32 + q 16x512 bf16 + one 32x512 key tile at BLOCK_H=16, BLOCK_N=32,
+  8 warps.  BLOCK_H, BLOCK_N, num_warps and num_stages are overridable through
+  ``sparse_attention_triton`` (the benchmark sweeps them).
+- Prefill is the same kernel with T = chunk tokens: every row carries its own index rows.
+- Kernel preconditions: the entry geometry has ``n_tiles + 1`` a power of two and ``rope_dim == tile``
+  (true for the V4 format: 7 FP8 tiles of 64 + 64 rope dims); otherwise ``backend="auto"`` runs the
+  reference.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from dsv4.errors import check_tensor
+from dsv4.formats.fp8_entry import FP8_DTYPE, ROPE_DTYPE, EntryPages, FP8EntryFormat
+from dsv4.kernels.dispatch import use_triton
+
+__all__ = [
+    "MIN_KEYS_PER_SPLIT",
+    "choose_num_splits",
+    "sparse_attention",
+    "sparse_attention_reference",
+    "sparse_attention_triton",
+]
+
+Cache = tuple[EntryPages, torch.Tensor]
+
+DEFAULT_BLOCK_H = 16
+DEFAULT_BLOCK_N = 32
+DEFAULT_NUM_WARPS = 8
+DEFAULT_NUM_STAGES = 1
+MIN_KEYS_PER_SPLIT = 128  # below this a split's fixed cost (q load, partial write) dominates
+DEFAULT_NUM_SMS = 132  # H200; used when no CUDA device is present (interpreter)
+
+
+# ---------------------------------------------------------------------------- validation
+def _entry_format(pages: EntryPages) -> FP8EntryFormat:
+    """The entry format these pages were made with (derived from the view shapes)."""
+    nope_dim, rope_dim, n_tiles = pages.nope.shape[-1], pages.rope.shape[-1], pages.scale.shape[-1]
+    if n_tiles <= 0 or nope_dim % n_tiles:
+        raise ValueError(f"pages.scale: expected a divisor of nope dim {nope_dim} tiles, got {n_tiles}")
+    return FP8EntryFormat(head_dim=nope_dim + rope_dim, rope_dim=rope_dim, tile=nope_dim // n_tiles)
+
+
+def _validate(
+    q: torch.Tensor, caches: Sequence[Cache], sink: torch.Tensor, scale: float, out: torch.Tensor | None
+) -> list[FP8EntryFormat]:
+    check_tensor("q", q, dtype=torch.bfloat16, ndim=3)
+    T, H, D = q.shape
+    check_tensor("sink", sink, dtype=torch.float32, shape=[H], device=q.device)
+    if not isinstance(scale, (int, float)) or isinstance(scale, bool):
+        raise ValueError(f"scale: expected a Python float, got {type(scale).__name__}")
+    if out is not None:
+        check_tensor("out", out, dtype=torch.bfloat16, shape=[T, H, D], device=q.device)
+    if len(caches) == 0:
+        raise ValueError("caches: expected at least one (pages, idx) pair, got none")
+    fmts = []
+    for i, cache in enumerate(caches):
+        if not (isinstance(cache, (tuple, list)) and len(cache) == 2):
+            raise ValueError(f"caches[{i}]: expected a (EntryPages, idx) pair, got {type(cache).__name__}")
+        pages, idx = cache
+        if not isinstance(pages, EntryPages):
+            raise ValueError(f"caches[{i}][0]: expected EntryPages, got {type(pages).__name__}")
+        check_tensor(f"caches[{i}].nope", pages.nope, dtype=FP8_DTYPE, ndim=3, device=q.device)
+        P, bs = pages.nope.shape[:2]
+        check_tensor(f"caches[{i}].rope", pages.rope, dtype=ROPE_DTYPE, shape=[P, bs, None], device=q.device)
+        check_tensor(f"caches[{i}].scale", pages.scale, dtype=torch.uint8, shape=[P, bs, None], device=q.device)
+        check_tensor(f"caches[{i}].idx", idx, dtype=torch.int32, shape=[T, None], device=q.device)
+        fmt = _entry_format(pages)
+        if fmt.head_dim != D:
+            raise ValueError(f"caches[{i}]: expected entries of head dim {D} (q's last dim), got {fmt.head_dim}")
+        fmts.append(fmt)
+    return fmts
+
+
+def _kernel_supports(fmt: FP8EntryFormat) -> bool:
+    n = fmt.n_tiles + 1
+    return fmt.rope_dim == fmt.tile and n & (n - 1) == 0 and fmt.tile & (fmt.tile - 1) == 0
+
+
+# ---------------------------------------------------------------------------- public op
+def sparse_attention(
+    q: torch.Tensor,
+    caches: Sequence[Cache],
+    sink: torch.Tensor,
+    scale: float,
+    backend: str = "auto",
+    out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One softmax with sink over the entries of several FP8 caches, for every query row and head.
+
+    Args:
+        q: [T, H, D] bf16 queries (T rows: decode requests, verify tokens or prefill-chunk tokens).
+        caches: sequence of ``(pages, idx)``; ``pages`` is an ``EntryPages`` (MODEL1 FP8 layout, entries
+            of D = 512 dims), ``idx`` [T, K_c] int32 physical slots (``page * bs + row``) per query row,
+            ``-1`` (or any slot outside ``[0, pages.num_slots)``) = skip.  K_c may be 0.
+        sink: [H] fp32 per-head sink logit (denominator only).
+        scale: softmax scale applied to q.k (DeepSeek-V4: ``head_dim ** -0.5``).
+        backend: ``"auto" | "torch" | "triton"`` (see ``dsv4.kernels.dispatch``).
+        out: optional [T, H, D] bf16 tensor to write the output into (returned).
+
+    Returns:
+        ``(out [T, H, D] bf16, lse [T, H] fp32)`` with ``lse = log(sum_j exp(s_j) + exp(sink_h))``
+        (natural log, sink included).  Rows without a valid entry give out = 0, lse = sink.
+    Only metadata is validated (no host sync).
+    """
+    fmts = _validate(q, caches, sink, scale, out)
+    tensors = [q, sink] + [t for pages, idx in caches for t in (*pages, idx)]
+    has_kernel = all(_kernel_supports(f) for f in fmts)
+    if use_triton(backend, *tensors, has_kernel=has_kernel):
+        return sparse_attention_triton(q, caches, sink, scale, out=out)
+    return sparse_attention_reference(q, caches, sink, scale, out=out)
+
+
+# ---------------------------------------------------------------------------- reference
+def gather_entries(pages: EntryPages, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dequantised entries at ``idx`` [T, K] and their validity: (values [T, K, D] bf16, valid [T, K] bool).
+
+    Invalid slots (``-1`` or out of range) read slot 0 of an empty-safe view and are flagged False.
+    """
+    fmt = _entry_format(pages)
+    valid = (idx >= 0) & (idx < pages.num_slots)
+    T, K = idx.shape
+    if pages.num_slots == 0:
+        return torch.zeros(T, K, fmt.head_dim, dtype=torch.bfloat16, device=idx.device), valid
+    slot = torch.where(valid, idx, 0).long()
+    page, row = slot // pages.entries_per_page, slot % pages.entries_per_page
+    nope = pages.nope.view(torch.uint8)[page, row].view(FP8_DTYPE)  # index via uint8: fp8 indexing is patchy
+    values = fmt.dequantize(nope, pages.rope[page, row], pages.scale[page, row])
+    return values, valid
+
+
+def sparse_attention_reference(
+    q: torch.Tensor,
+    caches: Sequence[Cache],
+    sink: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PyTorch reference of ``sparse_attention`` (same arguments and results; any device).
+
+    Gathers and dequantises every indexed entry through the format, then one fp32 softmax with the
+    sink over all caches together.
+    """
+    T, H, D = q.shape
+    logits, values = [], []
+    for pages, idx in caches:
+        v, valid = gather_entries(pages, idx)
+        v = v.float()  # [T, K, D]
+        s = torch.einsum("thd,tkd->thk", q.float(), v) * scale
+        logits.append(s.masked_fill(~valid[:, None, :], float("-inf")))
+        values.append(v)
+    s = torch.cat(logits, dim=-1)  # [T, H, sum K]
+    v = torch.cat(values, dim=1)  # [T, sum K, D]
+    sink_col = sink.float()[None, :].expand(T, H)
+    m = torch.maximum(s.amax(-1), sink_col) if s.shape[-1] else sink_col
+    m = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
+    p = torch.exp(s - m[..., None])
+    denom = p.sum(-1) + torch.exp(sink_col - m)
+    o = torch.einsum("thk,tkd->thd", p, v) / torch.where(denom > 0, denom, torch.ones_like(denom))[..., None]
+    lse = m + torch.log(denom)
+    if out is None:
+        out = torch.empty_like(q)
+    out.copy_(o.to(torch.bfloat16))
+    return out, lse
+
+
+# ---------------------------------------------------------------------------- triton host side
+def choose_num_splits(
+    rows: int, head_blocks: int, total_blocks: int, block_n: int, num_sms: int = DEFAULT_NUM_SMS
+) -> int:
+    """Key splits per (row, head block): enough programs for ~2 waves, each split >= MIN_KEYS_PER_SPLIT keys.
+
+    Host-only arithmetic on static shapes (no device sync).  Returns 1 when no split is needed.
+    """
+    if total_blocks <= 1:
+        return 1
+    want = math.ceil(2 * num_sms / max(1, rows * head_blocks))
+    most = max(1, total_blocks // max(1, math.ceil(MIN_KEYS_PER_SPLIT / block_n)))
+    return max(1, min(want, most, total_blocks))
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return DEFAULT_NUM_SMS
+
+
+def _cache_args(pages: EntryPages, idx: torch.Tensor, block_n: int) -> list:
+    keys = idx.shape[1]
+    return [
+        pages.nope,
+        pages.rope,
+        pages.scale,
+        idx,
+        pages.nope.stride(0),
+        pages.nope.stride(1),
+        pages.rope.stride(0),
+        pages.rope.stride(1),
+        pages.scale.stride(0),
+        pages.scale.stride(1),
+        idx.stride(0),
+        keys,
+        pages.entries_per_page,
+        pages.num_slots,
+        -(-keys // block_n),
+    ]
+
+
+def sparse_attention_triton(
+    q: torch.Tensor,
+    caches: Sequence[Cache],
+    sink: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+    *,
+    num_splits: int | None = None,
+    block_h: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton path of ``sparse_attention`` (arguments validated by the caller).
+
+    Tuning knobs (keyword-only): ``num_splits`` key splits per (row, head block) for each launch (None:
+    ``choose_num_splits``), ``block_h`` heads per program (>= 16), ``block_n`` keys per block (>= 16),
+    ``num_warps``, ``num_stages``.  Works on CUDA tensors and, under ``TRITON_INTERPRET=1``, on CPU tensors.
+    """
+    from dsv4.kernels.attention._triton_sparse_attention import LOG2E, _sparse_attn_combine, _sparse_attn_fwd
+
+    T, H, D = q.shape
+    fmt = _entry_format(caches[0][0])
+    block_h = block_h or DEFAULT_BLOCK_H
+    block_n = block_n or DEFAULT_BLOCK_N
+    kw = {"num_warps": num_warps or DEFAULT_NUM_WARPS, "num_stages": num_stages or DEFAULT_NUM_STAGES}
+    if out is None:
+        out = torch.empty_like(q)
+    lse = torch.empty(T, H, dtype=torch.float32, device=q.device)
+    if T == 0 or H == 0:
+        return out, lse
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if out.stride(-1) != 1:
+        res, lse = sparse_attention_triton(
+            q, caches, sink, scale, None, num_splits=num_splits, block_h=block_h, block_n=block_n
+        )
+        out.copy_(res)
+        return out, lse
+    caches = [(pages, idx if idx.stride(-1) == 1 else idx.contiguous()) for pages, idx in caches]
+    sink = sink.contiguous()
+    head_blocks = -(-H // block_h)
+    groups = [caches[i : i + 2] for i in range(0, len(caches), 2)]
+    group_blocks = [sum(-(-idx.shape[1] // block_n) for _, idx in g) for g in groups]
+    if num_splits is None:
+        sms = _num_sms(q.device)
+        splits = [choose_num_splits(T, head_blocks, nb, block_n, sms) for nb in group_blocks]
+    else:
+        splits = [max(1, int(num_splits))] * len(groups)
+    use_ws = len(groups) > 1 or splits[0] > 1
+    ws_splits = sum(splits)
+    if use_ws:
+        ws_m = torch.empty(T, H, ws_splits, dtype=torch.float32, device=q.device)
+        ws_l = torch.empty_like(ws_m)
+        ws_acc = torch.empty(T, H, ws_splits, D, dtype=torch.float32, device=q.device)
+    else:
+        ws_m = ws_l = ws_acc = lse  # unused placeholders
+    qk_scale_log2 = float(scale) * LOG2E
+    interp = q.device.type != "cuda"  # CPU tensors only run under TRITON_INTERPRET=1
+    offset = 0
+    for group, nb, ns in zip(groups, group_blocks, splits, strict=True):
+        a = _cache_args(*group[0], block_n)
+        b = _cache_args(*group[1], block_n) if len(group) == 2 else a[:11] + [0, 1, 0, 0]
+        bps = max(1, -(-nb // ns))
+        _sparse_attn_fwd[(T, head_blocks, ns)](
+            q,
+            q.stride(0),
+            q.stride(1),
+            sink,
+            *a,
+            *b,
+            out,
+            out.stride(0),
+            out.stride(1),
+            lse,
+            lse.stride(0),
+            lse.stride(1),
+            ws_m,
+            ws_l,
+            ws_acc,
+            ws_splits,
+            offset,
+            bps,
+            H,
+            qk_scale_log2,
+            BLOCK_H=block_h,
+            BLOCK_N=block_n,
+            TILE=fmt.tile,
+            N_TILES=fmt.n_tiles + 1,
+            NOPE_TILES=fmt.n_tiles,
+            HAS_B=len(group) == 2,
+            SPLIT=use_ws,
+            INTERPRETER=interp,
+            **kw,
+        )
+        offset += ns
+    if use_ws:
+        _sparse_attn_combine[(T, H)](
+            ws_m,
+            ws_l,
+            ws_acc,
+            ws_splits,
+            sink,
+            out,
+            out.stride(0),
+            out.stride(1),
+            lse,
+            lse.stride(0),
+            lse.stride(1),
+            H,
+            D=D,
+            BLOCK_S=max(1, 1 << (ws_splits - 1).bit_length()),
+            INTERPRETER=interp,
+            num_warps=4,
+        )
+    return out, lse

@@ -1,0 +1,25 @@
+"""Lightning indexer read path: scores over paged FP4 (or FP8) keys, top-k selection, logical -> physical."""
+
+from dsv4.kernels.indexer.scores import (
+    FP8KeyPages,
+    fp8_key_pages,
+    fp8_key_pages_from_mxfp4,
+    indexer_scores,
+    indexer_scores_fp8keys,
+    indexer_scores_fp8keys_reference,
+    indexer_scores_reference,
+)
+from dsv4.kernels.indexer.topk import to_physical, topk_indices, topk_indices_reference
+
+__all__ = [
+    "FP8KeyPages",
+    "fp8_key_pages",
+    "fp8_key_pages_from_mxfp4",
+    "indexer_scores",
+    "indexer_scores_fp8keys",
+    "indexer_scores_fp8keys_reference",
+    "indexer_scores_reference",
+    "to_physical",
+    "topk_indices",
+    "topk_indices_reference",
+]

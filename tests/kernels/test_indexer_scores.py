@@ -1,0 +1,226 @@
+"""Indexer scores over paged MXFP4 / FP8 keys: Triton kernel (interpreter on the CPU) vs PyTorch reference."""
+
+import pytest
+import torch
+
+from dsv4.formats import FP8_DTYPE, KeyPages, MXFP4KeyFormat
+from dsv4.kernels.indexer import (
+    fp8_key_pages,
+    fp8_key_pages_from_mxfp4,
+    indexer_scores,
+    indexer_scores_fp8keys,
+    indexer_scores_reference,
+)
+
+FMT = MXFP4KeyFormat()
+RTOL = ATOL = 1e-5  # fp32 accumulation in another order than the reference (products are exact)
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def make_keys(num_pages, bs, *, random_bytes=False, gen=None, device="cpu"):
+    """KeyPages in a real flat page buffer.  random_bytes: every e2m1 code (incl. -0) and varied scales."""
+    flat = torch.zeros(num_pages * FMT.page_bytes(bs), dtype=torch.uint8, device=device)
+    kp = FMT.key_pages(flat, num_pages, bs)
+    if random_bytes:
+        kp.data.copy_(torch.randint(0, 256, kp.data.shape, generator=gen, dtype=torch.uint8))
+        kp.scale.copy_(torch.randint(110, 140, kp.scale.shape, generator=gen, dtype=torch.uint8))
+    else:
+        d, s = FMT.quantize(torch.randn(num_pages, bs, FMT.dim, generator=gen))
+        kp.data.copy_(d)
+        kp.scale.copy_(s)
+    return kp
+
+
+def make_query(T, H, gen):
+    q = FMT.roundtrip(torch.randn(T, H, FMT.dim, generator=gen), dtype=torch.bfloat16)
+    w = torch.rand(T, H, generator=gen) * (FMT.dim**-0.5 * H**-0.5)
+    return q, w
+
+
+def assert_scores_close(out, ref):
+    assert out.shape == ref.shape and out.dtype == torch.float32
+    assert torch.equal(torch.isneginf(out), torch.isneginf(ref))
+    fin = torch.isfinite(ref)
+    torch.testing.assert_close(out[fin], ref[fin], rtol=RTOL, atol=ATOL)
+
+
+def brute_force(q, w, kp, bt, tr, nv, n):
+    """Loop definition of the score, one key at a time."""
+    bs = kp.entries_per_page
+    out = torch.full((q.shape[0], n), float("-inf"))
+    for t in range(q.shape[0]):
+        for j in range(int(nv[t])):
+            page = int(bt[int(tr[t]), j // bs])
+            k = FMT.dequantize(kp.data[page, j % bs], kp.scale[page, j % bs])
+            out[t, j] = (w[t] * torch.relu(q[t].float() @ k)).sum()
+    return out
+
+
+@pytest.mark.parametrize("H", [4, 8])
+@pytest.mark.parametrize("random_bytes", [False, True])
+def test_reference_matches_loop_definition(H, random_bytes):
+    g = torch.Generator().manual_seed(1)
+    kp = make_keys(5, 8, random_bytes=random_bytes, gen=g)
+    q, w = make_query(3, H, g)
+    bt = torch.tensor([[4, 0, 2, 3], [1, 3, -1, -1]], dtype=torch.int32)
+    tr = torch.tensor([0, 1, 0], dtype=torch.int32)
+    nv = torch.tensor([27, 16, 5], dtype=torch.int32)
+    ref = indexer_scores(q, w, kp, bt, tr, nv, 30, backend="torch")
+    assert_scores_close(ref, brute_force(q, w, kp, bt, tr, nv, 30))
+
+
+CASES = {
+    # name: (pages, bs, block_table rows, token_row, n_visible, N)
+    "several_pages": (7, 16, [[3, 0, 6, 1, 5, 2]], [0, 0, 0], [96, 50, 17], 96),
+    "nvis_zero_and_short": (6, 16, [[2, 4, 0, -1, -1], [5, 1, -1, -1, -1]], [0, 1, 1, 0], [0, 20, 32, 48], 80),
+    "minus_one_beyond_visible": (4, 32, [[1, 3, -1, -1, -1, -1, -1, -1, -1, -1]], [0, 0], [64, 40], 300),
+    "table_shorter_than_N": (3, 8, [[2, 0]], [0], [16], 40),
+}
+
+
+@pytest.mark.parametrize("H", [4, 8])
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("tiling", [(None, None), (16, 3)])
+@pytest.mark.parametrize("impl", ["convert", "dot_scaled"])
+def test_mxfp4_kernel_matches_reference(H, case, tiling, impl):
+    pages, bs, bt_rows, tr, nv, n = CASES[case]
+    g = torch.Generator().manual_seed(hash(case) % 1000 + H)
+    kp = make_keys(pages, bs, random_bytes=(H == 8), gen=g)
+    q, w = make_query(len(tr), H, g)
+    bt = torch.tensor(bt_rows, dtype=torch.int32)
+    tr = torch.tensor(tr, dtype=torch.int32)
+    nv = torch.tensor(nv, dtype=torch.int32)
+    ref = indexer_scores(q, w, kp, bt, tr, nv, n, backend="torch")
+    out = indexer_scores(
+        q, w, kp, bt, tr, nv, n, backend="triton", block_n=tiling[0], tiles_per_program=tiling[1], impl=impl
+    )
+    assert_scores_close(out, ref)
+    # invisible columns are -inf, visible ones finite
+    j = torch.arange(n)
+    assert torch.isneginf(out[j[None, :] >= nv[:, None]]).all()
+    assert torch.isfinite(out[j[None, :] < nv[:, None]]).all()
+
+
+def test_every_code_and_sign_is_decoded():
+    """One key per e2m1 code at several scales: each score equals the decoded value of that code."""
+    codes = torch.arange(16, dtype=torch.uint8)
+    bs = 16
+    kp = make_keys(3, bs)
+    kp.data.zero_()
+    for p, sbyte in enumerate([120, 127, 133]):
+        kp.data[p, :, 0] = codes  # element 0 of key r is code r (low nibble); element 1 is +0
+        kp.scale[p] = sbyte
+    # two heads: +e_0 and -e_0, weights 1 and -1 -> score = relu(k_0) - relu(-k_0) = k_0
+    q = torch.zeros(1, 2, FMT.dim, dtype=torch.bfloat16)
+    q[0, 0, 0], q[0, 1, 0] = 1.0, -1.0
+    w = torch.tensor([[1.0, -1.0]])
+    bt = torch.tensor([[0, 1, 2]], dtype=torch.int32)
+    n = 3 * bs
+    args = (bt, torch.zeros(1, dtype=torch.int32), torch.tensor([n], dtype=torch.int32), n)
+    out = indexer_scores(q, w, kp, *args, backend="triton")
+    want = torch.cat([FMT.dequantize(kp.data[p], kp.scale[p])[:, 0] for p in range(3)])
+    assert torch.equal(out[0], want)
+
+
+def test_page_minus_one_inside_visible_scores_minus_inf():
+    """A -1 page inside the visible range (a caller bug) is skipped (-inf), never read, in both backends."""
+    g = torch.Generator().manual_seed(2)
+    kp = make_keys(2, 8, gen=g)
+    q, w = make_query(1, 4, g)
+    bt = torch.tensor([[0, -1, 1]], dtype=torch.int32)
+    args = (bt, torch.zeros(1, dtype=torch.int32), torch.tensor([24], dtype=torch.int32), 24)
+    for backend in ("torch", "triton"):
+        out = indexer_scores(q, w, kp, *args, backend=backend)
+        assert torch.isneginf(out[0, 8:16]).all() and torch.isfinite(out[0, :8]).all()
+        assert torch.isfinite(out[0, 16:]).all()
+
+
+def test_fp8_helper_is_exact_on_mxfp4_keys():
+    g = torch.Generator().manual_seed(3)
+    kp = make_keys(3, 16, gen=g)
+    fk = fp8_key_pages_from_mxfp4(kp)
+    assert fk.data.dtype == torch.uint8 and fk.data.shape == (3, 16, FMT.dim)
+    assert fk.scale.dtype == torch.float32 and fk.scale.shape == (3, 16)
+    deq = fk.data.view(FP8_DTYPE).float() * fk.scale.unsqueeze(-1)
+    assert torch.equal(deq, FMT.dequantize(kp.data, kp.scale))
+
+
+@pytest.mark.parametrize("H", [4, 8])
+@pytest.mark.parametrize("case", ["several_pages", "nvis_zero_and_short"])
+def test_fp8_kernel_matches_reference(H, case):
+    pages, bs, bt_rows, tr, nv, n = CASES[case]
+    g = torch.Generator().manual_seed(7 + H)
+    fk = fp8_key_pages(torch.randn(pages, bs, FMT.dim, generator=g) * 3)
+    q, w = make_query(len(tr), H, g)
+    args = (
+        torch.tensor(bt_rows, dtype=torch.int32),
+        torch.tensor(tr, dtype=torch.int32),
+        torch.tensor(nv, dtype=torch.int32),
+        n,
+    )
+    ref = indexer_scores_fp8keys(q, w, fk, *args, backend="torch")
+    out = indexer_scores_fp8keys(q, w, fk, *args, backend="triton")
+    assert_scores_close(out, ref)
+
+
+def test_fp8_and_mxfp4_kernels_agree_on_same_keys():
+    pages, bs, bt_rows, tr, nv, n = CASES["several_pages"]
+    g = torch.Generator().manual_seed(11)
+    kp = make_keys(pages, bs, gen=g)
+    q, w = make_query(len(tr), 8, g)
+    args = (
+        torch.tensor(bt_rows, dtype=torch.int32),
+        torch.tensor(tr, dtype=torch.int32),
+        torch.tensor(nv, dtype=torch.int32),
+        n,
+    )
+    a = indexer_scores(q, w, kp, *args, backend="triton")
+    b = indexer_scores_fp8keys(q, w, fp8_key_pages_from_mxfp4(kp), *args, backend="triton")
+    assert_scores_close(a, b)
+
+
+def test_zero_columns_and_validation():
+    g = torch.Generator().manual_seed(0)
+    kp = make_keys(2, 8, gen=g)
+    q, w = make_query(2, 4, g)
+    bt = torch.tensor([[0, 1]], dtype=torch.int32)
+    tr = torch.zeros(2, dtype=torch.int32)
+    nv = torch.zeros(2, dtype=torch.int32)
+    assert indexer_scores(q, w, kp, bt, tr, nv, 0, backend="triton").shape == (2, 0)
+    with pytest.raises(ValueError, match="q"):
+        indexer_scores(q.float(), w, kp, bt, tr, nv, 8)
+    with pytest.raises(ValueError, match="weights"):
+        indexer_scores(q, w[:, :3], kp, bt, tr, nv, 8)
+    with pytest.raises(ValueError, match="max_entries"):
+        indexer_scores(q, w, kp, bt, tr, nv, torch.tensor(8))
+    with pytest.raises(ValueError, match="keys.scale"):
+        indexer_scores(q, w, KeyPages(kp.data, kp.scale[..., :2]), bt, tr, nv, 8)
+    with pytest.raises(ValueError, match="n_visible"):
+        indexer_scores(q, w, kp, bt, tr, nv.long(), 8)
+    with pytest.raises(ValueError, match="impl"):
+        indexer_scores(q, w, kp, bt, tr, nv, 8, impl="fast")
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("variant", ["convert", "dot_scaled", "fp8"])
+def test_gpu_kernel_matches_reference_large(variant):
+    g = torch.Generator().manual_seed(5)
+    pages, bs, T, H, n = 96, 64, 6, 64, 4000
+    kp = make_keys(pages, bs, gen=g)
+    q, w = make_query(T, H, g)
+    bt = torch.randperm(pages, generator=g).to(torch.int32).view(2, 48)
+    tr = torch.tensor([0, 1, 0, 1, 0, 1], dtype=torch.int32)
+    nv = torch.tensor([4000, 3999, 1, 0, 2500, 64], dtype=torch.int32)
+    dev = torch.device("cuda")
+    kp = KeyPages(kp.data.to(dev), kp.scale.to(dev))
+    args = [t.to(dev) for t in (q, w)]
+    rest = [t.to(dev) for t in (bt, tr, nv)]
+    if variant == "fp8":
+        fk = fp8_key_pages_from_mxfp4(kp)
+        out = indexer_scores_fp8keys(*args, fk, *rest, n, backend="triton")
+    else:
+        out = indexer_scores(*args, kp, *rest, n, backend="triton", impl=variant)
+    ref = indexer_scores_reference(*args, kp, *rest, n)
+    assert_scores_close(out.cpu(), ref.cpu())
