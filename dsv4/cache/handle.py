@@ -178,6 +178,82 @@ class LayerCacheHandle:
         )
         self._advance_ring_head()
 
+    def write_window(
+        self, kv_raw: torch.Tensor, norm_weight: torch.Tensor, inv_freq: torch.Tensor, backend: str = "auto"
+    ) -> torch.Tensor:
+        """Fused window write from the raw ``wkv`` output ``kv_raw`` [T, head_dim] bf16: kv_norm (weight
+        ``norm_weight``, the config's eps) -> RoPE(t) with ``inv_freq`` -> FP8 -> ring rows of the plan.
+
+        Returns the normed + RoPE'd bf16 rows [T, head_dim] (pre-FP8): the chunk's own window keys.
+        """
+        from dsv4.kernels.cache.append_swa import append_window
+
+        check_tensor("kv_raw", kv_raw, dtype=torch.bfloat16, shape=(self.plan.num_tokens, self.schema.config.head_dim))
+        kv = append_window(
+            kv_raw,
+            norm_weight,
+            self.schema.config.norm_eps,
+            inv_freq,
+            self.plan.swa_slots,
+            self.plan.positions,
+            self.state.ring,
+            self.state.ring_positions_flat,
+            self.schema.entry_fmt,
+            backend=backend,
+        )
+        self._advance_ring_head()
+        return kv
+
+    def update_compressor(
+        self, kv: torch.Tensor, score: torch.Tensor, which: str = "main", backend: str = "auto"
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Fold this step's compressor projections into the state; pool the entries that complete.
+
+        ``kv``/``score``: fp32 [T, c*d] (``wkv(x)``, ``wgate(x) + ape[pos mod m]``) of the main
+        (``which="main"``) or the CSA indexer's (``"indexer"``) compressor.  Returns (pooled fp32 [T, d],
+        emits bool [T]); see ``dsv4.kernels.cache.compressor.compressor_step``.
+        """
+        from dsv4.kernels.cache.compressor import compressor_step
+
+        st = self._compressor(which)
+        return compressor_step(
+            kv, score, self.plan.positions, self.plan.token_slots, st.kv, st.score,
+            st.shape.ratio, st.shape.overlap, decode=self.plan.is_decode, backend=backend,
+        )  # fmt: skip
+
+    def emit_compressed(
+        self,
+        pooled: torch.Tensor,
+        emits: torch.Tensor,
+        norm_weight: torch.Tensor,
+        inv_freq: torch.Tensor,
+        which: str = "main",
+        backend: str = "auto",
+    ) -> None:
+        """Finish (bf16 -> RMSNorm -> RoPE at i*m -> [Hadamard] -> FP8 | MXFP4) and store the pooled entries
+        of emitting tokens into the slots the plan assigned (``emit_slots``).  Allocates nothing."""
+        from dsv4.kernels.cache.compressor import emit_entries
+
+        rp = self._need_ratio("emit_compressed")
+        self._compressor(which)
+        if which == "main":
+            pages, fmt = self.paged.entries, self.schema.entry_fmt
+        else:
+            pages, fmt = self.paged.keys, self.schema.key_fmt
+        emit_entries(
+            pooled, emits, self.plan.positions, norm_weight, self.schema.config.norm_eps, inv_freq,
+            rp.emit_slots, pages, fmt, rp.ratio, kind=which, backend=backend,
+        )  # fmt: skip
+
+    def _compressor(self, which: str) -> CompressorState:
+        self._need_ratio("compressor")
+        if which not in ("main", "indexer"):
+            raise ValueError(f"which: expected 'main' or 'indexer', got {which!r}")
+        st = self.state.compressor if which == "main" else self.state.indexer_compressor
+        if st is None:
+            raise ValueError(f"which='indexer': layer {self.layer_id} is {self.kind.value}; only CSA has an indexer")
+        return st
+
     def _advance_ring_head(self) -> None:
         head = (self.plan.seq_lens % self.schema.ring_size).to(torch.int32)
         self.state.ring_head.index_copy_(0, self.plan.request_slots.long(), head)

@@ -314,6 +314,7 @@ class KVCacheManager:
         return StepPlan(
             epoch=self._epoch,
             request_keys=tuple(rid for rid, _ in items),
+            slot_ids=tuple(int(s) for s in slots),
             num_new_tokens=tuple(int(n) for n in counts),
             context_lens=tuple(int(s) for s in starts),
             request_slots=i32(slots),
@@ -321,6 +322,7 @@ class KVCacheManager:
             request_ids=i32(row),
             query_start=i32(qstart),
             seq_lens=i32(starts + counts),
+            token_slots=i32(slots[row]),
             swa_slots=i32(swa),
             ratios=ratios,
         )

@@ -54,18 +54,21 @@ class RatioPlan:
 class StepPlan:
     """One step's cache plan (see module docstring).  Build it with ``KVCacheManager.plan``.
 
-    Host fields: ``request_keys`` (the caller's ids, batch order), ``num_new_tokens`` and
-    ``context_lens`` (tokens cached before the step) per request, ``epoch`` (plans are single-use).
+    Host fields: ``request_keys`` (the caller's ids, batch order), ``slot_ids`` (their state slots),
+    ``num_new_tokens`` and ``context_lens`` (tokens cached before the step) per request, ``epoch``
+    (plans are single-use).
 
     Device fields (int32): ``request_slots`` [B] state slot of each request; ``positions`` [T];
     ``request_ids`` [T] batch row of each token (the seed's name); ``query_start`` [B+1];
-    ``seq_lens`` [B] tokens after the step; ``swa_slots`` [T] physical ring slot
+    ``seq_lens`` [B] tokens after the step; ``token_slots`` [T] state slot of each token's request;
+    ``swa_slots`` [T] physical ring slot
     (slot * ring_size + pos mod ring_size) the token's window KV goes to, -1 for tokens that are not
     among their request's last ring_size tokens of this step (so no two writes hit one row).
     """
 
     epoch: int
     request_keys: tuple[Hashable, ...]
+    slot_ids: tuple[int, ...]
     num_new_tokens: tuple[int, ...]
     context_lens: tuple[int, ...]
     request_slots: torch.Tensor
@@ -73,6 +76,7 @@ class StepPlan:
     request_ids: torch.Tensor
     query_start: torch.Tensor
     seq_lens: torch.Tensor
+    token_slots: torch.Tensor
     swa_slots: torch.Tensor
     ratios: dict[int, RatioPlan]
 

@@ -13,7 +13,7 @@ import torch
 
 from dsv4.errors import check_tensor
 from dsv4.formats import EntryPages, FP8EntryFormat
-from dsv4.kernels.cache.store import store_fp8_entries
+from dsv4.kernels.cache.store import store_fp8_entries, store_window
 
 
 def append_swa(
@@ -35,7 +35,39 @@ def append_swa(
     check_tensor("positions", positions, dtype=torch.int32, shape=(t,))
     check_tensor("ring_positions_flat", ring_positions_flat, dtype=torch.int32, shape=(ring.num_slots + 1,))
     store_fp8_entries(kv, swa_slots, ring, fmt, backend=backend)
-    scratch = ring.num_slots
+    record_ring_positions(swa_slots, positions, ring_positions_flat)
+
+
+def record_ring_positions(swa_slots: torch.Tensor, positions: torch.Tensor, ring_positions_flat: torch.Tensor) -> None:
+    """Set ``ring_positions_flat[swa_slots[i]] = positions[i]``; slots outside the table go to its last
+    (scratch) element, so there is no data-dependent branch and no host sync."""
+    scratch = ring_positions_flat.numel() - 1
     valid = (swa_slots >= 0) & (swa_slots < scratch)
     idx = torch.where(valid, swa_slots.long(), torch.full_like(swa_slots, scratch, dtype=torch.long))
-    ring_positions_flat.scatter_(0, idx, positions)
+    ring_positions_flat.scatter_(0, idx, positions.to(ring_positions_flat.dtype))
+
+
+def append_window(
+    kv_raw: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    inv_freq: torch.Tensor,
+    swa_slots: torch.Tensor,
+    positions: torch.Tensor,
+    ring: EntryPages,
+    ring_positions_flat: torch.Tensor,
+    fmt: FP8EntryFormat,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Fused window write from the raw ``wkv`` output: kv_norm -> RoPE(t) -> FP8 -> ring, positions recorded.
+
+    ``kv_raw`` [T, head_dim] bf16 (pre-norm).  Returns the normed + RoPE'd bf16 rows [T, head_dim] (before
+    FP8), which a prefill chunk's attention needs as its own keys.  See ``store_window``.
+    """
+    t = kv_raw.shape[0]
+    check_tensor("swa_slots", swa_slots, dtype=(torch.int32, torch.int64), shape=(t,))
+    check_tensor("ring_positions_flat", ring_positions_flat, dtype=torch.int32, shape=(ring.num_slots + 1,))
+    out = torch.empty_like(kv_raw)
+    store_window(kv_raw, norm_weight, eps, positions, inv_freq, swa_slots, ring, fmt, out=out, backend=backend)
+    record_ring_positions(swa_slots, positions, ring_positions_flat)
+    return out

@@ -1,0 +1,169 @@
+"""AttentionSubBlock: one DeepSeek-V4 attention layer that reads and writes its cache only through a
+``LayerCacheHandle`` (spec §2–4, §6.1), for every layer kind, any batch and any chunking.
+
+Order of one step (per layer)::
+
+    q path (wq_a -> q_norm -> wq_b -> per-head norm -> RoPE)            projections.query
+    [prefill] gather the ring's history rows into a workspace        <- before the ring is written
+    window KV: wkv -> kv_norm -> RoPE -> FP8 -> ring                    handle.write_window
+    [prefill] the chunk's own KV -> FP8 into the workspace
+    CSA/HCA: compressor projections -> state -> pooled -> entries       handle.update_compressor / emit_compressed
+    CSA: indexer compressor -> MXFP4 keys; indexer query; scores; top-k kernels.indexer
+    sparse attention: window + (top-k | all visible) entries + sink     kernels.attention.sparse_attention
+    inverse RoPE, grouped output projection                            projections.output_projection
+
+Window keys.  Decode (every request advances one token): the query at t reads ring rows of positions
+t-127..t directly (its own row was written first).  A step in which some request advances by more
+than one token (prefill chunk, mixed batch) first copies each request's last ``min(ctx, 127)`` ring
+rows into an FP8 workspace in the same MODEL1 format, then appends the chunk's own keys: inside a
+chunk longer than the window the ring would already hold newer tokens than an early query may see
+(the read-before-write hazard of design §2).  Both paths give the same FP8 values.
+
+Every operation dispatches through its own ``backend`` ("auto" | "torch" | "triton"); the sub-block
+passes its ``backend`` to all of them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from dsv4.cache.handle import LayerCacheHandle
+from dsv4.config import LayerKind, ModelConfig
+from dsv4.errors import check_tensor
+from dsv4.formats import EntryPages
+from dsv4.kernels.attention import sparse_attention
+from dsv4.kernels.cache.store import store_fp8_entries
+from dsv4.kernels.indexer import indexer_scores, to_physical, topk_indices
+from dsv4.model import functional as F
+from dsv4.model.projections import indexer_query, output_projection, query
+from dsv4.model.weights import AttentionWeights
+
+
+class AttentionSubBlock:
+    """One attention layer of ``cfg`` with weights ``w`` (see module docstring).
+
+    Args:
+        cfg: the model config; ``layer_id`` picks the layer kind and RoPE table.
+        w: the layer's weights (``dsv4.model.weights``), on the device the cache lives on.
+        backend: "auto" (Triton on CUDA, PyTorch on the CPU), "torch" or "triton".
+    """
+
+    def __init__(self, cfg: ModelConfig, layer_id: int, w: AttentionWeights, backend: str = "auto") -> None:
+        w.check(cfg, layer_id)
+        self.cfg, self.layer_id, self.w, self.backend = cfg, layer_id, w, backend
+        self.kind = cfg.layer_kind(layer_id)
+        self.ratio = cfg.ratio(layer_id)
+        self.inv_freq = F.rope_inv_freq(cfg, layer_id, w.device)
+        self.scale = cfg.head_dim**-0.5
+
+    def __call__(self, x: torch.Tensor, handle: LayerCacheHandle) -> torch.Tensor:
+        return self.forward(x, handle)
+
+    def forward(self, x: torch.Tensor, handle: LayerCacheHandle) -> torch.Tensor:
+        """x [T, dim] bf16, the step's tokens in plan order (after attn_norm) -> y [T, dim] bf16."""
+        cfg, w, be = self.cfg, self.w, self.backend
+        plan = handle.plan
+        check_tensor("x", x, dtype=torch.bfloat16, shape=(plan.num_tokens, cfg.dim), device=w.device)
+        if handle.layer_id != self.layer_id:
+            raise ValueError(f"handle: expected layer {self.layer_id}, got a handle of layer {handle.layer_id}")
+        pos = plan.positions
+        q, qr = query(cfg, w, x, pos[:, None], self.inv_freq)
+
+        kv_raw = F.linear(x, w.wkv)
+        if plan.is_decode:
+            handle.write_window(kv_raw, w.kv_norm, self.inv_freq, backend=be)
+            window = (handle.read_swa_view().pages, self._ring_window_index(handle))
+        else:
+            ws, ws_index, chunk_slots = self._window_workspace(handle)
+            kv = handle.write_window(kv_raw, w.kv_norm, self.inv_freq, backend=be)
+            store_fp8_entries(kv, chunk_slots, ws, handle.schema.entry_fmt, backend=be)
+            window = (ws, ws_index)
+        caches = [window]
+
+        if self.ratio:
+            comp = self._compress(x, handle, w.compressor, "main")
+            rp = handle.ratio_plan
+            if self.kind is LayerKind.CSA:
+                self._compress(x, handle, w.indexer.compressor, "indexer")
+            if rp.max_entries > 0:
+                if self.kind is LayerKind.CSA:
+                    logical = self._indexer_topk(x, qr, handle)
+                else:
+                    ids = torch.arange(rp.max_entries, device=x.device, dtype=torch.int32)
+                    logical = torch.where(ids[None, :] < rp.n_visible[:, None], ids[None, :], -1)
+                phys = to_physical(logical, rp.block_table, plan.request_ids, rp.entries_per_page)
+                caches.append((comp, phys))
+
+        o, _ = sparse_attention(q, caches, w.attn_sink, self.scale, backend=be)
+        return output_projection(cfg, w, o, pos[:, None], self.inv_freq)
+
+    # ------------------------------------------------------------------ pieces
+    def _compress(self, x: torch.Tensor, handle: LayerCacheHandle, cw, which: str) -> EntryPages:
+        kv, score = F.compressor_project(x, cw.wkv, cw.wgate, cw.ape, handle.positions, self.ratio)
+        pooled, emits = handle.update_compressor(kv, score, which, backend=self.backend)
+        handle.emit_compressed(pooled, emits, cw.norm, self.inv_freq, which, backend=self.backend)
+        return handle.paged.entries
+
+    def _indexer_topk(self, x: torch.Tensor, qr: torch.Tensor, handle: LayerCacheHandle) -> torch.Tensor:
+        cfg, plan, rp = self.cfg, handle.plan, handle.ratio_plan
+        q_idx, wts = indexer_query(cfg, self.w, x, qr, plan.positions[:, None], self.inv_freq)
+        iv = handle.read_indexer_view()
+        scores = indexer_scores(
+            q_idx, wts.float(), iv.pages, rp.block_table, plan.request_ids, rp.n_visible, rp.max_entries,
+            backend=self.backend,
+        )  # fmt: skip
+        return topk_indices(scores, cfg.index_topk, rp.n_visible, backend=self.backend)
+
+    def _ring_window_index(self, handle: LayerCacheHandle) -> torch.Tensor:
+        """Decode: physical ring slots [T, window] of positions t-window+1 .. t (-1 before position 0)."""
+        ring = handle.schema.ring_size
+        plan = handle.plan
+        key_pos = plan.positions[:, None].long() - (ring - 1) + torch.arange(ring, device=plan.device)
+        slot = plan.token_slots[:, None].long() * ring + key_pos.remainder(ring)
+        return torch.where(key_pos >= 0, slot, -1).to(torch.int32)
+
+    def _window_workspace(self, handle: LayerCacheHandle) -> tuple[EntryPages, torch.Tensor, torch.Tensor]:
+        """Prefill/mixed: an FP8 workspace holding each request's window history (copied from the ring
+        before this step writes it) followed by its new tokens.
+
+        Returns (workspace pages [1 page of W rows], window index [T, window] into it, the workspace row
+        of every token of the step [T]).  Built from the plan's host fields (a prefill step is not
+        graph-captured).
+        """
+        plan, schema = handle.plan, handle.schema
+        ring = schema.ring_size
+        ctx = np.asarray(plan.context_lens, dtype=np.int64)
+        new = np.asarray(plan.num_new_tokens, dtype=np.int64)
+        hist = np.minimum(ctx, ring - 1)
+        base = np.concatenate([[0], np.cumsum(hist + new)])[:-1]
+        rows_total = int((hist + new).sum())
+        fmt = schema.entry_fmt
+        buf = torch.zeros(fmt.page_bytes(rows_total), dtype=torch.uint8, device=plan.device)
+        ws = fmt.entry_pages(buf, 1, rows_total)
+
+        # copy history rows ring[slot, p % ring] -> ws[base + p - (ctx - hist)]
+        b_of = np.repeat(np.arange(len(ctx)), hist)
+        p_hist = np.concatenate([np.arange(c - h, c) for c, h in zip(ctx, hist, strict=True)]) if hist.sum() else []
+        if len(b_of):
+            slots = np.asarray(plan.slot_ids, dtype=np.int64)
+            dst = torch.as_tensor(base[b_of] + (np.asarray(p_hist) - (ctx - hist)[b_of]), device=plan.device)
+            src_s = torch.as_tensor(slots[b_of], device=plan.device)
+            src_r = torch.as_tensor(np.asarray(p_hist) % ring, device=plan.device)
+            sv = handle.read_swa_view()
+            ws.nope[0, dst] = sv.fp8[src_s, src_r]
+            ws.rope[0, dst] = sv.rope[src_s, src_r]
+            ws.scale[0, dst] = sv.inv_scale[src_s, src_r]
+
+        row = np.repeat(np.arange(len(ctx)), new)
+        tok_pos = np.concatenate([np.arange(c, c + n) for c, n in zip(ctx, new, strict=True)])
+        origin = (ctx - hist)[row]
+        chunk_rows = base[row] + tok_pos - origin
+        key_pos = tok_pos[:, None] - (ring - 1) + np.arange(ring)[None, :]
+        index = np.where(key_pos >= 0, base[row][:, None] + key_pos - origin[:, None], -1)
+        dev = plan.device
+        return (
+            ws,
+            torch.as_tensor(index.astype(np.int32), device=dev),
+            torch.as_tensor(chunk_rows.astype(np.int32), device=dev),
+        )
