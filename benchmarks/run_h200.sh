@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# One H200 session: environment, GPU tests, then the kernel benchmarks. Results go to $OUT (or ./out).
+# Usage (on the device machine, repo root): bash benchmarks/run_h200.sh [tests|bench|all]
+set -u
+OUT=${OUT:-out}; mkdir -p "$OUT"
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+what=${1:-all}
+stamp=$(date -u +%Y-%m-%d)
+{
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
+  python3 -c "import torch, triton, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__)"
+} 2>&1 | tee "$OUT/env.txt"
+if [ "$what" = tests ] || [ "$what" = all ]; then
+  timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -x -p no:cacheprovider -m gpu tests 2>&1 | tee "$OUT/gpu_tests.txt" | tail -25
+  timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider -k "cuda" tests/kernels tests/cache 2>&1 | tee "$OUT/cuda_param_tests.txt" | tail -15
+fi
+if [ "$what" = bench ] || [ "$what" = all ]; then
+  for b in write attention indexer; do
+    timeout ${BENCH_TIMEOUT:-200} python3 benchmarks/bench_$b.py --out "$OUT/${stamp}_h200_$b.jsonl" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_$b.txt" | tail -40
+  done
+fi

@@ -1,0 +1,212 @@
+"""``dsv4 demo``: the engine runner on the ``tiny`` model with seeded random weights.
+
+Requests of different lengths arrive over time, prefill in chunks, decode and finish; the page pool
+is small enough that requests get preempted and recomputed.  Progress lines while it runs, then memory
+by region and by layer kind, tokens/s, and the dense check of every finished request.  Exit code 0
+only if every request verified.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import TextIO
+
+import torch
+
+from dsv4.config import get_preset
+from dsv4.engine.runner import EngineRunner, RunResult, StepInfo, make_workload, memory_by_layer_kind
+
+# Defaults: ~3k tokens through the 5-layer tiny stack; the pool (8 pages of 128 tokens per ratio
+# class for 4 slots) is too small for 4 long requests at once, so preemptions happen.
+DEMO_DEFAULTS = dict(
+    requests=12,
+    max_requests=4,
+    pages=8,
+    block_tokens=128,
+    prefill_chunk=64,
+    token_budget=128,
+    min_prompt=16,
+    max_prompt=400,
+    min_new=4,
+    max_new=24,
+    arrival_every=3,
+)
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB"):
+        if abs(n) < 1024:
+            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.2f} {unit}"
+        n /= 1024
+    return f"{n:,.2f} GiB"
+
+
+def add_subcommands(sub: argparse._SubParsersAction) -> None:
+    """Add ``demo`` to the ``dsv4`` command's subparsers."""
+    d = DEMO_DEFAULTS
+    p = sub.add_parser("demo", help="continuous batching over the tiny model, checked against the dense reference")
+    p.add_argument("--requests", type=int, default=d["requests"], help=f"requests (default {d['requests']})")
+    p.add_argument("--seed", type=int, default=0, help="weights, prompts and workload seed (default 0)")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto = cuda when present")
+    p.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"], help="kernel backend")
+    p.add_argument("--json", action="store_true", help="print one JSON summary object (no progress lines)")
+    p.add_argument("--max-requests", type=int, default=d["max_requests"], help="state slots (default 4)")
+    p.add_argument("--pages", type=int, default=d["pages"], help="pages per ratio class (default 8)")
+    p.add_argument("--block-tokens", type=int, default=d["block_tokens"], help="tokens per page (default 128)")
+    p.add_argument("--prefill-chunk", type=int, default=d["prefill_chunk"], help="tokens (default 64)")
+    p.add_argument("--token-budget", type=int, default=d["token_budget"], help="tokens per step (default 128)")
+    p.add_argument("--min-prompt", type=int, default=d["min_prompt"], help="shortest prompt (default 16)")
+    p.add_argument("--max-prompt", type=int, default=d["max_prompt"], help="longest prompt (default 400)")
+    p.add_argument("--min-new", type=int, default=d["min_new"], help="fewest generated tokens (default 4)")
+    p.add_argument("--max-new", type=int, default=d["max_new"], help="most generated tokens (default 24)")
+    p.add_argument("--arrival-every", type=int, default=d["arrival_every"], help="mean steps between arrivals")
+    p.add_argument("--progress-every", type=int, default=5, help="a progress line every N steps (default 5)")
+    p.set_defaults(func=cmd_demo)
+
+
+def _resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is available")
+    return torch.device(name)
+
+
+def _progress_printer(out: TextIO, every: int):
+    t0 = time.perf_counter()
+
+    def on_step(info: StepInfo, eng: EngineRunner) -> None:
+        for rid in info.preempted:
+            print(f"  step {info.step:4d}: pages short -> preempted request {rid!r}", file=out)
+        if info.step % every and not info.preempted and not eng.done:
+            return
+        pages = " ".join(f"r{m}:{info.pages_used[m]}/{info.pages_total[m]}" for m in sorted(info.pages_used))
+        r = eng.result
+        print(
+            f"step {info.step:4d} | running {info.running} waiting {info.waiting} finished {info.finished_total}"
+            f" | pages {pages} | {r.tokens} tokens, {r.tokens_per_s:,.0f} tok/s | {time.perf_counter() - t0:.1f}s",
+            file=out,
+            flush=True,
+        )
+
+    return on_step
+
+
+def format_summary(eng: EngineRunner, setup: dict) -> str:
+    """The human-readable summary of a finished (and verified) run."""
+    r: RunResult = eng.result
+    st = eng.manager.stats()
+    kinds = memory_by_layer_kind(eng.manager, st)
+    tol = r.tolerance
+    lines = [
+        "",
+        f"dsv4 demo: model {setup['model']} ({setup['layers']}), device {setup['device']}, backend {setup['backend']}",
+        f"  {setup['requests']} requests, {setup['max_requests']} slots, {setup['pages']} pages/ratio class of "
+        f"{setup['block_tokens']} tokens, prefill chunk {setup['prefill_chunk']}, token budget {setup['token_budget']}",
+        "",
+        f"steps {r.steps} (idle {r.idle_steps}); tokens: prefill {r.prefill_tokens}, decode {r.decode_tokens}, "
+        f"recomputed {r.recomputed_tokens}; preemptions {r.preemptions}",
+        f"engine time {r.wall_s:.1f}s -> {r.tokens_per_s:,.1f} tokens/s; dense check {r.verify_s:.1f}s",
+        "",
+        "cache memory by region (allocated):",
+        *(f"  {k:22s} {_fmt_bytes(v):>14s}" for k, v in st.bytes_by_region.items()),
+        f"  {'total':22s} {_fmt_bytes(st.bytes_total):>14s}",
+        "pages by ratio class (peak used / total):",
+        *(f"  ratio {m:<16d} {r.peak_pages_used.get(m, 0):>6d} / {p.pages_total}" for m, p in st.pools.items()),
+        "cache memory by layer kind (allocated, peak in use):",
+        *(
+            f"  {k:4s} x{v['layers']:<3d} {_fmt_bytes(v['bytes_allocated']):>14s} "
+            f"{_fmt_bytes(r.peak_bytes_used_by_kind.get(k, 0)):>14s}"
+            for k, v in kinds.items()
+        ),
+        "",
+        f"dense check (pass: per layer max|Δ| <= {tol.layer_max_abs}, mean <= {tol.layer_mean_abs}; "
+        f"stack max|Δ| <= {tol.max_abs}, mean <= {tol.mean_abs}):",
+        f"  {'id':>4s} {'prompt':>6s} {'new':>4s} {'tokens':>6s} {'preempt':>7s} {'recomp':>6s} "
+        f"{'layer max':>9s} {'layer mean':>10s} {'stack max':>9s} {'stack mean':>10s}  result",
+    ]
+    for q in r.requests:
+        lines.append(
+            f"  {q.id!s:>4s} {q.prompt_len:6d} {q.max_new_tokens:4d} {q.tokens:6d} {q.preemptions:7d} "
+            f"{q.recomputed_tokens:6d} {q.layer_max_abs:9.4f} {q.layer_mean_abs:10.2e} {q.max_abs:9.4f} "
+            f"{q.mean_abs:10.2e}  {'ok' if q.passed else 'FAIL'}"
+        )
+    n_ok = sum(q.passed for q in r.requests)
+    lines.append(f"verified {n_ok}/{len(r.requests)} requests: {'PASS' if r.all_passed else 'FAIL'}")
+    return "\n".join(lines)
+
+
+def run_demo(args: argparse.Namespace, out: TextIO | None = None) -> tuple[EngineRunner, dict]:
+    """Build the workload and the runner from ``args``, run and verify; returns (runner, setup).
+    Progress goes to ``out`` (default: stdout)."""
+    out = sys.stdout if out is None else out
+    for name in ("requests", "max_requests", "pages", "progress_every", "min_prompt", "min_new"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')}: expected >= 1, got {getattr(args, name)}")
+    if args.max_prompt < args.min_prompt or args.max_new < args.min_new:
+        raise ValueError("--max-prompt/--max-new: expected >= --min-prompt/--min-new")
+    cfg = get_preset("tiny")
+    device = _resolve_device(args.device)
+    workload = make_workload(
+        args.requests,
+        seed=args.seed,
+        prompt_len=(args.min_prompt, args.max_prompt),
+        new_tokens=(args.min_new, args.max_new),
+        arrival_every=args.arrival_every,
+    )
+    eng = EngineRunner(
+        cfg,
+        max_requests=args.max_requests,
+        num_pages=args.pages,
+        block_tokens=args.block_tokens,
+        prefill_chunk=args.prefill_chunk,
+        token_budget=args.token_budget,
+        device=device,
+        backend=args.backend,
+        seed=args.seed,
+    )
+    setup = dict(
+        model=cfg.name,
+        layers=" ".join(f"{i}:{cfg.layer_kind(i).value}{'(mtp)' if cfg.is_mtp(i) else ''}" for i in eng.layers),
+        device=str(device),
+        backend=args.backend,
+        requests=args.requests,
+        max_requests=args.max_requests,
+        pages=args.pages,
+        block_tokens=args.block_tokens,
+        prefill_chunk=args.prefill_chunk,
+        token_budget=args.token_budget,
+        seed=args.seed,
+    )
+    on_step = None if args.json else _progress_printer(out, args.progress_every)
+    if not args.json:
+        print(f"dsv4 demo: {args.requests} requests over {setup['layers']} on {device}", file=out, flush=True)
+    try:
+        eng.run(workload, on_step=on_step)
+    except RuntimeError as e:  # the pool cannot hold one request: a sizing error of the arguments
+        raise ValueError(f"{e} (--pages, --block-tokens, --max-prompt)") from None
+    if not args.json:
+        print(f"verifying {eng.num_finished} requests against the dense reference ...", file=out, flush=True)
+    eng.verify()
+    return eng, setup
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    eng, setup = run_demo(args)
+    r = eng.result
+    if args.json:
+        st = eng.manager.stats()
+        summary = dict(
+            setup=setup,
+            result=r.to_dict(),
+            memory_bytes_by_region=st.bytes_by_region,
+            memory_by_layer_kind=memory_by_layer_kind(eng.manager, st),
+            pages_total={str(m): p.pages_total for m, p in st.pools.items()},
+        )
+        print(json.dumps(summary))
+    else:
+        print(format_summary(eng, setup))
+    return 0 if r.all_passed else 1
