@@ -4,16 +4,38 @@
     python benchmarks/bench_write.py --smoke              # tiny shapes, CPU (interpreter) or GPU
 
 Ops (each = what one layer does per step on the write path):
-- ``store_window``: kv_norm -> RoPE -> FP8 -> ring slot, for T tokens;
+- ``store_window``: kv_norm -> RoPE -> FP8 -> ring slot, for T tokens (prefill also writes the bf16
+  ``out`` rows, as ``append_window`` does for the chunk's own keys);
 - ``csa_main``: compressor_step (m=4, overlap, d=head_dim) + emit_entries(kind="main");
 - ``csa_indexer``: compressor_step (m=4, overlap, d=index_head_dim) + emit_entries(kind="indexer");
 - ``hca``: compressor_step (m=128, d=head_dim) + emit_entries(kind="main").
 Shapes: decode B = 1, 8, 64 (one token per request, at a position where it emits: the worst case) and
 prefill of one request of 8K / 64K tokens from position 0, for the V4-Flash and V4-Pro configs (their
 write-path widths are the same: head_dim 512, rope 64, index_head_dim 128).  In one process and on the
-same data: correctness of Triton vs the torch reference first, then the median time
-(``triton.testing.do_bench`` on a GPU, wall clock on the CPU) of both.  Bytes are counted explicitly
-(the minimum the op must move, see ``*_bytes``); roofline_s = bytes / 4.17e12 (H200 HBM).
+same data: correctness of Triton vs the torch reference first, then timings.
+
+Timings (GPU; on the CPU only the wall clock of one eager call):
+- ``time_s``: the Triton op inside a CUDA graph: ``GRAPH_CALLS`` back-to-back calls on static inputs are
+  captured once, ``graph.replay`` is timed with ``triton.testing.do_bench`` (CUDA events, median) and
+  divided by ``GRAPH_CALLS``: what an engine that captures its decode step pays (no Python, no launch
+  latency on the critical path; per-kernel launch gaps inside the graph remain).
+- ``eager_time_s``: ``do_bench`` of one eager call (Python validation + launch overhead included).
+- ``baseline_time_s``: the torch reference (``backend="torch"``), eager.  It syncs with the host
+  (``nonzero``, ``.tolist()``, ``bool(tensor)``), so it cannot be captured; ``baseline_graph_time_s`` is
+  None, and ``baseline_syncs`` / ``syncs`` count the synchronising calls torch reports
+  (``torch.cuda.set_sync_debug_mode("warn")``) during one call of each.
+- ``launches``: GPU kernels (and ``memcpy``/``memset`` operations) of one eager call, counted with
+  ``torch.profiler`` (CUPTI activity records, so every Triton and torch kernel is seen); ``graph_ok``:
+  whether the op could be captured at all.
+Bytes (``bytes``: the minimum the op must move; roofline_s = bytes / 4.17e12, H200 HBM):
+- store_window: read kv (T x head_dim bf16) + positions + slots (int32), write T entries (nope e4m3 +
+  rope bf16 + tile scales; the pad byte is not written) [+ the bf16 ``out`` rows in prefill];
+- compressor decode (B tokens, all emitting): read kv + score of the step (B x c*d fp32 each), read the
+  (c*m - 1) x d state values the pooling takes from the ring (kv + score), write the step's state row
+  (c*d, kv + score), pass ``pooled`` between the two kernels (B x d fp32, written + read), write B entries;
+- compressor prefill (T tokens from 0, E = T/m entries): read kv + score once, write the last c*m rows
+  of the state, pooled written + read (E x d fp32), write E entries.
+The norm weights and inv_freq (< 3 KB) are not counted.
 """
 
 from __future__ import annotations
@@ -42,9 +64,11 @@ from dsv4.kernels.cache.store import store_window  # noqa: E402
 
 PEAK_HBM_BYTES = 4.17e12
 ENTRIES_PER_PAGE = 64
+GRAPH_CALLS = 20
 
 
 def timeit(fn, smoke: bool) -> float:
+    """Eager time of one call: do_bench median on a GPU, wall clock on the CPU."""
     if torch.cuda.is_available():
         return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e-3
     ts = []
@@ -53,6 +77,78 @@ def timeit(fn, smoke: bool) -> float:
         fn()
         ts.append(time.perf_counter() - t0)
     return statistics.median(ts)
+
+
+def graph_time(fn) -> tuple[float | None, str]:
+    """Per-call time of ``fn`` replayed from a CUDA graph of GRAPH_CALLS back-to-back calls (None if it
+    cannot be captured, with the reason)."""
+    if not torch.cuda.is_available():
+        return None, "no CUDA"
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # warm-up on a side stream, as torch.cuda.graphs recommends
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(g):
+            for _ in range(GRAPH_CALLS):
+                fn()
+    except Exception as e:  # noqa: BLE001 - report why it does not capture
+        torch.cuda.synchronize()
+        return None, f"capture failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
+    g.replay()
+    torch.cuda.synchronize()
+    t = triton.testing.do_bench(g.replay, warmup=10, rep=100, return_mode="median") * 1e-3
+    return t / GRAPH_CALLS, "ok"
+
+
+def count_launches(fn) -> dict | None:
+    """GPU work items of one eager call, from torch.profiler's CUDA activity (kernels / memcpy / memset)."""
+    if not torch.cuda.is_available():
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    try:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+    except Exception as e:  # noqa: BLE001 - a profiler problem must not stop the benchmark
+        return {"error": f"{type(e).__name__}: {e}"[:200]}
+    kernels, copies, sets, names = 0, 0, 0, []
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        n = e.name.lower()
+        if "memcpy" in n:
+            copies += 1
+        elif "memset" in n:
+            sets += 1
+        else:
+            kernels += 1
+            names.append(e.name[:60])
+    return {"kernels": kernels, "memcpy": copies, "memset": sets, "names": names}
+
+
+def count_syncs(fn) -> int | None:
+    """Host synchronisations torch reports during one call (sync debug mode 'warn')."""
+    if not torch.cuda.is_available():
+        return None
+    import warnings
+
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    return sum("synchroniz" in str(x.message).lower() for x in w)
 
 
 def inv_freq_of(rope_dim: int, device) -> torch.Tensor:
@@ -65,6 +161,14 @@ def token_layout(mode: str, n: int, ratio: int, device):
         pos = (torch.arange(n, dtype=torch.int32) * 7 + 3) * ratio + ratio - 1
         return pos.to(device), torch.arange(n, dtype=torch.int32, device=device), n
     return torch.arange(n, dtype=torch.int32, device=device), torch.zeros(n, dtype=torch.int32, device=device), 1
+
+
+def fp8_written_bytes(fmt: FP8EntryFormat) -> int:
+    return fmt.data_bytes + fmt.n_tiles  # nope + rope + tile scales (the pad is never written)
+
+
+def mxfp4_written_bytes(fmt: MXFP4KeyFormat) -> int:
+    return fmt.data_bytes + fmt.n_blocks
 
 
 # ---------------------------------------------------------------------------- cases
@@ -81,22 +185,24 @@ def case_store_window(fmt, mode, n, device, gen):
     else:  # every token of the chunk to its own slot (measures quantise + store throughput)
         slots = (torch.arange(t, device=device) % (pages_n * bs)).to(torch.int32)
     inv = inv_freq_of(fmt.rope_dim, device)
+    with_out = mode == "prefill"
 
     def make():
         flat = torch.zeros(fmt.page_bytes(bs) * pages_n, dtype=torch.uint8, device=device)
-        return flat, fmt.entry_pages(flat, pages_n, bs)
+        out = torch.empty(t, fmt.head_dim, dtype=torch.bfloat16, device=device) if with_out else None
+        return flat, fmt.entry_pages(flat, pages_n, bs), out
 
-    (fk, pk), (fr, pr) = make(), make()
+    (fk, pk, ok_), (fr, pr, or_) = make(), make()
 
-    def run(backend, pages):
-        return lambda: store_window(kv, w, 1e-6, pos, inv, slots, pages, fmt, backend=backend)
+    def run(backend, pages, out):
+        return lambda: store_window(kv, w, 1e-6, pos, inv, slots, pages, fmt, out=out, backend=backend)
 
-    run("triton", pk)()
-    run("torch", pr)()
+    run("triton", pk, ok_)()
+    run("torch", pr, or_)()
     same = (fk == fr).float().mean().item()
     ok = same > 0.999
-    nbytes = t * (fmt.head_dim * 2 + 8 + fmt.rope_dim * 4 * 2 + fmt.data_bytes + fmt.n_tiles)
-    return run("triton", pk), run("torch", pr), ok, f"bytes equal {same:.6f}", nbytes
+    nbytes = t * (fmt.head_dim * 2 + 4 + 4 + fp8_written_bytes(fmt) + (fmt.head_dim * 2 if with_out else 0))
+    return run("triton", pk, ok_), run("torch", pr, or_), ok, f"bytes equal {same:.6f}", nbytes
 
 
 def case_compressor(kind, cfg, mode, n, device, gen):
@@ -105,6 +211,7 @@ def case_compressor(kind, cfg, mode, n, device, gen):
     c = 2 if overlap else 1
     d = cfg.index_head_dim if kind == "csa_indexer" else cfg.head_dim
     fmt, ekind = (fmt4, "indexer") if kind == "csa_indexer" else (fmt8, "main")
+    entry_w = mxfp4_written_bytes(fmt4) if ekind == "indexer" else fp8_written_bytes(fmt8)
     pos, tslot, n_req = token_layout(mode, n, ratio, device)
     t = pos.numel()
     kv = torch.randn(t, c * d, generator=gen).to(device)
@@ -149,9 +256,14 @@ def case_compressor(kind, cfg, mode, n, device, gen):
     ok = same > 0.999 and state_ok
     e = n_entries
     rows_in = t * c * d * 4 * 2  # kv + score of every token, read once
-    state = min(t, c * ratio) * n_req * c * d * 4 * 2 if mode == "prefill" else t * c * d * 4 * 2  # state writes
-    state_reads = e * (c * ratio - 1) * d * 4 * 2 if mode == "decode" else 0
-    nbytes = rows_in + state + state_reads + e * d * 4 * 2 + e * fmt.entry_bytes
+    if mode == "prefill":
+        state = min(t, c * ratio) * n_req * c * d * 4 * 2  # the last c*m rows written
+        state_reads = 0
+    else:
+        state = t * c * d * 4 * 2  # each token's own row written
+        state_reads = e * (c * ratio - 1) * d * 4 * 2  # the other pooled rows, kv + score
+    idx = t * 4 * 3  # positions, token slots, entry slots
+    nbytes = rows_in + state + state_reads + e * d * 4 * 2 + e * entry_w + idx
     return (
         run("triton", pk, ksk, ssk),
         run("torch", pr, ksr, ssr),
@@ -162,21 +274,27 @@ def case_compressor(kind, cfg, mode, n, device, gen):
 
 
 # ---------------------------------------------------------------------------- main
+def us(x: float | None) -> str:
+    return "       n/a" if x is None else f"{x * 1e6:10.1f}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", help="append JSON lines here")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU interpreter friendly)")
+    ap.add_argument("--ops", default="store_window,csa_main,csa_indexer,hca", help="comma-separated subset")
+    ap.add_argument("--models", default=None, help="comma-separated presets (default: v4-flash,v4-pro)")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     gpu = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (triton interpreter)"
     decode_b = (1, 2) if args.smoke else (1, 8, 64)
     prefill_t = (64,) if args.smoke else (8192, 65536)
-    models = ("v4-flash",) if args.smoke else ("v4-flash", "v4-pro")
+    models = tuple(args.models.split(",")) if args.models else (("v4-flash",) if args.smoke else ("v4-flash", "v4-pro"))
     date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     rows = []
     for model in models:
         cfg = get_preset(model)
-        for op in ("store_window", "csa_main", "csa_indexer", "hca"):
+        for op in args.ops.split(","):
             for mode, sizes in (("decode", decode_b), ("prefill", prefill_t)):
                 for n in sizes:
                     if op == "hca" and mode == "prefill" and args.smoke:
@@ -188,8 +306,13 @@ def main() -> None:
                         )
                     else:
                         tri, ref, ok, note, nbytes = case_compressor(op, cfg, mode, n, device, gen)
-                    t_tri = timeit(tri, args.smoke)
+                    launches = count_launches(tri)
+                    ref_launches = count_launches(ref)
+                    syncs, ref_syncs = count_syncs(tri), count_syncs(ref)
+                    t_graph, graph_note = graph_time(tri)
+                    t_eager = timeit(tri, args.smoke)
                     t_ref = timeit(ref, args.smoke)
+                    t_tri = t_graph if t_graph is not None else t_eager
                     roof = nbytes / PEAK_HBM_BYTES
                     rec = {
                         "name": f"write/{op}",
@@ -199,22 +322,33 @@ def main() -> None:
                         "triton": triton.__version__,
                         "shape": {"mode": mode, ("B" if mode == "decode" else "T"): n},
                         "time_s": t_tri,
+                        "time_kind": "cuda graph replay / call" if t_graph is not None else "eager",
+                        "eager_time_s": t_eager,
+                        "graph_ok": graph_note,
+                        "launches": launches,
+                        "syncs": syncs,
                         "bytes": nbytes,
                         "roofline_s": roof,
                         "pct_of_roofline": 100.0 * roof / t_tri,
-                        "baseline": "torch reference (eager, backend='torch')",
+                        "baseline": "torch reference (eager, backend='torch'; host-syncing: not capturable)",
                         "baseline_time_s": t_ref,
+                        "baseline_graph_time_s": None,
+                        "baseline_launches": ref_launches,
+                        "baseline_syncs": ref_syncs,
                         "speedup": t_ref / t_tri,
+                        "speedup_eager": t_ref / t_eager,
                         "correct": ok,
                         "check": note,
                         "date": date,
                     }
                     rows.append(rec)
+                    nk = "?" if not launches or "error" in launches else launches["kernels"] + launches["memcpy"]
+                    nk = nk if nk == "?" else nk + launches["memset"]
                     print(
-                        f"{model:9s} {op:12s} {mode:7s} {n:6d}  triton {t_tri * 1e6:10.1f} us"
-                        f"  torch {t_ref * 1e6:10.1f} us"
-                        f"  x{t_ref / t_tri:6.1f}  roofline {roof * 1e6:8.2f} us ({rec['pct_of_roofline']:5.1f}%)"
-                        f"  {'ok' if ok else 'MISMATCH'} ({note})",
+                        f"{model:9s} {op:12s} {mode:7s} {n:6d}  graph {us(t_graph)} us  eager {us(t_eager)} us"
+                        f"  launches {nk}  torch {us(t_ref)} us  x{t_ref / t_tri:7.1f}"
+                        f"  roofline {roof * 1e6:8.2f} us ({rec['pct_of_roofline']:5.1f}%)"
+                        f"  {'ok' if ok else 'MISMATCH'} ({note})" + ("" if graph_note == "ok" else f" [{graph_note}]"),
                         flush=True,
                     )
     if args.out:

@@ -240,3 +240,124 @@ def test_validation_errors(device):
         compressor_step(kv, kv.double(), pos, pos, kv_state, sc_state, 4, True)
     with pytest.raises(ValueError, match="ratio"):
         compressor_step(kv, kv, pos, pos, kv_state, sc_state, 0, True)
+
+
+@pytest.mark.parametrize("kind", ["csa", "hca"])
+def test_step_path_many_emitters_per_token_block(device, kind):
+    """Non-decode launch (token-blocked pool pass + tiled state write): a step mixing one-token requests that
+    all emit (several per pool block, partial last block), a long chunk and a token without a state slot."""
+    ratio, overlap = CONFIGS[kind]
+    c, d = (2 if overlap else 1), 16
+    g = torch.Generator().manual_seed(12)
+    n_single = 21
+    starts = [(3 * k + 1) * ratio - 1 for k in range(n_single)]  # emitting positions
+    long_start = 2 * ratio + 1
+    long_n = c * ratio + 37  # more than c*m tokens: the first ones are superseded within the step
+    pos = torch.tensor(starts + list(range(long_start, long_start + long_n)) + [ratio - 1], dtype=torch.int32)
+    slot = torch.tensor(list(range(n_single)) + [n_single] * long_n + [-1], dtype=torch.int32)
+    t = pos.numel()
+    kv = torch.randn(t, c * d, generator=g)
+    sc = torch.randn(t, c * d, generator=g)
+    st = (
+        torch.randn(n_single + 1, c * ratio, c * d, generator=g),
+        torch.randn(n_single + 1, c * ratio, c * d, generator=g),
+    )
+    outs = []
+    for backend in ("torch", "triton"):
+        ks, ss = st[0].clone().to(device), st[1].clone().to(device)
+        pooled, emits = compressor_step(
+            kv.to(device), sc.to(device), pos.to(device), slot.to(device), ks, ss, ratio, overlap, backend=backend
+        )
+        outs.append((pooled.cpu(), emits.cpu(), ks.cpu(), ss.cpu()))
+    (p0, e0, k0, s0), (p1, e1, k1, s1) = outs
+    assert torch.equal(e0, e1) and torch.equal(e0, (pos + 1) % ratio == 0)
+    valid = e0 & (slot >= 0)
+    assert int(valid.sum()) >= n_single + 1
+    torch.testing.assert_close(p1[valid], p0[valid], atol=1e-5, rtol=1e-5)
+    assert torch.equal(k1, k0) and torch.equal(s1, s0)
+
+
+def test_emit_entries_rope_at_entry_position_far_out(device):
+    """Entries far out (positions near 2^20, HCA ratio): the kernel's in-kernel RoPE angle is the reference's."""
+    (pooled, emits, pos, w, inv, slots), fmt, _ = _emit_setup("main", device)
+    ratio = 128
+    pos = (torch.arange(12, dtype=torch.int32) * ratio + (1 << 20) - 1).to(device)  # all emit (pos+1 % m == 0)
+    emits = torch.ones(12, dtype=torch.bool, device=device)
+    pooled = torch.randn(12, fmt.head_dim, generator=torch.Generator().manual_seed(3)).to(device)
+    slots = torch.arange(12, dtype=torch.int32, device=device)
+    bufs = []
+    for backend in ("triton", "torch"):
+        flat = torch.zeros(fmt.page_bytes(4) * 3, dtype=torch.uint8, device=device)
+        emit_entries(
+            pooled, emits, pos, w, 1e-6, inv, slots, fmt.entry_pages(flat, 3, 4), fmt, ratio, "main", backend=backend
+        )
+        bufs.append(flat)
+    got = fmt.entry_pages(bufs[0], 3, 4).rope.float()
+    ref = fmt.entry_pages(bufs[1], 3, 4).rope.float()
+    # rope lanes: bf16 of the same fp32 rotation (cos/sin may differ by an ulp): at most one bf16 ulp apart
+    assert ((got - ref).abs() <= ref.abs() * 2**-7 + 1e-30).all()
+    assert (got == ref).float().mean() > 0.98
+
+
+def _graph_capture(fn):
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("decode", [True, False])
+@pytest.mark.parametrize("kind", ["csa_main", "csa_indexer", "hca"])
+def test_compress_emit_sync_free_and_capturable(kind, decode):
+    """compressor_step + emit_entries (Triton) never sync with the host and replay from a CUDA graph."""
+    dev = torch.device("cuda")
+    ratio, overlap = (4, True) if kind.startswith("csa") else (128, False)
+    fmt = MXFP4KeyFormat() if kind == "csa_indexer" else FP8EntryFormat()
+    d = fmt.dim if kind == "csa_indexer" else fmt.head_dim
+    ekind = "indexer" if kind == "csa_indexer" else "main"
+    c, b = (2 if overlap else 1), 6
+    g = torch.Generator().manual_seed(13)
+    pos = (torch.arange(b, dtype=torch.int32) * 3 + 5) * ratio - 1
+    if not decode:
+        pos = torch.arange(3 * ratio, dtype=torch.int32)
+    t = pos.numel()
+    tslot = torch.arange(t, dtype=torch.int32) if decode else torch.zeros(t, dtype=torch.int32)
+    kv, sc = torch.randn(t, c * d, generator=g).to(dev), torch.randn(t, c * d, generator=g).to(dev)
+    st = torch.randn(2, t, c * ratio, c * d, generator=g).to(dev)
+    w = (torch.rand(d, generator=g) + 0.5).to(dev)
+    inv = (1.0 / (160000.0 ** (torch.arange(0, 64, 2).float() / 64))).to(dev)
+    eslot = torch.arange(t, dtype=torch.int32, device=dev)
+    pos, tslot = pos.to(dev), tslot.to(dev)
+    n_pages = -(-t // 4)
+
+    def make():
+        flat = torch.zeros(fmt.page_bytes(4) * n_pages, dtype=torch.uint8, device=dev)
+        pages = fmt.entry_pages(flat, n_pages, 4) if ekind == "main" else fmt.key_pages(flat, n_pages, 4)
+        return flat, pages, st[0].clone(), st[1].clone()
+
+    def op(pages, ks, ss):
+        pooled, emits = compressor_step(kv, sc, pos, tslot, ks, ss, ratio, overlap, decode=decode, backend="triton")
+        emit_entries(pooled, emits, pos, w, 1e-6, inv, eslot, pages, fmt, ratio, ekind, backend="triton")
+
+    fe, pe, kse, sse = make()
+    op(*make()[1:])  # compile
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        op(pe, kse, sse)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    fg, pg, ksg, ssg = make()
+    graph = _graph_capture(lambda: op(pg, ksg, ssg))  # a host sync cannot be captured
+    fresh = make()
+    fg.copy_(fresh[0]), ksg.copy_(fresh[2]), ssg.copy_(fresh[3])
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(fg, fe) and torch.equal(ksg, kse) and torch.equal(ssg, sse)

@@ -8,14 +8,20 @@ rows; its stored bytes must still equal ``fmt.quantize`` of the kernel's own bf1
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from dsv4.formats import FP8EntryFormat, MXFP4KeyFormat
+from dsv4.kernels.cache._triton_quant import rope_cos_sin_at
+from dsv4.kernels.cache.compressor import entry_positions
 from dsv4.kernels.cache.store import (
     hadamard_reference,
+    rope_cos_sin,
     store_fp8_entries,
     store_mxfp4_keys,
     store_window,
 )
+from dsv4.kernels.dispatch import interpreter_enabled
 
 FMT = FP8EntryFormat()
 KFMT = MXFP4KeyFormat()
@@ -196,3 +202,75 @@ def test_validation_errors(device):
         )
     with pytest.raises(ValueError, match="backend"):
         store_fp8_entries(x, torch.zeros(2, dtype=torch.int32, device=device), pages, FMT, backend="cuda")
+
+
+@triton.jit
+def _rope_probe_kernel(pos_ptr, inv_ptr, ratio, cos_ptr, sin_ptr, HR: tl.constexpr, INTERP: tl.constexpr):
+    i = tl.program_id(0)
+    j = tl.arange(0, HR)
+    c, s = rope_cos_sin_at(pos_ptr + i, ratio, inv_ptr + j, INTERP)
+    tl.store(cos_ptr + i * HR + j, c)
+    tl.store(sin_ptr + i * HR + j, s)
+
+
+@pytest.mark.parametrize("ratio", [1, 4, 128])
+def test_in_kernel_rope_cos_sin_matches_reference(device, ratio):
+    """cos/sin computed in the kernel at the reference's fp32 angle (positions up to 2^20, negatives floor)."""
+    if device.type == "cpu" and not interpreter_enabled():
+        pytest.skip("Triton on CPU tensors needs TRITON_INTERPRET=1")
+    g = torch.Generator().manual_seed(6)
+    pos = torch.cat([torch.randint(0, 1 << 20, (13,), generator=g), torch.tensor([0, 1, 1 << 20, -1, -5, 127, 128])])
+    pos = pos.to(torch.int32).to(device)
+    _, _, _, inv = _rope_inputs(1, device)
+    hr = inv.numel()
+    cos = torch.empty(pos.numel(), hr, device=device)
+    sin = torch.empty_like(cos)
+    _rope_probe_kernel[(pos.numel(),)](pos, inv, ratio, cos, sin, HR=hr, INTERP=interpreter_enabled())
+    want_c, want_s = rope_cos_sin(entry_positions(pos, ratio), inv)
+    # same fp32 angle; cosf/sinf implementations agree to an ulp or two (libdevice == torch's on the GPU)
+    torch.testing.assert_close(cos, want_c, atol=2.5e-7, rtol=0)
+    torch.testing.assert_close(sin, want_s, atol=2.5e-7, rtol=0)
+
+
+def _graph_capture(fn):
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_store_ops_are_sync_free_and_capturable():
+    """The Triton paths never synchronise with the host and replay from a CUDA graph with the same bytes."""
+    dev = torch.device("cuda")
+    slots = _slots(dev)
+    t = slots.numel()
+    kv, w, pos, inv_freq = _rope_inputs(t, dev)
+    x = _fp8_rows(t, torch.bfloat16, dev)
+    kx = torch.randn(t, KFMT.dim, device=dev)
+    ops = [
+        (_fp8_buffer, lambda p: store_window(kv, w, 1e-6, pos, inv_freq, slots, p, FMT, backend="triton")),
+        (_fp8_buffer, lambda p: store_fp8_entries(x, slots, p, FMT, backend="triton")),
+        (_key_buffer, lambda p: store_mxfp4_keys(kx, slots, p, KFMT, backend="triton")),
+    ]
+    for make, op in ops:
+        flat_e, pages_e = make(dev)
+        flat_g, pages_g = make(dev)
+        op(pages_e)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            op(pages_e)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        g = _graph_capture(lambda pages_g=pages_g, op=op: op(pages_g))  # a host sync cannot be captured
+        flat_g.copy_(make(dev)[0])
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(flat_g, flat_e)

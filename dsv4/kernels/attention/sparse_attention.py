@@ -58,6 +58,7 @@ import math
 from collections.abc import Sequence
 
 import torch
+import triton
 
 from dsv4.errors import check_tensor
 from dsv4.formats.fp8_entry import FP8_DTYPE, ROPE_DTYPE, EntryPages, FP8EntryFormat
@@ -73,8 +74,11 @@ __all__ = [
 
 Cache = tuple[EntryPages, torch.Tensor]
 
-DEFAULT_BLOCK_H = 16
-DEFAULT_BLOCK_N = 32
+# Defaults from the H200 sweep of 2026-12-02 (benchmarks/results/2026-12-02_h200_attention_sweep.jsonl): 64 heads x
+# 64 entries per tile was the fastest config at B = 64 for both V4-Flash and V4-Pro (each entry dequantised once per
+# 64 heads); block_h is capped at the number of heads.
+DEFAULT_BLOCK_H = 64
+DEFAULT_BLOCK_N = 64
 DEFAULT_NUM_WARPS = 8
 DEFAULT_NUM_STAGES = 1
 MIN_KEYS_PER_SPLIT = 128  # below this a split's fixed cost (q load, partial write) dominates
@@ -278,7 +282,7 @@ def sparse_attention_triton(
 
     T, H, D = q.shape
     fmt = _entry_format(caches[0][0])
-    block_h = block_h or DEFAULT_BLOCK_H
+    block_h = block_h or min(DEFAULT_BLOCK_H, max(16, triton.next_power_of_2(q.shape[1])))
     block_n = block_n or DEFAULT_BLOCK_N
     kw = {"num_warps": num_warps or DEFAULT_NUM_WARPS, "num_stages": num_stages or DEFAULT_NUM_STAGES}
     if out is None:

@@ -8,7 +8,13 @@ casts, fp32 division or fast-math:
 - ``ceil_log2_ratio``: ``ceil(log2(max(amax, floor) / qmax))`` without a division (see below);
 - ``pow2_neg``: the fp32 ``2**-e`` built from its exponent field;
 - ``e4m3_code``: fp32 with |v| <= 448 -> float8_e4m3fn byte, round to nearest even, sign kept;
-- ``e2m1_code``: fp32 -> e2m1 code with the format's tie-to-even-code thresholds.
+- ``e2m1_code``: fp32 -> e2m1 code with the format's tie-to-even-code thresholds;
+- ``rope_cos_sin_at``: cos/sin of the RoPE angle ``fp32(ratio * (pos // ratio)) * inv_freq`` (fp32),
+  the reference's angle bit for bit, through libdevice's IEEE-accurate ``cosf``/``sinf`` (full range
+  reduction; the same CUDA math-library functions ``torch.cos``/``torch.sin`` use on the GPU, so the
+  values match the reference's; ``tl.cos``/``tl.sin`` may lower to the ``.approx`` instructions, whose
+  error grows with the angle, and positions reach 1M).  Under the interpreter (``INTERP``) libdevice
+  is not available: ``tl.cos``/``tl.sin`` (numpy float32, within an ulp of torch's CPU values).
 
 NaN/Inf inputs are out of contract (the PyTorch references define those cases).
 """
@@ -19,6 +25,7 @@ import math
 
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from dsv4.formats.mxfp4_key import E2M1_VALUES
 
@@ -99,6 +106,27 @@ def e4m3_code(v):
     n = n + ((rem > half) | ((rem == half) & ((n & 1) == 1))).to(tl.int32)
     code = ((qe + 10) << 3) + n - 8
     return sign | code
+
+
+@triton.jit
+def rope_cos_sin_at(pos_ptr, ratio, inv_ptrs, INTERP: tl.constexpr):
+    """(cos, sin) fp32 at the angle ``fp32(ratio * (pos // ratio)) * inv_freq`` for the scalar int position
+    at ``pos_ptr`` (int32/int64) and the fp32 frequencies at ``inv_ptrs`` (a block of pointers).
+
+    The product is one IEEE fp32 multiplication of the same operands as the reference's, so the angle is
+    identical; ``fp32(pos)`` is exact below 2**24.  Negative positions floor as torch's ``//``."""
+    p = tl.load(pos_ptr).to(tl.int64)
+    q = p // ratio
+    q = tl.where((q * ratio != p) & (p < 0), q - 1, q)  # floor division, as torch's ``//``
+    p = q * ratio
+    ang = p.to(tl.float32) * tl.load(inv_ptrs)
+    if INTERP:
+        c = tl.cos(ang)
+        s = tl.sin(ang)
+    else:
+        c = libdevice.cos(ang)
+        s = libdevice.sin(ang)
+    return c, s
 
 
 @triton.jit

@@ -22,6 +22,15 @@ Which tokens write the state: token i (position t, state slot s) writes row t mo
 request has position t + c*m in this step.  The kernels compute this from ``positions`` and
 ``token_slot`` (no precomputed write rows are needed), assuming the step contract below.
 
+Launches (Triton path; no host synchronisation, no copies, no fills, CUDA-graph capturable):
+``compressor_step(decode=True)`` 1 (pool + own state row: safe in one launch as each request has one
+token); otherwise 2 (token-blocked pool pass, then the tiled state-write pass: a pool must read the state
+as it was before the step, so the writes wait for a grid-wide boundary).  ``emit_entries`` 1 (RMSNorm,
+RoPE at the entry position computed in the kernel, [Hadamard], quantise, store).  A decode-step CSA/HCA
+layer thus costs 2 launches per compressor; fusing emit into the pool would need each token's whole
+pooled row in one program (for HCA 128 x 512 values, in a per-token loop), serialising what the channel
+blocks of the pool kernel now spread over many programs.
+
 Step contract (not checked: it would need a host sync): the tokens of one request are contiguous in
 the batch, in increasing consecutive positions; a request appears in one run only; its state holds
 positions p0 - c*m .. p0 - 1 (those >= 0), p0 being its first position in the step.
@@ -36,7 +45,7 @@ import triton.language as tl
 from dsv4.errors import check_tensor
 from dsv4.formats.fp8_entry import EntryPages, FP8EntryFormat
 from dsv4.formats.mxfp4_key import KeyPages, MXFP4KeyFormat
-from dsv4.kernels.cache._triton_quant import bf16_round
+from dsv4.kernels.cache._triton_quant import bf16_round, rope_cos_sin_at
 from dsv4.kernels.cache.store import (
     _check_entry_pages,
     _check_key_pages,
@@ -46,12 +55,11 @@ from dsv4.kernels.cache.store import (
     _mxfp4_store_row,
     hadamard_reference,
     rms_norm_reference,
-    rope_cos_sin,
     rope_reference,
     store_fp8_entries_reference,
     store_mxfp4_keys_reference,
 )
-from dsv4.kernels.dispatch import use_triton
+from dsv4.kernels.dispatch import interpreter_enabled, use_triton
 
 __all__ = [
     "compressor_step",
@@ -62,6 +70,12 @@ __all__ = [
 ]
 
 _INT = (torch.int32, torch.int64)
+# Non-decode launch geometry: the pool pass scans min(m, _POOL_BLOCK_T) tokens per program (a block holds
+# at most that many emitting tokens, pooled one after another); the state-write pass copies
+# [_WRITE_BLOCK_T, _WRITE_BLOCK_D] tiles.
+_POOL_BLOCK_T = 16
+_WRITE_BLOCK_T = 32
+_WRITE_BLOCK_D = 256
 
 
 def _geometry(ratio: int, overlap: bool) -> tuple[int, int]:
@@ -130,7 +144,66 @@ def compressor_step_reference(
 
 # ============================================================================ Triton
 @triton.jit
-def _compressor_kernel(
+def _pool_token(
+    i,
+    t,
+    slot,
+    b,
+    kv_ptr,
+    sc_ptr,
+    stride_in,
+    pos_ptr,
+    tslot_ptr,
+    kvs_ptr,
+    scs_ptr,
+    st_ss,
+    st_sr,
+    pooled_ptr,
+    T,
+    M: tl.constexpr,
+    CM: tl.constexpr,
+    D: tl.constexpr,
+    OVERLAP: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Pool channels [b*BLOCK_D, ...) of the entry completed by token i (position t, state slot ``slot``)."""
+    k = tl.arange(0, BLOCK_R)
+    rmask = k < CM
+    p = t - CM + 1 + k  # positions of the pooled rows
+    j = i - CM + 1 + k  # the batch index position p would have if it is in this step
+    jin = rmask & (j >= 0) & (j < T)
+    js = tl.load(tslot_ptr + j, mask=jin, other=-1).to(tl.int64)
+    jp = tl.load(pos_ptr + j, mask=jin, other=-1).to(tl.int64)
+    in_step = jin & (js == slot) & (jp == p)
+    from_state = rmask & (in_step == 0) & (p >= 0)
+    ch = b * BLOCK_D + tl.arange(0, BLOCK_D)
+    chm = ch < D
+    if OVERLAP:
+        coff = tl.where(k < M, 0, D)
+    else:
+        coff = tl.zeros([BLOCK_R], tl.int32)
+    col = coff[:, None] + ch[None, :]
+    m_in = in_step[:, None] & chm[None, :]
+    m_st = from_state[:, None] & chm[None, :]
+    row = tl.where(p >= 0, p % CM, 0)
+    in_off = j[:, None] * stride_in + col
+    st_off = slot * st_ss + row[:, None] * st_sr + col
+    kv_r = tl.load(kv_ptr + in_off, mask=m_in, other=0.0) + tl.load(kvs_ptr + st_off, mask=m_st, other=0.0)
+    sc_in = tl.load(sc_ptr + in_off, mask=m_in, other=float("-inf"))
+    sc_st = tl.load(scs_ptr + st_off, mask=m_st, other=float("-inf"))
+    sc_r = tl.where(m_in, sc_in, sc_st)
+    mx = tl.max(sc_r, axis=0)
+    mx = tl.where(mx == float("-inf"), 0.0, mx)  # all-absent (padding) channels: no inf - inf
+    e = tl.exp(sc_r - mx[None, :])
+    den = tl.sum(e, axis=0)
+    w = e / tl.where(den == 0.0, 1.0, den)[None, :]
+    out = tl.sum(kv_r * w, axis=0)
+    tl.store(pooled_ptr + i * D + ch, out, mask=chm)
+
+
+@triton.jit
+def _compressor_decode_kernel(
     kv_ptr,
     sc_ptr,
     stride_in,
@@ -151,66 +224,126 @@ def _compressor_kernel(
     C: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    DO_POOL: tl.constexpr,
-    DO_WRITE: tl.constexpr,
 ):
-    """Program (token i, channel block b).  DO_POOL: pool entry channels [b*BLOCK_D, ...) if token i
-    emits (and write ``emits[i]``).  DO_WRITE: copy token i's row (channels [b*BLOCK_D, ...) of c*d) into
-    the state if no later token of its request maps to the same ring row."""
+    """decode=True, program (token i, channel block b): pool (if i emits) and write its own state row.
+
+    One launch is safe because every request has one token: its write (row t mod c*m, which held
+    position t - c*m) never touches a row that a pooling of this step reads."""
     i = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1)
     t = tl.load(pos_ptr + i).to(tl.int64)
     slot = tl.load(tslot_ptr + i).to(tl.int64)
     slot_ok = (slot >= 0) & (slot < num_state_slots)
-    if DO_POOL:
-        emit = ((t + 1) % M) == 0
-        if b == 0:
-            tl.store(emits_ptr + i, emit.to(tl.uint8))
-        if emit & slot_ok & (b * BLOCK_D < D):
-            k = tl.arange(0, BLOCK_R)
-            rmask = k < CM
-            p = t - CM + 1 + k  # positions of the pooled rows
-            j = i - CM + 1 + k  # the batch index position p would have if it is in this step
-            jin = rmask & (j >= 0) & (j < T)
-            js = tl.load(tslot_ptr + j, mask=jin, other=-1).to(tl.int64)
-            jp = tl.load(pos_ptr + j, mask=jin, other=-1).to(tl.int64)
-            in_step = jin & (js == slot) & (jp == p)
-            from_state = rmask & (in_step == 0) & (p >= 0)
-            ch = b * BLOCK_D + tl.arange(0, BLOCK_D)
-            chm = ch < D
-            if OVERLAP:
-                coff = tl.where(k < M, 0, D)
-            else:
-                coff = tl.zeros([BLOCK_R], tl.int32)
-            col = coff[:, None] + ch[None, :]
-            m_in = in_step[:, None] & chm[None, :]
-            m_st = from_state[:, None] & chm[None, :]
-            row = tl.where(p >= 0, p % CM, 0)
-            in_off = j[:, None] * stride_in + col
-            st_off = slot * st_ss + row[:, None] * st_sr + col
-            kv_r = tl.load(kv_ptr + in_off, mask=m_in, other=0.0) + tl.load(kvs_ptr + st_off, mask=m_st, other=0.0)
-            sc_in = tl.load(sc_ptr + in_off, mask=m_in, other=float("-inf"))
-            sc_st = tl.load(scs_ptr + st_off, mask=m_st, other=float("-inf"))
-            sc_r = tl.where(m_in, sc_in, sc_st)
-            mx = tl.max(sc_r, axis=0)
-            mx = tl.where(mx == float("-inf"), 0.0, mx)  # all-absent (padding) channels: no inf - inf
-            e = tl.exp(sc_r - mx[None, :])
-            den = tl.sum(e, axis=0)
-            w = e / tl.where(den == 0.0, 1.0, den)[None, :]
-            out = tl.sum(kv_r * w, axis=0)
-            tl.store(pooled_ptr + i * D + ch, out, mask=chm)
-    if DO_WRITE:
-        jn = i + CM
-        later = jn < T
-        js2 = tl.load(tslot_ptr + jn, mask=later, other=-1).to(tl.int64)
-        jp2 = tl.load(pos_ptr + jn, mask=later, other=-1).to(tl.int64)
-        superseded = later & (js2 == slot) & (jp2 == t + CM)
+    emit = ((t + 1) % M) == 0
+    if b == 0:
+        tl.store(emits_ptr + i, emit.to(tl.uint8))
+    if emit & slot_ok & (b * BLOCK_D < D):
+        _pool_token(
+            i, t, slot, b, kv_ptr, sc_ptr, stride_in, pos_ptr, tslot_ptr, kvs_ptr, scs_ptr, st_ss, st_sr,
+            pooled_ptr, T, M, CM, D, OVERLAP, BLOCK_R, BLOCK_D,
+        )  # fmt: skip
+    jn = i + CM
+    later = jn < T
+    js2 = tl.load(tslot_ptr + jn, mask=later, other=-1).to(tl.int64)
+    jp2 = tl.load(pos_ptr + jn, mask=later, other=-1).to(tl.int64)
+    superseded = later & (js2 == slot) & (jp2 == t + CM)
+    if slot_ok & (superseded == 0) & (t >= 0) & (b * BLOCK_D < C * D):
         wch = b * BLOCK_D + tl.arange(0, BLOCK_D)
-        if slot_ok & (superseded == 0) & (t >= 0) & (b * BLOCK_D < C * D):
-            wm = wch < C * D
-            dst = slot * st_ss + (t % CM) * st_sr + wch
-            tl.store(kvs_ptr + dst, tl.load(kv_ptr + i * stride_in + wch, mask=wm), mask=wm)
-            tl.store(scs_ptr + dst, tl.load(sc_ptr + i * stride_in + wch, mask=wm), mask=wm)
+        wm = wch < C * D
+        dst = slot * st_ss + (t % CM) * st_sr + wch
+        tl.store(kvs_ptr + dst, tl.load(kv_ptr + i * stride_in + wch, mask=wm), mask=wm)
+        tl.store(scs_ptr + dst, tl.load(sc_ptr + i * stride_in + wch, mask=wm), mask=wm)
+
+
+@triton.jit
+def _compressor_pool_kernel(
+    kv_ptr,
+    sc_ptr,
+    stride_in,
+    pos_ptr,
+    tslot_ptr,
+    kvs_ptr,
+    scs_ptr,
+    st_ss,
+    st_sr,
+    num_state_slots,
+    pooled_ptr,
+    emits_ptr,
+    T,
+    M: tl.constexpr,
+    CM: tl.constexpr,
+    D: tl.constexpr,
+    OVERLAP: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Program (token block a, channel block b): write ``emits`` of tokens [a*BLOCK_T, ...) (b == 0) and
+    pool channels [b*BLOCK_D, ...) of each emitting token with a state slot, one after another.  A block
+    without such a token exits after one vector load of its positions and slots."""
+    a = tl.program_id(0).to(tl.int64)
+    b = tl.program_id(1)
+    ii = a * BLOCK_T + tl.arange(0, BLOCK_T)
+    im = ii < T
+    tt = tl.load(pos_ptr + ii, mask=im, other=0).to(tl.int64)
+    ss = tl.load(tslot_ptr + ii, mask=im, other=-1).to(tl.int64)
+    ee = ((tt + 1) % M) == 0
+    if b == 0:
+        tl.store(emits_ptr + ii, ee.to(tl.uint8), mask=im)
+    work = im & ee & (ss >= 0) & (ss < num_state_slots)
+    if tl.sum(work.to(tl.int32), axis=0) > 0:
+        for k in range(BLOCK_T):
+            i = a * BLOCK_T + k
+            if i < T:
+                t = tl.load(pos_ptr + i).to(tl.int64)
+                slot = tl.load(tslot_ptr + i).to(tl.int64)
+                if (((t + 1) % M) == 0) & (slot >= 0) & (slot < num_state_slots):
+                    _pool_token(
+                        i, t, slot, b, kv_ptr, sc_ptr, stride_in, pos_ptr, tslot_ptr, kvs_ptr, scs_ptr, st_ss,
+                        st_sr, pooled_ptr, T, M, CM, D, OVERLAP, BLOCK_R, BLOCK_D,
+                    )  # fmt: skip
+
+
+@triton.jit
+def _compressor_write_kernel(
+    kv_ptr,
+    sc_ptr,
+    stride_in,
+    pos_ptr,
+    tslot_ptr,
+    kvs_ptr,
+    scs_ptr,
+    st_ss,
+    st_sr,
+    num_state_slots,
+    T,
+    CM: tl.constexpr,
+    CD: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Program (token block a, channel block b): copy the [BLOCK_T, BLOCK_D] tile of this step's rows into
+    the state ring, masked to the tokens not superseded by a later token of their request (position
+    t + c*m in this step).  A block with no such token exits after its index loads."""
+    a = tl.program_id(0).to(tl.int64)
+    b = tl.program_id(1)
+    ii = a * BLOCK_T + tl.arange(0, BLOCK_T)
+    im = ii < T
+    tt = tl.load(pos_ptr + ii, mask=im, other=-1).to(tl.int64)
+    ss = tl.load(tslot_ptr + ii, mask=im, other=-1).to(tl.int64)
+    jn = ii + CM
+    later = jn < T
+    js = tl.load(tslot_ptr + jn, mask=later, other=-1).to(tl.int64)
+    jp = tl.load(pos_ptr + jn, mask=later, other=-1).to(tl.int64)
+    superseded = later & (js == ss) & (jp == tt + CM)
+    wr = im & (ss >= 0) & (ss < num_state_slots) & (tt >= 0) & (superseded == 0)
+    if tl.sum(wr.to(tl.int32), axis=0) > 0:
+        ch = b * BLOCK_D + tl.arange(0, BLOCK_D)
+        m = wr[:, None] & (ch < CD)[None, :]
+        src = ii[:, None] * stride_in + ch[None, :]
+        dst = tl.where(wr, ss * st_ss + (tt % CM) * st_sr, 0)[:, None] + ch[None, :]
+        tl.store(kvs_ptr + dst, tl.load(kv_ptr + src, mask=m), mask=m)
+        tl.store(scs_ptr + dst, tl.load(sc_ptr + src, mask=m), mask=m)
 
 
 def compressor_step(
@@ -265,18 +398,25 @@ def compressor_step(
     if t == 0:
         return pooled, emits
     block_r = triton.next_power_of_2(cm)
-    block_d = max(16, min(triton.next_power_of_2(cd), 4096 // block_r))
-    grid = (t, triton.cdiv(cd, block_d))
-    args = (
-        kv, score, kv.stride(0), positions, token_slot, kv_state, score_state,
-        kv_state.stride(0), kv_state.stride(1), kv_state.shape[0], pooled, emits.view(torch.uint8), t,
-    )  # fmt: skip
-    kw = dict(M=ratio, CM=cm, D=d, OVERLAP=overlap, C=c, BLOCK_R=block_r, BLOCK_D=block_d)
+    block_d = max(16, min(triton.next_power_of_2(cd), 4096 // block_r))  # [block_r, block_d] <= 4096 values
+    head = (kv, score, kv.stride(0), positions, token_slot, kv_state, score_state, kv_state.stride(0))
+    head = head + (kv_state.stride(1), kv_state.shape[0])
     if decode:
-        _compressor_kernel[grid](*args, DO_POOL=True, DO_WRITE=True, **kw)
-    else:
-        _compressor_kernel[grid](*args, DO_POOL=True, DO_WRITE=False, **kw)
-        _compressor_kernel[grid](*args, DO_POOL=False, DO_WRITE=True, **kw)
+        _compressor_decode_kernel[(t, triton.cdiv(cd, block_d))](
+            *head, pooled, emits.view(torch.uint8), t,
+            M=ratio, CM=cm, D=d, OVERLAP=overlap, C=c, BLOCK_R=block_r, BLOCK_D=block_d,
+        )  # fmt: skip
+        return pooled, emits
+    # pooling reads the state as it was before the step: every pool finishes before any state write
+    bt = min(ratio, _POOL_BLOCK_T)
+    _compressor_pool_kernel[(triton.cdiv(t, bt), triton.cdiv(d, block_d))](
+        *head, pooled, emits.view(torch.uint8), t,
+        M=ratio, CM=cm, D=d, OVERLAP=overlap, BLOCK_T=bt, BLOCK_R=block_r, BLOCK_D=block_d,
+    )  # fmt: skip
+    wd = min(triton.next_power_of_2(cd), _WRITE_BLOCK_D)
+    _compressor_write_kernel[(triton.cdiv(t, _WRITE_BLOCK_T), triton.cdiv(cd, wd))](
+        *head, t, CM=cm, CD=cd, BLOCK_T=_WRITE_BLOCK_T, BLOCK_D=wd, num_warps=8,
+    )  # fmt: skip
     return pooled, emits
 
 
@@ -312,8 +452,9 @@ def _emit_indexer_kernel(
     stride_x,
     w_ptr,
     eps,
-    cos_ptr,
-    sin_ptr,
+    pos_ptr,
+    inv_ptr,
+    ratio,
     emit_ptr,
     slot_ptr,
     num_slots,
@@ -324,6 +465,7 @@ def _emit_indexer_kernel(
     scale_ptr,
     scale_sp,
     scale_sr,
+    INTERP: tl.constexpr,
     DIM: tl.constexpr,
     NOPE: tl.constexpr,
     NOPE_PAD: tl.constexpr,
@@ -366,8 +508,7 @@ def _emit_indexer_kernel(
         yn = bf16_round(tl.load(w_ptr + kn, mask=nm, other=0.0).to(tl.float32) * (xn * r))
         ye = bf16_round(tl.load(w_ptr + NOPE + 2 * j).to(tl.float32) * (xe * r))
         yo = bf16_round(tl.load(w_ptr + NOPE + 2 * j + 1).to(tl.float32) * (xo * r))
-        c = tl.load(cos_ptr + i * HR + j)
-        s = tl.load(sin_ptr + i * HR + j)
+        c, s = rope_cos_sin_at(pos_ptr + i, ratio, inv_ptr + j, INTERP)
         re = bf16_round(ye * c - yo * s)
         ro = bf16_round(ye * s + yo * c)
         # Hadamard: out[o] = sum_k (-1)^popcount(o & k) y[k]; outputs arranged [NB, HB] as o = blk*2*HB + 2*jj (+1)
@@ -464,18 +605,17 @@ def emit_entries(
         return
     if pooled.stride(1) != 1 or not norm_weight.is_contiguous() or not inv_freq.is_contiguous():
         raise ValueError("pooled (unit inner stride), norm_weight, inv_freq (contiguous): bad layout")
-    rope_pos = entry_positions(positions, ratio)
     if kind == "main":
-        _launch_norm_rope_fp8(pooled, norm_weight, eps, rope_pos, inv_freq, slots, pages, fmt, None, emits)
+        _launch_norm_rope_fp8(pooled, norm_weight, eps, positions, ratio, inv_freq, slots, pages, fmt, None, emits)
         return
     _check_pow2("fmt.dim", d)
     _check_pow2("rope_dim // 2", rd // 2)
-    cos, sin = rope_cos_sin(rope_pos, inv_freq)
     pargs, kw = _mxfp4_args(pages, fmt)
     bs = pages.entries_per_page
     nope = d - rd
     _emit_indexer_kernel[(t,)](
-        pooled, pooled.stride(0), norm_weight, float(eps), cos, sin, emits.view(torch.uint8), slots,
-        pages.data.shape[0] * bs, bs, *pargs,
-        DIM=d, NOPE=nope, NOPE_PAD=triton.next_power_of_2(nope), HR=rd // 2, HAD_SCALE=d**-0.5, **kw,
+        pooled, pooled.stride(0), norm_weight, float(eps), positions, inv_freq, ratio, emits.view(torch.uint8),
+        slots, pages.data.shape[0] * bs, bs, *pargs,
+        INTERP=interpreter_enabled(), DIM=d, NOPE=nope, NOPE_PAD=triton.next_power_of_2(nope), HR=rd // 2,
+        HAD_SCALE=d**-0.5, **kw,
     )  # fmt: skip

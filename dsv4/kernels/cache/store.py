@@ -15,14 +15,20 @@ How the Triton kernels quantise (the same bytes on a GPU and under ``TRITON_INTE
 rounding is done on fp32 bits (``_triton_quant``): power-of-two scale from the exponent field,
 ``x * 2**-e`` (exact), round-to-nearest-even to e4m3 / e2m1 / bf16 by integer arithmetic.  The fp8
 pages are written through ``uint8`` views and the bf16 rope lanes through ``int16`` views, so no fp8
-or bf16 cast of Triton is relied on.  RoPE's cos/sin are computed by PyTorch on the device (the
-angle ``pos * inv_freq`` in fp32, as the reference) and read by the kernel: positions reach 1M, and
-neither the accuracy of ``tl.cos`` at such angles nor libdevice under the interpreter can be relied
-on.  RMSNorm uses IEEE ``sqrt_rn``/``div_rn``; its sum order differs from PyTorch's, so the normed
+or bf16 cast of Triton is relied on.  RoPE's cos/sin are computed in the kernel
+(``_triton_quant.rope_cos_sin_at``: the reference's fp32 angle ``fp32(pos) * inv_freq`` bit for bit,
+then libdevice's accurate cosf/sinf; positions reach 1M, where approximate ``tl.cos`` is not
+trustworthy).  RMSNorm uses IEEE ``sqrt_rn``/``div_rn``; its sum order differs from PyTorch's, so the normed
 values agree with the reference to fp32 rounding (after the bf16 rounding almost always exactly).
+
+Each Triton path is one kernel launch with no host synchronisation (no ``.item()``/``nonzero``), no
+copies and no allocation, so it can be captured in a CUDA graph; the public functions only check
+metadata in Python.  Grids: one program per row ([8, 64] nope block + 2 x 32 rope lanes, 4 warps).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -40,8 +46,9 @@ from dsv4.kernels.cache._triton_quant import (
     e4m3_code,
     pow2_neg,
     qmax_split,
+    rope_cos_sin_at,
 )
-from dsv4.kernels.dispatch import use_triton
+from dsv4.kernels.dispatch import interpreter_enabled, use_triton
 
 __all__ = [
     "store_fp8_entries",
@@ -58,6 +65,9 @@ __all__ = [
 
 _FLOAT_IN = (torch.bfloat16, torch.float16, torch.float32)
 _SLOT_DTYPES = (torch.int32, torch.int64)
+# One row (a [8, 64] nope block + 2 x 32 rope lanes) per program: 4 warps give 4 values per thread
+# (8-byte bf16 / 16-byte fp32 vector loads) and many resident programs per SM.
+_NUM_WARPS_ROW = 4
 
 
 # ============================================================================ validation helpers
@@ -281,8 +291,9 @@ def _norm_rope_fp8_kernel(
     stride_x,
     w_ptr,
     eps,
-    cos_ptr,
-    sin_ptr,
+    pos_ptr,
+    inv_ptr,
+    ratio,
     emit_ptr,
     slot_ptr,
     num_slots,
@@ -300,6 +311,7 @@ def _norm_rope_fp8_kernel(
     scale_sr,
     HAS_EMIT: tl.constexpr,
     HAS_OUT: tl.constexpr,
+    INTERP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     NOPE: tl.constexpr,
     NT: tl.constexpr,
@@ -338,8 +350,7 @@ def _norm_rope_fp8_kernel(
         yn = bf16_round(wn * (xn * r))
         ye = bf16_round(we * (xe * r))
         yo = bf16_round(wo * (xo * r))
-        c = tl.load(cos_ptr + i * HR + j)
-        s = tl.load(sin_ptr + i * HR + j)
+        c, s = rope_cos_sin_at(pos_ptr + i, ratio, inv_ptr + j, INTERP)
         re = bf16_round(ye * c - yo * s)
         ro = bf16_round(ye * s + yo * c)
         if HAS_OUT:
@@ -452,16 +463,10 @@ def _store_mxfp4_kernel(
 
 
 # ============================================================================ launch helpers
-def _fp8_args(pages: EntryPages, fmt: FP8EntryFormat) -> tuple[list, dict]:
-    nope = pages.nope.view(torch.uint8)
-    rope = pages.rope.view(torch.int16)
-    args = [
-        nope, nope.stride(0), nope.stride(1),
-        rope, rope.stride(0), rope.stride(1),
-        pages.scale, pages.scale.stride(0), pages.scale.stride(1),
-    ]  # fmt: skip
+@functools.lru_cache(maxsize=16)
+def _fp8_constexprs(fmt: FP8EntryFormat) -> dict:
     q_exp, q_mant = qmax_split(fmt.fp8_max)
-    kw = dict(
+    return dict(
         NT=fmt.n_tiles,
         NT_PAD=triton.next_power_of_2(fmt.n_tiles),
         TILE=fmt.tile,
@@ -471,7 +476,24 @@ def _fp8_args(pages: EntryPages, fmt: FP8EntryFormat) -> tuple[list, dict]:
         Q_EXP=q_exp,
         Q_MANT=q_mant,
     )
-    return args, kw
+
+
+@functools.lru_cache(maxsize=16)
+def _mxfp4_constexprs(fmt: MXFP4KeyFormat) -> dict:
+    q_exp, q_mant = qmax_split(fmt.fp4_max)
+    kw = dict(NB=fmt.n_blocks, HB=fmt.block // 2, FLOOR=fmt.amax_floor, Q_EXP=q_exp, Q_MANT=q_mant)
+    return {**kw, **e2m1_constexprs()}
+
+
+def _fp8_args(pages: EntryPages, fmt: FP8EntryFormat) -> tuple[list, dict]:
+    nope = pages.nope.view(torch.uint8)
+    rope = pages.rope.view(torch.int16)
+    args = [
+        nope, nope.stride(0), nope.stride(1),
+        rope, rope.stride(0), rope.stride(1),
+        pages.scale, pages.scale.stride(0), pages.scale.stride(1),
+    ]  # fmt: skip
+    return args, _fp8_constexprs(fmt)
 
 
 def _mxfp4_args(pages: KeyPages, fmt: MXFP4KeyFormat) -> tuple[list, dict]:
@@ -479,9 +501,7 @@ def _mxfp4_args(pages: KeyPages, fmt: MXFP4KeyFormat) -> tuple[list, dict]:
         pages.data, pages.data.stride(0), pages.data.stride(1),
         pages.scale, pages.scale.stride(0), pages.scale.stride(1),
     ]  # fmt: skip
-    q_exp, q_mant = qmax_split(fmt.fp4_max)
-    kw = dict(NB=fmt.n_blocks, HB=fmt.block // 2, FLOOR=fmt.amax_floor, Q_EXP=q_exp, Q_MANT=q_mant, **e2m1_constexprs())
-    return args, kw
+    return args, _mxfp4_constexprs(fmt)
 
 
 def _check_pow2(name: str, n: int) -> None:
@@ -493,7 +513,8 @@ def _launch_norm_rope_fp8(
     x: torch.Tensor,
     norm_weight: torch.Tensor,
     eps: float,
-    rope_positions: torch.Tensor,
+    positions: torch.Tensor,
+    ratio: int,
     inv_freq: torch.Tensor,
     slots: torch.Tensor,
     pages: EntryPages,
@@ -501,20 +522,21 @@ def _launch_norm_rope_fp8(
     out: torch.Tensor | None,
     emits: torch.Tensor | None,
 ) -> None:
-    """Shared by ``store_window`` and the main compressor's ``emit_entries``."""
+    """One launch, shared by ``store_window`` (ratio 1) and the main compressor's ``emit_entries``:
+    RoPE at ``ratio * (positions // ratio)``, computed in the kernel (no cos/sin tensors)."""
     n = x.shape[0]
     if n == 0:
         return
     _check_pow2("fmt.tile", fmt.tile)
     _check_pow2("fmt.rope_dim // 2", fmt.rope_dim // 2)
-    cos, sin = rope_cos_sin(rope_positions, inv_freq)
     pargs, kw = _fp8_args(pages, fmt)
     o = out.view(torch.int16) if out is not None else x
     e = emits.view(torch.uint8) if emits is not None else slots
     _norm_rope_fp8_kernel[(n,)](
-        x, x.stride(0), norm_weight, float(eps), cos, sin, e, slots, pages.num_slots, pages.entries_per_page,
-        o, o.stride(0), *pargs,
-        HAS_EMIT=emits is not None, HAS_OUT=out is not None, HEAD_DIM=fmt.head_dim, NOPE=fmt.nope_dim, **kw,
+        x, x.stride(0), norm_weight, float(eps), positions, inv_freq, ratio, e, slots, pages.num_slots,
+        pages.entries_per_page, o, o.stride(0), *pargs,
+        HAS_EMIT=emits is not None, HAS_OUT=out is not None, INTERP=interpreter_enabled(), HEAD_DIM=fmt.head_dim,
+        NOPE=fmt.nope_dim, num_warps=_NUM_WARPS_ROW, **kw,
     )  # fmt: skip
 
 
@@ -610,4 +632,4 @@ def store_window(
         return
     if not norm_weight.is_contiguous() or not inv_freq.is_contiguous():
         raise ValueError("norm_weight, inv_freq: expected contiguous tensors")
-    _launch_norm_rope_fp8(kv, norm_weight, eps, positions, inv_freq, slots, pages, fmt, out, None)
+    _launch_norm_rope_fp8(kv, norm_weight, eps, positions, 1, inv_freq, slots, pages, fmt, out, None)
