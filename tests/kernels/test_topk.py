@@ -1,9 +1,15 @@
-"""Top-k of indexer scores (radix-select Triton kernel vs stable-sort reference) and to_physical."""
+"""Top-k of indexer scores (radix-select Triton kernels vs stable-sort reference) and to_physical.
+
+Every Triton case runs both paths: ``splits=1`` (one program per row) and the split path (several
+programs per row, four launches) at small sizes, so its chunk boundaries, per-split prefix offsets and
+the tie order across splits are all exercised under the interpreter.
+"""
 
 import pytest
 import torch
 
 from dsv4.kernels.indexer import to_physical, topk_indices, topk_indices_reference
+from dsv4.kernels.indexer.topk import topk_workspace
 
 NEG_INF = float("-inf")
 gpu = pytest.mark.gpu
@@ -37,13 +43,14 @@ def check_contract(idx, scores, k, n_visible):
             assert not ((rest == thr) & (rest_idx < last)).any()
 
 
-def run_both(scores, k, nv=None):
-    a = topk_indices(scores, k, nv, backend="triton")
+def run_both(scores, k, nv=None, splits=(1, 4)):
     b = topk_indices(scores, k, nv, backend="torch")
-    assert a.dtype == torch.int32 and a.shape == (scores.shape[0], k)
-    assert torch.equal(a, b)
-    check_contract(a, scores, k, nv)
-    return a
+    check_contract(b, scores, k, nv)
+    for sp in splits:
+        a = topk_indices(scores, k, nv, backend="triton", splits=sp)
+        assert a.dtype == torch.int32 and a.shape == (scores.shape[0], k)
+        assert torch.equal(a, b), f"splits={sp}"
+    return b
 
 
 @pytest.mark.parametrize("N,k", [(300, 32), (64, 16), (257, 1)])
@@ -110,16 +117,73 @@ def test_large_row_matches_torch_topk_set():
     assert torch.equal(idx[0].long(), want)  # distinct values: same order as torch.topk
 
 
-def test_workspace_passed_in_and_candidate_heavy_rows():
+@pytest.mark.parametrize("splits", [1, 3])
+def test_workspace_passed_in_and_candidate_heavy_rows(splits):
+    """Every element shares the top 16 key bits: all are candidates (several finishing blocks), with ties."""
     g = torch.Generator().manual_seed(5)
-    s = torch.rand(3, 1500, generator=g) * 1e-3 + 1.0  # all in one top-8-bit bucket: every element a candidate
-    s[1, 700:] = 1.0  # many exact ties inside the candidate bucket
-    ws = torch.full((4, 1600), 7, dtype=torch.int32)
-    a = topk_indices(s, 40, backend="triton", workspace=ws)
+    s = torch.rand(3, 1500, generator=g) * 1e-3 + 1.0
+    s[1, 700:] = 1.0  # many exact ties inside the candidate bucket, spread over two splits
+    s[2, ::2] = 1.0005  # ties among the largest values too
+    ws = torch.randint(-(2**31), 2**31 - 1, (4, 4600), generator=g, dtype=torch.int32)  # garbage: never zeroed
+    a = topk_indices(s, 40, backend="triton", workspace=ws, splits=splits)
     assert torch.equal(a, topk_indices_reference(s, 40))
     check_contract(a, s, 40, None)
     with pytest.raises(ValueError, match="workspace"):
-        topk_indices(s, 40, backend="triton", workspace=ws[:, :100])
+        topk_indices(s, 40, backend="triton", workspace=ws[:, :100], splits=splits)
+
+
+def test_split_workspace_size_and_helper():
+    g = torch.Generator().manual_seed(6)
+    s = torch.randn(2, 300, generator=g)
+    want = topk_indices_reference(s, 16)
+    need = 2 * 300 + 2 * 256 * 4 + 4  # split path: indices + low key bits, H1 + H2, counts
+    ws = torch.zeros((2, need), dtype=torch.int32)
+    assert torch.equal(topk_indices(s, 16, backend="triton", workspace=ws, splits=4), want)
+    with pytest.raises(ValueError, match="workspace"):
+        topk_indices(s, 16, backend="triton", workspace=ws[:, : need - 1], splits=4)
+    with pytest.raises(ValueError, match="workspace"):  # the single-program path needs only N columns
+        topk_indices(s, 16, backend="triton", workspace=ws[:, :299], splits=1)
+    big = topk_workspace(2, 300)
+    assert big.dtype == torch.int32 and big.shape == (2, 2 * 300 + 2 * 256 * 64 + 4)
+    for sp in (1, 2, 64):
+        assert torch.equal(topk_indices(s, 16, backend="triton", workspace=big, splits=sp), want)
+
+
+def test_split_boundary_ties_across_splits_take_lowest_indices():
+    """300 entries, 4 splits of 80: equal scores at the boundary lie in every split; the lowest indices win."""
+    s = torch.full((2, 300), -5.0)
+    tie = [290, 81, 230, 80, 160, 159, 155, 79, 11]  # in all four splits, incl. both sides of chunk edges
+    s[0, tie] = 1.0
+    s[0, [299, 0, 150]] = 2.0  # winners in the first, middle and last split
+    idx = run_both(s, 7, splits=(1, 2, 3, 4, 7))
+    assert idx[0].tolist() == [0, 150, 299, 11, 79, 80, 81]
+    # row 1: the boundary value is the largest one, tied in all splits; winners come after ties in index order
+    s[1, ::7] = 3.0
+    s[1, [298, 1]] = 4.0
+    idx = run_both(s, 5, splits=(1, 4, 5))
+    assert idx[1].tolist() == [1, 298, 0, 7, 14]
+
+
+def test_split_chunks_empty_or_cut_by_n_visible():
+    g = torch.Generator().manual_seed(7)
+    s = torch.randn(5, 300, generator=g)
+    s[4, 100:] = s[4, 99]  # ties reaching into hidden entries
+    nv = torch.tensor([300, 80, 81, 0, 159], dtype=torch.int32)  # 4 splits: at / past / inside chunk edges
+    idx = run_both(s, 40, nv, splits=(1, 4, 64))  # 64 splits of 16 entries: most chunks past the row
+    assert (idx[3] == -1).all() and (idx[1, :40] < 80).all()
+    tiny = torch.tensor([[0.5, -1.0, 2.0, NEG_INF, 0.5]])
+    assert run_both(tiny, 3, splits=(1, 8))[0].tolist() == [2, 0, 4]  # more splits than entries
+
+
+def test_result_independent_of_splits():
+    g = torch.Generator().manual_seed(8)
+    s = torch.randint(-20, 20, (3, 700), generator=g).float() * 0.25  # many ties of a few values
+    s[0] = torch.randn(700, generator=g) * 1e4  # wide exponent range
+    s[1, 100:400] = NEG_INF
+    s[2, 5::9] = float("nan")
+    nv = torch.tensor([700, 650, 333], dtype=torch.int32)
+    for k in (1, 37, 128):
+        run_both(s, k, nv, splits=(1, 2, 5, 16))
 
 
 def test_reference_and_validation():
@@ -131,6 +195,9 @@ def test_reference_and_validation():
         topk_indices(s.double(), 2)
     with pytest.raises(ValueError, match="n_visible"):
         topk_indices(s, 2, torch.tensor([1, 2], dtype=torch.int32))
+    for bad in (0, 65, True, 2.0):
+        with pytest.raises(ValueError, match="splits"):
+            topk_indices(s, 2, splits=bad)
 
 
 def test_to_physical():
@@ -155,6 +222,26 @@ def test_gpu_long_rows(k):
     s[2, 100000:] = NEG_INF
     nv = torch.tensor([262144, 262144, 200000, 700], dtype=torch.int32)
     s, nv = s.cuda(), nv.cuda()
-    a = topk_indices(s, k, nv, backend="triton")
     b = topk_indices_reference(s, k, nv)
-    assert torch.equal(a, b)
+    for splits in (None, 1, 8, 64):
+        assert torch.equal(topk_indices(s, k, nv, backend="triton", splits=splits), b), f"splits={splits}"
+
+
+@gpu
+@needs_cuda
+def test_gpu_one_row_repeatable_and_graph_capturable():
+    """Split path on one long row: same result on every call (no atomics), and it captures in a CUDA graph."""
+    g = torch.Generator().manual_seed(9)
+    s = (torch.randn(1, 262144, generator=g) * 4).round().cuda()  # heavy ties across all splits
+    want = topk_indices_reference(s, 4096)
+    ws = topk_workspace(1, 262144, s.device)
+    for _ in range(3):
+        assert torch.equal(topk_indices(s, 4096, backend="triton", workspace=ws), want)
+    topk_indices(s, 1024, backend="triton", workspace=ws)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = topk_indices(s, 1024, backend="triton", workspace=ws)
+    s.copy_(torch.randn_like(s))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, topk_indices_reference(s, 1024))

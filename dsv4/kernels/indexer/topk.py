@@ -8,28 +8,57 @@ Order and ties (deterministic, identical in both backends): indices are sorted b
 then by index ascending; among equal scores the lower index wins a place at the boundary.  -0.0 and
 +0.0 are equal.
 
-Triton kernel (one program per row; no host sync, static shapes; scratch = the output row plus a
-[T, N] int32 workspace, allocated per call or passed in):
+Scores are mapped to 32-bit order-preserving integer keys (float bits, magnitude bits flipped for
+negatives; -0.0 folded to +0.0), so "larger score" = "larger key".  Digits of the key, high to low,
+are d1 = bits 31..24 (sign-flipped), d2 = 23..16, d3 = 15..8, d4 = 7..0.  Both Triton paths are radix
+selects on these digits; no host sync, static shapes, no data-dependent launch sizes, and the
+workspace is scratch only (never needs zeroing).
 
-1. Scores are mapped to 32-bit order-preserving integer keys (float bits, magnitude bits flipped for
-   negatives; -0.0 folded to +0.0), so "larger score" = "larger key".
-2. Pass 1 (full row): 256-bin histogram of the top 8 key bits over the selectable elements; suffix
-   sums give the bucket b0 holding the kk-th largest (kk = min(k, #selectable)) and the count above it.
-3. Pass 2 (full row): elements with top digit > b0 are winners, written to out[t] in index order;
-   elements with top digit == b0 are candidates, their indices written to the workspace in index order.
-4. Radix select on the candidates only, three more 8-bit digits: each pass histograms the digit over
-   the candidates whose higher digits equal the prefix so far, picks the bucket holding the ``need``-th
-   largest and subtracts the count above it.  The final prefix is the exact key ``thr`` of the kk-th
-   largest and ``need`` the number of elements equal to it still to take.
-5. Compaction of the candidates in index order: key > thr, or key == thr and among the first ``need``
-   such (cumulative counts per block plus a running count) -> appended to out[t].  Exactly kk indices.
+Split path (long rows, few rows: S = ``splits`` programs per row, each owning a contiguous chunk of
+``ceil(N / S)`` entries rounded up to a multiple of 16; four launches, no atomics):
+
+1. ``_split_hist1`` grid (T, S): 256-bin histogram of d1 over the chunk's selectable entries ->
+   H1[t, s, :] in the workspace (each program writes only its own row of H1).
+2. ``_split_hist2`` grid (T, S): every program sums H1[t] over the splits (identical inputs, so every
+   program of the row derives the same bucket b1 holding the kk-th largest, kk = min(k, #selectable)),
+   then histograms d2 over its chunk's entries with d1 == b1 -> H2[t, s, :].
+3. ``_split_scatter`` grid (T, S): from H1[t], H2[t] every program derives the 16-bit prefix
+   P = (b1, b2) of the kk-th largest and, per split s', the number of winners (key prefix > P) and
+   candidates (prefix == P).  Exclusive prefix sums over s' < s give this program's own output ranges;
+   it re-reads its chunk and writes winner indices to out[t] and candidate (index, low 16 key bits)
+   to the workspace, both in index order.  Program s == 0 also writes the row's counts (meta).
+4. ``_split_finish`` grid (T,): radix select on the candidates' d3, d4 (contiguous reads, no gather)
+   gives the exact threshold and how many keys equal to it to take; the candidates are compacted in
+   index order (so equal keys at the boundary go to the lowest indices), then the kk indices are
+   sorted as in step 6 below.
+
+Race freedom by construction (the interpreter runs programs one after another and cannot show
+races, so none may exist): programs of one launch never read what another program of the same launch
+writes; data crosses programs only through launch boundaries (stream order).  Every output position
+has exactly one writer: programs derive their ranges from exclusive prefix sums of counts that all of
+them compute identically (integer sums of the same H1/H2), and those counts equal what each program
+then counts in its own chunk (same classification function, same chunk bounds).  The result (values
+and positions) is therefore deterministic run to run.
+
+Cost per call (T rows of N fp32 scores, S splits): four launches.  Launch 1 reads the scores (4 N T
+bytes, from HBM) and writes S KiB of H1 per row; launches 2 and 3 re-read them (mostly from L2) and
+each of their T S programs also reads its row's S x 256 int32 histograms (S KiB: T S^2 KiB in all,
+twice in launch 3); launch 3 writes the winners (< k per row) and the candidates (8 bytes each);
+launch 4 reads the candidates three times and the kk chosen scores once, and sorts k.  The candidates
+are the entries sharing the kk-th largest key's top 16 bits (sign, exponent, 7 mantissa bits): ~45
+for 262,144 normal scores at k = 1,024 (vs ~5,850 sharing its top 8 bits), but every copy of the
+threshold value when many scores are exactly equal (the finishing program then loops over them).
+For T = 4, N = 262,144 (auto S = 32): 4 MiB from HBM, ~20 MiB from L2.
+
+Single-program path (``splits == 1``: short rows or many rows; one program per row, scratch = the
+output row plus N int32 of the workspace):
+
+1-2. Full-row 256-bin histogram of d1; suffix sums give the bucket b0 holding the kk-th largest.
+3. Full row again: d1 > b0 -> winners to out[t]; d1 == b0 -> candidate indices to the workspace.
+4. Radix select on the candidates over d2, d3, d4 (each pass gathers the candidates' scores).
+5. Compaction of the candidates in index order: key > thr, or key == thr among the first ``need``.
 6. The kk indices are re-read with their scores, turned into int64 keys ``key << 32 | (2^32-1-index)``
    (unique, so the order is total) and sorted descending with ``tl.sort``; the rest of the row is -1.
-
-Cost: two streaming reads of the row, a few small passes over the candidates (the bucket of the k-th
-largest: ~N/256 for smooth data, all N in the worst case of massive ties), and a k-element sort.
-One program per row keeps it deterministic and simple; splitting long rows over several programs
-(histograms merged through the workspace) is the next step if few-row batches need more than one SM.
 """
 
 from __future__ import annotations
@@ -41,10 +70,15 @@ import triton.language as tl
 from dsv4.errors import check_tensor
 from dsv4.kernels.dispatch import interpreter_enabled, use_triton
 
-__all__ = ["to_physical", "topk_indices", "topk_indices_reference"]
+__all__ = ["to_physical", "topk_indices", "topk_indices_reference", "topk_workspace"]
 
-_RADIX_BITS = 8
-_MAX_K = 4096  # largest k the Triton kernel sorts in registers
+_MAX_K = 4096  # largest k the Triton kernels sort in registers
+_BINS = 256  # histogram bins per 8-bit digit (the kernels hard-code 256)
+_META = 4  # per-row counts the split path passes to its last launch: n_win, n_cand, need (+ 1 spare)
+_MAX_SPLITS = 64  # programs per row on the split path ([64, 256] histogram tiles stay in registers)
+_TARGET_PROGRAMS = 128  # auto splits: about one program per SM in all
+_MIN_CHUNK = 4096  # auto splits: entries per program at least
+_MAX_BLOCK = 8192  # split path: entries per loop iteration of a (T, S) program at most
 
 
 # ---------------------------------------------------------------------------------------- reference
@@ -86,6 +120,21 @@ def _pick_bucket(hist, need, bins):
     b = tl.sum((suffix >= need).to(tl.int32), axis=0) - 1
     above = tl.sum(tl.where(bins == b, suffix - hist, 0), axis=0)
     return b, above
+
+
+@triton.jit
+def _sort_winners(row, out_row, kk, K, KP: tl.constexpr):
+    """out_row[:kk] holds the chosen indices (any order): sort them by score desc, index asc; -1 pad to K."""
+    offs_k = tl.arange(0, KP)
+    live = offs_k < kk
+    idx = tl.load(out_row + offs_k, mask=live, other=0)
+    key = _order_key(tl.load(row + idx, mask=live, other=0.0)).to(tl.int64)
+    comp = (key << 32) | (4294967295 - idx.to(tl.int64))  # unique per index: a total order
+    comp = tl.where(live, comp, -9223372036854775807 - 1)
+    comp = tl.sort(comp, descending=True)
+    res = (4294967295 - (comp & 4294967295)).to(tl.int32)
+    tl.debug_barrier()  # every thread has read out_row before any overwrites it
+    tl.store(out_row + offs_k, tl.where(live, res, -1), mask=offs_k < K)
 
 
 @triton.jit
@@ -186,20 +235,210 @@ def _topk_kernel(
         eq_seen += tl.sum(eq.to(tl.int32), axis=0)
     tl.debug_barrier()
 
-    # Order the kk winners: score descending, index ascending.
-    offs_k = tl.arange(0, KP)
-    live = offs_k < kk
-    idx = tl.load(out_row + offs_k, mask=live, other=0)
-    key = _order_key(tl.load(row + idx, mask=live, other=0.0)).to(tl.int64)
-    comp = (key << 32) | (4294967295 - idx.to(tl.int64))
-    comp = tl.where(live, comp, -9223372036854775807 - 1)
-    comp = tl.sort(comp, descending=True)
-    res = (4294967295 - (comp & 4294967295)).to(tl.int32)
-    tl.debug_barrier()
-    tl.store(out_row + offs_k, tl.where(live, res, -1), mask=offs_k < K)
+    _sort_winners(row, out_row, kk, K, KP)
+
+
+# ---------------------------------------------------------------------------------------- split path
+@triton.jit
+def _chunk_bounds(nv_ptr, r, sp, N, CH, HAS_NV: tl.constexpr):
+    """[lo, hi) of split sp of row r: its chunk of CH entries, clipped to the visible prefix."""
+    if HAS_NV:
+        nv = tl.minimum(tl.maximum(tl.load(nv_ptr + r), 0), N)
+    else:
+        nv = N
+    lo = sp * CH
+    hi = tl.minimum(lo + CH, nv)
+    return lo, hi
+
+
+@triton.jit
+def _load_keys(row, offs, hi):
+    """Keys of entries offs (< hi) and whether each is selectable (in range, not -inf, not NaN)."""
+    m = offs < hi
+    x = tl.load(row + offs, mask=m, other=float("-inf"))
+    return _order_key(x), m & (x > float("-inf"))
+
+
+@triton.jit
+def _row_hist(h_ptr, S, SP: tl.constexpr):
+    """The [S, 256] per-split histograms at h_ptr (int32, row-major) as a [SP, 256] tile (0-padded)."""
+    sidx = tl.arange(0, SP)
+    bins = tl.arange(0, 256)
+    return tl.load(h_ptr + sidx[:, None] * 256 + bins[None, :], mask=sidx[:, None] < S, other=0)
+
+
+@triton.jit
+def _split_hist1(
+    s_ptr, nv_ptr, ws_ptr, stride_s, stride_w, N, CH, H1_OFF,
+    HAS_NV: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    r = tl.program_id(0).to(tl.int64)
+    sp = tl.program_id(1)
+    row = s_ptr + r * stride_s
+    lo, hi = _chunk_bounds(nv_ptr, r, sp, N, CH, HAS_NV)
+    bins = tl.arange(0, 256)
+    hist = tl.zeros((256,), tl.int32)
+    n_other = 0
+    for start in range(lo, hi, BLOCK):
+        key, ok = _load_keys(row, start + tl.arange(0, BLOCK), hi)
+        d1 = ((key >> 24) & 255) ^ 128
+        hist += tl.histogram(tl.where(ok, d1, 0), 256)  # the rest is counted in bin 0, then removed
+        n_other += tl.sum((~ok).to(tl.int32), axis=0)
+    hist = tl.where(bins == 0, hist - n_other, hist)
+    tl.store(ws_ptr + r * stride_w + H1_OFF + sp * 256 + bins, hist)
+
+
+@triton.jit
+def _split_hist2(
+    s_ptr, nv_ptr, ws_ptr, stride_s, stride_w, N, K, S, CH, H1_OFF, H2_OFF,
+    HAS_NV: tl.constexpr, BLOCK: tl.constexpr, SP: tl.constexpr,
+):  # fmt: skip
+    r = tl.program_id(0).to(tl.int64)
+    sp = tl.program_id(1)
+    row = s_ptr + r * stride_s
+    ws_row = ws_ptr + r * stride_w
+    bins = tl.arange(0, 256)
+    hist1 = tl.sum(_row_hist(ws_row + H1_OFF, S, SP), axis=0)  # the whole row's d1 histogram
+    kk = tl.minimum(tl.sum(hist1, axis=0), K)
+    b1, above1 = _pick_bucket(hist1, kk, bins)
+
+    lo, hi = _chunk_bounds(nv_ptr, r, sp, N, CH, HAS_NV)
+    hist = tl.zeros((256,), tl.int32)
+    n_other = 0
+    for start in range(lo, hi, BLOCK):
+        key, ok = _load_keys(row, start + tl.arange(0, BLOCK), hi)
+        match = ok & ((((key >> 24) & 255) ^ 128) == b1)
+        hist += tl.histogram(tl.where(match, (key >> 16) & 255, 0), 256)
+        n_other += tl.sum((~match).to(tl.int32), axis=0)
+    hist = tl.where(bins == 0, hist - n_other, hist)
+    tl.store(ws_row + H2_OFF + sp * 256 + bins, hist)
+
+
+@triton.jit
+def _split_scatter(
+    s_ptr, nv_ptr, out_ptr, ws_ptr, stride_s, stride_o, stride_w, N, K, S, CH, LO_OFF, H1_OFF, H2_OFF, META_OFF,
+    HAS_NV: tl.constexpr, BLOCK: tl.constexpr, SP: tl.constexpr,
+):  # fmt: skip
+    r = tl.program_id(0).to(tl.int64)
+    sp = tl.program_id(1)
+    row = s_ptr + r * stride_s
+    out_row = out_ptr + r * stride_o
+    ws_row = ws_ptr + r * stride_w
+    bins = tl.arange(0, 256)[None, :]
+    before = tl.arange(0, SP)[:, None] < sp  # splits whose output precedes this one's
+
+    t1 = _row_hist(ws_row + H1_OFF, S, SP)
+    hist1 = tl.sum(t1, axis=0)
+    kk = tl.minimum(tl.sum(hist1, axis=0), K)
+    b1, above1 = _pick_bucket(hist1, kk, tl.arange(0, 256))
+    w_off = tl.sum(tl.sum(tl.where(before & (bins > b1), t1, 0), axis=1), axis=0)
+
+    t2 = _row_hist(ws_row + H2_OFF, S, SP)
+    hist2 = tl.sum(t2, axis=0)
+    b2, above2 = _pick_bucket(hist2, kk - above1, tl.arange(0, 256))
+    w_off += tl.sum(tl.sum(tl.where(before & (bins > b2), t2, 0), axis=1), axis=0)
+    c_off = tl.sum(tl.sum(tl.where(before & (bins == b2), t2, 0), axis=1), axis=0)
+    n_cand = tl.sum(tl.where(tl.arange(0, 256) == b2, hist2, 0), axis=0)
+    n_win = above1 + above2
+    is_first = sp == 0  # one writer of the row's counts
+    tl.store(ws_row + META_OFF, n_win, mask=is_first)
+    tl.store(ws_row + META_OFF + 1, n_cand, mask=is_first)
+    tl.store(ws_row + META_OFF + 2, kk - n_win, mask=is_first)
+
+    prefix = b1 * 256 + b2  # the kk-th largest key's top 16 bits (sign-flipped, so unsigned order)
+    lo, hi = _chunk_bounds(nv_ptr, r, sp, N, CH, HAS_NV)
+    for start in range(lo, hi, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        key, ok = _load_keys(row, offs, hi)
+        top = ((key >> 16) & 65535) ^ 32768
+        win = ok & (top > prefix)
+        cand = ok & (top == prefix)
+        pos = w_off + tl.cumsum(win.to(tl.int32), axis=0) - 1
+        tl.store(out_row + pos, offs.to(tl.int32), mask=win)
+        cpos = c_off + tl.cumsum(cand.to(tl.int32), axis=0) - 1
+        tl.store(ws_row + cpos, offs.to(tl.int32), mask=cand)
+        tl.store(ws_row + LO_OFF + cpos, key & 65535, mask=cand)
+        w_off += tl.sum(win.to(tl.int32), axis=0)
+        c_off += tl.sum(cand.to(tl.int32), axis=0)
+
+
+@triton.jit
+def _split_finish(
+    s_ptr, out_ptr, ws_ptr, stride_s, stride_o, stride_w, K, LO_OFF, META_OFF,
+    BLOCK: tl.constexpr, KP: tl.constexpr,
+):  # fmt: skip
+    r = tl.program_id(0).to(tl.int64)
+    row = s_ptr + r * stride_s
+    out_row = out_ptr + r * stride_o
+    ws_row = ws_ptr + r * stride_w
+    bins = tl.arange(0, 256)
+    n_win = tl.load(ws_row + META_OFF)
+    n_cand = tl.load(ws_row + META_OFF + 1)
+    need = tl.load(ws_row + META_OFF + 2)  # how many candidates to take (>= 1 unless the row is empty)
+
+    # d3 over all candidates, then d4 over those with d3 == b3 (keys read contiguously, no gather).
+    hist = tl.zeros((256,), tl.int32)
+    for start in range(0, n_cand, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        m = offs < n_cand
+        low = tl.load(ws_row + LO_OFF + offs, mask=m, other=0)
+        hist += tl.histogram(low >> 8, 256)
+        hist = tl.where(bins == 0, hist - tl.sum((~m).to(tl.int32), axis=0), hist)
+    b3, above = _pick_bucket(hist, need, bins)
+    need = need - above
+    hist = tl.zeros((256,), tl.int32)
+    for start in range(0, n_cand, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        low = tl.load(ws_row + LO_OFF + offs, mask=offs < n_cand, other=0)
+        match = (offs < n_cand) & ((low >> 8) == b3)
+        hist += tl.histogram(tl.where(match, low & 255, 0), 256)
+        hist = tl.where(bins == 0, hist - tl.sum((~match).to(tl.int32), axis=0), hist)
+    b4, above = _pick_bucket(hist, need, bins)
+    need = need - above
+    thr = b3 * 256 + b4  # low 16 bits of the kk-th largest key
+
+    # Compaction in index order: low > thr, then the first `need` candidates with low == thr.
+    taken = n_win
+    eq_seen = 0
+    for start in range(0, n_cand, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        m = offs < n_cand
+        low = tl.load(ws_row + LO_OFF + offs, mask=m, other=0)
+        idx = tl.load(ws_row + offs, mask=m, other=0)
+        gt = m & (low > thr)
+        eq = m & (low == thr)
+        eq_rank = eq_seen + tl.cumsum(eq.to(tl.int32), axis=0) - 1
+        take = gt | (eq & (eq_rank < need))
+        pos = taken + tl.cumsum(take.to(tl.int32), axis=0) - 1
+        tl.store(out_row + pos, idx, mask=take)
+        taken += tl.sum(take.to(tl.int32), axis=0)
+        eq_seen += tl.sum(eq.to(tl.int32), axis=0)
+    tl.debug_barrier()  # the winners (previous launch) and these stores are visible to every thread
+    _sort_winners(row, out_row, taken, K, KP)
 
 
 # ---------------------------------------------------------------------------------------- public ops
+def _auto_splits(T: int, N: int) -> int:
+    """Programs per row for the split path (1 = single-program kernel): about _TARGET_PROGRAMS programs in
+    all, chunks of at least _MIN_CHUNK entries, at most _MAX_SPLITS (host ints only)."""
+    return max(1, min(_MAX_SPLITS, _TARGET_PROGRAMS // max(T, 1), triton.cdiv(N, _MIN_CHUNK)))
+
+
+def _workspace_cols(N: int, splits: int) -> int:
+    if splits == 1:
+        return max(N, 1)
+    return 2 * N + 2 * splits * _BINS + _META
+
+
+def topk_workspace(T: int, N: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """A [T, cols] int32 workspace that fits ``topk_indices`` on [T, N] scores for any ``splits``.
+
+    cols = 2 N + 2 x 64 x 256 + 4 (candidate indices and low key bits, per-split histograms, counts).
+    Its contents never matter (no zeroing needed), so one buffer can serve every call of a CUDA graph.
+    """
+    return torch.empty((T, _workspace_cols(N, _MAX_SPLITS)), dtype=torch.int32, device=device)
+
+
 def topk_indices(
     scores: torch.Tensor,
     k: int,
@@ -207,6 +446,7 @@ def topk_indices(
     backend: str = "auto",
     *,
     workspace: torch.Tensor | None = None,
+    splits: int | None = None,
 ) -> torch.Tensor:
     """Logical indices of the top-``min(k, #selectable)`` scores of each row, -1 padded.
 
@@ -215,8 +455,13 @@ def topk_indices(
         k: host int, 1 <= k (the Triton kernel supports k <= 4096; typical 512 / 1024).
         n_visible: optional [T] int32; entries j >= n_visible[t] are never selected.
         backend: "auto" | "torch" | "triton".
-        workspace: optional [T, >= N] int32 scratch for the Triton kernel (allocated per call if None;
-            pass one in to keep allocations out of a captured CUDA graph).
+        workspace: optional row-contiguous [>= T, >= cols] int32 scratch for the Triton kernels, contents
+            irrelevant (allocated per call if None; ``topk_workspace(T, N)`` makes one that fits every
+            path -- pass it in to keep allocations out of a captured CUDA graph).  cols = N when
+            splits == 1, else 2 N + 2 x 256 x splits + 4.
+        splits: Triton only, host int in [1, 64]: programs per row (1 = one program per row, the
+            whole row in it; >= 2 = the split path of the module docstring).  None picks from T and N
+            (about 128 programs in all, chunks of >= 4096 entries).  The result never depends on it.
 
     Returns:
         [T, k] int32, sorted by score descending then index ascending; -1 after the selected ones.
@@ -227,11 +472,16 @@ def topk_indices(
     T, N = scores.shape
     if n_visible is not None:
         check_tensor("n_visible", n_visible, dtype=torch.int32, shape=(T,), device=scores.device)
+    if splits is None:
+        splits = _auto_splits(T, N)
+    elif not isinstance(splits, int) or isinstance(splits, bool) or not 1 <= splits <= _MAX_SPLITS:
+        raise ValueError(f"splits: expected None or a host int in [1, {_MAX_SPLITS}], got {splits!r}")
+    cols = _workspace_cols(N, splits)
     if workspace is not None:
         check_tensor("workspace", workspace, dtype=torch.int32, ndim=2, device=scores.device)
-        if workspace.shape[0] < T or workspace.shape[1] < N or workspace.stride(1) != 1:
+        if workspace.shape[0] < T or workspace.shape[1] < cols or workspace.stride(1) != 1:
             raise ValueError(
-                f"workspace: expected a row-contiguous [>= {T}, >= {N}] tensor, got {list(workspace.shape)}"
+                f"workspace: expected a row-contiguous [>= {T}, >= {cols}] tensor, got {list(workspace.shape)}"
             )
     if not use_triton(backend, scores, n_visible):
         return topk_indices_reference(scores, k, n_visible)
@@ -242,23 +492,38 @@ def topk_indices(
         return out
     scores = scores if scores.stride(1) == 1 else scores.contiguous()
     if workspace is None:
-        workspace = torch.empty((T, max(N, 1)), dtype=torch.int32, device=scores.device)
-    block = 1024 if interpreter_enabled() else 4096
-    _topk_kernel[(T,)](
-        scores,
-        n_visible if n_visible is not None else out,
-        out,
-        workspace,
-        scores.stride(0),
-        out.stride(0),
-        workspace.stride(0),
-        N,
-        k,
-        HAS_NV=n_visible is not None,
-        BLOCK=block,
-        KP=max(16, triton.next_power_of_2(k)),
-        num_warps=8,
-    )
+        workspace = torch.empty((T, cols), dtype=torch.int32, device=scores.device)
+    interp = interpreter_enabled()
+    nv = n_visible if n_visible is not None else out  # placeholder pointer when HAS_NV is False
+    has_nv = n_visible is not None
+    kp = max(16, triton.next_power_of_2(k))
+    ss, so, sw = scores.stride(0), out.stride(0), workspace.stride(0)
+    if splits == 1:
+        _topk_kernel[(T,)](
+            scores, nv, out, workspace, ss, so, sw, N, k,
+            HAS_NV=has_nv, BLOCK=1024 if interp else 4096, KP=kp, num_warps=8,
+        )  # fmt: skip
+        return out
+    S, sp = splits, triton.next_power_of_2(splits)
+    ch = triton.cdiv(triton.cdiv(N, S), 16) * 16  # chunk start offsets stay 16-aligned (vector loads)
+    lo_off, h1_off = N, 2 * N
+    h2_off = h1_off + S * _BINS
+    meta_off = h2_off + S * _BINS
+    # One loop iteration per program where the chunk allows: all of its loads are issued at once.
+    block = 256 if interp else max(256, min(_MAX_BLOCK, triton.next_power_of_2(ch)))
+    grid = (T, S)
+    _split_hist1[grid](scores, nv, workspace, ss, sw, N, ch, h1_off, HAS_NV=has_nv, BLOCK=block, num_warps=8)
+    _split_hist2[grid](
+        scores, nv, workspace, ss, sw, N, k, S, ch, h1_off, h2_off,
+        HAS_NV=has_nv, BLOCK=block, SP=sp, num_warps=8,
+    )  # fmt: skip
+    _split_scatter[grid](
+        scores, nv, out, workspace, ss, so, sw, N, k, S, ch, lo_off, h1_off, h2_off, meta_off,
+        HAS_NV=has_nv, BLOCK=block, SP=sp, num_warps=8,
+    )  # fmt: skip
+    _split_finish[(T,)](
+        scores, out, workspace, ss, so, sw, k, lo_off, meta_off, BLOCK=256 if interp else 2048, KP=kp, num_warps=8,
+    )  # fmt: skip
     return out
 
 
