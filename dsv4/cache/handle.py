@@ -255,8 +255,13 @@ class LayerCacheHandle:
         return st
 
     def _advance_ring_head(self) -> None:
+        """ring_head[slot] = seq_len mod ring_size for the step's requests; padded rows (slot -1) go to the
+        head table's scratch element (no branch, no sync)."""
         head = (self.plan.seq_lens % self.schema.ring_size).to(torch.int32)
-        self.state.ring_head.index_copy_(0, self.plan.request_slots.long(), head)
+        slots = self.plan.request_slots.long()
+        scratch = self.state.ring_head_flat.numel() - 1
+        idx = torch.where(slots >= 0, slots, torch.full_like(slots, scratch))
+        self.state.ring_head_flat.scatter_(0, idx, head)
 
     def flush_compression(
         self,

@@ -249,15 +249,28 @@ class KVCacheManager:
         return short or None
 
     # ------------------------------------------------------------------ the step
-    def plan(self, schedule: Mapping[Hashable, int] | Iterable[tuple[Hashable, int]]) -> StepPlan | None:
+    def plan(
+        self,
+        schedule: Mapping[Hashable, int] | Iterable[tuple[Hashable, int]],
+        *,
+        pad_batch_to: int | None = None,
+        max_blocks: int | Mapping[int, int] | None = None,
+    ) -> StepPlan | None:
         """Allocate the step's pages and build its ``StepPlan``; None = "not now" (pages short).
 
         ``schedule`` maps request id -> new tokens this step (batch order = iteration order).  Only one
         plan may be outstanding: ``commit`` or ``cancel`` it before planning the next step.
+
+        For a CUDA graph of a decode step every shape must be fixed: ``pad_batch_to`` appends padded rows
+        (decode steps only; see ``StepPlan``) up to that batch size, and ``max_blocks`` fixes the width of
+        every block table (an int for every ratio class or ``{ratio: blocks}``), so that
+        ``max_entries`` = ``max_blocks * entries_per_page`` is static too.
         """
         if self._outstanding is not None:
             raise RuntimeError("plan: a plan is outstanding; commit() or cancel() it first")
         items = self._normalise_schedule(schedule)
+        pad = self._check_padding(items, pad_batch_to)
+        widths = self._check_max_blocks(items, max_blocks)
         if self._missing_pages(items) is not None:
             return None
         for rid, n in items:
@@ -267,56 +280,87 @@ class KVCacheManager:
                 assert got is not None  # checked above
                 req.blocks[m].extend(got)
         self._epoch += 1
-        plan = self._build_plan(items)
+        plan = self._build_plan(items, pad, widths)
         self._outstanding = plan
         self._after_mutation()
         return plan
 
-    def _build_plan(self, items: list[tuple[Hashable, int]]) -> StepPlan:
+    def _check_padding(self, items: list[tuple[Hashable, int]], pad_batch_to: int | None) -> int:
+        if pad_batch_to is None:
+            return 0
+        if not isinstance(pad_batch_to, int) or pad_batch_to < len(items):
+            raise ValueError(f"pad_batch_to: expected an int >= the batch size {len(items)}, got {pad_batch_to!r}")
+        if pad_batch_to > len(items) and any(n != 1 for _, n in items):
+            raise ValueError("pad_batch_to: padding is for decode steps (one new token per request) only")
+        return pad_batch_to - len(items)
+
+    def _check_max_blocks(
+        self, items: list[tuple[Hashable, int]], max_blocks: int | Mapping[int, int] | None
+    ) -> dict[int, int] | None:
+        if max_blocks is None:
+            return None
+        widths = dict(max_blocks) if isinstance(max_blocks, Mapping) else {m: max_blocks for m in self.pools}
+        if set(widths) != set(self.pools):
+            raise ValueError(f"max_blocks: expected keys {sorted(self.pools)}, got {sorted(widths)}")
+        for m, w in widths.items():
+            need = max(
+                self.pools[m].ratio_class.pages_for_tokens(self._requests[rid].num_tokens + n) for rid, n in items
+            )
+            if not isinstance(w, int) or w < max(1, need):
+                raise ValueError(
+                    f"max_blocks[{m}]: expected an int >= {max(1, need)} (pages this step needs), got {w!r}"
+                )
+        return widths
+
+    def _build_plan(
+        self, items: list[tuple[Hashable, int]], pad: int = 0, widths: dict[int, int] | None = None
+    ) -> StepPlan:
         reqs = [self._requests[rid] for rid, _ in items]
-        counts = np.array([n for _, n in items], dtype=np.int64)
-        starts = np.array([r.num_tokens for r in reqs], dtype=np.int64)
-        slots = np.array([r.slot for r in reqs], dtype=np.int64)
+        n_rows = len(items) + pad
+        counts = np.array([n for _, n in items] + [1] * pad, dtype=np.int64)
+        starts = np.array([r.num_tokens for r in reqs] + [0] * pad, dtype=np.int64)
+        slots = np.array([r.slot for r in reqs] + [-1] * pad, dtype=np.int64)
         qstart = np.concatenate([[0], np.cumsum(counts)])
-        row = np.repeat(np.arange(len(items)), counts)
+        row = np.repeat(np.arange(n_rows), counts)
         pos = np.arange(int(qstart[-1])) - qstart[row] + starts[row]
         end = (starts + counts)[row]  # exclusive end position of the token's request
+        real = slots[row] >= 0
         ring = self.schema.ring_size
-        swa = np.where(pos >= end - ring, slots[row] * ring + pos % ring, -1)
+        swa = np.where(real & (pos >= end - ring), slots[row] * ring + pos % ring, -1)
 
         dev = self.device
         i32 = lambda a: torch.as_tensor(np.asarray(a, dtype=np.int32), device=dev)  # noqa: E731
         ratios = {}
         for m, pool in self.pools.items():
             per_page = pool.entries_per_page
-            width = max(1, max(len(r.blocks[m]) for r in reqs))
-            table = np.full((len(reqs), width), -1, dtype=np.int64)
+            width = widths[m] if widths else max(1, max(len(r.blocks[m]) for r in reqs))
+            table = np.full((n_rows, width), -1, dtype=np.int64)
             for b, r in enumerate(reqs):
                 table[b, : len(r.blocks[m])] = r.blocks[m]
             entry = pos // m
-            emits = (pos + 1) % m == 0
+            emits = real & ((pos + 1) % m == 0)
             page = table[row, np.minimum(entry // per_page, width - 1)]
-            emit_slots = np.where(emits, page * per_page + entry % per_page, -1)
+            emit_slots = np.where(emits & (page >= 0), page * per_page + entry % per_page, -1)
             rows = pool.ratio_class.ratio * (2 if self.config.overlap(m) else 1)
-            state_rows = np.where(pos >= end - rows, slots[row] * rows + pos % rows, -1)
-            num_entries = (starts + counts) // m
+            state_rows = np.where(real & (pos >= end - rows), slots[row] * rows + pos % rows, -1)
+            num_entries = np.where(slots >= 0, (starts + counts) // m, 0)
             ratios[m] = RatioPlan(
                 ratio=m,
                 entries_per_page=per_page,
                 block_table=i32(table),
-                block_lens=i32([len(r.blocks[m]) for r in reqs]),
+                block_lens=i32([len(r.blocks[m]) for r in reqs] + [0] * pad),
                 num_entries=i32(num_entries),
-                n_visible=i32((pos + 1) // m),
+                n_visible=i32(np.where(real, (pos + 1) // m, 0)),
                 emit_slots=i32(emit_slots),
                 state_rows=i32(state_rows),
-                max_entries=int(num_entries.max()),
+                max_entries=width * per_page if widths else int(num_entries.max()),
             )
         return StepPlan(
             epoch=self._epoch,
             request_keys=tuple(rid for rid, _ in items),
-            slot_ids=tuple(int(s) for s in slots),
-            num_new_tokens=tuple(int(n) for n in counts),
-            context_lens=tuple(int(s) for s in starts),
+            slot_ids=tuple(int(s) for s in slots[: len(items)]),
+            num_new_tokens=tuple(int(n) for n in counts[: len(items)]),
+            context_lens=tuple(int(s) for s in starts[: len(items)]),
             request_slots=i32(slots),
             positions=i32(pos),
             request_ids=i32(row),
@@ -325,6 +369,7 @@ class KVCacheManager:
             token_slots=i32(slots[row]),
             swa_slots=i32(swa),
             ratios=ratios,
+            num_padded=pad,
         )
 
     def _check_outstanding(self, plan: StepPlan, what: str) -> None:

@@ -56,7 +56,10 @@ class StepPlan:
 
     Host fields: ``request_keys`` (the caller's ids, batch order), ``slot_ids`` (their state slots),
     ``num_new_tokens`` and ``context_lens`` (tokens cached before the step) per request, ``epoch``
-    (plans are single-use).
+    (plans are single-use), ``num_padded``: rows appended after the real requests so that a decode
+    step has a fixed batch size (CUDA-graph buckets).  A padded row has one token at position 0 and
+    state slot -1: every write slot of it is -1 (nothing is written), it sees no window or compressed
+    entry, and its output row is garbage to be ignored.
 
     Device fields (int32): ``request_slots`` [B] state slot of each request; ``positions`` [T];
     ``request_ids`` [T] batch row of each token (the seed's name); ``query_start`` [B+1];
@@ -79,14 +82,46 @@ class StepPlan:
     token_slots: torch.Tensor
     swa_slots: torch.Tensor
     ratios: dict[int, RatioPlan]
+    num_padded: int = 0
 
     @property
     def batch_size(self) -> int:
-        return len(self.request_keys)
+        """Rows of the batch, padded rows included."""
+        return len(self.request_keys) + self.num_padded
 
     @property
     def num_tokens(self) -> int:
-        return sum(self.num_new_tokens)
+        """Tokens of the step (rows of the layer input), padded rows included."""
+        return sum(self.num_new_tokens) + self.num_padded
+
+    def device_tensors(self) -> dict[str, torch.Tensor]:
+        """Every device tensor of the plan by a stable name (``ratio<m>.<field>`` for ratio plans)."""
+        out = {
+            k: getattr(self, k)
+            for k in (
+                "request_slots", "positions", "request_ids", "query_start", "seq_lens", "token_slots", "swa_slots",
+            )
+        }  # fmt: skip
+        for m, rp in self.ratios.items():
+            for k in ("block_table", "block_lens", "num_entries", "n_visible", "emit_slots", "state_rows"):
+                out[f"ratio{m}.{k}"] = getattr(rp, k)
+        return out
+
+    def load_(self, other: StepPlan) -> None:
+        """Copy ``other``'s device tensors into this plan's tensors (the static buffers of a captured
+        CUDA graph).  Shapes and host-side statics (``max_entries``) must match: build ``other`` with the
+        same ``pad_batch_to`` and ``max_blocks``.  Host fields of ``self`` are not changed."""
+        mine, theirs = self.device_tensors(), other.device_tensors()
+        for k, t in mine.items():
+            if t.shape != theirs[k].shape:
+                raise ValueError(f"plan.{k}: expected shape {list(t.shape)}, got {list(theirs[k].shape)}")
+        for m, rp in self.ratios.items():
+            if rp.max_entries != other.ratios[m].max_entries:
+                raise ValueError(
+                    f"plan.ratio{m}.max_entries: expected {rp.max_entries}, got {other.ratios[m].max_entries}"
+                )
+        for k, t in mine.items():
+            t.copy_(theirs[k], non_blocking=True)
 
     @property
     def is_decode(self) -> bool:

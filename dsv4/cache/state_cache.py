@@ -44,6 +44,7 @@ class LayerState:
     ring_positions: torch.Tensor  # int32 [num_slots, ring_size], -1 = empty
     ring_positions_flat: torch.Tensor  # int32 [num_slots * ring_size + 1], last element = scratch
     ring_head: torch.Tensor  # int32 [num_slots]
+    ring_head_flat: torch.Tensor  # int32 [num_slots + 1], last element = scratch
     compressor: CompressorState | None
     indexer_compressor: CompressorState | None
 
@@ -68,7 +69,7 @@ class StateCachePool:
         page = schema.ring_page_bytes
         self._ring_buf = torch.zeros(n_layers, num_slots * page, dtype=torch.uint8, device=dev)
         self._pos = torch.full((n_layers, num_slots * ring + 1), -1, dtype=torch.int32, device=dev)
-        self._head = torch.zeros(n_layers, num_slots, dtype=torch.int32, device=dev)
+        self._head = torch.zeros(n_layers, num_slots + 1, dtype=torch.int32, device=dev)
         # Compressor states grouped by shape, so one fill resets every layer of a kind.
         self._comp: dict[CompressorShape, tuple[torch.Tensor, torch.Tensor]] = {}
         index_in_group: dict[tuple[int, str], tuple[CompressorShape, int]] = {}
@@ -96,7 +97,8 @@ class StateCachePool:
                 ring=fmt.entry_pages(self._ring_buf[i], num_slots, ring),
                 ring_positions=self._pos[i, :-1].view(num_slots, ring),
                 ring_positions_flat=self._pos[i],
-                ring_head=self._head[i],
+                ring_head=self._head[i, :-1],
+                ring_head_flat=self._head[i],
                 compressor=comp_view(i, "main"),
                 indexer_compressor=comp_view(i, "indexer"),
             )

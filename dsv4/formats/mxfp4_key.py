@@ -16,6 +16,7 @@ An e2m1 code is sign<<3 | magnitude index; a value that rounds to zero is stored
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -131,9 +132,16 @@ def e2m1_encode(v: torch.Tensor) -> torch.Tensor:
     return sign | mag
 
 
+@functools.lru_cache(maxsize=8)
+def _e2m1_table(device: torch.device) -> torch.Tensor:
+    # Cached per device: a host->device copy inside a captured CUDA graph is not allowed (the first call,
+    # outside capture, creates it).
+    return torch.tensor(E2M1_VALUES, dtype=torch.float32, device=device)
+
+
 def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
     """e2m1 codes (uint8, low nibble used) -> fp32 values."""
-    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=codes.device)
+    table = _e2m1_table(codes.device)
     c = codes.to(torch.int64)
     mag = table[c & 7]
     return torch.where((c & 8) != 0, -mag, mag)

@@ -232,3 +232,35 @@ def test_manager_on_meta_free_device_types():
     m.add(0)
     p = m.plan([(0, 1)])
     assert p.positions.dtype == torch.int32 and p.device.type == "cpu"
+
+
+def test_padded_decode_plan_for_graph_buckets():
+    m = make(max_requests=3, pages=4)
+    m.add("a")
+    m.add("b")
+    m.commit(m.plan({"a": 7, "b": 130}))
+    p = m.plan({"a": 1, "b": 1}, pad_batch_to=4, max_blocks=3)
+    assert p.batch_size == 4 and p.num_tokens == 4 and p.num_padded == 2 and p.request_keys == ("a", "b")
+    assert p.positions.tolist() == [7, 130, 0, 0] and p.token_slots.tolist() == [0, 1, -1, -1]
+    assert p.swa_slots.tolist()[2:] == [-1, -1] and p.request_slots.tolist()[2:] == [-1, -1]
+    for m_, rp in p.ratios.items():
+        assert rp.block_table.shape == (4, 3) and rp.max_entries == 3 * rp.entries_per_page
+        assert rp.emit_slots.tolist()[2:] == [-1, -1] and rp.state_rows.tolist()[2:] == [-1, -1]
+        assert rp.n_visible.tolist()[2:] == [0, 0] and (rp.block_table[2:] == -1).all()
+    m.commit(p)
+    assert (m.num_tokens("a"), m.num_tokens("b")) == (8, 131)
+    # A later plan with the same bucket loads into the first one's tensors (the graph's static buffers).
+    q = m.plan({"b": 1}, pad_batch_to=4, max_blocks=3)
+    p.load_(q)
+    assert p.positions.tolist() == [131, 0, 0, 0] and p.token_slots.tolist() == [1, -1, -1, -1]
+    m.cancel(q)
+    with pytest.raises(ValueError, match="decode steps"):
+        m.plan({"a": 2}, pad_batch_to=2)
+    with pytest.raises(ValueError, match="pad_batch_to"):
+        m.plan({"a": 1, "b": 1}, pad_batch_to=1)
+    with pytest.raises(ValueError, match="max_blocks"):
+        m.plan({"b": 1}, max_blocks=1)  # b needs 2 HCA pages
+    r = m.plan({"a": 1}, pad_batch_to=2, max_blocks=5)
+    with pytest.raises(ValueError, match="shape"):
+        p.load_(r)
+    assert m.outstanding_plan is r

@@ -153,3 +153,38 @@ def test_gpu_triton_path_matches_dense(kind):
     sched = [[37, 100, 1, 1, 5, 130, 1], [None, None, 3, 1, 200, 20, 75], [1] * 40 + [129, 200]]
     m_out = run_cached(layer, w, x, sched, backend="triton", device=dev)
     assert_close(m_out, ref)
+
+
+def _cache_bytes(m):
+    st = m.state
+    parts = [st._ring_buf, st._pos[:, :-1], st._head[:, :-1], *(x for pair in st._comp.values() for x in pair)]
+    parts += [layer.buffer for pool in m.pools.values() for layer in pool.layers.values()]
+    return [p.clone() for p in parts]
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_padded_decode_step_equals_unpadded_and_writes_nothing_for_padding(backend):
+    """The CUDA-graph form of a decode step (fixed batch and block-table width) computes the same rows."""
+    x = torch.randn(2, 9, TINY.dim, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
+    outs, caches = [], []
+    for padded in (False, True):
+        m = KVCacheManager(TINY, max_requests=3, num_pages=4, block_tokens=256, debug=True)
+        blocks = {
+            i: AttentionSubBlock(TINY, i, random_attention_weights(TINY, i, seed=9), backend=backend) for i in (1, 2)
+        }
+        m.add(0)
+        m.add(1)
+        plan = m.plan({0: 7, 1: 8})
+        for i, blk in blocks.items():
+            blk(x[:, :8].reshape(16, -1)[[*range(7), *range(8, 16)]], m.acquire(i, plan))
+        m.commit(plan)
+        kw = {"pad_batch_to": 3, "max_blocks": 2} if padded else {}
+        plan = m.plan({0: 1, 1: 1}, **kw)
+        xs = torch.stack([x[0, 7], x[1, 8]] + ([x[0, 0]] if padded else []))
+        outs.append({i: blk(xs, m.acquire(i, plan))[:2] for i, blk in blocks.items()})
+        m.commit(plan)
+        caches.append(_cache_bytes(m))
+    for i in (1, 2):
+        assert torch.equal(outs[0][i], outs[1][i])
+    for a, b in zip(caches[0], caches[1], strict=True):
+        assert torch.equal(a, b)
