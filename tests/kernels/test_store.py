@@ -15,7 +15,6 @@ from dsv4.formats import FP8EntryFormat, MXFP4KeyFormat
 from dsv4.kernels.cache._triton_quant import rope_cos_sin_at
 from dsv4.kernels.cache.compressor import entry_positions
 from dsv4.kernels.cache.store import (
-    hadamard_reference,
     rope_cos_sin,
     store_fp8_entries,
     store_mxfp4_keys,
@@ -180,12 +179,6 @@ def test_store_window_rope_and_norm_semantics(device):
     xf = kv.float()
     normed = (w * (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + 1e-6))).bfloat16()
     assert (out.float() - normed.float()).abs().max() <= normed.float().abs().max() * 2**-7
-
-
-def test_hadamard_reference_is_orthonormal():
-    x = torch.randn(5, 128).bfloat16()
-    y = hadamard_reference(hadamard_reference(x))
-    assert torch.allclose(y.float(), x.float(), rtol=2**-6, atol=1e-2)
 
 
 def test_validation_errors(device):

@@ -53,13 +53,11 @@ from dsv4.kernels.cache.store import (
     _launch_norm_rope_fp8,
     _mxfp4_args,
     _mxfp4_store_row,
-    hadamard_reference,
-    rms_norm_reference,
-    rope_reference,
     store_fp8_entries_reference,
     store_mxfp4_keys_reference,
 )
 from dsv4.kernels.dispatch import interpreter_enabled, use_triton
+from dsv4.model.functional import apply_rope, hadamard, rms_norm
 
 __all__ = [
     "compressor_step",
@@ -438,12 +436,12 @@ def emit_entries_reference(
     sel = emits.nonzero().squeeze(1)
     if sel.numel() == 0:
         return
-    y = rms_norm_reference(pooled[sel].to(torch.bfloat16), norm_weight, eps)
-    y = rope_reference(y, entry_positions(positions[sel], ratio), inv_freq)
+    y = rms_norm(pooled[sel].to(torch.bfloat16), norm_weight, eps)
+    y = apply_rope(y, entry_positions(positions[sel], ratio), inv_freq)
     if kind == "main":
         store_fp8_entries_reference(y, slots[sel], pages, fmt)
     else:
-        store_mxfp4_keys_reference(hadamard_reference(y), slots[sel], pages, fmt)
+        store_mxfp4_keys_reference(hadamard(y), slots[sel], pages, fmt)
 
 
 @triton.jit

@@ -49,6 +49,7 @@ from dsv4.kernels.cache._triton_quant import (
     rope_cos_sin_at,
 )
 from dsv4.kernels.dispatch import interpreter_enabled, use_triton
+from dsv4.model.functional import apply_rope, rms_norm
 
 __all__ = [
     "store_fp8_entries",
@@ -57,10 +58,7 @@ __all__ = [
     "store_mxfp4_keys_reference",
     "store_window",
     "store_window_reference",
-    "rms_norm_reference",
-    "rope_reference",
     "rope_cos_sin",
-    "hadamard_reference",
 ]
 
 _FLOAT_IN = (torch.bfloat16, torch.float16, torch.float32)
@@ -136,43 +134,10 @@ def store_mxfp4_keys_reference(x: torch.Tensor, slots: torch.Tensor, pages: KeyP
     pages.scale[pg, rw] = scale
 
 
-def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm of the reference: fp32 math ``weight * (x * rsqrt(mean(x^2) + eps))``, result bf16."""
-    xf = x.float()
-    y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
-    return (weight.float() * y).to(torch.bfloat16)
-
-
 def rope_cos_sin(rope_positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin [T, rope_dim/2] fp32 of the angle ``fp32(pos) * inv_freq`` (fp32), as the reference."""
     ang = rope_positions.float().unsqueeze(-1) * inv_freq.float().unsqueeze(0)
     return ang.cos(), ang.sin()
-
-
-def rope_reference(x: torch.Tensor, rope_positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-    """Interleaved (GPT-J) RoPE on the last ``2 * len(inv_freq)`` dims of bf16 ``x`` [T, D], fp32 math, bf16 out."""
-    rd = 2 * inv_freq.shape[0]
-    cos, sin = rope_cos_sin(rope_positions, inv_freq)
-    pairs = x[:, -rd:].float().unflatten(-1, (-1, 2))
-    a, b = pairs[..., 0], pairs[..., 1]
-    rot = torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1).flatten(-2)
-    return torch.cat([x[:, :-rd], rot.to(x.dtype)], dim=-1)
-
-
-def _sylvester(n: int, device: torch.device) -> torch.Tensor:
-    i = torch.arange(n, device=device)
-    v = i.unsqueeze(1) & i.unsqueeze(0)
-    parity = torch.zeros_like(v)
-    while bool((v != 0).any()):
-        parity ^= v & 1
-        v = v >> 1
-    return (1 - 2 * parity).float()
-
-
-def hadamard_reference(x: torch.Tensor) -> torch.Tensor:
-    """Sylvester Walsh-Hadamard over the last dim (a power of two) times dim^-1/2: fp32 math, bf16 out."""
-    n = x.shape[-1]
-    return ((x.float() @ _sylvester(n, x.device)) * n**-0.5).to(torch.bfloat16)
 
 
 def store_window_reference(
@@ -187,7 +152,7 @@ def store_window_reference(
     out: torch.Tensor | None = None,
 ) -> None:
     """PyTorch definition of ``store_window``: kv_norm -> RoPE(pos) -> ``store_fp8_entries_reference``."""
-    y = rope_reference(rms_norm_reference(kv, norm_weight, eps), positions, inv_freq)
+    y = apply_rope(rms_norm(kv, norm_weight, eps), positions, inv_freq)
     if out is not None:
         out.copy_(y)
     store_fp8_entries_reference(y, slots, pages, fmt)
