@@ -166,7 +166,10 @@ class LayerCacheHandle:
         """
         from dsv4.kernels.cache.append_swa import append_swa
 
-        check_tensor("kv", kv, dtype=torch.bfloat16, shape=(self.plan.num_tokens, self.schema.config.head_dim))
+        check_tensor(
+            "kv", kv, dtype=torch.bfloat16, shape=(self.plan.num_tokens, self.schema.config.head_dim),
+            device=self.plan.device,
+        )  # fmt: skip
         append_swa(
             kv,
             self.plan.swa_slots,
@@ -188,7 +191,10 @@ class LayerCacheHandle:
         """
         from dsv4.kernels.cache.append_swa import append_window
 
-        check_tensor("kv_raw", kv_raw, dtype=torch.bfloat16, shape=(self.plan.num_tokens, self.schema.config.head_dim))
+        check_tensor(
+            "kv_raw", kv_raw, dtype=torch.bfloat16, shape=(self.plan.num_tokens, self.schema.config.head_dim),
+            device=self.plan.device,
+        )  # fmt: skip
         kv = append_window(
             kv_raw,
             norm_weight,
@@ -283,7 +289,10 @@ class LayerCacheHandle:
         rp = self._need_ratio("flush_compression")
         cfg = self.schema.config
         n = compressed.shape[0] if isinstance(compressed, torch.Tensor) else None
-        check_tensor("compressed", compressed, dtype=(torch.bfloat16, torch.float32), shape=(n, cfg.head_dim))
+        check_tensor(
+            "compressed", compressed, dtype=(torch.bfloat16, torch.float32), shape=(n, cfg.head_dim),
+            device=self.plan.device,
+        )  # fmt: skip
         if token_index is None:
             if n != self.plan.num_tokens:
                 raise ValueError(f"compressed: expected {self.plan.num_tokens} rows (one per token), got {n}")

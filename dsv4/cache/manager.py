@@ -375,7 +375,7 @@ class KVCacheManager:
     def _check_outstanding(self, plan: StepPlan, what: str) -> None:
         if not isinstance(plan, StepPlan):
             raise ValueError(f"{what}: expected a StepPlan, got {type(plan).__name__}")
-        if self._outstanding is None or plan.epoch != self._outstanding.epoch:
+        if plan is not self._outstanding:
             raise ValueError(f"{what}: plan {plan.epoch} is not the outstanding plan of this manager")
 
     def acquire(self, layer_id: int, plan: StepPlan) -> LayerCacheHandle:

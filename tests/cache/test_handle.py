@@ -95,6 +95,8 @@ def test_handle_rejects_bad_input_and_changes_nothing():
         swa.write_swa(torch.zeros(7, 512, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="dtype"):
         swa.write_swa(torch.zeros(8, 512))
+    with pytest.raises(ValueError, match="device"):
+        swa.write_swa(torch.zeros(8, 512, dtype=torch.bfloat16, device="meta"))
     assert torch.equal(before, swa.state.ring.nope.view(torch.uint8))
     with pytest.raises(ValueError, match="SWA-only"):
         swa.flush_compression(torch.zeros(8, 512))
@@ -104,3 +106,10 @@ def test_handle_rejects_bad_input_and_changes_nothing():
         hca.flush_compression(torch.zeros(8, 512), torch.zeros(8, 128))
     with pytest.raises(ValueError, match="one per token"):
         hca.flush_compression(torch.zeros(3, 512))
+    with pytest.raises(ValueError, match="device"):
+        hca.flush_compression(torch.zeros(8, 512, device="meta"))
+    other = _manager()
+    other.add("a")
+    other_plan = other.plan({"a": 8})  # same epoch number, another manager
+    with pytest.raises(ValueError, match="not the outstanding plan"):
+        m.acquire(0, other_plan)

@@ -243,7 +243,7 @@ def test_padded_decode_plan_for_graph_buckets():
     assert p.batch_size == 4 and p.num_tokens == 4 and p.num_padded == 2 and p.request_keys == ("a", "b")
     assert p.positions.tolist() == [7, 130, 0, 0] and p.token_slots.tolist() == [0, 1, -1, -1]
     assert p.swa_slots.tolist()[2:] == [-1, -1] and p.request_slots.tolist()[2:] == [-1, -1]
-    for m_, rp in p.ratios.items():
+    for rp in p.ratios.values():
         assert rp.block_table.shape == (4, 3) and rp.max_entries == 3 * rp.entries_per_page
         assert rp.emit_slots.tolist()[2:] == [-1, -1] and rp.state_rows.tolist()[2:] == [-1, -1]
         assert rp.n_visible.tolist()[2:] == [0, 0] and (rp.block_table[2:] == -1).all()
