@@ -8,6 +8,8 @@ contexts 4K / 128K / 1M tokens -> entries = ctx / 4 (up to 262,144), B = 1, 4, 8
 scattered through a shared pool.  In one run, on the same data:
 
 - ``indexer_fp4``      Triton, 68-byte MXFP4 keys converted in registers;
+- ``indexer_fp4_convert``  the same with ``impl="convert"`` (e2m1 -> bf16 in registers, bf16 MMAs;
+                       ``indexer_fp4`` is the default impl, "auto" = fp8mma: e4m3 re-encoding, FP8 MMAs);
 - ``indexer_fp4_dot_scaled``  the same with ``tl.dot_scaled`` doing the e2m1 operand (experiment;
                        skipped with a message if it does not compile or is wrong);
 - ``indexer_fp8keys``  Triton, 132-byte FP8 keys (same values: built from the MXFP4 keys, exactly);
@@ -19,6 +21,8 @@ bytes = B x entries x (68 | 132) + q + weights + scores written; roofline_s = by
 
 Top-k: k = 1024 and 512 over R x 262,144 fp32 scores (R = 1, 4, 8), Triton radix select vs
 ``torch.topk`` (which does not order ties like ours; checked as a set).  bytes = one read of the scores.
+``topk_radix`` = auto splits, ``topk_radix_s<S>`` = S programs per row (s1: one program per row),
+``topk_radix_graph`` = auto splits replayed from a CUDA graph.
 Also the whole step (FP4 scores + top-1024) vs PyTorch eager (scores + torch.topk) at 1M.
 
 Correctness is checked on each shape's data before timing (kernels vs the fp32 references).  Times are
@@ -53,6 +57,7 @@ from dsv4.kernels.indexer import (  # noqa: E402
     topk_indices,
     topk_indices_reference,
 )
+from dsv4.kernels.indexer.topk import topk_workspace  # noqa: E402
 
 HBM_BYTES_PER_S = 4.17e12
 FMT = MXFP4KeyFormat()
@@ -152,7 +157,7 @@ def bench_scores_shape(args, dev, info, rows, gen, ctx, B, compiled, with_step):
     H = args.heads
     keys, bt, q, w, tr, nv = make_problem(B, entries, H, args.page, dev, gen)
     fk = fp8_key_pages_from_mxfp4(keys)
-    kw = {"block_n": args.block_n, "tiles_per_program": args.tiles}
+    kw = {"block_n": args.block_n, "tiles_per_program": args.tiles, "num_warps": args.warps, "num_stages": args.stages}
     run_fp4 = partial(indexer_scores, q, w, keys, bt, tr, nv, entries, "triton", **kw)
     run_fp8 = partial(indexer_scores_fp8keys, q, w, fk, bt, tr, nv, entries, "triton", **kw)
     run_torch = partial(torch_scores_fp8, q, w, fk, bt, entries)
@@ -182,13 +187,14 @@ def bench_scores_shape(args, dev, info, rows, gen, ctx, B, compiled, with_step):
     t4, t8 = timer(run_fp4, args.smoke), timer(run_fp8, args.smoke)
     record(rows, info, "indexer_fp4", shape, t4, b4, "torch_fp8keys", t_torch, max_rel_err=err4)
     record(rows, info, "indexer_fp8keys", shape, t8, b8, "torch_fp8keys", t_torch, max_rel_err=err8)
-    try:  # experiment: let tl.dot_scaled lower the MXFP4 operand (performance.md "Leads")
-        run_ds = partial(indexer_scores, q, w, keys, bt, tr, nv, entries, "triton", impl="dot_scaled", **kw)
-        err_ds = check_close(run_ds(), indexer_scores_reference(q, w, keys, bt, tr, nv, entries), "dot_scaled")
-        t_ds = timer(run_ds, args.smoke)
-        record(rows, info, "indexer_fp4_dot_scaled", shape, t_ds, b4, "torch_fp8keys", t_torch, max_rel_err=err_ds)
-    except (Exception, SystemExit) as e:  # noqa: BLE001 - an optional variant must not stop the run
-        print(f"indexer_fp4_dot_scaled ctx={ctx} B={B} skipped: {type(e).__name__}: {str(e)[:200]}")
+    for impl in ("convert", "dot_scaled"):  # the other impls (the default "auto" is fp8mma on the H200)
+        try:
+            run_x = partial(indexer_scores, q, w, keys, bt, tr, nv, entries, "triton", impl=impl, **kw)
+            err_x = check_close(run_x(), indexer_scores_reference(q, w, keys, bt, tr, nv, entries), impl)
+            t_x = timer(run_x, args.smoke)
+            record(rows, info, f"indexer_fp4_{impl}", shape, t_x, b4, "torch_fp8keys", t_torch, max_rel_err=err_x)
+        except (Exception, SystemExit) as e:  # noqa: BLE001 - an optional variant must not stop the run
+            print(f"indexer_fp4_{impl} ctx={ctx} B={B} skipped: {type(e).__name__}: {str(e)[:200]}")
 
     if with_step:  # the whole selection step: scores + top-k
         k = min(1024, entries)
@@ -207,15 +213,19 @@ def bench_scores_shape(args, dev, info, rows, gen, ctx, B, compiled, with_step):
 
 
 def bench_topk(args, dev, info, rows, gen):
+    """Auto splits with a preallocated workspace (as under a CUDA graph), a few explicit split counts
+    (splits=1 is the one-program-per-row kernel), and the auto case replayed from a CUDA graph."""
     n = 2048 if args.smoke else 262144
     for k in [64] if args.smoke else [1024, 512]:
         for R in [2] if args.smoke else [1, 4, 8]:
             s = torch.randn(R, n, device=dev, generator=gen)
             nv = torch.full((R,), n, dtype=torch.int32, device=dev)
-            run = partial(topk_indices, s, k, nv, "triton")
+            ws = topk_workspace(R, n, dev)
+            run = partial(topk_indices, s, k, nv, "triton", workspace=ws)
             base = partial(torch.topk, s, k, dim=1)
+            want = topk_indices_reference(s, k, nv)
             got = run()
-            if not torch.equal(got, topk_indices_reference(s, k, nv)):
+            if not torch.equal(got, want):
                 raise SystemExit(f"topk R={R} k={k}: differs from the reference")
             if not torch.equal(got.long().sort(1).values, base().indices.sort(1).values):
                 raise SystemExit(f"topk R={R} k={k}: set differs from torch.topk")
@@ -224,6 +234,25 @@ def bench_topk(args, dev, info, rows, gen):
             nbytes = R * n * 4 + R * k * 4
             record(rows, info, "torch_topk", shape, t_base, nbytes)
             record(rows, info, "topk_radix", shape, timer(run, args.smoke), nbytes, "torch_topk", t_base)
+            for splits in [1, 4] if args.smoke else [1, 16, 32, 64]:
+                run_s = partial(topk_indices, s, k, nv, "triton", workspace=ws, splits=splits)
+                if not torch.equal(run_s(), want):
+                    raise SystemExit(f"topk R={R} k={k} splits={splits}: differs from the reference")
+                t = timer(run_s, args.smoke)
+                record(rows, info, f"topk_radix_s{splits}", shape, t, nbytes, "torch_topk", t_base, splits=splits)
+            if not args.smoke:
+                t = graph_timer(run)
+                record(rows, info, "topk_radix_graph", shape, t, nbytes, "torch_topk", t_base)
+
+
+def graph_timer(fn) -> float:
+    """Median time of ``fn`` replayed from a CUDA graph (launch overhead excluded)."""
+    fn()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    torch.cuda.synchronize()
+    return triton.testing.do_bench(graph.replay, warmup=25, rep=200, return_mode="median") * 1e-3
 
 
 def print_table(rows):
@@ -243,6 +272,8 @@ def main(argv=None):
     ap.add_argument("--page", type=int, default=64, help="entries per page")
     ap.add_argument("--block-n", type=int, default=None, help="scores kernel: entries per tile")
     ap.add_argument("--tiles", type=int, default=None, help="scores kernel: tiles per program")
+    ap.add_argument("--warps", type=int, default=None, help="scores kernel: num_warps")
+    ap.add_argument("--stages", type=int, default=None, help="scores kernel: num_stages")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
     ap.add_argument("--only", choices=["scores", "topk"], default=None)
     args = ap.parse_args(argv)

@@ -1,4 +1,5 @@
-"""``dsv4 demo``: the engine runner on the ``tiny`` model with seeded random weights.
+"""``dsv4 demo``: the engine runner on the ``tiny`` model with seeded random weights; ``dsv4 bench``: the
+decode-step benchmark of ``dsv4.engine.bench``.
 
 Requests of different lengths arrive over time, prefill in chunks, decode and finish; the page pool
 is small enough that requests get preempted and recomputed.  Progress lines while it runs, then memory
@@ -44,8 +45,78 @@ def _fmt_bytes(n: float) -> str:
     return f"{n:,.2f} GiB"
 
 
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        out = tuple(int(v) for v in text.replace(",", " ").split())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of ints, got {text!r}") from None
+    if not out:
+        raise argparse.ArgumentTypeError("expected at least one value")
+    return out
+
+
+def _str_list(text: str) -> tuple[str, ...]:
+    return tuple(v for v in text.replace(",", " ").split() if v)
+
+
+def add_bench_subcommand(sub: argparse._SubParsersAction) -> None:
+    """Add ``bench`` (the decode-step benchmark, ``dsv4.engine.bench``) to the subparsers."""
+    from dsv4.engine.bench import BenchSettings
+
+    d = BenchSettings()
+    p = sub.add_parser(
+        "bench",
+        help="decode step of one layer of each kind: dsv4 (eager, CUDA graph) vs plain PyTorch vs roofline",
+    )
+    p.add_argument("--models", type=_str_list, default=d.models, help="presets (default v4-flash,v4-pro)")
+    p.add_argument(
+        "--contexts", type=_int_list, default=d.contexts, help="tokens, multiples of 128 (default 4096,131072,1048576)"
+    )
+    p.add_argument("--batches", type=_int_list, default=d.batches, help="requests a step (default 1,8,64)")
+    p.add_argument("--kinds", type=_str_list, default=d.kinds, help="layer kinds (default swa,csa,hca)")
+    p.add_argument("--no-graph", action="store_true", help="eager timings only (no CUDA graphs)")
+    p.add_argument("--compile", action="store_true", help="also time torch.compile of the plain PyTorch step")
+    p.add_argument("--out", default=None, help="write JSON lines here (and the table to the same name .txt)")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto = cuda when present")
+    p.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"], help="dsv4 kernel backend")
+    p.add_argument("--seed", type=int, default=0, help="weights, inputs and cache content seed")
+    p.add_argument("--smoke", action="store_true", help="tiny model, contexts 256/512, batches 1/3, CPU, torch backend")
+    p.set_defaults(func=cmd_bench)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from dsv4.engine.bench import SMOKE, BenchSettings, format_table, run_bench, write_jsonl
+
+    if args.smoke:
+        s = SMOKE
+    else:
+        s = BenchSettings(
+            models=args.models,
+            contexts=args.contexts,
+            batches=args.batches,
+            kinds=args.kinds,
+            graph=not args.no_graph,
+            compile=args.compile,
+            device=args.device,
+            backend=args.backend,
+            seed=args.seed,
+        )
+    print(f"dsv4 bench: models {','.join(s.models)} kinds {','.join(s.kinds)} contexts {s.contexts} "
+          f"batches {s.batches} graph {s.graph}", flush=True)  # fmt: skip
+    rows = run_bench(s, log=lambda line: print(line, flush=True))
+    table = format_table(rows)
+    print(table)
+    if args.out:
+        write_jsonl(rows, args.out)
+        with open(args.out.rsplit(".", 1)[0] + ".txt", "w") as f:
+            f.write(table + "\n")
+        print(f"wrote {len(rows)} rows to {args.out}")
+    return 0 if all(r.get("match", True) and r.get("graph_equal") is not False for r in rows) else 1
+
+
 def add_subcommands(sub: argparse._SubParsersAction) -> None:
-    """Add ``demo`` to the ``dsv4`` command's subparsers."""
+    """Add ``demo`` and ``bench`` to the ``dsv4`` command's subparsers."""
+    add_bench_subcommand(sub)
     d = DEMO_DEFAULTS
     p = sub.add_parser("demo", help="continuous batching over the tiny model, checked against the dense reference")
     p.add_argument("--requests", type=int, default=d["requests"], help=f"requests (default {d['requests']})")

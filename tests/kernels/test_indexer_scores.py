@@ -1,5 +1,7 @@
 """Indexer scores over paged MXFP4 / FP8 keys: Triton kernel (interpreter on the CPU) vs PyTorch reference."""
 
+import warnings
+
 import pytest
 import torch
 
@@ -11,9 +13,12 @@ from dsv4.kernels.indexer import (
     indexer_scores_fp8keys,
     indexer_scores_reference,
 )
+from dsv4.kernels.indexer import scores as scores_mod
+from dsv4.kernels.indexer.scores import launch_config
 
 FMT = MXFP4KeyFormat()
 RTOL = ATOL = 1e-5  # fp32 accumulation in another order than the reference (products are exact)
+IMPLS = ["convert", "dot_scaled", "fp8mma"]
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -82,7 +87,7 @@ CASES = {
 @pytest.mark.parametrize("H", [4, 8])
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("tiling", [(None, None), (16, 3)])
-@pytest.mark.parametrize("impl", ["convert", "dot_scaled"])
+@pytest.mark.parametrize("impl", IMPLS)
 def test_mxfp4_kernel_matches_reference(H, case, tiling, impl):
     pages, bs, bt_rows, tr, nv, n = CASES[case]
     g = torch.Generator().manual_seed(hash(case) % 1000 + H)
@@ -102,7 +107,8 @@ def test_mxfp4_kernel_matches_reference(H, case, tiling, impl):
     assert torch.isfinite(out[j[None, :] < nv[:, None]]).all()
 
 
-def test_every_code_and_sign_is_decoded():
+@pytest.mark.parametrize("impl", IMPLS)
+def test_every_code_and_sign_is_decoded(impl):
     """One key per e2m1 code at several scales: each score equals the decoded value of that code."""
     codes = torch.arange(16, dtype=torch.uint8)
     bs = 16
@@ -118,9 +124,74 @@ def test_every_code_and_sign_is_decoded():
     bt = torch.tensor([[0, 1, 2]], dtype=torch.int32)
     n = 3 * bs
     args = (bt, torch.zeros(1, dtype=torch.int32), torch.tensor([n], dtype=torch.int32), n)
-    out = indexer_scores(q, w, kp, *args, backend="triton")
+    out = indexer_scores(q, w, kp, *args, backend="triton", impl=impl)
     want = torch.cat([FMT.dequantize(kp.data[p], kp.scale[p])[:, 0] for p in range(3)])
     assert torch.equal(out[0], want)
+
+
+def test_fp8mma_exact_with_wide_and_zero_query_blocks():
+    """fp8mma scales q per (head, 32-block): blocks 2**-30 .. 2**17 apart and an all-zero block stay exact."""
+    g = torch.Generator().manual_seed(4)
+    pages, bs, bt_rows, tr, nv, n = CASES["several_pages"]
+    kp = make_keys(pages, bs, random_bytes=True, gen=g)
+    x = torch.randn(len(tr), 8, FMT.dim, generator=g)
+    x *= torch.tensor([2.0**-30, 1.0, 2.0**17, 2.0**-5]).repeat_interleave(FMT.block)
+    x[:, 3, FMT.block : 2 * FMT.block] = 0
+    q = FMT.roundtrip(x, dtype=torch.bfloat16)
+    w = torch.rand(len(tr), 8, generator=g)
+    args = (torch.tensor(bt_rows, dtype=torch.int32), torch.tensor(tr, dtype=torch.int32))
+    args += (torch.tensor(nv, dtype=torch.int32), n)
+    ref = indexer_scores(q, w, kp, *args, backend="torch")
+    for impl in ("convert", "fp8mma"):
+        assert_scores_close(indexer_scores(q, w, kp, *args, backend="triton", impl=impl), ref)
+
+
+@pytest.mark.parametrize("knobs", [dict(num_warps=8, num_stages=1), dict(block_n=16, tiles_per_program=64)])
+def test_launch_knobs_keep_results(knobs):
+    """Warps / stages are GPU-only knobs; more tiles a program than a row has leaves one program a row."""
+    pages, bs, bt_rows, tr, nv, n = CASES["nvis_zero_and_short"]
+    g = torch.Generator().manual_seed(9)
+    kp = make_keys(pages, bs, gen=g)
+    q, w = make_query(len(tr), 4, g)
+    args = (torch.tensor(bt_rows, dtype=torch.int32), torch.tensor(tr, dtype=torch.int32))
+    args += (torch.tensor(nv, dtype=torch.int32), n)
+    ref = indexer_scores(q, w, kp, *args, backend="torch")
+    assert_scores_close(indexer_scores(q, w, kp, *args, backend="triton", **knobs), ref)
+    fk = fp8_key_pages_from_mxfp4(kp)
+    assert_scores_close(indexer_scores_fp8keys(q, w, fk, *args, backend="triton", **knobs), ref)
+
+
+def test_auto_impl_falls_back_once_when_the_fast_path_fails(monkeypatch):
+    pages, bs, bt_rows, tr, nv, n = CASES["several_pages"]
+    g = torch.Generator().manual_seed(12)
+    kp = make_keys(pages, bs, gen=g)
+    q, w = make_query(len(tr), 4, g)
+    args = (torch.tensor(bt_rows, dtype=torch.int32), torch.tensor(tr, dtype=torch.int32))
+    args += (torch.tensor(nv, dtype=torch.int32), n)
+    ref = indexer_scores(q, w, kp, *args, backend="torch")
+    monkeypatch.setattr(scores_mod, "_AUTO_IMPL", {})
+    assert_scores_close(indexer_scores(q, w, kp, *args, backend="triton"), ref)
+    assert scores_mod._AUTO_IMPL == {-1: "fp8mma"}
+    monkeypatch.setattr(scores_mod, "_AUTO_IMPL", {})
+    monkeypatch.setattr(scores_mod, "AUTO_IMPL_ORDER", ("no_such_impl", "convert"))
+    with pytest.warns(UserWarning, match="no_such_impl"):
+        assert_scores_close(indexer_scores(q, w, kp, *args, backend="triton"), ref)
+    assert scores_mod._AUTO_IMPL == {-1: "convert"}
+    assert_scores_close(indexer_scores(q, w, kp, *args, backend="triton"), ref)  # no second warning
+
+
+def test_launch_config_heuristic():
+    cpu = torch.device("cpu")
+    # 1M context, B = 4, 128-entry tiles: 8192 tiles over ~8 programs per SM of 132 -> 8 tiles a program
+    cfg = launch_config(4, 64, 262144, cpu, block_n=128)
+    assert (cfg.hp, cfg.block_n, cfg.tiles) == (64, 128, 8) and cfg.grid == (4, 256)
+    assert launch_config(1, 64, 262144, cpu, block_n=128).grid == (1, 1024)  # 2 tiles a program
+    assert launch_config(8, 64, 262144, cpu, block_n=128).tiles == 16
+    small = launch_config(2, 4, 100, cpu, block_n=32)
+    assert small.hp == 16 and small.tiles == 1 and small.grid == (2, 4)
+    for bad in (dict(block_n=48), dict(num_warps=3), dict(num_stages=0), dict(tiles_per_program=0)):
+        with pytest.raises(ValueError):
+            launch_config(1, 4, 64, cpu, **bad)
 
 
 def test_page_minus_one_inside_visible_scores_minus_inf():
@@ -204,12 +275,21 @@ def test_zero_columns_and_validation():
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("variant", ["convert", "dot_scaled", "fp8"])
-def test_gpu_kernel_matches_reference_large(variant):
+@pytest.mark.parametrize("variant", [*IMPLS, "fp8mma_noasm", "auto", "fp8"])
+@pytest.mark.parametrize("wide_q", [False, True])
+def test_gpu_kernel_matches_reference_large(variant, wide_q, monkeypatch):
+    """Every impl on the GPU at the default launch and at a second one; wide_q sends fp8mma down its
+    general path (q blocks of a head too far apart for one e4m3 scale) and keys get random bytes."""
+    if wide_q and variant in ("dot_scaled", "fp8"):
+        pytest.skip("wide_q targets the fp8mma general path")
     g = torch.Generator().manual_seed(5)
     pages, bs, T, H, n = 96, 64, 6, 64, 4000
-    kp = make_keys(pages, bs, gen=g)
+    kp = make_keys(pages, bs, random_bytes=wide_q, gen=g)
     q, w = make_query(T, H, g)
+    if wide_q:
+        x = torch.randn(T, H, FMT.dim, generator=g)
+        x *= torch.tensor([2.0**-30, 1.0, 2.0**17, 2.0**-5]).repeat_interleave(FMT.block)
+        q = FMT.roundtrip(x, dtype=torch.bfloat16)
     bt = torch.randperm(pages, generator=g).to(torch.int32).view(2, 48)
     tr = torch.tensor([0, 1, 0, 1, 0, 1], dtype=torch.int32)
     nv = torch.tensor([4000, 3999, 1, 0, 2500, 64], dtype=torch.int32)
@@ -217,10 +297,16 @@ def test_gpu_kernel_matches_reference_large(variant):
     kp = KeyPages(kp.data.to(dev), kp.scale.to(dev))
     args = [t.to(dev) for t in (q, w)]
     rest = [t.to(dev) for t in (bt, tr, nv)]
-    if variant == "fp8":
-        fk = fp8_key_pages_from_mxfp4(kp)
-        out = indexer_scores_fp8keys(*args, fk, *rest, n, backend="triton")
-    else:
-        out = indexer_scores(*args, kp, *rest, n, backend="triton", impl=variant)
-    ref = indexer_scores_reference(*args, kp, *rest, n)
-    assert_scores_close(out.cpu(), ref.cpu())
+    ref = indexer_scores_reference(*args, kp, *rest, n).cpu()
+    if variant == "fp8mma_noasm":
+        monkeypatch.setattr(scores_mod, "_FP8MMA_ASM", False)
+    for launch in ({}, {"block_n": 64, "tiles_per_program": 3, "num_warps": 8, "num_stages": 3}):
+        if variant == "fp8":
+            fk = fp8_key_pages_from_mxfp4(kp)
+            out = indexer_scores_fp8keys(*args, fk, *rest, n, backend="triton", **launch)
+        else:
+            impl = "fp8mma" if variant == "fp8mma_noasm" else variant
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # auto must not fall back on the H200
+                out = indexer_scores(*args, kp, *rest, n, backend="triton", impl=impl, **launch)
+        assert_scores_close(out.cpu(), ref)

@@ -37,6 +37,9 @@ is -1 (outside the block table) score -inf in both paths.
 
 from __future__ import annotations
 
+import functools
+import math
+import warnings
 from typing import NamedTuple
 
 import torch
@@ -151,17 +154,26 @@ def indexer_scores_fp8keys_reference(
 
 
 # ---------------------------------------------------------------------------------------- kernels
+# e2m1 bits placed in an e4m3 byte as  sign<<7 | e1 e0 m <<2  read as e4m3 equal the e2m1 value times
+# 2**-(e4m3 bias - e2m1 bias) = 2**-6 for every code, the subnormal 0.5 included; the kernels multiply
+# the head weights by this factor back (ReLU commutes with a positive scale).
+_E4M3_BIAS, _E2M1_BIAS = 7, 1
+_FP8_CODE_SCALE = float(2 ** (_E4M3_BIAS - _E2M1_BIAS))
+_IMPLS = {"convert": 0, "dot_scaled": 1, "fp8mma": 2}
+
+
 @triton.jit
-def _e2m1_to_bf16(code, sbyte):
+def _e2m1_to_bf16(code, sadd):
     """e2m1 code (int32, 0..15) times 2**(sbyte-127) as bf16, built from bits (exact).
 
-    Magnitude index em = e<<1 | m.  Placing em at bit 6 gives bf16 exponent e and mantissa bit m; adding
-    (sbyte-1)<<7 rebiases the exponent (value 2**(e-1) * (1 + m/2) * 2**(sbyte-127) for e >= 1); the
-    subnormal code em = 1 (0.5) has no mantissa bit, and em = 0 is zero.  Needs 1 <= sbyte <= 252.
+    ``sadd = (sbyte - 1) << 7`` (shared by the two nibbles of a byte).  Magnitude index em = e<<1 | m.
+    Placing em at bit 6 gives bf16 exponent e and mantissa bit m; adding sadd rebiases the exponent
+    (value 2**(e-1) * (1 + m/2) * 2**(sbyte-127) for e >= 1); the subnormal code em = 1 (0.5) has no
+    mantissa bit, and em = 0 is zero.  Needs 1 <= sbyte <= 252.
     """
     em = code & 7
-    bits = (em << 6) + ((sbyte - 1) << 7)
-    bits = tl.where(em == 1, bits - 64, bits)
+    bits = (em << 6) + sadd
+    bits = tl.where(em == 1, sadd, bits)
     bits = tl.where(em == 0, 0, bits)
     bits = bits | ((code & 8) << 12)
     return bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
@@ -169,9 +181,9 @@ def _e2m1_to_bf16(code, sbyte):
 
 @triton.jit
 def _dot(a, b, acc, FP32_DOT: tl.constexpr):
-    """acc + a @ b for bf16 a, b with fp32 accumulation.  Under TRITON_INTERPRET the interpreter's bf16
-    dot is wrong (triton 3.9), so there both operands are widened to fp32 first (exact) and multiplied
-    in IEEE fp32; on the GPU it is the bf16 tensor-core MMA."""
+    """acc + a @ b (bf16 or fp8 a, b) with fp32 accumulation.  Under TRITON_INTERPRET the interpreter's
+    low-precision dot is wrong (triton 3.9), so there both operands are widened to fp32 first (exact)
+    and multiplied in IEEE fp32; on the GPU it is the tensor-core MMA."""
     if FP32_DOT:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     else:
@@ -179,6 +191,102 @@ def _dot(a, b, acc, FP32_DOT: tl.constexpr):
 
 
 @triton.jit
+def _pow2(biased_exp):
+    """2**(biased_exp - 127) as fp32 from the exponent bits (biased_exp int32 in [1, 254])."""
+    return (biased_exp << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _q_block(q_base, c: tl.constexpr, h_ok, QBLOCK: tl.constexpr):
+    """Query block ``c`` (elements c*QBLOCK ...) of every head, fp32 [QBLOCK, HP], and the biased fp32
+    exponent of each head's block amax [HP] (0 for an all-zero block)."""
+    k = tl.arange(0, QBLOCK)
+    offs_k = c * QBLOCK + tl.where(k < QBLOCK // 2, 2 * k, 2 * k - QBLOCK + 1)  # even elements, then odd
+    qc = tl.load(q_base + offs_k[:, None], mask=h_ok[None, :], other=0.0).to(tl.float32)
+    return qc, (tl.max(tl.abs(qc), axis=0).to(tl.int32, bitcast=True) >> 23) & 255
+
+
+@triton.jit
+def _to_fp8(qc, be):
+    """qc * 2**(127 - be) per head (column) as e4m3, and whether that is exact (int32 scalar 0/1)."""
+    q8 = (qc * _pow2(254 - be)[None, :]).to(tl.float8e4nv)
+    back = q8.to(tl.float32) * _pow2(be)[None, :]
+    return q8, tl.min(tl.min((back == qc).to(tl.int32), axis=1), axis=0)
+
+
+@triton.jit
+def _e2m1_bytes_to_e4m3_asm(pc):
+    """The two e4m3 bytes (low nibble, high nibble) of packed e2m1 bytes, 4 bytes a 32-bit register
+    (SWAR, ~8 integer instructions per 8 codes).  GPU only (inline PTX); same bits as the Triton ops."""
+    return tl.inline_asm_elementwise(
+        asm="""
+        {
+        .reg .b32 t, u;
+        shl.b32 t, $2, 2;
+        and.b32 t, t, 0x1C1C1C1C;
+        shl.b32 u, $2, 4;
+        and.b32 u, u, 0x80808080;
+        or.b32 $0, t, u;
+        shr.b32 t, $2, 2;
+        and.b32 t, t, 0x1C1C1C1C;
+        and.b32 u, $2, 0x80808080;
+        or.b32 $1, t, u;
+        }
+        """,
+        constraints="=r,=r,r",
+        args=[pc],
+        dtype=(tl.uint8, tl.uint8),
+        is_pure=True,
+        pack=4,
+    )
+
+
+@triton.jit
+def _fp8_block_dot(kptr, ok, q8, c: tl.constexpr, QBLOCK: tl.constexpr, FP32_DOT: tl.constexpr, ASM: tl.constexpr):
+    """Keys' block c . q8 [BN, HP] in fp32, unscaled: the keys' packed e2m1 bytes re-encoded as e4m3
+    bytes (value * 2**-6, see _FP8_CODE_SCALE) by 4 integer ops a byte, one K=QBLOCK FP8 MMA."""
+    offs_b = c * (QBLOCK // 2) + tl.arange(0, QBLOCK // 2)
+    pc = tl.load(kptr[:, None] + offs_b[None, :], mask=ok[:, None], other=0)  # [BN, QBLOCK/2] uint8
+    if ASM:
+        lo, hi = _e2m1_bytes_to_e4m3_asm(pc)
+    else:
+        lo = ((pc & 7) << 2) | ((pc & 8) << 4)  # even element (low nibble)
+        hi = ((pc >> 2) & 0x1C) | (pc & 0x80)  # odd element (high nibble)
+    k8 = tl.reshape(tl.permute(tl.join(lo, hi), (0, 2, 1)), (lo.shape[0], QBLOCK))
+    k8 = k8.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+    return _dot(k8, q8, tl.zeros((lo.shape[0], q8.shape[1]), tl.float32), FP32_DOT)
+
+
+@triton.jit
+def _sbyte(s4, c: tl.constexpr):
+    return (s4 >> (8 * c)) & 255
+
+
+@triton.jit
+def _tile_keys(
+    offs_n, nv, row, bt_ptr, stride_bt, MAX_BLOCKS, BS, data_ptr, stride_dp, stride_dr, scale_ptr, stride_sp, stride_sr
+):
+    """Entries offs_n of a row: (valid mask, pointer to each key's packed bytes, its 4 UE8M0 bytes as one
+    little-endian int32 word; 127s where invalid)."""
+    blk = offs_n // BS
+    vis = (offs_n < nv) & (blk < MAX_BLOCKS)
+    page = tl.load(bt_ptr + row * stride_bt + blk, mask=vis, other=-1)
+    ok = vis & (page >= 0)
+    page = tl.where(ok, page, 0).to(tl.int64)
+    prow = (offs_n % BS).to(tl.int64)
+    kptr = data_ptr + page * stride_dp + prow * stride_dr
+    s4 = tl.load(scale_ptr + page * stride_sp + prow * stride_sr, mask=ok, other=0x7F7F7F7F)
+    return ok, kptr, s4
+
+
+@triton.jit
+def _store_scores(out_row, offs_n, acc, w, ok, N):
+    """Epilogue in registers: ReLU, x head weights, sum over heads (axis 1 of [BLOCK_N, HP])."""
+    s = tl.sum(tl.maximum(acc, 0.0) * w[None, :], axis=1)
+    tl.store(out_row + offs_n, tl.where(ok, s, float("-inf")), mask=offs_n < N)
+
+
+@triton.jit(do_not_specialize=["tiles"])
 def _mxfp4_scores_kernel(
     q_ptr,
     w_ptr,
@@ -199,17 +307,23 @@ def _mxfp4_scores_kernel(
     stride_ot,
     H,
     N,
-    BS,
     MAX_BLOCKS,
+    tiles,
+    BS: tl.constexpr,
     HP: tl.constexpr,
     HALF_D: tl.constexpr,
     QBLOCK: tl.constexpr,
     N_SCALES: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    TILES: tl.constexpr,
     FP32_DOT: tl.constexpr,
-    DOT_SCALED: tl.constexpr,
+    IMPL: tl.constexpr,
+    W_SCALE: tl.constexpr,
+    ASM: tl.constexpr = False,
 ):
+    """One program: query row t, tiles [chunk*tiles, (chunk+1)*tiles) of BLOCK_N entries.  Logits are
+    computed as keys @ q^T, [BLOCK_N, HP] (entries on the MMA's M side, heads on N), so the head sum is a
+    reduction along axis 1, within a warp.  Tiles at or past n_visible are written -inf without loads;
+    the loop over live tiles has no branch inside, so Triton can software-pipeline its loads."""
     t = tl.program_id(0)
     chunk = tl.program_id(1)
     row = tl.load(row_ptr + t).to(tl.int64)
@@ -218,52 +332,159 @@ def _mxfp4_scores_kernel(
     offs_h = tl.arange(0, HP)
     offs_i = tl.arange(0, HALF_D)  # packed byte i holds elements 2i (low nibble) and 2i+1 (high)
     h_ok = offs_h < H
-    q_row = q_ptr + t.to(tl.int64) * stride_qt + offs_h[:, None] * stride_qh
-    if DOT_SCALED:
-        q_full = tl.load(q_row + tl.arange(0, 2 * HALF_D)[None, :], mask=h_ok[:, None], other=0.0)
-        q_even = q_full
-        q_odd = q_full
-    else:
-        q_even = tl.load(q_row + 2 * offs_i[None, :], mask=h_ok[:, None], other=0.0)
-        q_odd = tl.load(q_row + 2 * offs_i[None, :] + 1, mask=h_ok[:, None], other=0.0)
-    w = tl.load(w_ptr + t.to(tl.int64) * stride_wt + offs_h, mask=h_ok, other=0.0)
-    sidx = (2 * offs_i) // QBLOCK  # scale index of both elements of byte i
-
+    q_base = q_ptr + t.to(tl.int64) * stride_qt + offs_h[None, :] * stride_qh  # [1, HP]
+    w = tl.load(w_ptr + t.to(tl.int64) * stride_wt + offs_h, mask=h_ok, other=0.0) * W_SCALE
     out_row = out_ptr + t.to(tl.int64) * stride_ot
-    for tile in range(TILES):
-        start = (chunk * TILES + tile) * BLOCK_N
-        offs_n = start + tl.arange(0, BLOCK_N)
-        in_range = offs_n < N
-        if start < nv:
-            blk = offs_n // BS
-            vis = (offs_n < nv) & (blk < MAX_BLOCKS)
-            page = tl.load(bt_ptr + row * stride_bt + blk, mask=vis, other=-1)
-            ok = vis & (page >= 0)
-            page = tl.where(ok, page, 0).to(tl.int64)
-            prow = (offs_n % BS).to(tl.int64)
-            dptr = data_ptr + page * stride_dp + prow * stride_dr
-            packed = tl.load(dptr[:, None] + offs_i[None, :], mask=ok[:, None], other=0)
-            # the key's 4 UE8M0 bytes as one little-endian int32 load
-            s4 = tl.load(scale_ptr + page * stride_sp + prow * stride_sr, mask=ok, other=0x7F7F7F7F)
-            acc = tl.zeros((HP, BLOCK_N), tl.float32)
-            if DOT_SCALED:
-                sc = ((s4[:, None] >> (8 * tl.arange(0, N_SCALES)[None, :])) & 255).to(tl.uint8)
-                acc = tl.dot_scaled(q_full, None, "bf16", tl.trans(packed), sc, "e2m1", acc)
-            else:
-                sbyte = (s4[:, None] >> (8 * sidx[None, :])) & 255  # scale byte (2i)//32 of byte i
-                p32 = packed.to(tl.int32)
-                k_lo = _e2m1_to_bf16(p32 & 15, sbyte)  # [BLOCK_N, HALF_D] even elements
-                k_hi = _e2m1_to_bf16(p32 >> 4, sbyte)  # odd elements
-                acc = _dot(q_even, tl.trans(k_lo), acc, FP32_DOT)
-                acc = _dot(q_odd, tl.trans(k_hi), acc, FP32_DOT)  # [HP, BLOCK_N]
-            s = tl.sum(tl.maximum(acc, 0.0) * w[:, None], axis=0)
-            s = tl.where(ok, s, float("-inf"))
-            tl.store(out_row + offs_n, s, mask=in_range)
+    first = chunk * tiles
+    n_live = tl.minimum(tl.maximum((nv - first * BLOCK_N + BLOCK_N - 1) // BLOCK_N, 0), tiles)
+    tile0 = first * BLOCK_N + tl.arange(0, BLOCK_N)
+
+    if IMPL == 2:
+        tl.static_assert(N_SCALES == 4)
+        # the query as e4m3 [QBLOCK, HP] operands, one per 32-block
+        qc0, be0 = _q_block(q_base, 0, h_ok, QBLOCK)
+        qc1, be1 = _q_block(q_base, 1, h_ok, QBLOCK)
+        qc2, be2 = _q_block(q_base, 2, h_ok, QBLOCK)
+        qc3, be3 = _q_block(q_base, 3, h_ok, QBLOCK)
+        bmax = tl.maximum(tl.maximum(be0, be1), tl.maximum(be2, be3))
+        bmax = tl.where(bmax == 0, 127, bmax)
+        # fast path: one power-of-two scale per head (folded into w), exact when every block of the head
+        # is within ~8 binades of its largest (always after the Hadamard rotation; checked here)
+        q8_0, x0 = _to_fp8(qc0, bmax)
+        q8_1, x1 = _to_fp8(qc1, bmax)
+        q8_2, x2 = _to_fp8(qc2, bmax)
+        q8_3, x3 = _to_fp8(qc3, bmax)
+        if (x0 & x1 & x2 & x3) != 0:
+            wq = w * _pow2(bmax)
+            for i in range(0, n_live):
+                offs_n = tile0 + i * BLOCK_N
+                ok, kptr, s4 = _tile_keys(
+                    offs_n,
+                    nv,
+                    row,
+                    bt_ptr,
+                    stride_bt,
+                    MAX_BLOCKS,
+                    BS,
+                    data_ptr,
+                    stride_dp,
+                    stride_dr,
+                    scale_ptr,
+                    stride_sp,
+                    stride_sr,
+                )
+                # block scales relative to block 0 (exact powers of two); block 0's after the head sum
+                s0 = _sbyte(s4, 0)
+                acc = _fp8_block_dot(kptr, ok, q8_0, 0, QBLOCK, FP32_DOT, ASM)
+                acc += (
+                    _fp8_block_dot(kptr, ok, q8_1, 1, QBLOCK, FP32_DOT, ASM) * _pow2(_sbyte(s4, 1) - s0 + 127)[:, None]
+                )
+                acc += (
+                    _fp8_block_dot(kptr, ok, q8_2, 2, QBLOCK, FP32_DOT, ASM) * _pow2(_sbyte(s4, 2) - s0 + 127)[:, None]
+                )
+                acc += (
+                    _fp8_block_dot(kptr, ok, q8_3, 3, QBLOCK, FP32_DOT, ASM) * _pow2(_sbyte(s4, 3) - s0 + 127)[:, None]
+                )
+                s = tl.sum(tl.maximum(acc, 0.0) * wq[None, :], axis=1) * _pow2(s0)
+                tl.store(out_row + offs_n, tl.where(ok, s, float("-inf")), mask=offs_n < N)
         else:
-            tl.store(out_row + offs_n, tl.full((BLOCK_N,), float("-inf"), tl.float32), mask=in_range)
+            # general: one scale per (head, block) and per (key, block), applied to each block's partial
+            be0 = tl.where(be0 == 0, 127, be0)
+            be1 = tl.where(be1 == 0, 127, be1)
+            be2 = tl.where(be2 == 0, 127, be2)
+            be3 = tl.where(be3 == 0, 127, be3)
+            g8_0, _ = _to_fp8(qc0, be0)
+            g8_1, _ = _to_fp8(qc1, be1)
+            g8_2, _ = _to_fp8(qc2, be2)
+            g8_3, _ = _to_fp8(qc3, be3)
+            for i in range(0, n_live):
+                offs_n = tile0 + i * BLOCK_N
+                ok, kptr, s4 = _tile_keys(
+                    offs_n,
+                    nv,
+                    row,
+                    bt_ptr,
+                    stride_bt,
+                    MAX_BLOCKS,
+                    BS,
+                    data_ptr,
+                    stride_dp,
+                    stride_dr,
+                    scale_ptr,
+                    stride_sp,
+                    stride_sr,
+                )
+                acc = _fp8_block_dot(kptr, ok, g8_0, 0, QBLOCK, FP32_DOT, ASM) * (
+                    _pow2(_sbyte(s4, 0))[:, None] * _pow2(be0)[None, :]
+                )
+                acc += _fp8_block_dot(kptr, ok, g8_1, 1, QBLOCK, FP32_DOT, ASM) * (
+                    _pow2(_sbyte(s4, 1))[:, None] * _pow2(be1)[None, :]
+                )
+                acc += _fp8_block_dot(kptr, ok, g8_2, 2, QBLOCK, FP32_DOT, ASM) * (
+                    _pow2(_sbyte(s4, 2))[:, None] * _pow2(be2)[None, :]
+                )
+                acc += _fp8_block_dot(kptr, ok, g8_3, 3, QBLOCK, FP32_DOT, ASM) * (
+                    _pow2(_sbyte(s4, 3))[:, None] * _pow2(be3)[None, :]
+                )
+                _store_scores(out_row, offs_n, acc, w, ok, N)
+    elif IMPL == 1:
+        q_full = tl.load(q_base + tl.arange(0, 2 * HALF_D)[:, None], mask=h_ok[None, :], other=0.0)  # [128, HP]
+        for i in range(0, n_live):
+            offs_n = tile0 + i * BLOCK_N
+            ok, kptr, s4 = _tile_keys(
+                offs_n,
+                nv,
+                row,
+                bt_ptr,
+                stride_bt,
+                MAX_BLOCKS,
+                BS,
+                data_ptr,
+                stride_dp,
+                stride_dr,
+                scale_ptr,
+                stride_sp,
+                stride_sr,
+            )
+            packed = tl.load(kptr[:, None] + offs_i[None, :], mask=ok[:, None], other=0)  # [BN, 64]
+            sc = ((s4[:, None] >> (8 * tl.arange(0, N_SCALES)[None, :])) & 255).to(tl.uint8)
+            acc = tl.dot_scaled(packed, sc, "e2m1", q_full, None, "bf16")
+            _store_scores(out_row, offs_n, acc, w, ok, N)
+    else:
+        q_even = tl.load(q_base + 2 * offs_i[:, None], mask=h_ok[None, :], other=0.0)  # [64, HP]
+        q_odd = tl.load(q_base + 2 * offs_i[:, None] + 1, mask=h_ok[None, :], other=0.0)
+        sidx = (2 * offs_i) // QBLOCK  # scale index of both elements of byte i
+        for i in range(0, n_live):
+            offs_n = tile0 + i * BLOCK_N
+            ok, kptr, s4 = _tile_keys(
+                offs_n,
+                nv,
+                row,
+                bt_ptr,
+                stride_bt,
+                MAX_BLOCKS,
+                BS,
+                data_ptr,
+                stride_dp,
+                stride_dr,
+                scale_ptr,
+                stride_sp,
+                stride_sr,
+            )
+            packed = tl.load(kptr[:, None] + offs_i[None, :], mask=ok[:, None], other=0)  # [BN, 64]
+            sadd = (((s4[:, None] >> (8 * sidx[None, :])) & 255) - 1) << 7  # [BN, 64]
+            p32 = packed.to(tl.int32)
+            k_lo = _e2m1_to_bf16(p32 & 15, sadd)  # [BLOCK_N, HALF_D] even elements
+            k_hi = _e2m1_to_bf16(p32 >> 4, sadd)  # odd elements
+            acc = _dot(k_lo, q_even, tl.zeros((BLOCK_N, HP), tl.float32), FP32_DOT)
+            acc = _dot(k_hi, q_odd, acc, FP32_DOT)  # [BLOCK_N, HP]
+            _store_scores(out_row, offs_n, acc, w, ok, N)
+    for i in range(n_live, tiles):
+        offs_n = tile0 + i * BLOCK_N
+        tl.store(out_row + offs_n, tl.full((BLOCK_N,), float("-inf"), tl.float32), mask=offs_n < N)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["tiles"])
 def _fp8_scores_kernel(
     q_ptr,
     w_ptr,
@@ -284,14 +505,15 @@ def _fp8_scores_kernel(
     stride_ot,
     H,
     N,
-    BS,
     MAX_BLOCKS,
+    tiles,
+    BS: tl.constexpr,
     HP: tl.constexpr,
     D: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    TILES: tl.constexpr,
     FP32_DOT: tl.constexpr,
 ):
+    """The MXFP4 kernel's layout on FP8 keys: logits = bf16(keys) @ q^T, scaled by each key's scale."""
     t = tl.program_id(0)
     chunk = tl.program_id(1)
     row = tl.load(row_ptr + t).to(tl.int64)
@@ -301,35 +523,35 @@ def _fp8_scores_kernel(
     offs_d = tl.arange(0, D)
     h_ok = offs_h < H
     q = tl.load(
-        q_ptr + t.to(tl.int64) * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :],
-        mask=h_ok[:, None],
+        q_ptr + t.to(tl.int64) * stride_qt + offs_h[None, :] * stride_qh + offs_d[:, None],
+        mask=h_ok[None, :],
         other=0.0,
-    )
+    )  # [D, HP]
     w = tl.load(w_ptr + t.to(tl.int64) * stride_wt + offs_h, mask=h_ok, other=0.0)
 
     out_row = out_ptr + t.to(tl.int64) * stride_ot
-    for tile in range(TILES):
-        start = (chunk * TILES + tile) * BLOCK_N
-        offs_n = start + tl.arange(0, BLOCK_N)
-        in_range = offs_n < N
-        if start < nv:
-            blk = offs_n // BS
-            vis = (offs_n < nv) & (blk < MAX_BLOCKS)
-            page = tl.load(bt_ptr + row * stride_bt + blk, mask=vis, other=-1)
-            ok = vis & (page >= 0)
-            page = tl.where(ok, page, 0).to(tl.int64)
-            prow = (offs_n % BS).to(tl.int64)
-            bits = tl.load(
-                (data_ptr + page * stride_dp + prow * stride_dr)[:, None] + offs_d[None, :], mask=ok[:, None], other=0
-            )
-            k = bits.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)  # [BLOCK_N, D], exact
-            ks = tl.load(scale_ptr + page * stride_sp + prow * stride_sr, mask=ok, other=0.0)
-            acc = _dot(q, tl.trans(k), tl.zeros((HP, BLOCK_N), tl.float32), FP32_DOT) * ks[None, :]
-            s = tl.sum(tl.maximum(acc, 0.0) * w[:, None], axis=0)
-            s = tl.where(ok, s, float("-inf"))
-            tl.store(out_row + offs_n, s, mask=in_range)
-        else:
-            tl.store(out_row + offs_n, tl.full((BLOCK_N,), float("-inf"), tl.float32), mask=in_range)
+    first = chunk * tiles
+    n_live = tl.minimum(tl.maximum((nv - first * BLOCK_N + BLOCK_N - 1) // BLOCK_N, 0), tiles)
+    for i in range(0, n_live):
+        offs_n = (first + i) * BLOCK_N + tl.arange(0, BLOCK_N)
+        blk = offs_n // BS
+        vis = (offs_n < nv) & (blk < MAX_BLOCKS)
+        page = tl.load(bt_ptr + row * stride_bt + blk, mask=vis, other=-1)
+        ok = vis & (page >= 0)
+        page = tl.where(ok, page, 0).to(tl.int64)
+        prow = (offs_n % BS).to(tl.int64)
+        bits = tl.load(
+            (data_ptr + page * stride_dp + prow * stride_dr)[:, None] + offs_d[None, :], mask=ok[:, None], other=0
+        )
+        k = bits.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)  # [BLOCK_N, D], exact
+        ks = tl.load(scale_ptr + page * stride_sp + prow * stride_sr, mask=ok, other=0.0)
+        acc = _dot(k, q, tl.zeros((BLOCK_N, HP), tl.float32), FP32_DOT)
+        s = tl.sum(tl.maximum(acc, 0.0) * w[None, :], axis=1) * ks  # ReLU(ks * x) = ks * ReLU(x), ks > 0
+        s = tl.where(ok, s, float("-inf"))
+        tl.store(out_row + offs_n, s, mask=offs_n < N)
+    for i in range(n_live, tiles):
+        offs_n = (first + i) * BLOCK_N + tl.arange(0, BLOCK_N)
+        tl.store(out_row + offs_n, tl.full((BLOCK_N,), float("-inf"), tl.float32), mask=offs_n < N)
 
 
 def _scale_words(scale: torch.Tensor) -> torch.Tensor:
@@ -345,16 +567,130 @@ def _scale_words(scale: torch.Tensor) -> torch.Tensor:
         return scale.contiguous().view(torch.int32).squeeze(-1)
 
 
-def _launch_config(T: int, H: int, N: int, block_n: int | None, tiles_per_program: int | None):
-    hp = max(16, triton.next_power_of_2(H))
+_H200_SMS = 132
+_PROGRAMS_PER_SM = 8  # target programs in the grid per SM (>= 2-4 resident, plus tail balance)
+_MAX_TILES = 16
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return _H200_SMS
+
+
+_SM_CACHE: dict[int, int] = {}
+
+
+def _sm_count(index: int) -> int:
+    if index not in _SM_CACHE:
+        _SM_CACHE[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_CACHE[index]
+
+
+class LaunchConfig(NamedTuple):
+    """Triton launch of the scores kernels: padded heads, entries a tile, tiles a program, warps,
+    software-pipelining stages, grid (query rows, programs a row)."""
+
+    hp: int
+    block_n: int
+    tiles: int
+    num_warps: int
+    num_stages: int
+    grid: tuple[int, int]
+
+
+def launch_config(
+    T: int,
+    H: int,
+    N: int,
+    device: torch.device,
+    block_n: int | None = None,
+    tiles_per_program: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> LaunchConfig:
+    """The scores kernels' launch; every None is chosen by the heuristic below.
+
+    Heuristic (sm90; from ptxas statistics of the fp8mma loop, to be replaced by the numbers of
+    benchmarks/sweep_indexer.py): 128-entry tiles (the MMA's M side), 4 warps (one warpgroup; [128, 64]
+    fp32 logits = 64 registers a thread; ~250 registers, 2 programs resident per SM), 2 pipelining stages
+    (3+ adds shared memory and spills for no fewer instructions); tiles per program such that the grid
+    holds ~8 programs per SM (~4 waves of 2 resident), a power of two capped at 16 and at the row's
+    tiles: T x N = 4 x 262,144 -> 8 tiles, 1024 programs; 1 x 262,144 -> 2; 8 x 262,144 -> 16.
+    """
+    return _launch_config(T, H, N, device, block_n, tiles_per_program, num_warps, num_stages, interpreter_enabled())
+
+
+@functools.lru_cache(maxsize=4096)
+def _launch_config(T, H, N, device, block_n, tiles_per_program, num_warps, num_stages, interp) -> LaunchConfig:
+    hp = max(16, 1 << max(H - 1, 0).bit_length())
     if block_n is None:
-        block_n = 32 if interpreter_enabled() else 128
-    n_tiles = triton.cdiv(N, block_n)
+        block_n = 32 if interp else 128
+    if not isinstance(block_n, int) or block_n < 1:
+        raise ValueError(f"block_n: expected a positive int, got {block_n!r}")
+    n_tiles = -(-N // block_n)
     if tiles_per_program is None:
-        # Amortise the query load over several tiles while keeping >= ~1024 programs in flight.
-        tiles_per_program = max(1, min(8, (n_tiles * T) // 1024))
-    grid = (T, triton.cdiv(n_tiles, tiles_per_program))
-    return hp, block_n, tiles_per_program, grid
+        target = _PROGRAMS_PER_SM * _num_sms(device)
+        per_program = max(1.0, min(float(_MAX_TILES), n_tiles * T / target, float(n_tiles)))
+        tiles_per_program = 1 << round(math.log2(per_program))  # the nearest power of two
+    if num_warps is None:
+        num_warps = 4
+    if num_stages is None:
+        num_stages = 2
+    for name, v in (("block_n", block_n), ("tiles_per_program", tiles_per_program), ("num_warps", num_warps)):
+        if not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name}: expected a positive int, got {v!r}")
+    if block_n & (block_n - 1) or num_warps & (num_warps - 1):
+        raise ValueError(f"block_n and num_warps: expected powers of two, got {block_n}, {num_warps}")
+    if not isinstance(num_stages, int) or num_stages < 1:
+        raise ValueError(f"num_stages: expected a positive int, got {num_stages!r}")
+    grid = (T, -(-n_tiles // tiles_per_program))
+    return LaunchConfig(hp, block_n, tiles_per_program, num_warps, num_stages, grid)
+
+
+# impl="auto": the first of these that compiles on the device (checked once a device, at the first call)
+AUTO_IMPL_ORDER = ("fp8mma", "convert")
+_AUTO_IMPL: dict[int, str] = {}
+_FP8MMA_ASM = True  # GPU: e2m1 -> e4m3 bytes by inline PTX (4 bytes a register); False: Triton integer ops
+
+
+def _launch_mxfp4(impl, q, weights, data, scale32, block_table, token_row, n_visible, out, n, bs, cfg) -> None:
+    interp = interpreter_enabled()
+    _mxfp4_scores_kernel[cfg.grid](
+        q,
+        weights,
+        data,
+        scale32,
+        block_table,
+        token_row,
+        n_visible,
+        out,
+        q.stride(0),
+        q.stride(1),
+        weights.stride(0),
+        data.stride(0),
+        data.stride(1),
+        scale32.stride(0),
+        scale32.stride(1),
+        block_table.stride(0),
+        out.stride(0),
+        q.shape[1],
+        n,
+        block_table.shape[1],
+        cfg.tiles,
+        BS=bs,
+        HP=cfg.hp,
+        HALF_D=_FMT.data_bytes,
+        QBLOCK=_FMT.block,
+        N_SCALES=_FMT.n_blocks,
+        BLOCK_N=cfg.block_n,
+        FP32_DOT=interp,
+        IMPL=_IMPLS[impl],
+        W_SCALE=_FP8_CODE_SCALE if impl == "fp8mma" else 1.0,
+        ASM=impl == "fp8mma" and _FP8MMA_ASM and not interp,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
 
 
 # ---------------------------------------------------------------------------------------- public ops
@@ -370,7 +706,9 @@ def indexer_scores(
     *,
     block_n: int | None = None,
     tiles_per_program: int | None = None,
-    impl: str = "convert",
+    impl: str = "auto",
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """Indexer scores of every query row against its request's MXFP4 keys.
 
@@ -386,17 +724,27 @@ def indexer_scores(
             (causal rule ``j < (t + 1) // 4`` applied by the caller).
         max_entries: host int N, the static number of output columns.
         backend: "auto" | "torch" | "triton".
-        block_n, tiles_per_program: Triton tiling (entries per tile, tiles per program); None = heuristic.
-        impl: Triton inner product. "convert" (default): e2m1 -> bf16 by bit manipulation in registers,
-            then bf16 ``tl.dot``.  "dot_scaled": ``tl.dot_scaled(q, None, "bf16", keys, scales, "e2m1")``,
-            letting Triton lower the MXFP4 operand (on sm90 by up-conversion); an experiment for the H200.
+        block_n, tiles_per_program, num_warps, num_stages: Triton launch (entries per tile, tiles per
+            program, warps, pipelining stages); None = ``launch_config``'s heuristic.
+        impl: Triton inner product.
+            "auto" (default): "fp8mma", or "convert" if that fails to compile on this device (decided
+            at the first call on a device, with a warning; ``AUTO_IMPL_ORDER``).
+            "convert": e2m1 -> bf16 by bit manipulation in registers, bf16 ``tl.dot`` (K = 2 x 64).
+            "dot_scaled": ``tl.dot_scaled(keys, scales, "e2m1", q, None, "bf16")`` (Triton lowers the
+            MXFP4 operand; on sm90 by up-conversion); an experiment for the H200.
+            "fp8mma": the e2m1 bytes re-encoded as e4m3 (SWAR, 4 bytes a register), q as e4m3, one
+            K=32 FP8 MMA per 32-block with the key's block scale (and, if q's blocks of a head span
+            more than ~8 binades, q's) applied to the block's fp32 partial.  Exact: the products are
+            e2m1 x e2m1 values and a block's sum of 32 needs < 10 bits, so the MMA's reduced-precision
+            accumulation loses nothing; requires q MXFP4-simulated as stated above (a q with more
+            mantissa bits is rounded to e4m3 by this impl) and |q| < 2**126.
 
     Returns:
         [T, N] fp32 scores; -inf for entries at or past n_visible (or on page -1).
     """
     T, H = _check_common(q, weights, block_table, token_row, n_visible, max_entries)
-    if impl not in ("convert", "dot_scaled"):
-        raise ValueError(f"impl: expected 'convert' or 'dot_scaled', got {impl!r}")
+    if impl != "auto" and impl not in _IMPLS:
+        raise ValueError(f"impl: expected 'auto' or one of {tuple(_IMPLS)}, got {impl!r}")
     check_tensor("keys.data", keys.data, dtype=torch.uint8, ndim=3, device=q.device)
     P, bs, _ = keys.data.shape
     check_tensor("keys.data", keys.data, shape=(P, bs, _FMT.data_bytes))
@@ -404,6 +752,7 @@ def indexer_scores(
     if not use_triton(backend, q, weights, keys.data, keys.scale, block_table, token_row, n_visible):
         return indexer_scores_reference(q, weights, keys, block_table, token_row, n_visible, max_entries)
 
+    cfg = launch_config(T, H, max_entries, q.device, block_n, tiles_per_program, num_warps, num_stages)
     out = torch.empty((T, max_entries), dtype=torch.float32, device=q.device)
     if T == 0 or max_entries == 0:
         return out
@@ -412,39 +761,25 @@ def indexer_scores(
     q = q if q.stride(2) == 1 else q.contiguous()
     weights = weights if weights.stride(1) == 1 else weights.contiguous()
     scale32 = _scale_words(keys.scale)
-    hp, bn, tiles, grid = _launch_config(T, H, max_entries, block_n, tiles_per_program)
-    _mxfp4_scores_kernel[grid](
-        q,
-        weights,
-        keys.data,
-        scale32,
-        block_table,
-        token_row,
-        n_visible,
-        out,
-        q.stride(0),
-        q.stride(1),
-        weights.stride(0),
-        keys.data.stride(0),
-        keys.data.stride(1),
-        scale32.stride(0),
-        scale32.stride(1),
-        block_table.stride(0),
-        out.stride(0),
-        H,
-        max_entries,
-        bs,
-        block_table.shape[1],
-        HP=hp,
-        HALF_D=_FMT.data_bytes,
-        QBLOCK=_FMT.block,
-        N_SCALES=_FMT.n_blocks,
-        BLOCK_N=bn,
-        TILES=tiles,
-        FP32_DOT=interpreter_enabled(),
-        DOT_SCALED=impl == "dot_scaled",
-        num_warps=4,
-    )
+    args = (q, weights, keys.data, scale32, block_table, token_row, n_visible, out, max_entries, bs, cfg)
+    if impl != "auto":
+        _launch_mxfp4(impl, *args)
+        return out
+    dev = q.device.index if q.is_cuda else -1
+    if dev in _AUTO_IMPL:
+        _launch_mxfp4(_AUTO_IMPL[dev], *args)
+        return out
+    first, fallback = AUTO_IMPL_ORDER[0], AUTO_IMPL_ORDER[-1]
+    try:
+        _launch_mxfp4(first, *args)
+        _AUTO_IMPL[dev] = first
+    except Exception as e:  # noqa: BLE001 - a compile failure of the fast path falls back, once, loudly
+        if first == fallback:
+            raise
+        msg = f"indexer_scores: impl {first!r} failed ({type(e).__name__}: {str(e)[:300]}); using {fallback!r}"
+        warnings.warn(msg, stacklevel=2)
+        _AUTO_IMPL[dev] = fallback
+        _launch_mxfp4(fallback, *args)
     return out
 
 
@@ -460,9 +795,11 @@ def indexer_scores_fp8keys(
     *,
     block_n: int | None = None,
     tiles_per_program: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """``indexer_scores`` on 132-byte FP8 keys (``FP8KeyPages``: data [P, bs, 128] uint8 e4m3 bits,
-    scale [P, bs] fp32).  Same arguments, result and tiling otherwise."""
+    scale [P, bs] fp32, > 0).  Same arguments, result and launch knobs otherwise."""
     T, H = _check_common(q, weights, block_table, token_row, n_visible, max_entries)
     check_tensor("keys.data", keys.data, dtype=torch.uint8, ndim=3, device=q.device)
     P, bs, _ = keys.data.shape
@@ -471,6 +808,7 @@ def indexer_scores_fp8keys(
     if not use_triton(backend, q, weights, keys.data, keys.scale, block_table, token_row, n_visible):
         return indexer_scores_fp8keys_reference(q, weights, keys, block_table, token_row, n_visible, max_entries)
 
+    cfg = launch_config(T, H, max_entries, q.device, block_n, tiles_per_program, num_warps, num_stages)
     out = torch.empty((T, max_entries), dtype=torch.float32, device=q.device)
     if T == 0 or max_entries == 0:
         return out
@@ -478,8 +816,7 @@ def indexer_scores_fp8keys(
         raise ValueError("keys.data: the last dim must be contiguous")
     q = q if q.stride(2) == 1 else q.contiguous()
     weights = weights if weights.stride(1) == 1 else weights.contiguous()
-    hp, bn, tiles, grid = _launch_config(T, H, max_entries, block_n, tiles_per_program)
-    _fp8_scores_kernel[grid](
+    _fp8_scores_kernel[cfg.grid](
         q,
         weights,
         keys.data,
@@ -499,13 +836,14 @@ def indexer_scores_fp8keys(
         out.stride(0),
         H,
         max_entries,
-        bs,
         block_table.shape[1],
-        HP=hp,
+        cfg.tiles,
+        BS=bs,
+        HP=cfg.hp,
         D=_FMT.dim,
-        BLOCK_N=bn,
-        TILES=tiles,
+        BLOCK_N=cfg.block_n,
         FP32_DOT=interpreter_enabled(),
-        num_warps=4,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     return out

@@ -1,0 +1,109 @@
+"""``dsv4 bench --smoke``: tiny config on the CPU; rows carry the required fields and the checks pass."""
+
+import importlib.util
+import json
+import pathlib
+
+import pytest
+import torch
+
+from dsv4.cli import main
+from dsv4.engine.bench import (
+    PARTS,
+    SMOKE,
+    _part_cost,
+    bench_config,
+    fill_cache,
+    plain_decode_step,
+    run_bench,
+)
+
+REQUIRED = ("name", "gpu", "torch", "triton", "shape", "time_s", "bytes", "flops", "roofline_s", "baseline",
+            "baseline_time_s", "date")  # fmt: skip
+
+
+def _plot_module():
+    path = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "plot_decode.py"
+    spec = importlib.util.spec_from_file_location("plot_decode", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_smoke_cli_writes_rows_with_required_fields(tmp_path, capsys):
+    out = tmp_path / "decode.jsonl"
+    assert main(["bench", "--smoke", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "cache us" in printed and "tiny" in printed
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert (tmp_path / "decode.txt").read_text().startswith("model")
+    for r in rows:
+        for k in REQUIRED:
+            assert k in r, (r["name"], k)
+        assert set(r["shape"]) == {"model", "kind", "context", "batch"}
+        assert r["time_s"] > 0 and r["roofline_s"] > 0 and r["bytes"] > 0
+    steps = [r for r in rows if r["name"].endswith("/step")]
+    n_cfg = len(SMOKE.kinds) * len(SMOKE.contexts) * len(SMOKE.batches)
+    assert len(steps) == n_cfg
+    for r in steps:
+        assert r["match"], r
+        assert r["baseline"].startswith("plain PyTorch") and r["baseline_time_s"] > 0
+        assert r["graph_time_s"] is None  # no graph on the CPU
+    names = {r["name"] for r in rows}
+    for part in PARTS:
+        assert f"decode/csa/{part}" in names
+    assert "decode/hca/indexer" not in names and "decode/swa/compressor" not in names
+    assert {"decode/swa/cache_path", "decode/csa/cache_path", "decode/hca/cache_path"} <= names
+    series = _plot_module().step_series(rows)
+    assert set(series) == {("tiny", k) for k in SMOKE.kinds}
+    assert [c for c, _ in series[("tiny", "csa")][3]["dsv4"]] == list(SMOKE.contexts)
+
+
+def test_plain_baseline_detects_a_wrong_cache():
+    """The check can fail: corrupting the compressed entries changes the plain step's output."""
+    cfg = bench_config("tiny", "hca", 512)
+    gen = torch.Generator().manual_seed(1)
+    from dsv4.cache.manager import KVCacheManager
+    from dsv4.model.attention import AttentionSubBlock
+    from dsv4.model.weights import random_attention_weights
+
+    blk = AttentionSubBlock(cfg, 0, random_attention_weights(cfg, 0, seed=1), backend="torch")
+    m = KVCacheManager(cfg, max_requests=2, num_pages=8)
+    fill_cache(m, 1, 512, gen, "torch")
+    assert m.num_tokens(0) == 511
+    x = torch.randn(1, cfg.dim, generator=gen).to(torch.bfloat16)
+    slots, pos = torch.tensor([m.slot_of(0)]), torch.tensor([511])
+    bt = torch.tensor([m.block_ids(0, 128)])
+    plan = m.plan({0: 1}, max_blocks={128: bt.shape[1]})
+    ref = blk(x, m.acquire(0, plan))
+    y1 = plain_decode_step(blk, m, slots, pos, bt, x)
+    d = (y1.float() - ref.float()).abs()
+    assert d.max() <= 0.05 and d.mean() <= 3e-3
+    m.pools[128].layer(0).entries.rope.mul_(-1)  # flip the rope half of every compressed entry
+    y2 = plain_decode_step(blk, m, slots, pos, bt, x)
+    assert (y2.float() - ref.float()).abs().mean() > 1e-2
+
+
+def test_roofline_costs_and_bad_settings():
+    cfg = bench_config("v4-flash", "csa", 1 << 20)
+    assert cfg.max_seq_len == 1 << 20 and cfg.n_layers == 1 and cfg.compress_ratios == (4,)
+
+    class _Blk:  # only what _part_cost reads
+        pass
+
+    from dsv4.cache.manager import KVCacheManager
+    from dsv4.model.weights import random_attention_weights
+
+    b = _Blk()
+    b.cfg, b.w, b.ratio = cfg, random_attention_weights(cfg, 0, device="meta"), 4
+    b.kind = cfg.layer_kind(0)
+    m = KVCacheManager(cfg, max_requests=1, num_pages=1, device="meta")
+    nb, fl = _part_cost("attention", b, m, 64, 131072)
+    assert nb == 64 * (128 + 512) * 583 + 64 * 2 * 64 * 512 * 2  # window + top-512 entries; q and out
+    assert fl == 4.0 * 64 * 64 * 640 * 512
+    nb, fl = _part_cost("indexer", b, m, 64, 131072)
+    assert nb > 64 * 32768 * 68 and fl > 2.0 * 64 * 32768 * 64 * 128
+    with pytest.raises(ValueError, match="multiples of 128"):
+        run_bench(SMOKE.__class__(models=("tiny",), contexts=(100,), device="cpu"))
+    with pytest.raises(ValueError, match="kinds"):
+        run_bench(SMOKE.__class__(models=("tiny",), contexts=(256,), kinds=("mla",), device="cpu"))
