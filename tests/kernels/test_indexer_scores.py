@@ -182,10 +182,10 @@ def test_auto_impl_falls_back_once_when_the_fast_path_fails(monkeypatch):
 
 def test_launch_config_heuristic():
     cpu = torch.device("cpu")
-    # 1M context, B = 4, 128-entry tiles: 8192 tiles over ~8 programs per SM of 132 -> 8 tiles a program
+    # 1M context, B = 4, 128-entry tiles: 8192 tiles over ~2 programs per SM of 132 -> capped at 16 tiles a program
     cfg = launch_config(4, 64, 262144, cpu, block_n=128)
-    assert (cfg.hp, cfg.block_n, cfg.tiles) == (64, 128, 8) and cfg.grid == (4, 256)
-    assert launch_config(1, 64, 262144, cpu, block_n=128).grid == (1, 1024)  # 2 tiles a program
+    assert (cfg.hp, cfg.block_n, cfg.tiles) == (64, 128, 16) and cfg.grid == (4, 128)
+    assert launch_config(1, 64, 262144, cpu, block_n=128).grid == (1, 256)  # 8 tiles a program
     assert launch_config(8, 64, 262144, cpu, block_n=128).tiles == 16
     small = launch_config(2, 4, 100, cpu, block_n=32)
     assert small.hp == 16 and small.tiles == 1 and small.grid == (2, 4)

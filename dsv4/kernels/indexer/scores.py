@@ -568,7 +568,7 @@ def _scale_words(scale: torch.Tensor) -> torch.Tensor:
 
 
 _H200_SMS = 132
-_PROGRAMS_PER_SM = 8  # target programs in the grid per SM (>= 2-4 resident, plus tail balance)
+_PROGRAMS_PER_SM = 2  # H200 sweep 2026-12-02: fewer, longer programs won (see launch_config)
 _MAX_TILES = 16
 
 
@@ -611,12 +611,11 @@ def launch_config(
 ) -> LaunchConfig:
     """The scores kernels' launch; every None is chosen by the heuristic below.
 
-    Heuristic (sm90; from ptxas statistics of the fp8mma loop, to be replaced by the numbers of
-    benchmarks/sweep_indexer.py): 128-entry tiles (the MMA's M side), 4 warps (one warpgroup; [128, 64]
-    fp32 logits = 64 registers a thread; ~250 registers, 2 programs resident per SM), 2 pipelining stages
-    (3+ adds shared memory and spills for no fewer instructions); tiles per program such that the grid
-    holds ~8 programs per SM (~4 waves of 2 resident), a power of two capped at 16 and at the row's
-    tiles: T x N = 4 x 262,144 -> 8 tiles, 1024 programs; 1 x 262,144 -> 2; 8 x 262,144 -> 16.
+    Heuristic (sm90; set from the H200 sweep of 2026-12-02, benchmarks/results/2026-12-02_h200_sweep_indexer.txt,
+    where 128/4 warps/2 stages with 8 tiles at B=1 and 16 tiles at B=4 and 8 were fastest): 128-entry tiles (the
+    MMA's M side), 4 warps (one warpgroup; [128, 64] fp32 logits = 64 registers a thread), 2 pipelining
+    stages; tiles per program such that the grid holds ~2 programs per SM (one resident wave), a power of
+    two capped at 16 and at the row's tiles: T x N = 1 x 262,144 -> 8 tiles; 4 x 262,144 -> 16; 8 x 262,144 -> 16.
     """
     return _launch_config(T, H, N, device, block_n, tiles_per_program, num_warps, num_stages, interpreter_enabled())
 
