@@ -22,7 +22,8 @@ bytes = B x entries x (68 | 132) + q + weights + scores written; roofline_s = by
 Top-k: k = 1024 and 512 over R x 262,144 fp32 scores (R = 1, 4, 8), Triton radix select vs
 ``torch.topk`` (which does not order ties like ours; checked as a set).  bytes = one read of the scores.
 ``topk_radix`` = auto splits, ``topk_radix_s<S>`` = S programs per row (s1: one program per row),
-``topk_radix_graph`` = auto splits replayed from a CUDA graph.
+``topk_radix_graph`` = auto splits replayed from a CUDA graph; ``topk_radix_graph_s<S>`` /
+``topk_radix_graph_f<R>`` = the same with S splits / R finishing programs per row (tuning the defaults).
 Also the whole step (FP4 scores + top-1024) vs PyTorch eager (scores + torch.topk) at 1M.
 
 Correctness is checked on each shape's data before timing (kernels vs the fp32 references).  Times are
@@ -243,6 +244,16 @@ def bench_topk(args, dev, info, rows, gen):
             if not args.smoke:
                 t = graph_timer(run)
                 record(rows, info, "topk_radix_graph", shape, t, nbytes, "torch_topk", t_base)
+                # Graph-timed knobs of the split path (to tune the defaults): splits, then finishing programs.
+                knobs = [("s", {"splits": sp}) for sp in (16, 32, 64)]
+                knobs += [("f", {"finish_programs": fp}) for fp in (8, 16, 32, 64)]
+                for tag, kw in knobs:
+                    run_k = partial(topk_indices, s, k, nv, "triton", workspace=ws, **kw)
+                    if not torch.equal(run_k(), want):
+                        raise SystemExit(f"topk R={R} k={k} {kw}: differs from the reference")
+                    t = graph_timer(run_k)
+                    name = f"topk_radix_graph_{tag}{next(iter(kw.values()))}"
+                    record(rows, info, name, shape, t, nbytes, "torch_topk", t_base, **kw)
 
 
 def graph_timer(fn) -> float:

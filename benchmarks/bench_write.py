@@ -2,6 +2,8 @@
 
     python benchmarks/bench_write.py --out FILE.jsonl     # on the H200
     python benchmarks/bench_write.py --smoke              # tiny shapes, CPU (interpreter) or GPU
+    python benchmarks/bench_write.py --prefill-only       # prefill rows + HCA decode B=64 only
+    python benchmarks/bench_write.py --prefill-only --models v4-flash --tune store_window:block_t=16,num_warps=8
 
 Ops (each = what one layer does per step on the write path):
 - ``store_window``: kv_norm -> RoPE -> FP8 -> ring slot, for T tokens (prefill also writes the bf16
@@ -173,7 +175,18 @@ def mxfp4_written_bytes(fmt: MXFP4KeyFormat) -> int:
 
 
 # ---------------------------------------------------------------------------- cases
-def case_store_window(fmt, mode, n, device, gen):
+def parse_tune(items: list[str]) -> dict[str, dict[str, int]]:
+    """``["op:k=v,k=v", ...]`` -> {op: {k: int(v)}}."""
+    out: dict[str, dict[str, int]] = {}
+    for item in items:
+        op, _, kvs = item.partition(":")
+        for kv in filter(None, kvs.split(",")):
+            k, _, v = kv.partition("=")
+            out.setdefault(op, {})[k] = int(v)
+    return out
+
+
+def case_store_window(fmt, mode, n, device, gen, tune=None):
     t = n
     kv = torch.randn(t, fmt.head_dim, generator=gen).bfloat16().to(device)
     w = (torch.rand(fmt.head_dim, generator=gen) + 0.5).to(device)
@@ -195,8 +208,11 @@ def case_store_window(fmt, mode, n, device, gen):
 
     (fk, pk, ok_), (fr, pr, or_) = make(), make()
 
+    kw_t = dict(tune or {})
+
     def run(backend, pages, out):
-        return lambda: store_window(kv, w, 1e-6, pos, inv, slots, pages, fmt, out=out, backend=backend)
+        kw = kw_t if backend == "triton" else {}
+        return lambda: store_window(kv, w, 1e-6, pos, inv, slots, pages, fmt, out=out, backend=backend, **kw)
 
     run("triton", pk, ok_)()
     run("torch", pr, or_)()
@@ -206,7 +222,7 @@ def case_store_window(fmt, mode, n, device, gen):
     return run("triton", pk, ok_), run("torch", pr, or_), ok, f"bytes equal {same:.6f}", nbytes
 
 
-def case_compressor(kind, cfg, mode, n, device, gen):
+def case_compressor(kind, cfg, mode, n, device, gen, tune=None):
     fmt8, fmt4 = FP8EntryFormat(cfg.head_dim, cfg.rope_head_dim), MXFP4KeyFormat(cfg.index_head_dim)
     ratio, overlap = (4, True) if kind.startswith("csa") else (128, False)
     c = 2 if overlap else 1
@@ -240,12 +256,17 @@ def case_compressor(kind, cfg, mode, n, device, gen):
 
     (fk, pk, ksk, ssk), (fr, pr, ksr, ssr) = make(), make()
 
+    tune = dict(tune or {})
+    emit_kw = {k[len("emit_") :]: tune.pop(k) for k in list(tune) if k.startswith("emit_")}
+
     def run(backend, pages, ks, ss):
+        kw_s, kw_e = (tune, emit_kw) if backend == "triton" else ({}, {})
+
         def f():
             pooled, emits = compressor_step(
-                kv, sc, pos, tslot, ks, ss, ratio, overlap, decode=mode == "decode", backend=backend
+                kv, sc, pos, tslot, ks, ss, ratio, overlap, decode=mode == "decode", backend=backend, **kw_s
             )
-            emit_entries(pooled, emits, pos, w, 1e-6, inv, eslot, pages, fmt, ratio, ekind, backend=backend)
+            emit_entries(pooled, emits, pos, w, 1e-6, inv, eslot, pages, fmt, ratio, ekind, backend=backend, **kw_e)
 
         return f
 
@@ -285,7 +306,24 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU interpreter friendly)")
     ap.add_argument("--ops", default="store_window,csa_main,csa_indexer,hca", help="comma-separated subset")
     ap.add_argument("--models", default=None, help="comma-separated presets (default: v4-flash,v4-pro)")
+    ap.add_argument("--modes", default="decode,prefill", help="comma-separated subset of decode,prefill")
+    ap.add_argument(
+        "--prefill-only",
+        action="store_true",
+        help="quick rerun: the prefill rows of every op plus HCA decode at the largest B (overrides --modes)",
+    )
+    ap.add_argument(
+        "--tune",
+        action="append",
+        default=[],
+        metavar="OP:KEY=VAL[,KEY=VAL]",
+        help="launch tuning of the Triton path, e.g. store_window:block_t=4,num_warps=8 or "
+        "hca:pool_block_t=128,block_d=64 or csa_indexer:emit_block_t=16 (keys of compressor_step; "
+        "emit_block_t / emit_num_warps go to emit_entries); repeatable",
+    )
     args = ap.parse_args()
+    tune = parse_tune(args.tune)
+    modes = {"decode", "prefill"} if args.prefill_only else set(args.modes.split(","))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     gpu = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (triton interpreter)"
     decode_b = (1, 2) if args.smoke else (1, 8, 64)
@@ -297,16 +335,22 @@ def main() -> None:
         cfg = get_preset(model)
         for op in args.ops.split(","):
             for mode, sizes in (("decode", decode_b), ("prefill", prefill_t)):
+                if mode not in modes:
+                    continue
+                if args.prefill_only and mode == "decode":
+                    if op != "hca":
+                        continue
+                    sizes = sizes[-1:]
                 for n in sizes:
                     if op == "hca" and mode == "prefill" and args.smoke:
                         n = 130  # at least one HCA entry
                     gen = torch.Generator().manual_seed(0)
                     if op == "store_window":
                         tri, ref, ok, note, nbytes = case_store_window(
-                            FP8EntryFormat(cfg.head_dim, cfg.rope_head_dim), mode, n, device, gen
+                            FP8EntryFormat(cfg.head_dim, cfg.rope_head_dim), mode, n, device, gen, tune.get(op, {})
                         )
                     else:
-                        tri, ref, ok, note, nbytes = case_compressor(op, cfg, mode, n, device, gen)
+                        tri, ref, ok, note, nbytes = case_compressor(op, cfg, mode, n, device, gen, tune.get(op, {}))
                     launches = count_launches(tri)
                     ref_launches = count_launches(ref)
                     syncs, ref_syncs = count_syncs(tri), count_syncs(ref)
@@ -322,6 +366,7 @@ def main() -> None:
                         "torch": torch.__version__,
                         "triton": triton.__version__,
                         "shape": {"mode": mode, ("B" if mode == "decode" else "T"): n},
+                        "tune": tune.get(op, {}),
                         "time_s": t_tri,
                         "time_kind": "cuda graph replay / call" if t_graph is not None else "eager",
                         "eager_time_s": t_eager,

@@ -119,7 +119,9 @@ def test_decode_fused_launch(device, kind):
     ratio, overlap = CONFIGS[kind]
     c, d, b = (2 if overlap else 1), 16, 5
     outs = []
-    for backend, decode in (("torch", False), ("triton", True), ("triton", False)):
+    variants = (("torch", False, {}), ("triton", True, {}), ("triton", False, {}))
+    variants += (("triton", True, {"block_d": 16, "num_warps": 2}),)  # a decode tuning: same results
+    for backend, decode, kw in variants:
         g = torch.Generator().manual_seed(11)
         kv_state = torch.randn(b + 1, c * ratio, c * d, generator=g).to(device)
         sc_state = torch.randn(b + 1, c * ratio, c * d, generator=g).to(device)
@@ -129,7 +131,7 @@ def test_decode_fused_launch(device, kind):
         slot = torch.tensor([4, 0, 1, 5, -1], dtype=torch.int32)  # the last token's slot is "none"
         pooled, emits = compressor_step(
             kv.to(device), sc.to(device), pos.to(device), slot.to(device), kv_state, sc_state, ratio, overlap,
-            decode=decode, backend=backend,
+            decode=decode, backend=backend, **kw,
         )  # fmt: skip
         outs.append((pooled.cpu(), emits.cpu(), kv_state.cpu(), sc_state.cpu()))
     (p0, e0, k0, s0) = outs[0]
@@ -191,6 +193,34 @@ def test_emit_entries_triton_equals_reference(device, kind):
         assert torch.equal(views["pad"], views_b["pad"])
 
 
+@pytest.mark.parametrize("tuning", [{}, {"block_t": 1}, {"block_t": 16, "num_warps": 2}])
+@pytest.mark.parametrize("kind", ["main", "indexer"])
+def test_emit_entries_many_emitters_per_block(device, kind, tuning):
+    """A prefill-like step (every token emits: m = 1, and a few skipped slots) for any launch tuning: bytes
+    equal the reference's (several emitting tokens per program, a partial last block)."""
+    fmt = FP8EntryFormat() if kind == "main" else MXFP4KeyFormat()
+    d = fmt.head_dim if kind == "main" else fmt.dim
+    t, ratio, n_pages, bs = 21, 1, 6, 4
+    g = torch.Generator().manual_seed(21)
+    pooled = torch.randn(t, d, generator=g).to(device)
+    pos = torch.arange(5000, 5000 + t, dtype=torch.int32, device=device)
+    emits = torch.ones(t, dtype=torch.bool, device=device)
+    slots = torch.randperm(n_pages * bs, generator=g)[:t].to(torch.int32)
+    slots[[2, 9, 20]] = torch.tensor([-1, n_pages * bs, -5], dtype=torch.int32)
+    slots = slots.to(device)
+    w = (torch.rand(d, generator=g) + 0.5).to(device)
+    inv = (1.0 / (160000.0 ** (torch.arange(0, 64, 2).float() / 64))).to(device)
+    bufs = []
+    for backend in ("triton", "torch"):
+        flat = torch.randint(0, 256, (fmt.page_bytes(bs) * n_pages,), generator=torch.Generator().manual_seed(3))
+        flat = flat.to(torch.uint8).to(device)
+        pages = fmt.entry_pages(flat, n_pages, bs) if kind == "main" else fmt.key_pages(flat, n_pages, bs)
+        kw = tuning if backend == "triton" else {}
+        emit_entries(pooled, emits, pos, w, 1e-6, inv, slots, pages, fmt, ratio, kind, backend=backend, **kw)
+        bufs.append(flat)
+    assert torch.equal(bufs[0], bufs[1])
+
+
 def test_compressor_then_emit_main_matches_oracle_entries(device):
     """End to end on the main CSA compressor: chunked steps + emit == one-pass pooled, normed, roped, FP8."""
     fmt = FP8EntryFormat()
@@ -242,10 +272,15 @@ def test_validation_errors(device):
         compressor_step(kv, kv, pos, pos, kv_state, sc_state, 0, True)
 
 
+TUNINGS = [{}, {"pool_block_t": 1, "block_d": 16, "num_warps": 4}, {"pool_block_t": 32, "num_warps": 2}]
+
+
+@pytest.mark.parametrize("tuning", TUNINGS)
 @pytest.mark.parametrize("kind", ["csa", "hca"])
-def test_step_path_many_emitters_per_token_block(device, kind):
+def test_step_path_many_emitters_per_token_block(device, kind, tuning):
     """Non-decode launch (token-blocked pool pass + tiled state write): a step mixing one-token requests that
-    all emit (several per pool block, partial last block), a long chunk and a token without a state slot."""
+    all emit (several per pool block, partial last block), a long chunk and a token without a state slot;
+    for any tuning of the Triton launch (tokens per pool program, channel block, warps)."""
     ratio, overlap = CONFIGS[kind]
     c, d = (2 if overlap else 1), 16
     g = torch.Generator().manual_seed(12)
@@ -265,8 +300,9 @@ def test_step_path_many_emitters_per_token_block(device, kind):
     outs = []
     for backend in ("torch", "triton"):
         ks, ss = st[0].clone().to(device), st[1].clone().to(device)
+        kw = tuning if backend == "triton" else {}
         pooled, emits = compressor_step(
-            kv.to(device), sc.to(device), pos.to(device), slot.to(device), ks, ss, ratio, overlap, backend=backend
+            kv.to(device), sc.to(device), pos.to(device), slot.to(device), ks, ss, ratio, overlap, backend=backend, **kw
         )
         outs.append((pooled.cpu(), emits.cpu(), ks.cpu(), ss.cpu()))
     (p0, e0, k0, s0), (p1, e1, k1, s1) = outs

@@ -177,6 +177,45 @@ def test_kernel_split_path_matches_reference():
         torch.testing.assert_close(lse, l_ref, atol=1e-4, rtol=1e-5)
 
 
+@pytest.mark.parametrize(
+    "variant",
+    [
+        {"qk_tiles": 2},
+        {"d_split": 2},
+        {"qk_tiles": 1, "d_split": 4},
+        {"qk_tiles": 4, "d_split": 2, "num_splits": 3},
+        {"d_split": 8, "block_h": 32, "num_splits": 1},
+    ],
+)
+def test_kernel_variants_match_reference(variant):
+    """D-chunked QK^T (q re-loaded per chunk) and the output-dim split, alone, together and with key splits.
+
+    Heads not a multiple of block_h, invalid slots and a sink-only row exercise the masks of every variant.
+    """
+    gen = torch.Generator().manual_seed(7)
+    T, H = 3, 20
+    caches, _ = two_caches(T, gen, k_win=24, k_pool=40)
+    caches[1][1][0, ::3] = -1
+    caches[0][1][2] = -1
+    caches[1][1][2] = -1  # row 2: no valid key -> out 0, lse = sink
+    sink = torch.randn(H, generator=gen)
+    q = make_q(T, H, gen)
+    o_ref, l_ref = sparse_attention_reference(q, caches, sink, SCALE)
+    out, lse = sparse_attention_triton(q, caches, sink, SCALE, block_n=16, **variant)
+    assert_close_bf16(out, o_ref)
+    torch.testing.assert_close(lse, l_ref, atol=1e-4, rtol=1e-5)
+    assert torch.equal(out[2], torch.zeros_like(out[2]))
+
+
+def test_kernel_variant_arguments_rejected():
+    gen = torch.Generator().manual_seed(8)
+    caches, _ = two_caches(1, gen, k_win=8, k_pool=8)
+    q, sink = make_q(1, 4, gen), torch.zeros(4)
+    for bad in ({"qk_tiles": 3}, {"qk_tiles": 16}, {"d_split": 0}, {"d_split": 3}):
+        with pytest.raises(ValueError, match="qk_tiles|d_split"):
+            sparse_attention_triton(q, caches, sink, SCALE, **bad)
+
+
 def test_choose_num_splits():
     per_split = MIN_KEYS_PER_SPLIT // 32  # blocks of 32 keys per split, at least
     # decode of one request with few heads and 8192 HCA entries: split
@@ -267,6 +306,36 @@ def test_kernel_matches_reference_gpu(T, H, k_pool, splits):
     sink = torch.randn(H, generator=gen).cuda()
     q = make_q(T, H, gen, "cuda")
     out, lse = sparse_attention_triton(q, caches, sink, SCALE, num_splits=splits)
+    o_ref, l_ref = sparse_attention_reference(q, caches, sink, SCALE)
+    assert_close_bf16(out, o_ref)
+    torch.testing.assert_close(lse, l_ref, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize(
+    "variant",
+    [
+        {"num_warps": 16},
+        {"qk_tiles": 2},
+        {"qk_tiles": 1, "num_warps": 16},
+        {"d_split": 2},
+        {"d_split": 4, "qk_tiles": 2},
+        {"block_h": 128, "num_warps": 16, "num_splits": 1},
+    ],
+)
+def test_kernel_variants_match_reference_gpu(variant):
+    gen = torch.Generator().manual_seed(12)
+    T, H = 3, 128
+    win, _ = make_pages(T, 128, gen, "cuda")
+    pool, _ = make_pages(64, 64, gen, "cuda")
+    widx = torch.arange(T * 128, dtype=torch.int32).view(T, 128).cuda()
+    pidx = torch.randint(0, pool.num_slots, (T, 1024), generator=gen).int().cuda()
+    pidx[1, 300:] = -1
+    caches = [(win, widx), (pool, pidx)]
+    sink = torch.randn(H, generator=gen).cuda()
+    q = make_q(T, H, gen, "cuda")
+    out, lse = sparse_attention_triton(q, caches, sink, SCALE, **variant)
     o_ref, l_ref = sparse_attention_reference(q, caches, sink, SCALE)
     assert_close_bf16(out, o_ref)
     torch.testing.assert_close(lse, l_ref, atol=1e-4, rtol=1e-5)

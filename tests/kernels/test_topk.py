@@ -1,8 +1,9 @@
 """Top-k of indexer scores (radix-select Triton kernels vs stable-sort reference) and to_physical.
 
 Every Triton case runs both paths: ``splits=1`` (one program per row) and the split path (several
-programs per row, four launches) at small sizes, so its chunk boundaries, per-split prefix offsets and
-the tie order across splits are all exercised under the interpreter.
+programs per row, four launches) at small sizes, so its chunk boundaries, per-split prefix offsets,
+the tie order across splits and the rank sort shared by several finishing programs are all exercised
+under the interpreter.
 """
 
 import pytest
@@ -136,7 +137,7 @@ def test_split_workspace_size_and_helper():
     g = torch.Generator().manual_seed(6)
     s = torch.randn(2, 300, generator=g)
     want = topk_indices_reference(s, 16)
-    need = 2 * 300 + 2 * 256 * 4 + 4  # split path: indices + low key bits, H1 + H2, counts
+    need = 2 * 300 + 2 * 256 * 4 + 4  # split path: list indices + keys, H1 + H2, counts
     ws = torch.zeros((2, need), dtype=torch.int32)
     assert torch.equal(topk_indices(s, 16, backend="triton", workspace=ws, splits=4), want)
     with pytest.raises(ValueError, match="workspace"):
@@ -186,6 +187,31 @@ def test_result_independent_of_splits():
         run_both(s, k, nv, splits=(1, 2, 5, 16))
 
 
+@pytest.mark.parametrize("finish_programs", [1, 2, 5])
+def test_split_finish_programs_share_the_ranking(finish_programs):
+    """The last launch ranks the winners + candidates in slices of 32 spread over R programs per row: few
+    programs (several slices each, strided), more programs than slices, and -1 padding shared among them."""
+    g = torch.Generator().manual_seed(10)
+    s = torch.randn(3, 900, generator=g)
+    s[1] = (s[1] * 2).round()  # ties among winners and at the threshold, in list and in index order
+    s[2, 450:] = NEG_INF  # fewer selectable than k: padding written by every program's share
+    nv = torch.tensor([900, 900, 800], dtype=torch.int32)
+    want = topk_indices_reference(s, 600, nv)
+    check_contract(want, s, 600, nv)
+    for sp in (3, 8):
+        got = topk_indices(s, 600, nv, backend="triton", splits=sp, finish_programs=finish_programs)
+        assert torch.equal(got, want), f"splits={sp}"
+
+
+def test_split_finish_all_tied_row_bounds_the_ranking():
+    """Every entry is a candidate with the same key: only the first k (index order) are chosen and ranked."""
+    s = torch.full((2, 1000), 0.75)
+    s[1, 500] = 2.0  # one winner, placed in the middle of the row
+    got = topk_indices(s, 50, backend="triton", splits=4, finish_programs=3)
+    assert got[0].tolist() == list(range(50))
+    assert got[1].tolist() == [500] + list(range(49))
+
+
 def test_reference_and_validation():
     s = torch.tensor([[3.0, 1.0, 3.0, 2.0]])
     assert topk_indices_reference(s, 3).tolist() == [[0, 2, 3]]
@@ -198,6 +224,8 @@ def test_reference_and_validation():
     for bad in (0, 65, True, 2.0):
         with pytest.raises(ValueError, match="splits"):
             topk_indices(s, 2, splits=bad)
+        with pytest.raises(ValueError, match="finish_programs"):
+            topk_indices(s, 2, finish_programs=bad)
 
 
 def test_to_physical():

@@ -51,8 +51,46 @@ def _to_bf16(x, INTERPRETER: tl.constexpr):
 
 
 @triton.jit
+def _load_tiles(
+    nope_ptr,
+    rope_ptr,
+    scale_ptr,
+    nope_base,
+    rope_base,
+    scale_base,
+    valid,
+    t0,
+    NT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    TILE: tl.constexpr,
+    NOPE_TILES: tl.constexpr,
+):
+    """Dequantised tiles ``t0 .. t0+NT`` of BLOCK_N entries as [BLOCK_N, NT*TILE] bf16 (tile NOPE_TILES = rope).
+
+    Each entry's FP8 bytes of these tiles are contiguous (one wide load per entry row), its UE8M0 scale
+    bytes are loaded once ([BLOCK_N, NT]) and ``2**(b - 127)`` is built from the exponent bits (exact).
+    """
+    offs_t = t0 + tl.arange(0, NT)
+    offs_j = tl.arange(0, TILE)
+    is_nope = offs_t < NOPE_TILES
+    nope_off = nope_base[:, None, None] + (offs_t * TILE)[None, :, None] + offs_j[None, None, :]
+    x = tl.load(nope_ptr + nope_off, mask=valid[:, None, None] & is_nope[None, :, None], other=0.0).to(tl.float32)
+    sb = tl.load(scale_ptr + scale_base[:, None] + offs_t[None, :], mask=valid[:, None] & is_nope[None, :], other=0)
+    sc = (sb.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+    has_rope = (offs_j * 0 + t0 + NT) > NOPE_TILES  # only a chunk holding the rope tile reads it
+    r = tl.load(rope_ptr + rope_base[:, None] + offs_j[None, :], mask=valid[:, None] & has_rope[None, :], other=0.0)
+    k3 = tl.where(is_nope[None, :, None], x * sc[:, :, None], r.to(tl.float32)[:, None, :])
+    # Exact in bf16: an e4m3 value times a power of two; the rope part was bf16 already.
+    return tl.reshape(k3, (BLOCK_N, NT * TILE)).to(tl.bfloat16)
+
+
+@triton.jit
 def _attend_block(
     q,
+    q_row_ptr,
+    offs_h,
+    h_mask,
+    stride_qh,
     m_i,
     l_i,
     acc,
@@ -71,48 +109,71 @@ def _attend_block(
     entries_per_page,
     num_slots,
     qk_scale_log2,
+    v_t0,
+    BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
     TILE: tl.constexpr,
     N_TILES: tl.constexpr,
     NOPE_TILES: tl.constexpr,
+    QK_TILES: tl.constexpr,
+    V_TILES: tl.constexpr,
     INTERPRETER: tl.constexpr,
 ):
-    """One block of BLOCK_N keys of one cache: gather + dequantise once, update the online softmax."""
+    """One block of BLOCK_N keys of one cache: gather + dequantise, update the online softmax.
+
+    Variants (constexpr):
+    - ``QK_TILES == N_TILES`` and ``V_TILES == N_TILES`` (default): the whole [BLOCK_N, D] tile is dequantised
+      once and serves both dots (``tl.trans`` for K^T); ``q`` is the [BLOCK_H, D] tile held by the caller.
+    - ``QK_TILES < N_TILES``: QK^T is accumulated over D-chunks of QK_TILES tiles; each q chunk is re-loaded
+      from global memory (L1/L2-resident) and each K chunk dequantised just before its dot (``q`` unused).
+    - ``V_TILES < N_TILES`` (output split): P.V only for the V_TILES tiles from ``v_t0`` (a separate, smaller
+      gather of the same entries, served from L1/L2).  Also used whenever QK is chunked.
+    """
     offs_n = key_start + tl.arange(0, BLOCK_N)
     slot = tl.load(idx_row_ptr + offs_n, mask=offs_n < num_keys, other=-1).to(tl.int64)
     valid = (slot >= 0) & (slot < num_slots)
     slot = tl.where(valid, slot, 0)
     page = slot // entries_per_page
     row = slot % entries_per_page
-
-    offs_t = tl.arange(0, N_TILES)
-    offs_j = tl.arange(0, TILE)
-    is_nope = offs_t < NOPE_TILES
-    # FP8 nope part as [BLOCK_N, N_TILES, TILE]; the last tile slot is where the rope part goes.
     nope_base = page * s_nope_p + row * s_nope_r
-    nope_off = nope_base[:, None, None] + (offs_t * TILE)[None, :, None] + offs_j[None, None, :]
-    nope_mask = valid[:, None, None] & is_nope[None, :, None]
-    x = tl.load(nope_ptr + nope_off, mask=nope_mask, other=0.0).to(tl.float32)
-    # UE8M0 scale byte b -> 2**(b - 127), built from the exponent bits (exact).
-    scale_base = page * s_scale_p + row * s_scale_r
-    sb = tl.load(scale_ptr + scale_base[:, None] + offs_t[None, :], mask=valid[:, None] & is_nope[None, :], other=0).to(
-        tl.int32
-    )
-    sc = (sb << 23).to(tl.float32, bitcast=True)
     rope_base = page * s_rope_p + row * s_rope_r
-    r = tl.load(rope_ptr + rope_base[:, None] + offs_j[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
-    k3 = tl.where(is_nope[None, :, None], x * sc[:, :, None], r[:, None, :])
-    # Exact in bf16: an e4m3 value times a power of two; the rope part was bf16 already.
-    k = tl.reshape(k3, (BLOCK_N, N_TILES * TILE)).to(tl.bfloat16)
+    scale_base = page * s_scale_p + row * s_scale_r
 
-    s = _mma(q, tl.trans(k), INTERPRETER) * qk_scale_log2  # [BLOCK_H, BLOCK_N] fp32, log2 domain
+    if QK_TILES == N_TILES:
+        k = _load_tiles(
+            nope_ptr, rope_ptr, scale_ptr, nope_base, rope_base, scale_base, valid, 0, N_TILES, BLOCK_N, TILE,
+            NOPE_TILES,
+        )  # fmt: skip
+        s = _mma(q, tl.trans(k), INTERPRETER)
+    else:
+        s = tl.zeros([BLOCK_H, BLOCK_N], tl.float32)
+        offs_c = tl.arange(0, QK_TILES * TILE)
+        for c in tl.static_range(N_TILES // QK_TILES):
+            qc = tl.load(
+                q_row_ptr + offs_h[:, None].to(tl.int64) * stride_qh + (c * QK_TILES * TILE + offs_c)[None, :],
+                mask=h_mask[:, None],
+                other=0.0,
+            )
+            kc = _load_tiles(
+                nope_ptr, rope_ptr, scale_ptr, nope_base, rope_base, scale_base, valid, c * QK_TILES, QK_TILES,
+                BLOCK_N, TILE, NOPE_TILES,
+            )  # fmt: skip
+            s += _mma(qc, tl.trans(kc), INTERPRETER)
+    s = s * qk_scale_log2  # [BLOCK_H, BLOCK_N] fp32, log2 domain
     s = tl.where(valid[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + _mma(_to_bf16(p, INTERPRETER), k, INTERPRETER)
+    if QK_TILES == N_TILES and V_TILES == N_TILES:
+        v = k
+    else:
+        v = _load_tiles(
+            nope_ptr, rope_ptr, scale_ptr, nope_base, rope_base, scale_base, valid, v_t0, V_TILES, BLOCK_N, TILE,
+            NOPE_TILES,
+        )  # fmt: skip
+    acc = acc * alpha[:, None] + _mma(_to_bf16(p, INTERPRETER), v, INTERPRETER)
     return m_new, l_i, acc
 
 
@@ -176,25 +237,32 @@ def _sparse_attn_fwd(
     NOPE_TILES: tl.constexpr,
     HAS_B: tl.constexpr,
     SPLIT: tl.constexpr,
+    QK_TILES: tl.constexpr,
+    D_SPLIT: tl.constexpr,
     INTERPRETER: tl.constexpr,
 ):
     D: tl.constexpr = N_TILES * TILE
+    V_TILES: tl.constexpr = N_TILES // D_SPLIT  # output tiles of this program
+    DV: tl.constexpr = V_TILES * TILE
     pid_t = tl.program_id(0).to(tl.int64)
-    pid_h = tl.program_id(1)
+    pid_h = tl.program_id(1) // D_SPLIT
+    pid_d = tl.program_id(1) % D_SPLIT
     pid_s = tl.program_id(2)
 
     offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
     h_mask = offs_h < num_heads
-    offs_d = tl.arange(0, D)
-    q = tl.load(
-        q_ptr + pid_t * stride_qt + offs_h[:, None].to(tl.int64) * stride_qh + offs_d[None, :],
-        mask=h_mask[:, None],
-        other=0.0,
-    )
+    q_row = q_ptr + pid_t * stride_qt
+    if QK_TILES == N_TILES:
+        offs_q = tl.arange(0, D)
+        q = tl.load(q_row + offs_h[:, None].to(tl.int64) * stride_qh + offs_q[None, :], mask=h_mask[:, None], other=0.0)
+    else:
+        q = 0.0  # chunks are re-loaded inside _attend_block
+    v_t0 = pid_d * V_TILES
+    offs_d = pid_d * DV + tl.arange(0, DV)  # output dims of this program
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, D], tl.float32)
+    acc = tl.zeros([BLOCK_H, DV], tl.float32)
 
     # This split's key blocks, numbered over the concatenation (blocks of A, then blocks of B).
     blk_start = pid_s * blocks_per_split
@@ -204,6 +272,10 @@ def _sparse_attn_fwd(
     for blk in range(blk_start, a_end):
         m_i, l_i, acc = _attend_block(
             q,
+            q_row,
+            offs_h,
+            h_mask,
+            stride_qh,
             m_i,
             l_i,
             acc,
@@ -222,10 +294,14 @@ def _sparse_attn_fwd(
             a_bs,
             a_slots,
             qk_scale_log2,
+            v_t0,
+            BLOCK_H,
             BLOCK_N,
             TILE,
             N_TILES,
             NOPE_TILES,
+            QK_TILES,
+            V_TILES,
             INTERPRETER,
         )
     if HAS_B:
@@ -234,6 +310,10 @@ def _sparse_attn_fwd(
         for blk in range(b_begin, blk_end):
             m_i, l_i, acc = _attend_block(
                 q,
+                q_row,
+                offs_h,
+                h_mask,
+                stride_qh,
                 m_i,
                 l_i,
                 acc,
@@ -252,18 +332,23 @@ def _sparse_attn_fwd(
                 b_bs,
                 b_slots,
                 qk_scale_log2,
+                v_t0,
+                BLOCK_H,
                 BLOCK_N,
                 TILE,
                 N_TILES,
                 NOPE_TILES,
+                QK_TILES,
+                V_TILES,
                 INTERPRETER,
             )
 
     if SPLIT:
         # workspace: m, l [T, H, ws_splits]; acc [T, H, ws_splits, D] (all fp32, contiguous)
         ws_row = (pid_t * num_heads + offs_h) * ws_splits + split_offset + pid_s
-        tl.store(ws_m_ptr + ws_row, m_i, mask=h_mask)
-        tl.store(ws_l_ptr + ws_row, l_i, mask=h_mask)
+        first = h_mask & ((offs_h * 0 + pid_d) == 0)  # every output split holds the same (m, l)
+        tl.store(ws_m_ptr + ws_row, m_i, mask=first)
+        tl.store(ws_l_ptr + ws_row, l_i, mask=first)
         tl.store(ws_acc_ptr + ws_row[:, None] * D + offs_d[None, :], acc, mask=h_mask[:, None])
     else:
         sink = tl.load(sink_ptr + offs_h, mask=h_mask, other=float("-inf")) * 1.4426950408889634
@@ -279,7 +364,7 @@ def _sparse_attn_fwd(
             _to_bf16(o, INTERPRETER),
             mask=h_mask[:, None],
         )
-        tl.store(lse_ptr + pid_t * stride_lt + offs_h * stride_lh, lse, mask=h_mask)
+        tl.store(lse_ptr + pid_t * stride_lt + offs_h * stride_lh, lse, mask=h_mask & ((offs_h * 0 + pid_d) == 0))
 
 
 @triton.jit

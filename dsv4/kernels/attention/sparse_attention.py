@@ -43,9 +43,15 @@ Kernel design (sm90; ``_triton_sparse_attention.py``)
   chosen on the host from the *static* index shapes (no device sync; see ``choose_num_splits``); each
   split writes (max, sum, acc) in fp32 to a workspace, and ``_sparse_attn_combine`` merges them and
   adds the sink.
-- Register budget: acc 16x512 fp32 + q 16x512 bf16 + one 32x512 key tile at BLOCK_H=16, BLOCK_N=32,
-  8 warps.  BLOCK_H, BLOCK_N, num_warps and num_stages are overridable through
-  ``sparse_attention_triton`` (the benchmark sweeps them).
+- Register budget (the likely limiter at the defaults): BLOCK_H=64 with 8 warps holds acc 64x512 fp32
+  (128 regs/thread), q 64x512 bf16 (64, unless the compiler keeps it in shared memory) and the 64x512
+  dequantised tile (64 as bf16) -> spills.  Selectable variants (``sparse_attention_triton`` keywords,
+  defaults unchanged; ``benchmarks/sweep_attention.py`` times them): ``num_warps=16`` (halves the
+  per-thread accumulator), ``qk_tiles`` (QK^T in D-chunks with q re-loaded from L1/L2 and K dequantised
+  per chunk; P.V then re-gathers its tile), ``d_split`` (output dims split over programs: acc shrinks by
+  ``d_split``; QK^T and the gather are repeated, so the total MMA work is ``(d_split + 1) / 2`` times the
+  unsplit QK+PV work: 1.5x at 2, 2.5x at 4).  The default path builds ONE
+  [BLOCK_N, 512] tile and feeds it as ``tl.trans(k)`` to QK^T and as ``k`` to P.V.
 - Prefill is the same kernel with T = chunk tokens: every row carries its own index rows.
 - Kernel preconditions: the entry geometry has ``n_tiles + 1`` a power of two and ``rope_dim == tile``
   (true for the V4 format: 7 FP8 tiles of 64 + 64 rope dims); otherwise ``backend="auto"`` runs the
@@ -271,12 +277,23 @@ def sparse_attention_triton(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    qk_tiles: int | None = None,
+    d_split: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton path of ``sparse_attention`` (arguments validated by the caller).
 
     Tuning knobs (keyword-only): ``num_splits`` key splits per (row, head block) for each launch (None:
     ``choose_num_splits``), ``block_h`` heads per program (>= 16), ``block_n`` keys per block (>= 16),
-    ``num_warps``, ``num_stages``.  Works on CUDA tensors and, under ``TRITON_INTERPRET=1``, on CPU tensors.
+    ``num_warps``, ``num_stages``.  Kernel variants (see ``_attend_block``):
+
+    - ``qk_tiles``: QK^T in D-chunks of ``qk_tiles`` 64-dim tiles (a power of two dividing the 8 tiles of an
+      entry, rope tile included), q chunks re-loaded from global memory instead of a [block_h, 512] q tile
+      held in registers; None (default) = one dot over the whole head dim.
+    - ``d_split``: programs per (row, head block, key split) that share the output dims (1, 2, 4, 8); each
+      computes the full QK^T and the softmax but P.V (and the accumulator) for ``512 / d_split`` dims only.
+      QK work and the K gather are repeated ``d_split`` times; the accumulator registers shrink by it.
+
+    Works on CUDA tensors and, under ``TRITON_INTERPRET=1``, on CPU tensors.
     """
     from dsv4.kernels.attention._triton_sparse_attention import LOG2E, _sparse_attn_combine, _sparse_attn_fwd
 
@@ -285,6 +302,12 @@ def sparse_attention_triton(
     block_h = block_h or min(DEFAULT_BLOCK_H, max(16, triton.next_power_of_2(q.shape[1])))
     block_n = block_n or DEFAULT_BLOCK_N
     kw = {"num_warps": num_warps or DEFAULT_NUM_WARPS, "num_stages": num_stages or DEFAULT_NUM_STAGES}
+    n_tiles = fmt.n_tiles + 1  # FP8 tiles + the rope tile
+    qk_tiles = n_tiles if qk_tiles is None else int(qk_tiles)
+    if qk_tiles <= 0 or n_tiles % qk_tiles or qk_tiles & (qk_tiles - 1):
+        raise ValueError(f"qk_tiles: expected a power of two dividing {n_tiles}, got {qk_tiles}")
+    if d_split <= 0 or n_tiles % d_split or d_split & (d_split - 1):
+        raise ValueError(f"d_split: expected a power of two dividing {n_tiles}, got {d_split}")
     if out is None:
         out = torch.empty_like(q)
     lse = torch.empty(T, H, dtype=torch.float32, device=q.device)
@@ -294,7 +317,18 @@ def sparse_attention_triton(
         q = q.contiguous()
     if out.stride(-1) != 1:
         res, lse = sparse_attention_triton(
-            q, caches, sink, scale, None, num_splits=num_splits, block_h=block_h, block_n=block_n
+            q,
+            caches,
+            sink,
+            scale,
+            None,
+            num_splits=num_splits,
+            block_h=block_h,
+            block_n=block_n,
+            num_warps=num_warps,
+            num_stages=num_stages,
+            qk_tiles=qk_tiles,
+            d_split=d_split,
         )
         out.copy_(res)
         return out, lse
@@ -323,7 +357,7 @@ def sparse_attention_triton(
         a = _cache_args(*group[0], block_n)
         b = _cache_args(*group[1], block_n) if len(group) == 2 else a[:11] + [0, 1, 0, 0]
         bps = max(1, -(-nb // ns))
-        _sparse_attn_fwd[(T, head_blocks, ns)](
+        _sparse_attn_fwd[(T, head_blocks * d_split, ns)](
             q,
             q.stride(0),
             q.stride(1),
@@ -351,6 +385,8 @@ def sparse_attention_triton(
             NOPE_TILES=fmt.n_tiles,
             HAS_B=len(group) == 2,
             SPLIT=use_ws,
+            QK_TILES=qk_tiles,
+            D_SPLIT=d_split,
             INTERPRETER=interp,
             **kw,
         )

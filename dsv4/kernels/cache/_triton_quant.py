@@ -8,6 +8,7 @@ casts, fp32 division or fast-math:
 - ``ceil_log2_ratio``: ``ceil(log2(max(amax, floor) / qmax))`` without a division (see below);
 - ``pow2_neg``: the fp32 ``2**-e`` built from its exponent field;
 - ``e4m3_code``: fp32 with |v| <= 448 -> float8_e4m3fn byte, round to nearest even, sign kept;
+- ``rope_cos_sin_rows``: the same for a block of rows ([rows, rope_dim/2]);
 - ``e2m1_code``: fp32 -> e2m1 code with the format's tie-to-even-code thresholds;
 - ``rope_cos_sin_at``: cos/sin of the RoPE angle ``fp32(ratio * (pos // ratio)) * inv_freq`` (fp32),
   the reference's angle bit for bit, through libdevice's IEEE-accurate ``cosf``/``sinf`` (full range
@@ -120,6 +121,25 @@ def rope_cos_sin_at(pos_ptr, ratio, inv_ptrs, INTERP: tl.constexpr):
     q = tl.where((q * ratio != p) & (p < 0), q - 1, q)  # floor division, as torch's ``//``
     p = q * ratio
     ang = p.to(tl.float32) * tl.load(inv_ptrs)
+    if INTERP:
+        c = tl.cos(ang)
+        s = tl.sin(ang)
+    else:
+        c = libdevice.cos(ang)
+        s = libdevice.sin(ang)
+    return c, s
+
+
+@triton.jit
+def rope_cos_sin_rows(pos_ptrs, mask, ratio, inv_ptrs, INTERP: tl.constexpr):
+    """``rope_cos_sin_at`` for a block of rows: positions at ``pos_ptrs`` [R] (masked by ``mask``), fp32
+    frequencies at ``inv_ptrs`` [H]; returns (cos, sin) [R, H].  Computed once per (row, rope pair); the
+    angle is the same single fp32 multiplication as the reference's."""
+    p = tl.load(pos_ptrs, mask=mask, other=0).to(tl.int64)
+    q = p // ratio
+    q = tl.where((q * ratio != p) & (p < 0), q - 1, q)
+    p = q * ratio
+    ang = p.to(tl.float32)[:, None] * tl.load(inv_ptrs)[None, :]
     if INTERP:
         c = tl.cos(ang)
         s = tl.sin(ang)

@@ -26,7 +26,8 @@ Launches (Triton path; no host synchronisation, no copies, no fills, CUDA-graph 
 ``compressor_step(decode=True)`` 1 (pool + own state row: safe in one launch as each request has one
 token); otherwise 2 (token-blocked pool pass, then the tiled state-write pass: a pool must read the state
 as it was before the step, so the writes wait for a grid-wide boundary).  ``emit_entries`` 1 (RMSNorm,
-RoPE at the entry position computed in the kernel, [Hadamard], quantise, store).  A decode-step CSA/HCA
+RoPE at the entry position computed in the kernel, [Hadamard], quantise, store; a block of tokens per
+program, only the emitting ones read; the indexer's Hadamard factorised as H_NB (x) H_32).  A decode-step CSA/HCA
 layer thus costs 2 launches per compressor; fusing emit into the pool would need each token's whole
 pooled row in one program (for HCA 128 x 512 values, in a per-token loop), serialising what the channel
 blocks of the pool kernel now spread over many programs.
@@ -68,10 +69,19 @@ __all__ = [
 ]
 
 _INT = (torch.int32, torch.int64)
-# Non-decode launch geometry: the pool pass scans min(m, _POOL_BLOCK_T) tokens per program (a block holds
-# at most that many emitting tokens, pooled one after another); the state-write pass copies
-# [_WRITE_BLOCK_T, _WRITE_BLOCK_D] tiles.
-_POOL_BLOCK_T = 16
+# Non-decode launch geometry: the pool pass scans min(m, _POOL_BLOCK_T) tokens per program and pools their
+# emitting tokens one after another (a prefill block of m consecutive positions holds exactly one), each over
+# a [c*m, block_d] tile of <= _POOL_TILE values read with one load per tensor (full tiles at 8 warps: 16 values
+# per thread per tensor, CSA main [8, 512] and HCA [128, 32]; CSA indexer [8, 128] at 4 warps); the
+# state-write pass copies
+# [_WRITE_BLOCK_T, _WRITE_BLOCK_D] tiles.  Decode: [c*m, block_d] tiles of <= _DECODE_TILE values; HCA
+# (c*m = 128) at 8 warps: 16 values per thread per tensor, so more programs stay resident per SM.
+_POOL_BLOCK_T = 128
+_POOL_TILE = 4096
+_POOL_WARPS = 8
+_DECODE_TILE = 4096
+_DECODE_WARPS_WIDE = 8
+_EMIT_BLOCK_T = 8  # indexer emit: tokens scanned per program (m = 4: 2 emitting ones at most in a prefill)
 _WRITE_BLOCK_T = 32
 _WRITE_BLOCK_D = 256
 
@@ -182,15 +192,15 @@ def _pool_token(
     else:
         coff = tl.zeros([BLOCK_R], tl.int32)
     col = coff[:, None] + ch[None, :]
-    m_in = in_step[:, None] & chm[None, :]
-    m_st = from_state[:, None] & chm[None, :]
+    m_any = (in_step | from_state)[:, None] & chm[None, :]
     row = tl.where(p >= 0, p % CM, 0)
+    # one load per tensor: each row's pointer is into this step's input or into the state ring
     in_off = j[:, None] * stride_in + col
     st_off = slot * st_ss + row[:, None] * st_sr + col
-    kv_r = tl.load(kv_ptr + in_off, mask=m_in, other=0.0) + tl.load(kvs_ptr + st_off, mask=m_st, other=0.0)
-    sc_in = tl.load(sc_ptr + in_off, mask=m_in, other=float("-inf"))
-    sc_st = tl.load(scs_ptr + st_off, mask=m_st, other=float("-inf"))
-    sc_r = tl.where(m_in, sc_in, sc_st)
+    # (the select depends on the row only, so the pointers stay contiguous along the channels: wide loads)
+    sel = in_step[:, None]
+    kv_r = tl.load(tl.where(sel, kv_ptr + in_off, kvs_ptr + st_off), mask=m_any, other=0.0)
+    sc_r = tl.load(tl.where(sel, sc_ptr + in_off, scs_ptr + st_off), mask=m_any, other=float("-inf"))
     mx = tl.max(sc_r, axis=0)
     mx = tl.where(mx == float("-inf"), 0.0, mx)  # all-absent (padding) channels: no inf - inf
     e = tl.exp(sc_r - mx[None, :])
@@ -277,8 +287,9 @@ def _compressor_pool_kernel(
     BLOCK_D: tl.constexpr,
 ):
     """Program (token block a, channel block b): write ``emits`` of tokens [a*BLOCK_T, ...) (b == 0) and
-    pool channels [b*BLOCK_D, ...) of each emitting token with a state slot, one after another.  A block
-    without such a token exits after one vector load of its positions and slots."""
+    pool channels [b*BLOCK_D, ...) of each emitting token with a state slot, one after another (visiting
+    only those: their positions / slots are taken from the block's registers, no per-token loads).  A
+    block without such a token exits after one vector load of its positions and slots."""
     a = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1)
     ii = a * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -289,17 +300,18 @@ def _compressor_pool_kernel(
     if b == 0:
         tl.store(emits_ptr + ii, ee.to(tl.uint8), mask=im)
     work = im & ee & (ss >= 0) & (ss < num_state_slots)
-    if tl.sum(work.to(tl.int32), axis=0) > 0:
-        for k in range(BLOCK_T):
-            i = a * BLOCK_T + k
-            if i < T:
-                t = tl.load(pos_ptr + i).to(tl.int64)
-                slot = tl.load(tslot_ptr + i).to(tl.int64)
-                if (((t + 1) % M) == 0) & (slot >= 0) & (slot < num_state_slots):
-                    _pool_token(
-                        i, t, slot, b, kv_ptr, sc_ptr, stride_in, pos_ptr, tslot_ptr, kvs_ptr, scs_ptr, st_ss,
-                        st_sr, pooled_ptr, T, M, CM, D, OVERLAP, BLOCK_R, BLOCK_D,
-                    )  # fmt: skip
+    kk = tl.arange(0, BLOCK_T)
+    # visit the emitting tokens only; their position / slot come from the registers loaded above
+    k = tl.min(tl.where(work, kk, BLOCK_T), axis=0)
+    while k < BLOCK_T:
+        sel = kk == k
+        t = tl.sum(tl.where(sel, tt, 0), axis=0)
+        slot = tl.sum(tl.where(sel, ss, 0), axis=0)
+        _pool_token(
+            a * BLOCK_T + k, t, slot, b, kv_ptr, sc_ptr, stride_in, pos_ptr, tslot_ptr, kvs_ptr, scs_ptr, st_ss,
+            st_sr, pooled_ptr, T, M, CM, D, OVERLAP, BLOCK_R, BLOCK_D,
+        )  # fmt: skip
+        k = tl.min(tl.where(work & (kk > k), kk, BLOCK_T), axis=0)
 
 
 @triton.jit
@@ -355,6 +367,10 @@ def compressor_step(
     overlap: bool,
     decode: bool = False,
     backend: str = "auto",
+    *,
+    pool_block_t: int | None = None,
+    block_d: int | None = None,
+    num_warps: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fold one step's compressor projections into the state ring and pool the entries that complete.
 
@@ -369,6 +385,10 @@ def compressor_step(
     Returns:
         pooled [T, d] fp32 (meaningful where ``emits``; other rows unspecified: 0 in the reference,
         unwritten by the kernel), emits [T] bool (``(pos + 1) % m == 0``; entry index ``pos // m``).
+    Tuning (Triton path only; results do not depend on them): ``pool_block_t`` tokens scanned per pool
+        program (power of two; default min(m, 128): one emitting token per program in a prefill),
+        ``block_d`` channels per program (power of two; pool and decode kernels), ``num_warps`` of the
+        pool / decode kernel.
     Preconditions: the step contract of the module docstring.
     """
     c, cm = _geometry(ratio, overlap)
@@ -396,20 +416,26 @@ def compressor_step(
     if t == 0:
         return pooled, emits
     block_r = triton.next_power_of_2(cm)
-    block_d = max(16, min(triton.next_power_of_2(cd), 4096 // block_r))  # [block_r, block_d] <= 4096 values
     head = (kv, score, kv.stride(0), positions, token_slot, kv_state, score_state, kv_state.stride(0))
     head = head + (kv_state.stride(1), kv_state.shape[0])
     if decode:
-        _compressor_decode_kernel[(t, triton.cdiv(cd, block_d))](
+        # channels span c*d (the own-row write); [block_r, block_d] <= _DECODE_TILE values
+        bd = block_d or max(16, min(triton.next_power_of_2(cd), _DECODE_TILE // block_r))
+        nw = num_warps or (_DECODE_WARPS_WIDE if block_r >= 64 else 4)
+        _compressor_decode_kernel[(t, triton.cdiv(cd, bd))](
             *head, pooled, emits.view(torch.uint8), t,
-            M=ratio, CM=cm, D=d, OVERLAP=overlap, C=c, BLOCK_R=block_r, BLOCK_D=block_d,
+            M=ratio, CM=cm, D=d, OVERLAP=overlap, C=c, BLOCK_R=block_r, BLOCK_D=bd, num_warps=nw,
         )  # fmt: skip
         return pooled, emits
     # pooling reads the state as it was before the step: every pool finishes before any state write
-    bt = min(ratio, _POOL_BLOCK_T)
-    _compressor_pool_kernel[(triton.cdiv(t, bt), triton.cdiv(d, block_d))](
+    bd = block_d or max(16, min(triton.next_power_of_2(d), _POOL_TILE // block_r))
+    bt = pool_block_t or min(triton.next_power_of_2(ratio), _POOL_BLOCK_T)
+    _check_pow2("pool_block_t", bt)
+    _check_pow2("block_d", bd)
+    _compressor_pool_kernel[(triton.cdiv(t, bt), triton.cdiv(d, bd))](
         *head, pooled, emits.view(torch.uint8), t,
-        M=ratio, CM=cm, D=d, OVERLAP=overlap, BLOCK_T=bt, BLOCK_R=block_r, BLOCK_D=block_d,
+        M=ratio, CM=cm, D=d, OVERLAP=overlap, BLOCK_T=bt, BLOCK_R=block_r, BLOCK_D=bd,
+        num_warps=num_warps or (_POOL_WARPS if block_r * bd >= _POOL_TILE else 4),
     )  # fmt: skip
     wd = min(triton.next_power_of_2(cd), _WRITE_BLOCK_D)
     _compressor_write_kernel[(triton.cdiv(t, _WRITE_BLOCK_T), triton.cdiv(cd, wd))](
@@ -445,9 +471,20 @@ def emit_entries_reference(
 
 
 @triton.jit
+def _parity_sign(v):
+    """(-1)^popcount(v) as fp32, for int32 v in [0, 2**16)."""
+    v = v ^ (v >> 8)
+    v = v ^ (v >> 4)
+    v = v ^ (v >> 2)
+    v = v ^ (v >> 1)
+    return 1.0 - 2.0 * (v & 1).to(tl.float32)
+
+
+@triton.jit
 def _emit_indexer_kernel(
     x_ptr,
     stride_x,
+    n_rows,
     w_ptr,
     eps,
     pos_ptr,
@@ -464,11 +501,14 @@ def _emit_indexer_kernel(
     scale_sp,
     scale_sr,
     INTERP: tl.constexpr,
+    BLOCK_T: tl.constexpr,
     DIM: tl.constexpr,
     NOPE: tl.constexpr,
-    NOPE_PAD: tl.constexpr,
     HR: tl.constexpr,
     HAD_SCALE: tl.constexpr,
+    KB: tl.constexpr,  # 2 * HB: the MXFP4 block
+    NA: tl.constexpr,  # NOPE // KB: input blocks of nope values
+    RA: tl.constexpr,  # 2 * HR // KB: input blocks of rope values
     NB: tl.constexpr,
     HB: tl.constexpr,
     FLOOR: tl.constexpr,
@@ -489,62 +529,76 @@ def _emit_indexer_kernel(
     T6: tl.constexpr,
     U6: tl.constexpr,
 ):
-    """One emitting token: bf16 -> RMSNorm -> RoPE -> Sylvester Hadamard (fp32, x DIM^-1/2, bf16) -> MXFP4."""
-    i = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slot_ptr + i).to(tl.int64)
-    go = (tl.load(emit_ptr + i) != 0) & (slot >= 0) & (slot < num_slots)
-    if go:
-        kn = tl.arange(0, NOPE_PAD)
-        nm = kn < NOPE
-        j = tl.arange(0, HR)
+    """Tokens [a*BLOCK_T, ...), each emitting one in turn: bf16 -> RMSNorm -> RoPE -> Sylvester Hadamard
+    (fp32, x DIM^-1/2, bf16) -> MXFP4.
+
+    Input index k = KB*ka + kb and output index o = KB*blk + 2*jj + odd (KB = 2*HB, the MXFP4 block) split
+    the Sylvester sign: (-1)^popcount(o & k) = (-1)^popcount(blk & ka) * (-1)^popcount((2jj + odd) & kb), so
+    the transform is H_NB (x) H_KB: a [KB x KB] pass inside each input block, then an [NB x NB] pass across
+    blocks (~DIM * (KB + NB) products instead of DIM**2).  The row is loaded straight in that layout: nope
+    values as [NOPE/KB, KB], rope pairs as [2*HR/KB, HB] even / odd lanes (cos/sin once per pair)."""
+    a = tl.program_id(0).to(tl.int64)
+    ii = a * BLOCK_T + tl.arange(0, BLOCK_T)
+    im = ii < n_rows
+    ee = tl.load(emit_ptr + ii, mask=im, other=0) != 0
+    sl = tl.load(slot_ptr + ii, mask=im & ee, other=-1).to(tl.int64)
+    work = im & ee & (sl >= 0) & (sl < num_slots)
+    kk = tl.arange(0, BLOCK_T)
+    # sign tables (shared by the rows of the program)
+    jj = tl.arange(0, HB)
+    kb = tl.arange(0, KB)
+    jb = tl.arange(0, HB)
+    s_e = _parity_sign((2 * jj)[:, None] & kb[None, :])  # [HB, KB]: even outputs x nope lanes
+    s_o = _parity_sign((2 * jj + 1)[:, None] & kb[None, :])
+    p_ee = _parity_sign((2 * jj)[:, None] & (2 * jb)[None, :])  # [HB, HB]: outputs x rope lanes
+    p_eo = _parity_sign((2 * jj)[:, None] & (2 * jb + 1)[None, :])
+    p_oe = _parity_sign((2 * jj + 1)[:, None] & (2 * jb)[None, :])
+    p_oo = _parity_sign((2 * jj + 1)[:, None] & (2 * jb + 1)[None, :])
+    blk = tl.arange(0, NB)
+    na = tl.arange(0, NA)
+    ra = tl.arange(0, RA)
+    h_n = _parity_sign(blk[:, None] & na[None, :])  # [NB, NA]
+    h_r = _parity_sign(blk[:, None] & (NA + ra)[None, :])  # [NB, RA]
+    noff = na[:, None] * KB + kb[None, :]  # [NA, KB]
+    roff = NOPE + ra[:, None] * KB + 2 * jb[None, :]  # [RA, HB] even rope lanes
+    wn = tl.load(w_ptr + noff).to(tl.float32)
+    we = tl.load(w_ptr + roff).to(tl.float32)
+    wo = tl.load(w_ptr + roff + 1).to(tl.float32)
+    jpair = ra[:, None] * HB + jb[None, :]  # rope pair index of each [RA, HB] lane
+    k = tl.min(tl.where(work, kk, BLOCK_T), axis=0)
+    while k < BLOCK_T:
+        i = a * BLOCK_T + k
+        slot = tl.sum(tl.where(kk == k, sl, 0), axis=0)
         xrow = x_ptr + i * stride_x
-        xn = bf16_round(tl.load(xrow + kn, mask=nm, other=0.0).to(tl.float32))
-        xe = bf16_round(tl.load(xrow + NOPE + 2 * j).to(tl.float32))
-        xo = bf16_round(tl.load(xrow + NOPE + 2 * j + 1).to(tl.float32))
-        ss = tl.sum(xn * xn, axis=0) + tl.sum(xe * xe, axis=0) + tl.sum(xo * xo, axis=0)
+        xn = bf16_round(tl.load(xrow + noff).to(tl.float32))
+        xe = bf16_round(tl.load(xrow + roff).to(tl.float32))
+        xo = bf16_round(tl.load(xrow + roff + 1).to(tl.float32))
+        ss = tl.sum(tl.sum(xn * xn, axis=1), axis=0) + tl.sum(tl.sum(xe * xe + xo * xo, axis=1), axis=0)
         r = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(ss, DIM) + eps))
-        yn = bf16_round(tl.load(w_ptr + kn, mask=nm, other=0.0).to(tl.float32) * (xn * r))
-        ye = bf16_round(tl.load(w_ptr + NOPE + 2 * j).to(tl.float32) * (xe * r))
-        yo = bf16_round(tl.load(w_ptr + NOPE + 2 * j + 1).to(tl.float32) * (xo * r))
-        c, s = rope_cos_sin_at(pos_ptr + i, ratio, inv_ptr + j, INTERP)
+        yn = bf16_round(wn * (xn * r))
+        ye = bf16_round(we * (xe * r))
+        yo = bf16_round(wo * (xo * r))
+        c, s = rope_cos_sin_at(pos_ptr + i, ratio, inv_ptr + jpair, INTERP)
         re = bf16_round(ye * c - yo * s)
         ro = bf16_round(ye * s + yo * c)
-        # Hadamard: out[o] = sum_k (-1)^popcount(o & k) y[k]; outputs arranged [NB, HB] as o = blk*2*HB + 2*jj (+1)
-        blk = tl.arange(0, NB)
-        jj = tl.arange(0, HB)
-        o_even = (blk[:, None] * (2 * HB) + 2 * jj[None, :])[:, :, None]
-        ze = tl.zeros([NB, HB], tl.float32)
-        zo = tl.zeros([NB, HB], tl.float32)
-        for part in tl.static_range(3):
-            if part == 0:
-                kk = kn
-                v = yn
-            elif part == 1:
-                kk = NOPE + 2 * j
-                v = re
-            else:
-                kk = NOPE + 2 * j + 1
-                v = ro
-            k3 = kk[None, None, :]
-            for odd in tl.static_range(2):
-                a = (o_even + odd) & k3
-                a = a ^ (a >> 16)
-                a = a ^ (a >> 8)
-                a = a ^ (a >> 4)
-                a = a ^ (a >> 2)
-                a = a ^ (a >> 1)
-                sgn = 1.0 - 2.0 * (a & 1).to(tl.float32)
-                acc = tl.sum(sgn * v[None, None, :], axis=2)
-                if odd == 0:
-                    ze += acc
-                else:
-                    zo += acc
+        # pass 1, inside each input block: [blocks, HB outputs (even / odd)]
+        yn3 = yn[:, None, :]
+        zn_e = tl.sum(yn3 * s_e[None, :, :], axis=2)  # [NA, HB]
+        zn_o = tl.sum(yn3 * s_o[None, :, :], axis=2)
+        re3 = re[:, None, :]
+        ro3 = ro[:, None, :]
+        zr_e = tl.sum(re3 * p_ee[None, :, :] + ro3 * p_eo[None, :, :], axis=2)  # [RA, HB]
+        zr_o = tl.sum(re3 * p_oe[None, :, :] + ro3 * p_oo[None, :, :], axis=2)
+        # pass 2, across blocks: [NB, HB]
+        ze = tl.sum(h_n[:, :, None] * zn_e[None, :, :], axis=1) + tl.sum(h_r[:, :, None] * zr_e[None, :, :], axis=1)
+        zo = tl.sum(h_n[:, :, None] * zn_o[None, :, :], axis=1) + tl.sum(h_r[:, :, None] * zr_o[None, :, :], axis=1)
         ze = bf16_round(ze * HAD_SCALE)
         zo = bf16_round(zo * HAD_SCALE)
         _mxfp4_store_row(
-            ze, zo, slot // bs, slot % bs, go, data_ptr, data_sp, data_sr, scale_ptr, scale_sp, scale_sr,
+            ze, zo, slot // bs, slot % bs, slot >= 0, data_ptr, data_sp, data_sr, scale_ptr, scale_sp, scale_sr,
             NB, HB, FLOOR, Q_EXP, Q_MANT, T0, U0, T1, U1, T2, U2, T3, U3, T4, U4, T5, U5, T6, U6,
         )  # fmt: skip
+        k = tl.min(tl.where(work & (kk > k), kk, BLOCK_T), axis=0)
 
 
 def emit_entries(
@@ -560,6 +614,9 @@ def emit_entries(
     ratio: int,
     kind: str = "main",
     backend: str = "auto",
+    *,
+    block_t: int | None = None,
+    num_warps: int | None = None,
 ) -> None:
     """Finish and store the entries pooled by ``compressor_step`` (spec §3 "after pooling").
 
@@ -571,6 +628,10 @@ def emit_entries(
     key (``fmt`` MXFP4KeyFormat, ``pages`` KeyPages) as ``store_mxfp4_keys``.
     ``pooled`` [T, d] fp32 with d = fmt.head_dim (main) / fmt.dim (indexer); rows of non-emitting
     tokens are never read.  Triton vs reference: as ``store_window`` (RMSNorm / Hadamard sum order).
+    Tuning (Triton path only; results do not depend on them): ``block_t`` tokens per program (power of
+    two; main: the ``store_window`` rows-per-program rule; indexer: min(m, 8), emitting ones handled in
+    turn), ``num_warps`` (default 4).  The indexer kernel needs nope and rope widths that are
+    power-of-two multiples of the MXFP4 block (128 = 64 + 64, blocks of 32 in the released model).
     """
     if kind not in ("main", "indexer"):
         raise ValueError(f"kind: expected 'main' or 'indexer', got {kind!r}")
@@ -604,16 +665,25 @@ def emit_entries(
     if pooled.stride(1) != 1 or not norm_weight.is_contiguous() or not inv_freq.is_contiguous():
         raise ValueError("pooled (unit inner stride), norm_weight, inv_freq (contiguous): bad layout")
     if kind == "main":
-        _launch_norm_rope_fp8(pooled, norm_weight, eps, positions, ratio, inv_freq, slots, pages, fmt, None, emits)
+        _launch_norm_rope_fp8(
+            pooled, norm_weight, eps, positions, ratio, inv_freq, slots, pages, fmt, None, emits, block_t, num_warps
+        )
         return
     _check_pow2("fmt.dim", d)
     _check_pow2("rope_dim // 2", rd // 2)
+    kb = fmt.block
+    if (d - rd) % kb or rd % kb or d - rd < kb:
+        raise ValueError(f"indexer emit: the Triton kernel needs nope ({d - rd}) and rope ({rd}) multiples of {kb}")
+    _check_pow2("nope // fmt.block", (d - rd) // kb)
+    _check_pow2("rope_dim // fmt.block", rd // kb)
     pargs, kw = _mxfp4_args(pages, fmt)
     bs = pages.entries_per_page
-    nope = d - rd
-    _emit_indexer_kernel[(t,)](
-        pooled, pooled.stride(0), norm_weight, float(eps), positions, inv_freq, ratio, emits.view(torch.uint8),
+    bt = block_t or min(triton.next_power_of_2(ratio), _EMIT_BLOCK_T)
+    _check_pow2("block_t", bt)
+    _emit_indexer_kernel[(triton.cdiv(t, bt),)](
+        pooled, pooled.stride(0), t, norm_weight, float(eps), positions, inv_freq, ratio, emits.view(torch.uint8),
         slots, pages.data.shape[0] * bs, bs, *pargs,
-        INTERP=interpreter_enabled(), DIM=d, NOPE=nope, NOPE_PAD=triton.next_power_of_2(nope), HR=rd // 2,
-        HAD_SCALE=d**-0.5, **kw,
+        INTERP=interpreter_enabled(), BLOCK_T=bt, DIM=d, NOPE=d - rd, HR=rd // 2, HAD_SCALE=d**-0.5,
+        KB=kb, NA=(d - rd) // kb, RA=rd // kb,
+        num_warps=num_warps or 4, **kw,
     )  # fmt: skip

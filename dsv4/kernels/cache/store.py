@@ -23,7 +23,9 @@ values agree with the reference to fp32 rounding (after the bf16 rounding almost
 
 Each Triton path is one kernel launch with no host synchronisation (no ``.item()``/``nonzero``), no
 copies and no allocation, so it can be captured in a CUDA graph; the public functions only check
-metadata in Python.  Grids: one program per row ([8, 64] nope block + 2 x 32 rope lanes, 4 warps).
+metadata in Python.  Grids: ``store_fp8_entries`` / ``store_mxfp4_keys`` one program per row;
+``store_window`` (and the main emit) a block of rows per program ([rows, 8, 64] nope tile + [rows, 32]
+rope pairs, 4 warps; one row per program for small batches).
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ from dsv4.kernels.cache._triton_quant import (
     e4m3_code,
     pow2_neg,
     qmax_split,
-    rope_cos_sin_at,
+    rope_cos_sin_rows,
 )
 from dsv4.kernels.dispatch import interpreter_enabled, use_triton
 from dsv4.model.functional import apply_rope, rms_norm
@@ -63,9 +65,12 @@ __all__ = [
 
 _FLOAT_IN = (torch.bfloat16, torch.float16, torch.float32)
 _SLOT_DTYPES = (torch.int32, torch.int64)
-# One row (a [8, 64] nope block + 2 x 32 rope lanes) per program: 4 warps give 4 values per thread
-# (8-byte bf16 / 16-byte fp32 vector loads) and many resident programs per SM.
+# store_window / main emit: up to _BLOCK_T_ROWS rows per program ([8, 8, 64] nope tile + [8, 32] rope pairs:
+# 32 nope values per thread at 4 warps, 8 KB of bf16 loads in flight per program, ~3 programs per SM), fewer
+# rows when that would leave < _MIN_PROGRAMS programs (decode: 1 row per program, as before).
 _NUM_WARPS_ROW = 4
+_BLOCK_T_ROWS = 8
+_MIN_PROGRAMS = 1024
 
 
 # ============================================================================ validation helpers
@@ -254,6 +259,7 @@ def _store_fp8_kernel(
 def _norm_rope_fp8_kernel(
     x_ptr,
     stride_x,
+    n_rows,
     w_ptr,
     eps,
     pos_ptr,
@@ -277,6 +283,7 @@ def _norm_rope_fp8_kernel(
     HAS_EMIT: tl.constexpr,
     HAS_OUT: tl.constexpr,
     INTERP: tl.constexpr,
+    BLOCK_T: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     NOPE: tl.constexpr,
     NT: tl.constexpr,
@@ -288,46 +295,69 @@ def _norm_rope_fp8_kernel(
     Q_EXP: tl.constexpr,
     Q_MANT: tl.constexpr,
 ):
-    """One row: bf16(x) -> RMSNorm (fp32, bf16 out) -> RoPE (fp32, bf16 out) -> [out] + FP8 entry at slot."""
-    i = tl.program_id(0).to(tl.int64)
-    go = True
+    """Rows [a*BLOCK_T, ...): bf16(x) -> RMSNorm (fp32, bf16 out) -> RoPE (fp32, bf16 out) -> [out] + FP8 entry.
+
+    Tiles are [BLOCK_T, NT_PAD, TILE] (nope) and [BLOCK_T, HR] (rope pairs): all loads of the block are
+    issued together, per-row reductions are vectorised over the rows, cos/sin are computed once per
+    (row, pair).  With ``HAS_EMIT`` only rows with ``emits`` != 0 are read and stored; a block without any
+    exits after one vector load of its flags."""
+    a = tl.program_id(0).to(tl.int64)
+    ii = a * BLOCK_T + tl.arange(0, BLOCK_T)
+    go = ii < n_rows
     if HAS_EMIT:
-        go = tl.load(emit_ptr + i) != 0
-    if go:
-        slot = tl.load(slot_ptr + i).to(tl.int64)
-        ok = (slot >= 0) & (slot < num_slots)
+        go = go & (tl.load(emit_ptr + ii, mask=go, other=0) != 0)
+    if tl.sum(go.to(tl.int32), axis=0) > 0:
+        slot = tl.load(slot_ptr + ii, mask=go, other=-1).to(tl.int64)
+        ok = go & (slot >= 0) & (slot < num_slots)
         page = tl.where(ok, slot // bs, 0)
         row = tl.where(ok, slot % bs, 0)
         tiles = tl.arange(0, NT_PAD)
         cols = tl.arange(0, TILE)
-        tmask = (tiles < NT)[:, None]
-        noff = tiles[:, None] * TILE + cols[None, :]
         j = tl.arange(0, HR)
-        xrow = x_ptr + i * stride_x
-        xn = bf16_round(tl.load(xrow + noff, mask=tmask, other=0.0).to(tl.float32))
-        xe = bf16_round(tl.load(xrow + NOPE + 2 * j).to(tl.float32))
-        xo = bf16_round(tl.load(xrow + NOPE + 2 * j + 1).to(tl.float32))
-        ss = tl.sum(tl.sum(xn * xn, axis=1), axis=0) + tl.sum(xe * xe, axis=0) + tl.sum(xo * xo, axis=0)
-        r = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(ss, HEAD_DIM) + eps))
-        wn = tl.load(w_ptr + noff, mask=tmask, other=0.0).to(tl.float32)
-        we = tl.load(w_ptr + NOPE + 2 * j).to(tl.float32)
-        wo = tl.load(w_ptr + NOPE + 2 * j + 1).to(tl.float32)
-        yn = bf16_round(wn * (xn * r))
-        ye = bf16_round(we * (xe * r))
-        yo = bf16_round(wo * (xo * r))
-        c, s = rope_cos_sin_at(pos_ptr + i, ratio, inv_ptr + j, INTERP)
+        noff = (tiles[:, None] * TILE + cols[None, :])[None, :, :]  # [1, NT_PAD, TILE]
+        tin = ((tiles < NT)[:, None] & (cols < TILE)[None, :])[None, :, :]
+        nmask = go[:, None, None] & tin
+        jall = (j < HR)[None, :]
+        rmask = go[:, None] & jall
+        xrow = x_ptr + ii * stride_x
+        xn = bf16_round(tl.load(xrow[:, None, None] + noff, mask=nmask, other=0.0).to(tl.float32))
+        xr = xrow[:, None] + NOPE + 2 * j[None, :]
+        xe = bf16_round(tl.load(xr, mask=rmask, other=0.0).to(tl.float32))
+        xo = bf16_round(tl.load(xr + 1, mask=rmask, other=0.0).to(tl.float32))
+        ss = tl.sum(tl.sum(xn * xn, axis=2), axis=1) + tl.sum(xe * xe, axis=1) + tl.sum(xo * xo, axis=1)
+        r = tl.div_rn(tl.zeros([BLOCK_T], tl.float32) + 1.0, tl.sqrt_rn(tl.div_rn(ss, HEAD_DIM) + eps))
+        wn = tl.load(w_ptr + noff, mask=tin, other=0.0).to(tl.float32)
+        we = tl.load(w_ptr + NOPE + 2 * j).to(tl.float32)[None, :]
+        wo = tl.load(w_ptr + NOPE + 2 * j + 1).to(tl.float32)[None, :]
+        yn = bf16_round(wn * (xn * r[:, None, None]))
+        ye = bf16_round(we * (xe * r[:, None]))
+        yo = bf16_round(wo * (xo * r[:, None]))
+        c, s = rope_cos_sin_rows(pos_ptr + ii, go, ratio, inv_ptr + j, INTERP)
         re = bf16_round(ye * c - yo * s)
         ro = bf16_round(ye * s + yo * c)
         if HAS_OUT:
-            orow = out_ptr + i * stride_out
-            tl.store(orow + noff, bf16_bits(yn), mask=tmask)
-            tl.store(orow + NOPE + 2 * j, bf16_bits(re))
-            tl.store(orow + NOPE + 2 * j + 1, bf16_bits(ro))
-        _fp8_store_row(
-            yn, re, ro, page, row, ok,
-            nope_ptr, nope_sp, nope_sr, rope_ptr, rope_sp, rope_sr, scale_ptr, scale_sp, scale_sr,
-            NT, NT_PAD, TILE, HR, FLOOR, QMAX, Q_EXP, Q_MANT,
-        )  # fmt: skip
+            orow = out_ptr + ii * stride_out
+            tl.store(orow[:, None, None] + noff, bf16_bits(yn), mask=nmask)
+            ore = orow[:, None] + NOPE + 2 * j[None, :]
+            tl.store(ore, bf16_bits(re), mask=rmask)
+            tl.store(ore + 1, bf16_bits(ro), mask=rmask)
+        # quantise: one UE8M0 scale per (row, tile)
+        amax = tl.max(tl.abs(yn), axis=2)
+        e = ceil_log2_ratio(amax, FLOOR, Q_EXP, Q_MANT)
+        v = yn * pow2_neg(e)[:, :, None]
+        v = tl.minimum(tl.maximum(v, -QMAX), QMAX)
+        code = e4m3_code(v)
+        nbase = nope_ptr + page * nope_sp + row * nope_sr
+        tl.store(nbase[:, None, None] + noff, code.to(tl.uint8), mask=ok[:, None, None] & tin)
+        sbyte = tl.minimum(tl.maximum(e + 127, 0), 254)
+        smask = ok[:, None] & (tiles < NT)[None, :]
+        tl.store(
+            (scale_ptr + page * scale_sp + row * scale_sr)[:, None] + tiles[None, :], sbyte.to(tl.uint8), mask=smask
+        )
+        rb = (rope_ptr + page * rope_sp + row * rope_sr)[:, None] + 2 * j[None, :]
+        okr = ok[:, None] & jall
+        tl.store(rb, bf16_bits(re), mask=okr)
+        tl.store(rb + 1, bf16_bits(ro), mask=okr)
 
 
 @triton.jit
@@ -474,6 +504,18 @@ def _check_pow2(name: str, n: int) -> None:
         raise ValueError(f"{name}: the Triton kernel needs a power of two, got {n}")
 
 
+def _row_block(n: int, block_t: int | None) -> int:
+    """Rows per program: ``block_t`` if given, else the largest power of two <= _BLOCK_T_ROWS that still
+    leaves >= _MIN_PROGRAMS programs (decode batches keep one row per program: lowest latency)."""
+    if block_t is not None:
+        _check_pow2("block_t", block_t)
+        return block_t
+    bt = _BLOCK_T_ROWS
+    while bt > 1 and triton.cdiv(n, bt) < _MIN_PROGRAMS:
+        bt //= 2
+    return bt
+
+
 def _launch_norm_rope_fp8(
     x: torch.Tensor,
     norm_weight: torch.Tensor,
@@ -486,22 +528,26 @@ def _launch_norm_rope_fp8(
     fmt: FP8EntryFormat,
     out: torch.Tensor | None,
     emits: torch.Tensor | None,
+    block_t: int | None = None,
+    num_warps: int | None = None,
 ) -> None:
     """One launch, shared by ``store_window`` (ratio 1) and the main compressor's ``emit_entries``:
-    RoPE at ``ratio * (positions // ratio)``, computed in the kernel (no cos/sin tensors)."""
+    RoPE at ``ratio * (positions // ratio)``, computed in the kernel (no cos/sin tensors).
+    ``block_t`` rows per program (power of two; default ``_row_block``), ``num_warps`` (default 4)."""
     n = x.shape[0]
     if n == 0:
         return
     _check_pow2("fmt.tile", fmt.tile)
     _check_pow2("fmt.rope_dim // 2", fmt.rope_dim // 2)
+    bt = _row_block(n, block_t)
     pargs, kw = _fp8_args(pages, fmt)
     o = out.view(torch.int16) if out is not None else x
     e = emits.view(torch.uint8) if emits is not None else slots
-    _norm_rope_fp8_kernel[(n,)](
-        x, x.stride(0), norm_weight, float(eps), positions, inv_freq, ratio, e, slots, pages.num_slots,
+    _norm_rope_fp8_kernel[(triton.cdiv(n, bt),)](
+        x, x.stride(0), n, norm_weight, float(eps), positions, inv_freq, ratio, e, slots, pages.num_slots,
         pages.entries_per_page, o, o.stride(0), *pargs,
-        HAS_EMIT=emits is not None, HAS_OUT=out is not None, INTERP=interpreter_enabled(), HEAD_DIM=fmt.head_dim,
-        NOPE=fmt.nope_dim, num_warps=_NUM_WARPS_ROW, **kw,
+        HAS_EMIT=emits is not None, HAS_OUT=out is not None, INTERP=interpreter_enabled(), BLOCK_T=bt,
+        HEAD_DIM=fmt.head_dim, NOPE=fmt.nope_dim, num_warps=num_warps or _NUM_WARPS_ROW, **kw,
     )  # fmt: skip
 
 
@@ -567,6 +613,9 @@ def store_window(
     fmt: FP8EntryFormat,
     out: torch.Tensor | None = None,
     backend: str = "auto",
+    *,
+    block_t: int | None = None,
+    num_warps: int | None = None,
 ) -> None:
     """Fused window-KV write (spec §2 step 2): kv_norm -> RoPE(t) -> FP8 -> ring slot.
 
@@ -579,6 +628,8 @@ def store_window(
     receives the normed + roped rows for every token (whatever its slot).
     Triton vs reference: the bf16 rows agree up to the fp32 sum order of RMSNorm (rarely one bf16
     ulp); the stored bytes always equal ``fmt.quantize`` of the kernel's own bf16 rows.
+    Tuning (Triton path only; results do not depend on them): ``block_t`` rows per program (a power of
+    two; default: up to 8, fewer for small T), ``num_warps`` (default 4).
     """
     _check_entry_pages(pages, fmt)
     dev = pages.nope.device
@@ -597,4 +648,6 @@ def store_window(
         return
     if not norm_weight.is_contiguous() or not inv_freq.is_contiguous():
         raise ValueError("norm_weight, inv_freq: expected contiguous tensors")
-    _launch_norm_rope_fp8(kv, norm_weight, eps, positions, 1, inv_freq, slots, pages, fmt, out, None)
+    _launch_norm_rope_fp8(
+        kv, norm_weight, eps, positions, 1, inv_freq, slots, pages, fmt, out, None, block_t, num_warps
+    )

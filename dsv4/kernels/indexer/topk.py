@@ -24,31 +24,46 @@ Split path (long rows, few rows: S = ``splits`` programs per row, each owning a 
    then histograms d2 over its chunk's entries with d1 == b1 -> H2[t, s, :].
 3. ``_split_scatter`` grid (T, S): from H1[t], H2[t] every program derives the 16-bit prefix
    P = (b1, b2) of the kk-th largest and, per split s', the number of winners (key prefix > P) and
-   candidates (prefix == P).  Exclusive prefix sums over s' < s give this program's own output ranges;
-   it re-reads its chunk and writes winner indices to out[t] and candidate (index, low 16 key bits)
-   to the workspace, both in index order.  Program s == 0 also writes the row's counts (meta).
-4. ``_split_finish`` grid (T,): radix select on the candidates' d3, d4 (contiguous reads, no gather)
-   gives the exact threshold and how many keys equal to it to take; the candidates are compacted in
-   index order (so equal keys at the boundary go to the lowest indices), then the kk indices are
-   sorted as in step 6 below.
+   candidates (prefix == P).  Exclusive prefix sums over s' < s give this program's own ranges of the
+   row's list L = [winners in index order | candidates in index order] (|L| <= N); it re-reads its chunk
+   and writes (index, 32-bit key) of each winner / candidate to L in the workspace.  Program s == 0
+   also writes the row's counts (meta).
+4. ``_split_finish`` grid (T, R), R = ``finish_programs`` (default ceil(k / 32)): every program of the
+   row repeats the same radix select on the candidates' d3, d4 (contiguous reads, no gather), giving the
+   exact threshold key ``thr`` and ``idx_thr``, the index of the last candidate equal to it that is
+   taken (the first ``need`` in index order), so "chosen" = winner, or key > thr, or key == thr and
+   index <= idx_thr; it also bounds L to the prefix ``end`` holding every chosen entry.  Then a rank
+   sort replaces a one-program ``tl.sort``: the program ranks its slices of 32 entries of L (strided by
+   32 R) against all of L[:end] ([32, 512] compare tiles: score desc, index asc) and stores each chosen
+   entry at out[t, rank]; ranks of the chosen are exactly 0 .. kk-1 (everything ahead of a chosen entry
+   is chosen, and L holds every chosen entry), so each output position has one writer.  Positions
+   kk .. k-1 get -1, each program writing its own 32-wide stripes.
 
 Race freedom by construction (the interpreter runs programs one after another and cannot show
 races, so none may exist): programs of one launch never read what another program of the same launch
 writes; data crosses programs only through launch boundaries (stream order).  Every output position
 has exactly one writer: programs derive their ranges from exclusive prefix sums of counts that all of
 them compute identically (integer sums of the same H1/H2), and those counts equal what each program
-then counts in its own chunk (same classification function, same chunk bounds).  The result (values
-and positions) is therefore deterministic run to run.
+then counts in its own chunk (same classification function, same chunk bounds); in the last launch,
+positions come from ranks under a total order (unique (key, index) pairs).  The result (values and
+positions) is therefore deterministic run to run.
 
 Cost per call (T rows of N fp32 scores, S splits): four launches.  Launch 1 reads the scores (4 N T
 bytes, from HBM) and writes S KiB of H1 per row; launches 2 and 3 re-read them (mostly from L2) and
 each of their T S programs also reads its row's S x 256 int32 histograms (S KiB: T S^2 KiB in all,
-twice in launch 3); launch 3 writes the winners (< k per row) and the candidates (8 bytes each);
-launch 4 reads the candidates three times and the kk chosen scores once, and sorts k.  The candidates
-are the entries sharing the kk-th largest key's top 16 bits (sign, exponent, 7 mantissa bits): ~45
-for 262,144 normal scores at k = 1,024 (vs ~5,850 sharing its top 8 bits), but every copy of the
-threshold value when many scores are exactly equal (the finishing program then loops over them).
+twice in launch 3); launch 3 writes L (8 bytes per winner / candidate).  Each of the T R programs of
+launch 4 reads the candidates three times (the threshold), its slices of L and L[:end] once per slice
+(|L| / (32 R) slices): ~ |L|^2 / R compares per program, ~35 K for k = 1,024 (|L| ~ 1,070, R = 32).
+The candidates are the entries sharing the kk-th largest key's top 16 bits (sign, exponent, 7 mantissa
+bits): ~45 for 262,144 normal scores at k = 1,024 (vs ~5,850 sharing its top 8 bits), but every copy of
+the threshold value when many scores are exactly equal (then every finishing program loops over them
+for the threshold, but ranks only L[:end], i.e. up to the last chosen one).
 For T = 4, N = 262,144 (auto S = 32): 4 MiB from HBM, ~20 MiB from L2.
+
+Why 8 + 8 histogram bits and not one 12-bit pass: ``tl.histogram`` lowers to a warp-ballot histogram
+whose cost per element grows with the bins each lane owns (bins / 32), so 4,096 bins cost ~16x the
+instructions of 256 per element, more than the second 256-bin pass saves; and each scatter program
+would then read S x 4,096 per-split counts instead of S x 256.
 
 Single-program path (``splits == 1``: short rows or many rows; one program per row, scratch = the
 output row plus N int32 of the workspace):
@@ -79,6 +94,10 @@ _MAX_SPLITS = 64  # programs per row on the split path ([64, 256] histogram tile
 _TARGET_PROGRAMS = 128  # auto splits: about one program per SM in all
 _MIN_CHUNK = 4096  # auto splits: entries per program at least
 _MAX_BLOCK = 8192  # split path: entries per loop iteration of a (T, S) program at most
+_FINISH_SLICE = 32  # split path, finish: list entries ranked per slice ([E, BJ] compare tiles)
+_FINISH_BJ = 512  # split path, finish: list entries compared against per inner iteration
+_FINISH_CBLOCK = 256  # split path, finish: candidates per iteration of the threshold search
+_MAX_FINISH = 64  # split path: finishing programs per row at most
 
 
 # ---------------------------------------------------------------------------------------- reference
@@ -316,13 +335,12 @@ def _split_hist2(
 
 @triton.jit
 def _split_scatter(
-    s_ptr, nv_ptr, out_ptr, ws_ptr, stride_s, stride_o, stride_w, N, K, S, CH, LO_OFF, H1_OFF, H2_OFF, META_OFF,
+    s_ptr, nv_ptr, ws_ptr, stride_s, stride_w, N, K, S, CH, KEY_OFF, H1_OFF, H2_OFF, META_OFF,
     HAS_NV: tl.constexpr, BLOCK: tl.constexpr, SP: tl.constexpr,
 ):  # fmt: skip
     r = tl.program_id(0).to(tl.int64)
     sp = tl.program_id(1)
     row = s_ptr + r * stride_s
-    out_row = out_ptr + r * stride_o
     ws_row = ws_ptr + r * stride_w
     bins = tl.arange(0, 256)[None, :]
     before = tl.arange(0, SP)[:, None] < sp  # splits whose output precedes this one's
@@ -337,9 +355,11 @@ def _split_scatter(
     hist2 = tl.sum(t2, axis=0)
     b2, above2 = _pick_bucket(hist2, kk - above1, tl.arange(0, 256))
     w_off += tl.sum(tl.sum(tl.where(before & (bins > b2), t2, 0), axis=1), axis=0)
-    c_off = tl.sum(tl.sum(tl.where(before & (bins == b2), t2, 0), axis=1), axis=0)
     n_cand = tl.sum(tl.where(tl.arange(0, 256) == b2, hist2, 0), axis=0)
     n_win = above1 + above2
+    # The row's list L = winners (index order), then candidates (index order): indices at ws[0 : n_win +
+    # n_cand], their keys at ws[KEY_OFF : ...].  Winners + candidates are disjoint entries: at most N.
+    c_off = n_win + tl.sum(tl.sum(tl.where(before & (bins == b2), t2, 0), axis=1), axis=0)
     is_first = sp == 0  # one writer of the row's counts
     tl.store(ws_row + META_OFF, n_win, mask=is_first)
     tl.store(ws_row + META_OFF + 1, n_cand, mask=is_first)
@@ -354,67 +374,114 @@ def _split_scatter(
         win = ok & (top > prefix)
         cand = ok & (top == prefix)
         pos = w_off + tl.cumsum(win.to(tl.int32), axis=0) - 1
-        tl.store(out_row + pos, offs.to(tl.int32), mask=win)
-        cpos = c_off + tl.cumsum(cand.to(tl.int32), axis=0) - 1
-        tl.store(ws_row + cpos, offs.to(tl.int32), mask=cand)
-        tl.store(ws_row + LO_OFF + cpos, key & 65535, mask=cand)
+        pos = tl.where(cand, c_off + tl.cumsum(cand.to(tl.int32), axis=0) - 1, pos)
+        keep = win | cand
+        tl.store(ws_row + pos, offs.to(tl.int32), mask=keep)
+        tl.store(ws_row + KEY_OFF + pos, key, mask=keep)
         w_off += tl.sum(win.to(tl.int32), axis=0)
         c_off += tl.sum(cand.to(tl.int32), axis=0)
 
 
 @triton.jit
+def _cand_hist(digit, m, bins):
+    """256-bin histogram of digit over the lanes where m holds."""
+    hist = tl.histogram(tl.where(m, digit, 0), 256)
+    return tl.where(bins == 0, hist - tl.sum((~m).to(tl.int32), axis=0), hist)
+
+
+@triton.jit
+def _thr_scan(low, idx, offs, m, thr, need, idx_thr, last, eq_seen):
+    """One block of candidates (list order): the index of the need-th one with low == thr, if in it, and
+    the list position of the last chosen one so far."""
+    eq = m & (low == thr)
+    eq_rank = eq_seen + tl.cumsum(eq.to(tl.int32), axis=0) - 1
+    at_thr = eq & (eq_rank == need - 1)
+    idx_thr = tl.maximum(idx_thr, tl.max(tl.where(at_thr, idx, -1), axis=0))
+    last = tl.maximum(last, tl.max(tl.where(at_thr | (m & (low > thr)), offs, -1), axis=0))
+    return idx_thr, last, eq_seen + tl.sum(eq.to(tl.int32), axis=0)
+
+
+@triton.jit
 def _split_finish(
-    s_ptr, out_ptr, ws_ptr, stride_s, stride_o, stride_w, K, LO_OFF, META_OFF,
-    BLOCK: tl.constexpr, KP: tl.constexpr,
+    out_ptr, ws_ptr, stride_o, stride_w, K, KEY_OFF, META_OFF,
+    CBLOCK: tl.constexpr, E: tl.constexpr, BJ: tl.constexpr,
 ):  # fmt: skip
+    """Grid (T, R).  Every program of row t derives the same exact threshold from the candidates, then
+    ranks its share of the list L (slices of E entries, strided by R E) against all of L and writes each
+    chosen entry at its rank; out[t] positions >= kk of its share of [0, K) get -1."""
     r = tl.program_id(0).to(tl.int64)
-    row = s_ptr + r * stride_s
+    p = tl.program_id(1)
+    R = tl.num_programs(1)
     out_row = out_ptr + r * stride_o
     ws_row = ws_ptr + r * stride_w
     bins = tl.arange(0, 256)
     n_win = tl.load(ws_row + META_OFF)
     n_cand = tl.load(ws_row + META_OFF + 1)
     need = tl.load(ws_row + META_OFF + 2)  # how many candidates to take (>= 1 unless the row is empty)
+    kk = n_win + need
+    n_l = n_win + n_cand
 
-    # d3 over all candidates, then d4 over those with d3 == b3 (keys read contiguously, no gather).
-    hist = tl.zeros((256,), tl.int32)
-    for start in range(0, n_cand, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        m = offs < n_cand
-        low = tl.load(ws_row + LO_OFF + offs, mask=m, other=0)
-        hist += tl.histogram(low >> 8, 256)
-        hist = tl.where(bins == 0, hist - tl.sum((~m).to(tl.int32), axis=0), hist)
+    # Radix select over the candidates' low 16 key bits (all candidates share the top 16): d3, then d4.
+    # The first CBLOCK candidates (usually all of them) stay in registers for the three passes.
+    offs0 = n_win + tl.arange(0, CBLOCK)
+    m0 = offs0 < n_l
+    low0 = tl.load(ws_row + KEY_OFF + offs0, mask=m0, other=0) & 65535
+    idx0 = tl.load(ws_row + offs0, mask=m0, other=0)
+    hist = _cand_hist(low0 >> 8, m0, bins)
+    for start in range(n_win + CBLOCK, n_l, CBLOCK):
+        offs = start + tl.arange(0, CBLOCK)
+        m = offs < n_l
+        low = tl.load(ws_row + KEY_OFF + offs, mask=m, other=0) & 65535
+        hist += _cand_hist(low >> 8, m, bins)
     b3, above = _pick_bucket(hist, need, bins)
     need = need - above
-    hist = tl.zeros((256,), tl.int32)
-    for start in range(0, n_cand, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        low = tl.load(ws_row + LO_OFF + offs, mask=offs < n_cand, other=0)
-        match = (offs < n_cand) & ((low >> 8) == b3)
-        hist += tl.histogram(tl.where(match, low & 255, 0), 256)
-        hist = tl.where(bins == 0, hist - tl.sum((~match).to(tl.int32), axis=0), hist)
+    hist = _cand_hist(low0 & 255, m0 & ((low0 >> 8) == b3), bins)
+    for start in range(n_win + CBLOCK, n_l, CBLOCK):
+        offs = start + tl.arange(0, CBLOCK)
+        m = offs < n_l
+        low = tl.load(ws_row + KEY_OFF + offs, mask=m, other=0) & 65535
+        hist += _cand_hist(low & 255, m & ((low >> 8) == b3), bins)
     b4, above = _pick_bucket(hist, need, bins)
-    need = need - above
-    thr = b3 * 256 + b4  # low 16 bits of the kk-th largest key
-
-    # Compaction in index order: low > thr, then the first `need` candidates with low == thr.
-    taken = n_win
-    eq_seen = 0
-    for start in range(0, n_cand, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        m = offs < n_cand
-        low = tl.load(ws_row + LO_OFF + offs, mask=m, other=0)
+    need = need - above  # candidates with low == thr to take: the first `need` in index order
+    thr = b3 * 256 + b4
+    # Index of the last of them: a candidate is chosen iff low > thr, or low == thr and index <= idx_thr.
+    # Also the end of the chosen part of L (list position after the last chosen entry): nothing past it
+    # is chosen, so nothing past it can precede a chosen entry in the output either.
+    idx_thr, last, eq_seen = _thr_scan(low0, idx0, offs0, m0, thr, need, -1, n_win - 1, 0)
+    for start in range(n_win + CBLOCK, n_l, CBLOCK):
+        offs = start + tl.arange(0, CBLOCK)
+        m = offs < n_l
+        low = tl.load(ws_row + KEY_OFF + offs, mask=m, other=0) & 65535
         idx = tl.load(ws_row + offs, mask=m, other=0)
-        gt = m & (low > thr)
-        eq = m & (low == thr)
-        eq_rank = eq_seen + tl.cumsum(eq.to(tl.int32), axis=0) - 1
-        take = gt | (eq & (eq_rank < need))
-        pos = taken + tl.cumsum(take.to(tl.int32), axis=0) - 1
-        tl.store(out_row + pos, idx, mask=take)
-        taken += tl.sum(take.to(tl.int32), axis=0)
-        eq_seen += tl.sum(eq.to(tl.int32), axis=0)
-    tl.debug_barrier()  # the winners (previous launch) and these stores are visible to every thread
-    _sort_winners(row, out_row, taken, K, KP)
+        idx_thr, last, eq_seen = _thr_scan(low, idx, offs, m, thr, need, idx_thr, last, eq_seen)
+    end = last + 1
+
+    # Rank sort: the position of a chosen entry x is the number of entries of L[:end] before it in the
+    # output order (score desc, index asc); every such entry is itself chosen, so the ranks are 0 .. kk-1.
+    for base in range(p * E, end, R * E):
+        q = base + tl.arange(0, E)
+        mq = q < end
+        ix = tl.load(ws_row + q, mask=mq, other=0)
+        kx = tl.load(ws_row + KEY_OFF + q, mask=mq, other=0)
+        lx = kx & 65535
+        chosen = mq & ((q < n_win) | (lx > thr) | ((lx == thr) & (ix <= idx_thr)))
+        if tl.max(chosen.to(tl.int32), axis=0) > 0:
+            rank = tl.zeros((E,), tl.int32)
+            for jb in range(0, end, BJ):
+                j = jb + tl.arange(0, BJ)
+                mj = j < end
+                iy = tl.load(ws_row + j, mask=mj, other=0)
+                ky = tl.load(ws_row + KEY_OFF + j, mask=mj, other=0)
+                kyb, iyb = ky[None, :], iy[None, :]
+                kxb, ixb = kx[:, None], ix[:, None]
+                first = mj[None, :] & ((kyb > kxb) | ((kyb == kxb) & (iyb < ixb)))
+                rank += tl.sum(first.to(tl.int32), axis=1)
+            tl.store(out_row + rank, ix, mask=chosen & (rank < kk))  # always true: a guard against OOB
+
+    # Padding: positions [kk, K) of this program's share of the row.
+    for base in range(p * E, K, R * E):
+        offs = base + tl.arange(0, E)
+        tl.store(out_row + offs, tl.full((E,), -1, tl.int32), mask=(offs < K) & (offs >= kk))
 
 
 # ---------------------------------------------------------------------------------------- public ops
@@ -433,7 +500,7 @@ def _workspace_cols(N: int, splits: int) -> int:
 def topk_workspace(T: int, N: int, device: torch.device | str | None = None) -> torch.Tensor:
     """A [T, cols] int32 workspace that fits ``topk_indices`` on [T, N] scores for any ``splits``.
 
-    cols = 2 N + 2 x 64 x 256 + 4 (candidate indices and low key bits, per-split histograms, counts).
+    cols = 2 N + 2 x 64 x 256 + 4 (winner + candidate indices and keys, per-split histograms, counts).
     Its contents never matter (no zeroing needed), so one buffer can serve every call of a CUDA graph.
     """
     return torch.empty((T, _workspace_cols(N, _MAX_SPLITS)), dtype=torch.int32, device=device)
@@ -447,6 +514,7 @@ def topk_indices(
     *,
     workspace: torch.Tensor | None = None,
     splits: int | None = None,
+    finish_programs: int | None = None,
 ) -> torch.Tensor:
     """Logical indices of the top-``min(k, #selectable)`` scores of each row, -1 padded.
 
@@ -462,6 +530,9 @@ def topk_indices(
         splits: Triton only, host int in [1, 64]: programs per row (1 = one program per row, the
             whole row in it; >= 2 = the split path of the module docstring).  None picks from T and N
             (about 128 programs in all, chunks of >= 4096 entries).  The result never depends on it.
+        finish_programs: Triton split path only, host int in [1, 64]: programs per row of the last launch
+            (each ranks a share of the row's winners + candidates).  None = ceil(k / 32), at most 64.
+            The result never depends on it.
 
     Returns:
         [T, k] int32, sorted by score descending then index ascending; -1 after the selected ones.
@@ -476,6 +547,12 @@ def topk_indices(
         splits = _auto_splits(T, N)
     elif not isinstance(splits, int) or isinstance(splits, bool) or not 1 <= splits <= _MAX_SPLITS:
         raise ValueError(f"splits: expected None or a host int in [1, {_MAX_SPLITS}], got {splits!r}")
+    if finish_programs is not None and (
+        not isinstance(finish_programs, int)
+        or isinstance(finish_programs, bool)
+        or not 1 <= finish_programs <= _MAX_FINISH
+    ):
+        raise ValueError(f"finish_programs: expected None or a host int in [1, {_MAX_FINISH}], got {finish_programs!r}")
     cols = _workspace_cols(N, splits)
     if workspace is not None:
         check_tensor("workspace", workspace, dtype=torch.int32, ndim=2, device=scores.device)
@@ -506,7 +583,7 @@ def topk_indices(
         return out
     S, sp = splits, triton.next_power_of_2(splits)
     ch = triton.cdiv(triton.cdiv(N, S), 16) * 16  # chunk start offsets stay 16-aligned (vector loads)
-    lo_off, h1_off = N, 2 * N
+    key_off, h1_off = N, 2 * N
     h2_off = h1_off + S * _BINS
     meta_off = h2_off + S * _BINS
     # One loop iteration per program where the chunk allows: all of its loads are issued at once.
@@ -518,11 +595,16 @@ def topk_indices(
         HAS_NV=has_nv, BLOCK=block, SP=sp, num_warps=8,
     )  # fmt: skip
     _split_scatter[grid](
-        scores, nv, out, workspace, ss, so, sw, N, k, S, ch, lo_off, h1_off, h2_off, meta_off,
+        scores, nv, workspace, ss, sw, N, k, S, ch, key_off, h1_off, h2_off, meta_off,
         HAS_NV=has_nv, BLOCK=block, SP=sp, num_warps=8,
     )  # fmt: skip
-    _split_finish[(T,)](
-        scores, out, workspace, ss, so, sw, k, lo_off, meta_off, BLOCK=256 if interp else 2048, KP=kp, num_warps=8,
+    # Finish: R programs per row, each ranking its slices of E list entries against the whole list
+    # (~ (k + #candidates) / R x (k + #candidates) compares each); R E >= k, so ~one slice per program.
+    fe = _FINISH_SLICE
+    rf = finish_programs if finish_programs is not None else max(1, min(_MAX_FINISH, triton.cdiv(k, fe)))
+    _split_finish[(T, rf)](
+        out, workspace, so, sw, k, key_off, meta_off,
+        CBLOCK=_FINISH_CBLOCK, E=fe, BJ=_FINISH_BJ, num_warps=8,
     )  # fmt: skip
     return out
 
