@@ -225,8 +225,13 @@ def test_choose_num_splits():
     assert choose_num_splits(rows=1, head_blocks=1, total_blocks=per_split, block_n=32, num_sms=132) == 1
     # never more splits than allowed by the minimum keys per split
     assert choose_num_splits(rows=1, head_blocks=1, total_blocks=5 * per_split, block_n=32, num_sms=132) == 5
-    # no more splits than needed for two waves of programs
-    assert choose_num_splits(rows=8, head_blocks=8, total_blocks=1000, block_n=32, num_sms=132) == 5
+    # a grid of >= num_sms / 4 programs is not split (B = 64 decode: the workspace round trip costs more)
+    assert choose_num_splits(rows=8, head_blocks=8, total_blocks=1000, block_n=32, num_sms=132) == 1
+    assert choose_num_splits(rows=64, head_blocks=2, total_blocks=1000, block_n=64, num_sms=132) == 1
+    # smaller grids are split up to ~num_sms / 4 programs: B = 8, one head block -> ceil(132 / 32) = 5
+    assert choose_num_splits(rows=8, head_blocks=1, total_blocks=1000, block_n=32, num_sms=132) == 5
+    # B = 1 with 2 head blocks (V4-Pro) -> ceil(132 / 8) = 17
+    assert choose_num_splits(rows=1, head_blocks=2, total_blocks=130, block_n=64, num_sms=132) == 17
 
 
 def test_kernel_duplicates_pages_and_three_caches():
@@ -321,7 +326,8 @@ def test_kernel_matches_reference_gpu(T, H, k_pool, splits):
         {"qk_tiles": 1, "num_warps": 16},
         {"d_split": 2},
         {"d_split": 4, "qk_tiles": 2},
-        {"block_h": 128, "num_warps": 16, "num_splits": 1},
+        # {"block_h": 128, "num_warps": 16} does not compile on sm90 (ptxas: "Insufficient registers (128)",
+        # H200 2026-12-02): a 128 x 512 fp32 accumulator does not fit 16 warps' register budget.
     ],
 )
 def test_kernel_variants_match_reference_gpu(variant):

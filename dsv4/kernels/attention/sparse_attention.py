@@ -227,13 +227,18 @@ def sparse_attention_reference(
 def choose_num_splits(
     rows: int, head_blocks: int, total_blocks: int, block_n: int, num_sms: int = DEFAULT_NUM_SMS
 ) -> int:
-    """Key splits per (row, head block): enough programs for ~2 waves, each split >= MIN_KEYS_PER_SPLIT keys.
+    """Key splits per (row, head block), from static shapes only (no device sync); 1 = no split.
 
-    Host-only arithmetic on static shapes (no device sync).  Returns 1 when no split is needed.
+    A split costs a round trip of its fp32 partial state [heads, 512] through a workspace, so it only pays
+    when the grid is far too small for the GPU.  H200 sweeps of 2026-12-02 (attention_sweep and
+    attention_variants in benchmarks/results): with >= num_sms / 4 programs (B = 64: 64 or 128) no split was
+    fastest (V4-Pro 162 us vs 218 us with 3 splits); with fewer, ~num_sms / 4 programs in all was best
+    (B = 1: 16 splits of 2 head blocks, 32 of 1; B = 8 V4-Flash: 4).  Each split keeps >= MIN_KEYS_PER_SPLIT keys.
     """
-    if total_blocks <= 1:
+    programs = max(1, rows * head_blocks)
+    if total_blocks <= 1 or programs >= num_sms // 4:
         return 1
-    want = math.ceil(2 * num_sms / max(1, rows * head_blocks))
+    want = math.ceil(num_sms / (4 * programs))
     most = max(1, total_blocks // max(1, math.ceil(MIN_KEYS_PER_SPLIT / block_n)))
     return max(1, min(want, most, total_blocks))
 

@@ -504,6 +504,9 @@ def _check_pow2(name: str, n: int) -> None:
         raise ValueError(f"{name}: the Triton kernel needs a power of two, got {n}")
 
 
+_STORE_WINDOW_BLOCK_T = 1
+
+
 def _row_block(n: int, block_t: int | None) -> int:
     """Rows per program: ``block_t`` if given, else the largest power of two <= _BLOCK_T_ROWS that still
     leaves >= _MIN_PROGRAMS programs (decode batches keep one row per program: lowest latency)."""
@@ -629,7 +632,7 @@ def store_window(
     Triton vs reference: the bf16 rows agree up to the fp32 sum order of RMSNorm (rarely one bf16
     ulp); the stored bytes always equal ``fmt.quantize`` of the kernel's own bf16 rows.
     Tuning (Triton path only; results do not depend on them): ``block_t`` rows per program (a power of
-    two; default: up to 8, fewer for small T), ``num_warps`` (default 4).
+    two; default 1, see below), ``num_warps`` (default 4).
     """
     _check_entry_pages(pages, fmt)
     dev = pages.nope.device
@@ -648,6 +651,8 @@ def store_window(
         return
     if not norm_weight.is_contiguous() or not inv_freq.is_contiguous():
         raise ValueError("norm_weight, inv_freq: expected contiguous tensors")
-    _launch_norm_rope_fp8(
-        kv, norm_weight, eps, positions, 1, inv_freq, slots, pages, fmt, out, None, block_t, num_warps
-    )
+    # H200, 2026-12-02 (benchmarks/results/2026-12-02_h200_write_v3.jsonl): 8 rows a program took 190 us at
+    # T = 65,536 where the one-row kernel of the earlier run took 164 us, so the window store defaults to one
+    # row a program; the compressor's emit keeps the row blocks (they skip non-emitting tokens).
+    bt = _STORE_WINDOW_BLOCK_T if block_t is None else block_t
+    _launch_norm_rope_fp8(kv, norm_weight, eps, positions, 1, inv_freq, slots, pages, fmt, out, None, bt, num_warps)
