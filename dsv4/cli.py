@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import sys
 from collections.abc import Sequence
@@ -31,9 +32,13 @@ _UNITS = {
 def parse_bytes(text: str) -> int:
     """'80GiB', '80 GB', '1.5e9' -> bytes."""
     m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([A-Za-z]*)\s*", text)
-    if not m or m.group(2).lower() not in _UNITS:
+    try:
+        value = float(m.group(1)) * _UNITS[m.group(2).lower()] if m else math.nan
+    except (KeyError, ValueError):
+        value = math.nan
+    if not math.isfinite(value) or value < 0:
         raise argparse.ArgumentTypeError(f"expected a size like 80GiB or 1e9, got {text!r}")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    return int(value)
 
 
 def _load_model(args: argparse.Namespace) -> ModelConfig:
@@ -87,7 +92,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except ValueError as e:
+    except (ValueError, OSError) as e:
         print(f"dsv4 {args.command}: error: {e}", file=sys.stderr)
         return 2
 

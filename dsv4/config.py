@@ -20,6 +20,8 @@ from typing import Any
 __all__ = ["LayerKind", "ModelConfig", "PRESETS", "get_preset"]
 
 CSA_RATIO = 4  # the ratio whose compressor uses the two-half overlap and owns an indexer (spec §3)
+HCA_RATIO = 128  # heavily compressed attention
+SUPPORTED_RATIOS = (0, CSA_RATIO, HCA_RATIO)  # 0 = window only; the only values DeepSeek-V4 defines (spec §1.1)
 
 
 class LayerKind(enum.Enum):
@@ -89,8 +91,8 @@ class ModelConfig:
                 f"got {len(self.compress_ratios)}"
             )
         for i, r in enumerate(self.compress_ratios):
-            if r < 0:
-                raise ValueError(f"ModelConfig.compress_ratios[{i}]: expected 0 or a positive ratio, got {r}")
+            if r not in SUPPORTED_RATIOS:
+                raise ValueError(f"ModelConfig.compress_ratios[{i}]: expected one of {SUPPORTED_RATIOS}, got {r}")
         if self.rope_head_dim % 2 or self.rope_head_dim >= self.head_dim:
             raise ValueError(
                 f"ModelConfig.rope_head_dim: expected an even number < head_dim={self.head_dim}, "

@@ -55,6 +55,7 @@ def test_from_official_roundtrip_and_hf_aliases():
         ({"rope_head_dim": 63}, "rope_head_dim"),
         ({"o_groups": 3}, "o_groups"),
         ({"compress_ratios": (0, -4, 128, 4, 0)}, "compress_ratios[1]"),
+        ({"compress_ratios": (0, 1, 128, 4, 0)}, "compress_ratios[1]"),  # vLLM's "1 = window only" is not V4's
         ({"norm_eps": 0.0}, "norm_eps"),
     ],
 )

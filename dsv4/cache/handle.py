@@ -97,17 +97,14 @@ class IndexerView:
 
 @dataclass(frozen=True)
 class CompressorStateView:
-    """One layer's compressor state(s) and where this step's tokens go.
-
-    ``main``/``indexer``: ``CompressorState`` (fp32 kv/score [num_slots, c*m, c*d], row = position mod c*m);
-    ``indexer`` is None on HCA layers.  ``state_rows`` int32 [T]: flat row (slot * c*m + pos mod c*m) of
-    each token, -1 for tokens whose row is overwritten later in the same step.
-    """
+    """One layer's compressor state(s): ``main``/``indexer`` are ``CompressorState`` (fp32 kv/score
+    [num_slots, c*m, c*d], row = absolute position mod c*m; ``indexer`` is None on HCA layers);
+    ``request_slots`` int32 [B] the step's request slots.  ``update_compressor`` writes the step's rows
+    (only each request's last c*m tokens, so no row is written twice in one step)."""
 
     ratio: int
     main: CompressorState
     indexer: CompressorState | None
-    state_rows: torch.Tensor
     request_slots: torch.Tensor
 
 
@@ -367,7 +364,6 @@ class LayerCacheHandle:
             ratio=rp.ratio,
             main=self.state.compressor,
             indexer=self.state.indexer_compressor,
-            state_rows=rp.state_rows,
             request_slots=self.plan.request_slots,
         )
 

@@ -303,8 +303,10 @@ class KVCacheManager:
         if set(widths) != set(self.pools):
             raise ValueError(f"max_blocks: expected keys {sorted(self.pools)}, got {sorted(widths)}")
         for m, w in widths.items():
-            need = max(
-                self.pools[m].ratio_class.pages_for_tokens(self._requests[rid].num_tokens + n) for rid, n in items
+            rc = self.pools[m].ratio_class
+            need = max(  # pages held can exceed the step's need after a cancel()
+                max(rc.pages_for_tokens(self._requests[rid].num_tokens + n), len(self._requests[rid].blocks[m]))
+                for rid, n in items
             )
             if not isinstance(w, int) or w < max(1, need):
                 raise ValueError(
@@ -341,8 +343,6 @@ class KVCacheManager:
             emits = real & ((pos + 1) % m == 0)
             page = table[row, np.minimum(entry // per_page, width - 1)]
             emit_slots = np.where(emits & (page >= 0), page * per_page + entry % per_page, -1)
-            rows = pool.ratio_class.ratio * (2 if self.config.overlap(m) else 1)
-            state_rows = np.where(real & (pos >= end - rows), slots[row] * rows + pos % rows, -1)
             num_entries = np.where(slots >= 0, (starts + counts) // m, 0)
             ratios[m] = RatioPlan(
                 ratio=m,
@@ -352,7 +352,6 @@ class KVCacheManager:
                 num_entries=i32(num_entries),
                 n_visible=i32(np.where(real, (pos + 1) // m, 0)),
                 emit_slots=i32(emit_slots),
-                state_rows=i32(state_rows),
                 max_entries=width * per_page if widths else int(num_entries.max()),
             )
         return StepPlan(
@@ -401,7 +400,11 @@ class KVCacheManager:
 
     def cancel(self, plan: StepPlan) -> None:
         """Drop the outstanding plan without advancing lengths (its pages stay with their requests and
-        are reused when the same tokens are planned again).  Deferred frees are applied."""
+        are reused when the same tokens are planned again).  Deferred frees are applied.
+
+        Cancel a step that has not run, or a decode step (re-running it rewrites the same rows).  A prefill
+        chunk that already ran has overwritten ring rows its re-run would read: preempt such requests instead.
+        """
         self._check_outstanding(plan, "cancel")
         self._close_step()
 
@@ -425,6 +428,8 @@ class KVCacheManager:
         if rid not in self._requests:
             return False
         if self._in_flight(rid):
+            if self._deferred.get(rid) is _Deferred.FREE:
+                return False  # already freed (deferred)
             self._deferred[rid] = _Deferred.FREE
             return True
         self._release(rid, preempted=False)
@@ -443,7 +448,9 @@ class KVCacheManager:
         if rid not in self._requests:
             return False
         if self._in_flight(rid):
-            self._deferred.setdefault(rid, _Deferred.PREEMPT)
+            if rid in self._deferred:
+                return False  # already freed or preempted (deferred)
+            self._deferred[rid] = _Deferred.PREEMPT
             return True
         self._release(rid, preempted=True)
         self._after_mutation()

@@ -35,8 +35,6 @@ class RatioPlan:
         num_entries: int32 [B] completed entries of the request after the step.
         n_visible: int32 [T] entries visible to each token's query, (pos + 1) // m.
         emit_slots: int32 [T] physical slot (page * P + row) of the entry the token emits, else -1.
-        state_rows: int32 [T] flat compressor-state row (slot * c*m + pos mod c*m) the token's
-            projections go to, -1 for tokens older than the request's last c*m in this step.
     """
 
     ratio: int
@@ -46,8 +44,8 @@ class RatioPlan:
     num_entries: torch.Tensor
     n_visible: torch.Tensor
     emit_slots: torch.Tensor
-    state_rows: torch.Tensor
-    max_entries: int  # host int: max over the batch of num_entries (static column count for scores)
+    max_entries: int  # host int, static column count for scores: max num_entries of the batch, or
+    # max_blocks * entries_per_page when the plan was built with a fixed block-table width
 
 
 @dataclass(frozen=True)
@@ -103,7 +101,7 @@ class StepPlan:
             )
         }  # fmt: skip
         for m, rp in self.ratios.items():
-            for k in ("block_table", "block_lens", "num_entries", "n_visible", "emit_slots", "state_rows"):
+            for k in ("block_table", "block_lens", "num_entries", "n_visible", "emit_slots"):
                 out[f"ratio{m}.{k}"] = getattr(rp, k)
         return out
 

@@ -37,6 +37,7 @@ import torch
 from dsv4.cache.handle import LayerCacheHandle
 from dsv4.cache.manager import KVCacheManager
 from dsv4.cache.plan import StepPlan
+from dsv4.errors import check_same_device
 from dsv4.model import functional as F
 from dsv4.model.attention import AttentionSubBlock
 
@@ -98,7 +99,6 @@ def _neutralise(plan: StepPlan) -> None:
         rp.num_entries.zero_()
         rp.n_visible.zero_()
         rp.emit_slots.fill_(-1)
-        rp.state_rows.fill_(-1)
 
 
 class DecodeGraphRunner:
@@ -161,8 +161,8 @@ class DecodeGraphRunner:
     def capture(self) -> None:
         """Build every bucket's static plan, handles and input (and graph, when capturing).
 
-        Needs one free request slot and one free page per ratio class (a dummy request is planned,
-        then cancelled and freed) and no outstanding plan.  Writes nothing to the cache.
+        Needs one free request slot (a dummy request at position 0 is planned — it needs no page — then
+        cancelled and freed) and no outstanding plan.  Writes nothing to the cache.
         """
         m = self.manager
         if m.outstanding_plan is not None:
@@ -181,8 +181,7 @@ class DecodeGraphRunner:
         plan = None
         try:
             plan = m.plan({key: 1}, pad_batch_to=size, max_blocks=self.max_blocks)
-            if plan is None:
-                raise RuntimeError("capture: the manager needs one free page per ratio class to capture a bucket")
+            assert plan is not None  # one token at position 0 needs no page
             _neutralise(plan)
             handles = [m.acquire(blk.layer_id, plan) for blk in self.layers]
             dim = self.layers[0].cfg.dim
@@ -254,6 +253,7 @@ class DecodeGraphRunner:
         if not isinstance(x, torch.Tensor) or x.shape != (n, dim) or x.dtype != torch.bfloat16:
             got = f"{list(x.shape)} {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__
             raise ValueError(f"x: expected [{n}, {dim}] torch.bfloat16 (one row per request), got {got}")
+        check_same_device(self.manager.device, x=x)
         got = self.prepare(items)
         if got is None:
             return None

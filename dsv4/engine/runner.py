@@ -313,6 +313,8 @@ class EngineRunner:
         else:
             self.manager = KVCacheManager(cfg, num_pages=num_pages, **kw)
         self.layers = tuple(range(cfg.num_cache_layers)) if layers is None else tuple(layers)
+        if not self.layers or len(set(self.layers)) != len(self.layers):
+            raise ValueError(f"layers: expected a non-empty sequence of distinct layer ids, got {layers!r}")
         for i in self.layers:
             cfg.ratio(i)  # validates
         self.weights = {

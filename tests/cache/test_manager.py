@@ -46,9 +46,6 @@ def test_plan_allocates_exact_pages_and_builds_tensors():
     emit = csa.emit_slots.tolist()
     assert emit[3] == 0 and emit[7] == 1 and emit[127] == 31 and emit[0] == -1 and emit[128] == -1
     assert csa.n_visible[:8].tolist() == [0, 0, 0, 1, 1, 1, 1, 2]
-    # CSA state ring has 8 rows: only the last 8 tokens of a are written (rows pos % 8 of slot 0)
-    rows = csa.state_rows.tolist()
-    assert rows[:122] == [-1] * 122 and rows[122:130] == [(p % 8) for p in range(122, 130)] and rows[130] == 8
     hca = plan.ratios[128]
     assert hca.emit_slots.tolist()[127] == 0 and hca.emit_slots.tolist().count(-1) == 130
     # window ring of 128 rows: tokens 0 and 1 of a are overwritten later in the step -> skipped
@@ -245,7 +242,7 @@ def test_padded_decode_plan_for_graph_buckets():
     assert p.swa_slots.tolist()[2:] == [-1, -1] and p.request_slots.tolist()[2:] == [-1, -1]
     for rp in p.ratios.values():
         assert rp.block_table.shape == (4, 3) and rp.max_entries == 3 * rp.entries_per_page
-        assert rp.emit_slots.tolist()[2:] == [-1, -1] and rp.state_rows.tolist()[2:] == [-1, -1]
+        assert rp.emit_slots.tolist()[2:] == [-1, -1]
         assert rp.n_visible.tolist()[2:] == [0, 0] and (rp.block_table[2:] == -1).all()
     m.commit(p)
     assert (m.num_tokens("a"), m.num_tokens("b")) == (8, 131)
@@ -264,3 +261,31 @@ def test_padded_decode_plan_for_graph_buckets():
     with pytest.raises(ValueError, match="shape"):
         p.load_(r)
     assert m.outstanding_plan is r
+
+
+def test_max_blocks_covers_pages_held_after_cancel_and_failure_changes_nothing():
+    m = make(max_requests=2, pages=8)
+    m.add("a")
+    m.add("b")
+    m.cancel(m.plan({"a": 300}))  # a keeps 3 CSA pages (75 entries) while holding 0 tokens
+    before = m.stats()
+    with pytest.raises(ValueError, match="max_blocks"):
+        m.plan({"b": 128, "a": 1}, max_blocks=1)
+    assert m.stats() == before and m.outstanding_plan is None
+    p = m.plan({"b": 128, "a": 1}, max_blocks=3)
+    assert p.ratios[4].block_table.shape == (2, 3)
+
+
+def test_repeated_free_or_preempt_during_a_step_is_a_noop():
+    m = make()
+    m.add("a")
+    p = m.plan({"a": 4})
+    assert m.free("a") is True
+    assert m.free("a") is False and m.preempt("a") is False
+    m.commit(p)
+    assert "a" not in m and not m.is_preempted("a")
+    m.add("b")
+    p = m.plan({"b": 4})
+    assert m.preempt("b") is True and m.preempt("b") is False
+    m.commit(p)
+    assert m.is_preempted("b")

@@ -49,5 +49,10 @@ def test_cli_plan_official_config_and_errors(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["bytes_per_token"] == 3514.25
     assert main(["plan", "--context", "-5"]) == 2
     assert "context_tokens" in capsys.readouterr().err
+    assert main(["plan", "--config", str(tmp_path / "missing.json")]) == 2
+    assert "missing.json" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["plan", "--budget", "1e400"])  # not finite: argparse rejects it
+    assert "expected a size" in capsys.readouterr().err
     assert main(["plan", "--budget", "80GiB", "--context", "4096"]) == 0
     assert "fit" in capsys.readouterr().out

@@ -146,6 +146,34 @@ def test_fp8mma_exact_with_wide_and_zero_query_blocks():
         assert_scores_close(indexer_scores(q, w, kp, *args, backend="triton", impl=impl), ref)
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+def test_keys_with_block_scales_far_apart(impl):
+    """A key whose blocks' UE8M0 scales are >= 128 binades apart (an all-zero block next to a large one):
+    the fp8mma path once scaled blocks relative to block 0 and overflowed to inf."""
+    g = torch.Generator().manual_seed(0)
+    kp = make_keys(1, 16, gen=g)
+    k = torch.randn(1, 16, FMT.dim, generator=g)
+    k[0, 0, : FMT.block] = 0  # block 0 all zero -> scale byte 1
+    k[0, 0, FMT.block : 2 * FMT.block] *= 20.0  # block 1 -> byte >= 129
+    k[0, 1, FMT.block : 2 * FMT.block] = 0
+    k[0, 1, : FMT.block] *= 20.0
+    d, sc = FMT.quantize(k)
+    kp.data.copy_(d)
+    kp.scale.copy_(sc)
+    assert int(kp.scale[0, 0, 1]) - int(kp.scale[0, 0, 0]) >= 128
+    q, w = make_query(1, 8, g)
+    args = (
+        torch.zeros(1, 1, dtype=torch.int32),
+        torch.zeros(1, dtype=torch.int32),
+        torch.full((1,), 16, dtype=torch.int32),
+        16,
+    )
+    ref = indexer_scores(q, w, kp, *args, backend="torch")
+    out = indexer_scores(q, w, kp, *args, backend="triton", impl=impl)
+    assert torch.isfinite(out).all()
+    assert_scores_close(out, ref)
+
+
 @pytest.mark.parametrize("knobs", [dict(num_warps=8, num_stages=1), dict(block_n=16, tiles_per_program=64)])
 def test_launch_knobs_keep_results(knobs):
     """Warps / stages are GPU-only knobs; more tiles a program than a row has leaves one program a row."""

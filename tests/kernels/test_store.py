@@ -291,3 +291,19 @@ def test_store_ops_are_sync_free_and_capturable():
         g.replay()
         torch.cuda.synchronize()
         assert torch.equal(flat_g, flat_e)
+
+
+def test_strided_slot_tensors_are_read_by_element_not_by_memory(device):
+    """A slot tensor that is a strided view (e.g. a column of an engine's packed metadata) must be read as
+    its elements: the kernels index ptr + i, so the wrapper makes it contiguous."""
+    if device.type == "cpu" and not interpreter_enabled():
+        pytest.skip("Triton on CPU tensors needs TRITON_INTERPRET=1")
+    base = torch.tensor([[1, 9], [5, 9], [6, 9], [11, 9]], dtype=torch.int32, device=device)
+    slots = base[:, 0]
+    assert slots.stride(0) == 2
+    x = _fp8_rows(4, torch.float32, device)
+    flat_k, pages_k = _fp8_buffer(device)
+    flat_r, pages_r = _fp8_buffer(device)
+    store_fp8_entries(x, slots, pages_k, FMT, backend="triton")
+    store_fp8_entries(x, slots, pages_r, FMT, backend="torch")
+    assert torch.equal(flat_k, flat_r)

@@ -273,3 +273,12 @@ def test_gpu_one_row_repeatable_and_graph_capturable():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, topk_indices_reference(s, 1024))
+
+
+def test_strided_n_visible_is_read_by_element():
+    g = torch.Generator().manual_seed(3)
+    scores = torch.randn(3, 64, generator=g)
+    nv = torch.tensor([[10, 0], [20, 0], [64, 0]], dtype=torch.int32)[:, 0]
+    assert nv.stride(0) == 2
+    want = topk_indices_reference(scores, 4, nv)
+    assert torch.equal(topk_indices(scores, 4, nv, backend="triton"), want)

@@ -68,7 +68,7 @@ import triton
 
 from dsv4.errors import check_tensor
 from dsv4.formats.fp8_entry import FP8_DTYPE, ROPE_DTYPE, EntryPages, FP8EntryFormat
-from dsv4.kernels.dispatch import use_triton
+from dsv4.kernels.dispatch import interpreter_enabled, use_triton
 
 __all__ = [
     "MIN_KEYS_PER_SPLIT",
@@ -356,7 +356,7 @@ def sparse_attention_triton(
     else:
         ws_m = ws_l = ws_acc = lse  # unused placeholders
     qk_scale_log2 = float(scale) * LOG2E
-    interp = q.device.type != "cuda"  # CPU tensors only run under TRITON_INTERPRET=1
+    interp = interpreter_enabled()  # CPU tensors only run under TRITON_INTERPRET=1
     offset = 0
     for group, nb, ns in zip(groups, group_blocks, splits, strict=True):
         a = _cache_args(*group[0], block_n)

@@ -412,6 +412,7 @@ def compressor_step(
         raise ValueError("kv_state, score_state: expected equal strides with a unit inner stride")
     if not use_triton(backend, kv, score, positions, token_slot, kv_state, score_state):
         return compressor_step_reference(kv, score, positions, token_slot, kv_state, score_state, ratio, overlap)
+    positions, token_slot = positions.contiguous(), token_slot.contiguous()  # indexed as ptr + i
     pooled = torch.empty(t, d, dtype=torch.float32, device=dev)
     emits = torch.empty(t, dtype=torch.bool, device=dev)
     if t == 0:
@@ -630,7 +631,7 @@ def emit_entries(
     ``pooled`` [T, d] fp32 with d = fmt.head_dim (main) / fmt.dim (indexer); rows of non-emitting
     tokens are never read.  Triton vs reference: as ``store_window`` (RMSNorm / Hadamard sum order).
     Tuning (Triton path only; results do not depend on them): ``block_t`` tokens per program (power of
-    two; main: the ``store_window`` rows-per-program rule; indexer: min(m, 8), emitting ones handled in
+    two; main: up to 8 rows per program (``store._row_block``); indexer: min(m, 8), emitting ones handled in
     turn), ``num_warps`` (default 4).  The indexer kernel needs nope and rope widths that are
     power-of-two multiples of the MXFP4 block (128 = 64 + 64, blocks of 32 in the released model).
     """
@@ -661,6 +662,7 @@ def emit_entries(
     if not use_triton(backend, pooled, emits, slots):
         emit_entries_reference(pooled, emits, positions, norm_weight, eps, inv_freq, slots, pages, fmt, ratio, kind)
         return
+    emits, positions, slots = emits.contiguous(), positions.contiguous(), slots.contiguous()
     if t == 0:
         return
     if pooled.stride(1) != 1 or not norm_weight.is_contiguous() or not inv_freq.is_contiguous():

@@ -24,8 +24,8 @@ def flush_compression(
     backend: str = "auto",
 ) -> None:
     """Store ``compressed`` [N, head_dim] (and ``indexer_keys`` [N, index_head_dim]) at ``slots`` [N]."""
-    if (indexer_keys is None) != (keys is None):
-        raise ValueError("indexer_keys and keys: expected both or neither")
+    if (indexer_keys is None) != (keys is None) or (keys is not None and key_fmt is None):
+        raise ValueError("indexer_keys, keys, key_fmt: expected all three (CSA) or no indexer keys")
     store_fp8_entries(compressed, slots, entries, entry_fmt, backend=backend)
     if indexer_keys is not None:
         store_mxfp4_keys(indexer_keys, slots, keys, key_fmt, backend=backend)

@@ -9,7 +9,8 @@ Three operations, each a validating public function over a PyTorch reference and
 
 Slots are physical (``page * entries_per_page + row``).  A slot < 0 or >= the number of slots is
 skipped; nothing else in the pages changes (the FP8 pad byte is never written: the pool zeroes it).
-Slots of one call must be distinct (two rows for one slot leave either row's bytes).
+Slots of one call must be distinct: two rows for one slot leave undefined bytes (on a GPU an entry may
+mix one row's scales with the other's data).
 
 How the Triton kernels quantise (the same bytes on a GPU and under ``TRITON_INTERPRET=1``): all
 rounding is done on fp32 bits (``_triton_quant``): power-of-two scale from the exponent field,
@@ -24,8 +25,10 @@ values agree with the reference to fp32 rounding (after the bf16 rounding almost
 Each Triton path is one kernel launch with no host synchronisation (no ``.item()``/``nonzero``), no
 copies and no allocation, so it can be captured in a CUDA graph; the public functions only check
 metadata in Python.  Grids: ``store_fp8_entries`` / ``store_mxfp4_keys`` one program per row;
-``store_window`` (and the main emit) a block of rows per program ([rows, 8, 64] nope tile + [rows, 32]
-rope pairs, 4 warps; one row per program for small batches).
+the main emit a block of rows per program ([rows, 8, 64] nope tile + [rows, 32] rope pairs, 4 warps; fewer
+rows for small batches); ``store_window`` the same kernel with one row per program by default (faster on
+the H200 at 65,536 rows, see ``_STORE_WINDOW_BLOCK_T``).
+
 """
 
 from __future__ import annotations
@@ -572,6 +575,7 @@ def store_fp8_entries(
     if not use_triton(backend, x, slots, pages.nope):
         store_fp8_entries_reference(x, slots, pages, fmt)
         return
+    slots = slots.contiguous()  # the kernels index 1-D tensors as ptr + i
     if n == 0:
         return
     _check_pow2("fmt.tile", fmt.tile)
@@ -597,6 +601,7 @@ def store_mxfp4_keys(
     if not use_triton(backend, x, slots, pages.data):
         store_mxfp4_keys_reference(x, slots, pages, fmt)
         return
+    slots = slots.contiguous()
     if n == 0:
         return
     _check_pow2("fmt.block", fmt.block)
@@ -649,6 +654,7 @@ def store_window(
     if not use_triton(backend, kv, slots, pages.nope):
         store_window_reference(kv, norm_weight, eps, positions, inv_freq, slots, pages, fmt, out)
         return
+    slots, positions = slots.contiguous(), positions.contiguous()
     if not norm_weight.is_contiguous() or not inv_freq.is_contiguous():
         raise ValueError("norm_weight, inv_freq: expected contiguous tensors")
     # H200, 2026-12-02 (benchmarks/results/2026-12-02_h200_write_v3.jsonl): 8 rows a program took 190 us at

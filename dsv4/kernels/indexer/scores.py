@@ -197,6 +197,13 @@ def _pow2(biased_exp):
 
 
 @triton.jit
+def _rel_scale(sbyte, smax):
+    """2**(sbyte - smax) for UE8M0 bytes sbyte <= smax, flushed to 0 below 2**-126."""
+    rel = sbyte - smax + 127
+    return tl.where(rel >= 1, _pow2(tl.maximum(rel, 1)), 0.0)
+
+
+@triton.jit
 def _q_block(q_base, c: tl.constexpr, h_ok, QBLOCK: tl.constexpr):
     """Query block ``c`` (elements c*QBLOCK ...) of every head, fp32 [QBLOCK, HP], and the biased fp32
     exponent of each head's block amax [HP] (0 for an all-zero block)."""
@@ -373,18 +380,15 @@ def _mxfp4_scores_kernel(
                     stride_sp,
                     stride_sr,
                 )
-                # block scales relative to block 0 (exact powers of two); block 0's after the head sum
-                s0 = _sbyte(s4, 0)
-                acc = _fp8_block_dot(kptr, ok, q8_0, 0, QBLOCK, FP32_DOT, ASM)
-                acc += (
-                    _fp8_block_dot(kptr, ok, q8_1, 1, QBLOCK, FP32_DOT, ASM) * _pow2(_sbyte(s4, 1) - s0 + 127)[:, None]
-                )
-                acc += (
-                    _fp8_block_dot(kptr, ok, q8_2, 2, QBLOCK, FP32_DOT, ASM) * _pow2(_sbyte(s4, 2) - s0 + 127)[:, None]
-                )
-                acc += (
-                    _fp8_block_dot(kptr, ok, q8_3, 3, QBLOCK, FP32_DOT, ASM) * _pow2(_sbyte(s4, 3) - s0 + 127)[:, None]
-                )
+                # block scales relative to the key's largest one (exact powers of two, or 0 for a block more
+                # than 126 binades below it: its products are < 2**-126 of the largest block's); the largest
+                # scale is applied after the head sum.  Relative to block 0 instead, a key whose block 0 is far
+                # smaller than another block overflowed to inf.
+                s0 = tl.maximum(tl.maximum(_sbyte(s4, 0), _sbyte(s4, 1)), tl.maximum(_sbyte(s4, 2), _sbyte(s4, 3)))
+                acc = _fp8_block_dot(kptr, ok, q8_0, 0, QBLOCK, FP32_DOT, ASM) * _rel_scale(_sbyte(s4, 0), s0)[:, None]
+                acc += _fp8_block_dot(kptr, ok, q8_1, 1, QBLOCK, FP32_DOT, ASM) * _rel_scale(_sbyte(s4, 1), s0)[:, None]
+                acc += _fp8_block_dot(kptr, ok, q8_2, 2, QBLOCK, FP32_DOT, ASM) * _rel_scale(_sbyte(s4, 2), s0)[:, None]
+                acc += _fp8_block_dot(kptr, ok, q8_3, 3, QBLOCK, FP32_DOT, ASM) * _rel_scale(_sbyte(s4, 3), s0)[:, None]
                 s = tl.sum(tl.maximum(acc, 0.0) * wq[None, :], axis=1) * _pow2(s0)
                 tl.store(out_row + offs_n, tl.where(ok, s, float("-inf")), mask=offs_n < N)
         else:
@@ -750,6 +754,8 @@ def indexer_scores(
     check_tensor("keys.scale", keys.scale, dtype=torch.uint8, shape=(P, bs, _FMT.n_blocks), device=q.device)
     if not use_triton(backend, q, weights, keys.data, keys.scale, block_table, token_row, n_visible):
         return indexer_scores_reference(q, weights, keys, block_table, token_row, n_visible, max_entries)
+    # the kernels index these as ptr + i (block_table rows as ptr + row * stride + j)
+    block_table, token_row, n_visible = block_table.contiguous(), token_row.contiguous(), n_visible.contiguous()
 
     cfg = launch_config(T, H, max_entries, q.device, block_n, tiles_per_program, num_warps, num_stages)
     out = torch.empty((T, max_entries), dtype=torch.float32, device=q.device)
@@ -806,6 +812,8 @@ def indexer_scores_fp8keys(
     check_tensor("keys.scale", keys.scale, dtype=torch.float32, shape=(P, bs), device=q.device)
     if not use_triton(backend, q, weights, keys.data, keys.scale, block_table, token_row, n_visible):
         return indexer_scores_fp8keys_reference(q, weights, keys, block_table, token_row, n_visible, max_entries)
+    # the kernels index these as ptr + i (block_table rows as ptr + row * stride + j)
+    block_table, token_row, n_visible = block_table.contiguous(), token_row.contiguous(), n_visible.contiguous()
 
     cfg = launch_config(T, H, max_entries, q.device, block_n, tiles_per_program, num_warps, num_stages)
     out = torch.empty((T, max_entries), dtype=torch.float32, device=q.device)

@@ -562,6 +562,8 @@ def topk_indices(
             )
     if not use_triton(backend, scores, n_visible):
         return topk_indices_reference(scores, k, n_visible)
+    if n_visible is not None:
+        n_visible = n_visible.contiguous()  # indexed as ptr + t
     if k > _MAX_K:
         raise ValueError(f"k: the Triton kernel supports k <= {_MAX_K}, got {k}")
     out = torch.empty((T, k), dtype=torch.int32, device=scores.device)
