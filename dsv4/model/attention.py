@@ -116,12 +116,14 @@ class AttentionSubBlock:
         return topk_indices(scores, cfg.index_topk, rp.n_visible, backend=self.backend)
 
     def _ring_window_index(self, handle: LayerCacheHandle) -> torch.Tensor:
-        """Decode: physical ring slots [T, window] of positions t-window+1 .. t (-1 before position 0)."""
+        """Decode: physical ring slots [T, window] of positions t-window+1 .. t (-1 before position 0).
+
+        A padded row (token slot -1) gets negative slots, which the attention kernel skips."""
         ring = handle.schema.ring_size
         plan = handle.plan
-        key_pos = plan.positions[:, None].long() - (ring - 1) + torch.arange(ring, device=plan.device)
+        key_pos, valid = F.window_key_positions(plan.positions, ring)
         slot = plan.token_slots[:, None].long() * ring + key_pos.remainder(ring)
-        return torch.where(key_pos >= 0, slot, -1).to(torch.int32)
+        return torch.where(valid, slot, -1).to(torch.int32)
 
     def _window_workspace(self, handle: LayerCacheHandle) -> tuple[EntryPages, torch.Tensor, torch.Tensor]:
         """Prefill/mixed: an FP8 workspace holding each request's window history (copied from the ring
