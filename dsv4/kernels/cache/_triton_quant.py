@@ -149,44 +149,36 @@ def rope_cos_sin_rows(pos_ptrs, mask, ratio, inv_ptrs, INTERP: tl.constexpr):
     return c, s
 
 
+# e2m1 rounding thresholds as global constexprs (derived from the format's value table, see e2m1_thresholds):
+# _E2M1_Tk is the midpoint between magnitudes k and k+1, _E2M1_Uk whether a tie there rounds up (to the even code).
+_E2M1 = e2m1_thresholds()
+_E2M1_T0, _E2M1_U0 = tl.constexpr(_E2M1[0][0]), tl.constexpr(_E2M1[0][1])
+_E2M1_T1, _E2M1_U1 = tl.constexpr(_E2M1[1][0]), tl.constexpr(_E2M1[1][1])
+_E2M1_T2, _E2M1_U2 = tl.constexpr(_E2M1[2][0]), tl.constexpr(_E2M1[2][1])
+_E2M1_T3, _E2M1_U3 = tl.constexpr(_E2M1[3][0]), tl.constexpr(_E2M1[3][1])
+_E2M1_T4, _E2M1_U4 = tl.constexpr(_E2M1[4][0]), tl.constexpr(_E2M1[4][1])
+_E2M1_T5, _E2M1_U5 = tl.constexpr(_E2M1[5][0]), tl.constexpr(_E2M1[5][1])
+_E2M1_T6, _E2M1_U6 = tl.constexpr(_E2M1[6][0]), tl.constexpr(_E2M1[6][1])
+
+
 @triton.jit
-def e2m1_code(
-    v,
-    T0: tl.constexpr,
-    U0: tl.constexpr,
-    T1: tl.constexpr,
-    U1: tl.constexpr,
-    T2: tl.constexpr,
-    U2: tl.constexpr,
-    T3: tl.constexpr,
-    U3: tl.constexpr,
-    T4: tl.constexpr,
-    U4: tl.constexpr,
-    T5: tl.constexpr,
-    U5: tl.constexpr,
-    T6: tl.constexpr,
-    U6: tl.constexpr,
-):
+def _e2m1_step(a, T: tl.constexpr, UP: tl.constexpr):
+    """1 where |v| = ``a`` rounds above the threshold ``T`` (ties go up iff ``UP``), else 0 (int32)."""
+    if UP:
+        return (a >= T).to(tl.int32)
+    else:
+        return (a > T).to(tl.int32)
+
+
+@triton.jit
+def e2m1_code(v):
     """e2m1 code (int32, sign << 3 | magnitude index) of fp32 ``v`` by explicit thresholds.
 
-    ``Tk`` is the midpoint between magnitudes k and k+1; ``Uk`` whether a tie there rounds up.
     A value that rounds to zero is +0 (code 0), as in ``dsv4.formats.mxfp4_key.e2m1_encode``.
     """
     a = tl.abs(v)
-    mag = tl.where(U0, a >= T0, a > T0).to(tl.int32)
-    mag += tl.where(U1, a >= T1, a > T1).to(tl.int32)
-    mag += tl.where(U2, a >= T2, a > T2).to(tl.int32)
-    mag += tl.where(U3, a >= T3, a > T3).to(tl.int32)
-    mag += tl.where(U4, a >= T4, a > T4).to(tl.int32)
-    mag += tl.where(U5, a >= T5, a > T5).to(tl.int32)
-    mag += tl.where(U6, a >= T6, a > T6).to(tl.int32)
+    mag = _e2m1_step(a, _E2M1_T0, _E2M1_U0) + _e2m1_step(a, _E2M1_T1, _E2M1_U1)
+    mag += _e2m1_step(a, _E2M1_T2, _E2M1_U2) + _e2m1_step(a, _E2M1_T3, _E2M1_U3)
+    mag += _e2m1_step(a, _E2M1_T4, _E2M1_U4) + _e2m1_step(a, _E2M1_T5, _E2M1_U5)
+    mag += _e2m1_step(a, _E2M1_T6, _E2M1_U6)
     return tl.where((v < 0) & (mag > 0), mag | 8, mag)
-
-
-def e2m1_constexprs() -> dict[str, object]:
-    """Keyword arguments T0..T6 / U0..U6 for kernels that call ``e2m1_code``."""
-    kw: dict[str, object] = {}
-    for k, (t, up) in enumerate(e2m1_thresholds()):
-        kw[f"T{k}"] = t
-        kw[f"U{k}"] = up
-    return kw

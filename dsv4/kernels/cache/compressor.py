@@ -516,20 +516,6 @@ def _emit_indexer_kernel(
     FLOOR: tl.constexpr,
     Q_EXP: tl.constexpr,
     Q_MANT: tl.constexpr,
-    T0: tl.constexpr,
-    U0: tl.constexpr,
-    T1: tl.constexpr,
-    U1: tl.constexpr,
-    T2: tl.constexpr,
-    U2: tl.constexpr,
-    T3: tl.constexpr,
-    U3: tl.constexpr,
-    T4: tl.constexpr,
-    U4: tl.constexpr,
-    T5: tl.constexpr,
-    U5: tl.constexpr,
-    T6: tl.constexpr,
-    U6: tl.constexpr,
 ):
     """Tokens [a*BLOCK_T, ...), each emitting one in turn: bf16 -> RMSNorm -> RoPE -> Sylvester Hadamard
     (fp32, x DIM^-1/2, bf16) -> MXFP4.
@@ -598,7 +584,7 @@ def _emit_indexer_kernel(
         zo = bf16_round(zo * HAD_SCALE)
         _mxfp4_store_row(
             ze, zo, slot // bs, slot % bs, slot >= 0, data_ptr, data_sp, data_sr, scale_ptr, scale_sp, scale_sr,
-            NB, HB, FLOOR, Q_EXP, Q_MANT, T0, U0, T1, U1, T2, U2, T3, U3, T4, U4, T5, U5, T6, U6,
+            NB, HB, FLOOR, Q_EXP, Q_MANT,
         )  # fmt: skip
         k = tl.min(tl.where(work & (kk > k), kk, BLOCK_T), axis=0)
 

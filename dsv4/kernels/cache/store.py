@@ -47,7 +47,6 @@ from dsv4.kernels.cache._triton_quant import (
     bf16_round,
     ceil_log2_ratio,
     e2m1_code,
-    e2m1_constexprs,
     e4m3_code,
     pow2_neg,
     qmax_split,
@@ -381,26 +380,12 @@ def _mxfp4_store_row(
     FLOOR: tl.constexpr,
     Q_EXP: tl.constexpr,
     Q_MANT: tl.constexpr,
-    T0: tl.constexpr,
-    U0: tl.constexpr,
-    T1: tl.constexpr,
-    U1: tl.constexpr,
-    T2: tl.constexpr,
-    U2: tl.constexpr,
-    T3: tl.constexpr,
-    U3: tl.constexpr,
-    T4: tl.constexpr,
-    U4: tl.constexpr,
-    T5: tl.constexpr,
-    U5: tl.constexpr,
-    T6: tl.constexpr,
-    U6: tl.constexpr,
 ):
     amax = tl.maximum(tl.max(tl.abs(ze), axis=1), tl.max(tl.abs(zo), axis=1))
     e = ceil_log2_ratio(amax, FLOOR, Q_EXP, Q_MANT)
     inv = pow2_neg(e)[:, None]
-    ce = e2m1_code(ze * inv, T0, U0, T1, U1, T2, U2, T3, U3, T4, U4, T5, U5, T6, U6)
-    co = e2m1_code(zo * inv, T0, U0, T1, U1, T2, U2, T3, U3, T4, U4, T5, U5, T6, U6)
+    ce = e2m1_code(ze * inv)
+    co = e2m1_code(zo * inv)
     b = tl.arange(0, NB)
     jj = tl.arange(0, HB)
     bmask = (tl.zeros([NB], tl.int32) + ok.to(tl.int32)) != 0
@@ -431,20 +416,6 @@ def _store_mxfp4_kernel(
     FLOOR: tl.constexpr,
     Q_EXP: tl.constexpr,
     Q_MANT: tl.constexpr,
-    T0: tl.constexpr,
-    U0: tl.constexpr,
-    T1: tl.constexpr,
-    U1: tl.constexpr,
-    T2: tl.constexpr,
-    U2: tl.constexpr,
-    T3: tl.constexpr,
-    U3: tl.constexpr,
-    T4: tl.constexpr,
-    U4: tl.constexpr,
-    T5: tl.constexpr,
-    U5: tl.constexpr,
-    T6: tl.constexpr,
-    U6: tl.constexpr,
 ):
     i = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + i).to(tl.int64)
@@ -456,7 +427,7 @@ def _store_mxfp4_kernel(
         zo = tl.load(x_ptr + i * stride_x + off + 1).to(tl.float32)
         _mxfp4_store_row(
             ze, zo, slot // bs, slot % bs, slot >= 0, data_ptr, data_sp, data_sr, scale_ptr, scale_sp, scale_sr,
-            NB, HB, FLOOR, Q_EXP, Q_MANT, T0, U0, T1, U1, T2, U2, T3, U3, T4, U4, T5, U5, T6, U6,
+            NB, HB, FLOOR, Q_EXP, Q_MANT,
         )  # fmt: skip
 
 
@@ -479,8 +450,7 @@ def _fp8_constexprs(fmt: FP8EntryFormat) -> dict:
 @functools.lru_cache(maxsize=16)
 def _mxfp4_constexprs(fmt: MXFP4KeyFormat) -> dict:
     q_exp, q_mant = qmax_split(fmt.fp4_max)
-    kw = dict(NB=fmt.n_blocks, HB=fmt.block // 2, FLOOR=fmt.amax_floor, Q_EXP=q_exp, Q_MANT=q_mant)
-    return {**kw, **e2m1_constexprs()}
+    return dict(NB=fmt.n_blocks, HB=fmt.block // 2, FLOOR=fmt.amax_floor, Q_EXP=q_exp, Q_MANT=q_mant)
 
 
 def _fp8_args(pages: EntryPages, fmt: FP8EntryFormat) -> tuple[list, dict]:
