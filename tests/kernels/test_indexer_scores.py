@@ -222,17 +222,20 @@ def test_launch_config_heuristic():
             launch_config(1, 4, 64, cpu, **bad)
 
 
-def test_page_minus_one_inside_visible_scores_minus_inf():
-    """A -1 page inside the visible range (a caller bug) is skipped (-inf), never read, in both backends."""
+@pytest.mark.parametrize("bad_page", [-1, 2, 1 << 20])
+def test_bad_page_inside_visible_scores_minus_inf(bad_page):
+    """A page of -1 or outside the pool inside the visible range (a caller bug) is skipped (-inf), never read,
+    in both backends and both key formats."""
     g = torch.Generator().manual_seed(2)
     kp = make_keys(2, 8, gen=g)
     q, w = make_query(1, 4, g)
-    bt = torch.tensor([[0, -1, 1]], dtype=torch.int32)
+    bt = torch.tensor([[0, bad_page, 1]], dtype=torch.int32)
     args = (bt, torch.zeros(1, dtype=torch.int32), torch.tensor([24], dtype=torch.int32), 24)
-    for backend in ("torch", "triton"):
-        out = indexer_scores(q, w, kp, *args, backend=backend)
-        assert torch.isneginf(out[0, 8:16]).all() and torch.isfinite(out[0, :8]).all()
-        assert torch.isfinite(out[0, 16:]).all()
+    for fn, keys in ((indexer_scores, kp), (indexer_scores_fp8keys, fp8_key_pages_from_mxfp4(kp))):
+        for backend in ("torch", "triton"):
+            out = fn(q, w, keys, *args, backend=backend)
+            assert torch.isneginf(out[0, 8:16]).all() and torch.isfinite(out[0, :8]).all()
+            assert torch.isfinite(out[0, 16:]).all()
 
 
 def test_fp8_helper_is_exact_on_mxfp4_keys():

@@ -114,8 +114,9 @@ def _check_common(q, weights, block_table, token_row, n_visible, max_entries) ->
     return T, H
 
 
-def _gather_pages(block_table, token_row, n_visible, bs: int, n: int):
-    """(page [T, N] int64 clamped >= 0, row-in-page [N], visible [T, N] bool) of logical entries 0..N-1."""
+def _gather_pages(block_table, token_row, n_visible, bs: int, n: int, num_pages: int):
+    """(page [T, N] int64 clamped to the pool, row-in-page [N], visible [T, N] bool) of logical entries 0..N-1;
+    a page of -1 or outside [0, num_pages) is not visible (never read)."""
     dev = block_table.device
     j = torch.arange(n, device=dev)
     col = j // bs
@@ -126,8 +127,8 @@ def _gather_pages(block_table, token_row, n_visible, bs: int, n: int):
         page = torch.full((token_row.shape[0], n), -1, dtype=torch.long, device=dev)
     else:
         page = rows[:, col.clamp(max=max_blocks - 1)]
-    vis = (j[None, :] < n_visible.long()[:, None]) & in_table[None, :] & (page >= 0)
-    return page.clamp(min=0), j % bs, vis
+    vis = (j[None, :] < n_visible.long()[:, None]) & in_table[None, :] & (page >= 0) & (page < num_pages)
+    return torch.where(vis, page, 0), j % bs, vis
 
 
 def _score_from_keys(q, weights, k, vis):
@@ -139,7 +140,9 @@ def _score_from_keys(q, weights, k, vis):
 # ---------------------------------------------------------------------------------------- references
 def indexer_scores_reference(q, weights, keys: KeyPages, block_table, token_row, n_visible, max_entries: int):
     """PyTorch reference of ``indexer_scores`` (fp32 math on keys dequantised by MXFP4KeyFormat)."""
-    page, prow, vis = _gather_pages(block_table, token_row, n_visible, keys.entries_per_page, max_entries)
+    page, prow, vis = _gather_pages(
+        block_table, token_row, n_visible, keys.entries_per_page, max_entries, keys.data.shape[0]
+    )
     k = _FMT.dequantize(keys.data[page, prow], keys.scale[page, prow])  # [T, N, 128] fp32
     return _score_from_keys(q, weights, k, vis)
 
@@ -148,7 +151,9 @@ def indexer_scores_fp8keys_reference(
     q, weights, keys: FP8KeyPages, block_table, token_row, n_visible, max_entries: int
 ):
     """PyTorch reference of ``indexer_scores_fp8keys``."""
-    page, prow, vis = _gather_pages(block_table, token_row, n_visible, keys.entries_per_page, max_entries)
+    page, prow, vis = _gather_pages(
+        block_table, token_row, n_visible, keys.entries_per_page, max_entries, keys.data.shape[0]
+    )
     k = keys.data[page, prow].view(FP8_DTYPE).float() * keys.scale[page, prow].unsqueeze(-1)
     return _score_from_keys(q, weights, k, vis)
 
@@ -271,14 +276,27 @@ def _sbyte(s4, c: tl.constexpr):
 
 @triton.jit
 def _tile_keys(
-    offs_n, nv, row, bt_ptr, stride_bt, MAX_BLOCKS, BS, data_ptr, stride_dp, stride_dr, scale_ptr, stride_sp, stride_sr
+    offs_n,
+    nv,
+    row,
+    bt_ptr,
+    stride_bt,
+    MAX_BLOCKS,
+    NUM_PAGES,
+    BS,
+    data_ptr,
+    stride_dp,
+    stride_dr,
+    scale_ptr,
+    stride_sp,
+    stride_sr,
 ):
     """Entries offs_n of a row: (valid mask, pointer to each key's packed bytes, its 4 UE8M0 bytes as one
     little-endian int32 word; 127s where invalid)."""
     blk = offs_n // BS
     vis = (offs_n < nv) & (blk < MAX_BLOCKS)
     page = tl.load(bt_ptr + row * stride_bt + blk, mask=vis, other=-1)
-    ok = vis & (page >= 0)
+    ok = vis & (page >= 0) & (page < NUM_PAGES)  # a page outside the pool is skipped, never read
     page = tl.where(ok, page, 0).to(tl.int64)
     prow = (offs_n % BS).to(tl.int64)
     kptr = data_ptr + page * stride_dp + prow * stride_dr
@@ -315,6 +333,7 @@ def _mxfp4_scores_kernel(
     H,
     N,
     MAX_BLOCKS,
+    NUM_PAGES,
     tiles,
     BS: tl.constexpr,
     HP: tl.constexpr,
@@ -372,6 +391,7 @@ def _mxfp4_scores_kernel(
                     bt_ptr,
                     stride_bt,
                     MAX_BLOCKS,
+                    NUM_PAGES,
                     BS,
                     data_ptr,
                     stride_dp,
@@ -410,6 +430,7 @@ def _mxfp4_scores_kernel(
                     bt_ptr,
                     stride_bt,
                     MAX_BLOCKS,
+                    NUM_PAGES,
                     BS,
                     data_ptr,
                     stride_dp,
@@ -442,6 +463,7 @@ def _mxfp4_scores_kernel(
                 bt_ptr,
                 stride_bt,
                 MAX_BLOCKS,
+                NUM_PAGES,
                 BS,
                 data_ptr,
                 stride_dp,
@@ -467,6 +489,7 @@ def _mxfp4_scores_kernel(
                 bt_ptr,
                 stride_bt,
                 MAX_BLOCKS,
+                NUM_PAGES,
                 BS,
                 data_ptr,
                 stride_dp,
@@ -510,6 +533,7 @@ def _fp8_scores_kernel(
     H,
     N,
     MAX_BLOCKS,
+    NUM_PAGES,
     tiles,
     BS: tl.constexpr,
     HP: tl.constexpr,
@@ -541,7 +565,7 @@ def _fp8_scores_kernel(
         blk = offs_n // BS
         vis = (offs_n < nv) & (blk < MAX_BLOCKS)
         page = tl.load(bt_ptr + row * stride_bt + blk, mask=vis, other=-1)
-        ok = vis & (page >= 0)
+        ok = vis & (page >= 0) & (page < NUM_PAGES)  # a page outside the pool is skipped, never read
         page = tl.where(ok, page, 0).to(tl.int64)
         prow = (offs_n % BS).to(tl.int64)
         bits = tl.load(
@@ -680,6 +704,7 @@ def _launch_mxfp4(impl, q, weights, data, scale32, block_table, token_row, n_vis
         q.shape[1],
         n,
         block_table.shape[1],
+        data.shape[0],
         cfg.tiles,
         BS=bs,
         HP=cfg.hp,
@@ -844,6 +869,7 @@ def indexer_scores_fp8keys(
         H,
         max_entries,
         block_table.shape[1],
+        keys.data.shape[0],
         cfg.tiles,
         BS=bs,
         HP=cfg.hp,
