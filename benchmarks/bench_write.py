@@ -60,6 +60,7 @@ import triton  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from dsv4.config import get_preset  # noqa: E402
+from dsv4.engine.graphs import capture_graph  # noqa: E402
 from dsv4.formats import FP8EntryFormat, MXFP4KeyFormat  # noqa: E402
 from dsv4.kernels.cache.compressor import compressor_step, emit_entries  # noqa: E402
 from dsv4.kernels.cache.store import store_window  # noqa: E402
@@ -86,18 +87,8 @@ def graph_time(fn) -> tuple[float | None, str]:
     cannot be captured, with the reason)."""
     if not torch.cuda.is_available():
         return None, "no CUDA"
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):  # warm-up on a side stream, as torch.cuda.graphs recommends
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
     try:
-        with torch.cuda.graph(g):
-            for _ in range(GRAPH_CALLS):
-                fn()
+        g, _ = capture_graph(fn, warmup=3, calls=GRAPH_CALLS)
     except Exception as e:  # noqa: BLE001 - report why it does not capture
         torch.cuda.synchronize()
         return None, f"capture failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}"

@@ -60,7 +60,7 @@ import torch
 from dsv4.cache.manager import KVCacheManager
 from dsv4.cache.schema import CacheSchema
 from dsv4.config import ModelConfig, get_preset
-from dsv4.engine.graphs import DecodeGraphRunner
+from dsv4.engine.graphs import DecodeGraphRunner, capture_graph
 from dsv4.kernels.attention import sparse_attention
 from dsv4.kernels.cache.store import store_fp8_entries, store_mxfp4_keys
 from dsv4.kernels.indexer import indexer_scores, to_physical, topk_indices
@@ -118,17 +118,7 @@ def _graph_time(fn: Callable[[], object], device: torch.device) -> float | None:
         return None
     import triton.testing
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(GRAPH_CALLS):
-            fn()
+    g, _ = capture_graph(fn, warmup=2, calls=GRAPH_CALLS)
     t = triton.testing.do_bench(g.replay, warmup=5, rep=40, return_mode="median") * 1e-3
     del g
     return t / GRAPH_CALLS

@@ -41,7 +41,28 @@ from dsv4.errors import check_same_device
 from dsv4.model import functional as F
 from dsv4.model.attention import AttentionSubBlock
 
-__all__ = ["DecodeGraphRunner", "decode_stack", "pick_bucket"]
+__all__ = ["DecodeGraphRunner", "capture_graph", "decode_stack", "pick_bucket"]
+
+
+def capture_graph(fn: Callable[[], object], *, warmup: int = 1, calls: int = 1, pool=None):
+    """Capture ``calls`` back-to-back calls of ``fn`` in a CUDA graph after ``warmup`` eager calls on a side
+    stream (torch.cuda.graphs' recipe: Triton compiles and caches warm up outside the capture).
+
+    Returns ``(graph, result of the last captured call)``; the result's tensors are the graph's static outputs.
+    """
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    out = None
+    with torch.cuda.graph(g, pool=pool):
+        for _ in range(calls):
+            out = fn()
+    return g, out
 
 
 def decode_stack(
@@ -196,17 +217,9 @@ class DecodeGraphRunner:
             m.free(key)
 
     def _record(self, b: _Bucket) -> None:
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):  # warm-up on a side stream (torch.cuda.graphs' recipe)
-            for _ in range(self.warmup):
-                self.forward(self.layers, b.handles, b.x)
-        torch.cuda.current_stream().wait_stream(s)
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=self.pool):
-            b.y = self.forward(self.layers, b.handles, b.x)
-        b.graph = g
+        b.graph, b.y = capture_graph(
+            lambda: self.forward(self.layers, b.handles, b.x), warmup=self.warmup, pool=self.pool
+        )
 
     # ------------------------------------------------------------------ steps
     def prepare(self, schedule: Mapping[Hashable, int] | Iterable[tuple[Hashable, int]]) -> tuple[StepPlan, int] | None:

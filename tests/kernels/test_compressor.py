@@ -9,6 +9,7 @@ O(1) data), while the state rows are copies and must be bit-equal.
 import pytest
 import torch
 
+from dsv4.engine.graphs import capture_graph
 from dsv4.formats import FP8EntryFormat, MXFP4KeyFormat
 from dsv4.kernels.cache.compressor import compressor_step, emit_entries, entry_positions
 
@@ -335,18 +336,6 @@ def test_emit_entries_rope_at_entry_position_far_out(device):
     assert (got == ref).float().mean() > 0.98
 
 
-def _graph_capture(fn):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("decode", [True, False])
@@ -391,7 +380,7 @@ def test_compress_emit_sync_free_and_capturable(kind, decode):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     fg, pg, ksg, ssg = make()
-    graph = _graph_capture(lambda: op(pg, ksg, ssg))  # a host sync cannot be captured
+    graph, _ = capture_graph(lambda: op(pg, ksg, ssg))  # a host sync cannot be captured
     fresh = make()
     fg.copy_(fresh[0]), ksg.copy_(fresh[2]), ssg.copy_(fresh[3])
     graph.replay()

@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from dsv4.engine.graphs import capture_graph
 from dsv4.formats import FP8EntryFormat, MXFP4KeyFormat
 from dsv4.kernels.cache._triton_quant import rope_cos_sin_at
 from dsv4.kernels.cache.compressor import entry_positions
@@ -249,18 +250,6 @@ def test_in_kernel_rope_cos_sin_matches_reference(device, ratio):
     torch.testing.assert_close(sin, want_s, atol=2.5e-7, rtol=0)
 
 
-def _graph_capture(fn):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_store_ops_are_sync_free_and_capturable():
@@ -286,7 +275,7 @@ def test_store_ops_are_sync_free_and_capturable():
             op(pages_e)
         finally:
             torch.cuda.set_sync_debug_mode("default")
-        g = _graph_capture(lambda pages_g=pages_g, op=op: op(pages_g))  # a host sync cannot be captured
+        g, _ = capture_graph(lambda pages_g=pages_g, op=op: op(pages_g))  # a host sync cannot be captured
         flat_g.copy_(make(dev)[0])
         g.replay()
         torch.cuda.synchronize()
