@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from dsv4.config import LayerKind, ModelConfig
-from dsv4.formats import FP8EntryFormat, MXFP4KeyFormat
+from dsv4.formats import FP8EntryFormat, MXFP4KeyFormat, entry_format, key_format
 
 DEFAULT_BLOCK_TOKENS = 256
 _INT32_BYTES = 4
@@ -127,8 +127,8 @@ class CacheSchema:
                 )
         self.config = config
         self.block_tokens = block_tokens
-        self.entry_fmt = FP8EntryFormat(head_dim=config.head_dim, rope_dim=config.rope_head_dim)
-        self.key_fmt = MXFP4KeyFormat(dim=config.index_head_dim)
+        self.entry_fmt = entry_format(config)
+        self.key_fmt = key_format(config)
 
     # ------------------------------------------------------------------ geometry
     @property

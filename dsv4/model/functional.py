@@ -34,7 +34,7 @@ import torch
 
 from dsv4.config import ModelConfig
 from dsv4.errors import check_tensor
-from dsv4.formats import FP8EntryFormat, MXFP4KeyFormat
+from dsv4.formats import FP8EntryFormat, MXFP4KeyFormat, entry_format, key_format  # noqa: F401 (re-exported)
 
 __all__ = [
     "entry_format",
@@ -60,17 +60,6 @@ __all__ = [
 
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 _INTS = (torch.int32, torch.int64)
-
-
-# ---------------------------------------------------------------------------------------------- formats
-def entry_format(cfg: ModelConfig) -> FP8EntryFormat:
-    """The FP8 entry format of a config's window KV and compressed entries (head_dim, rope_head_dim)."""
-    return FP8EntryFormat(head_dim=cfg.head_dim, rope_dim=cfg.rope_head_dim)
-
-
-def key_format(cfg: ModelConfig) -> MXFP4KeyFormat:
-    """The MXFP4 format of a config's indexer keys and indexer queries (index_head_dim)."""
-    return MXFP4KeyFormat(dim=cfg.index_head_dim)
 
 
 # ---------------------------------------------------------------------------------------------- basics
