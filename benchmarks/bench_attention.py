@@ -7,9 +7,12 @@
 Shapes: V4-Flash (64 heads, CSA top-k 512) and V4-Pro (128 heads, top-k 1024) decode at B = 1, 8, 64
 with the 128-entry window + top-k entries; HCA with 8192 compressed entries + window at B = 1, 8.
 Every entry is valid (full window, full top-k).  For each shape, in one process and on the same data:
-correctness of the Triton kernel vs the PyTorch reference first, then the median time
-(``triton.testing.do_bench``) of the Triton kernel, of the PyTorch reference (eager) and of
-``torch.compile`` of a plain PyTorch version (gather -> dequantise -> matmul -> softmax with sink).
+correctness of the Triton kernel vs the PyTorch reference first, then the median time of the Triton op
+(``time_s``: CUDA-graph replay, i.e. GPU time as a captured decode step pays it; ``eager_time_s``:
+``triton.testing.do_bench`` of one eager call, launch path included; ``fused_time_s``: graph time of the
+fused kernel; ``gathered_time_s``: of the two-launch gathered path; both checked too), of the PyTorch reference (eager)
+and of ``torch.compile`` of a plain PyTorch version (gather -> dequantise -> matmul -> softmax with sink),
+both with ``do_bench`` (they cannot all be captured).
 
 FLOPs = 2*T*H*N*(D + D) (QK and PV), bytes = T*N*entry_bytes (each query row reads its N entries once),
 roofline = max(flops / 776e12, bytes / 4.17e12) (spec performance.md, H200).
@@ -37,7 +40,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from dsv4.config import get_preset  # noqa: E402
 from dsv4.formats import FP8EntryFormat  # noqa: E402
-from dsv4.kernels.attention import sparse_attention_reference, sparse_attention_triton  # noqa: E402
+from dsv4.kernels.attention import choose_path, sparse_attention_reference, sparse_attention_triton  # noqa: E402
 
 PEAK_BF16_FLOPS = 776e12
 PEAK_HBM_BYTES = 4.17e12
@@ -61,15 +64,19 @@ def make_pool(num_entries: int, bs: int, device, gen: torch.Generator):
     return pages
 
 
-def make_case(B: int, H: int, window: int, ctx: int, topk: int | None, device, seed: int = 0):
-    """Caches and queries of one decode step: window ring + pool (top-k of ``ctx`` or all ``ctx`` entries)."""
+def make_case(B: int, H: int, window: int, ctx: int, topk: int | None, device, seed: int = 0, one_request=False):
+    """Caches and queries of one step: window ring + pool (top-k of ``ctx`` or all ``ctx`` entries).
+
+    Decode: B requests, each with its own ring page and pool pages.  ``one_request``: B query rows of one
+    request (a prefill chunk): one ring and one pool shared by every row, each row with its own top-k."""
     gen = torch.Generator().manual_seed(seed)
-    win = make_pool(B * window, window, device, gen)  # one ring page per request
-    widx = torch.arange(B * window, dtype=torch.int32).view(B, window)
+    owners = 1 if one_request else B
+    win = make_pool(owners * window, window, device, gen)  # one ring page per request
+    widx = torch.arange(owners * window, dtype=torch.int32).view(owners, window).expand(B, window).contiguous()
     bs = 64
     pages_per_req = math.ceil(ctx / bs)
-    pool = make_pool(B * pages_per_req * bs, bs, device, gen)
-    page_of = torch.randperm(B * pages_per_req, generator=gen).view(B, pages_per_req)  # scattered pages
+    pool = make_pool(owners * pages_per_req * bs, bs, device, gen)
+    page_of = torch.randperm(owners * pages_per_req, generator=gen).view(owners, pages_per_req).expand(B, -1)
     if topk is None:
         logical = torch.arange(ctx).expand(B, ctx)
     else:
@@ -120,6 +127,39 @@ def bench(fn, smoke: bool) -> float:
     return statistics.median(times)
 
 
+def time_call(fn, smoke: bool) -> tuple[float, str]:
+    """Median seconds per call: CUDA-graph replay of 10 calls, else do_bench, else wall clock (CPU)."""
+    if not torch.cuda.is_available():
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0, "wall"
+    try:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fn()  # warm-up / compile outside the capture
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(10):
+                fn()
+        graph.replay()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        times = []
+        for _ in range(15):
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e-3 / 10)
+        return statistics.median(times), "graph"
+    except Exception:  # noqa: BLE001 - any capture problem: fall back to the eager timer
+        torch.cuda.synchronize()
+        return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median") * 1e-3, "do_bench"
+
+
 def check(out, ref) -> tuple[bool, float]:
     diff = (out.float() - ref.float()).abs()
     ok = bool(torch.isfinite(out.float()).all()) and bool((diff <= 2e-2 + 1.6e-2 * ref.float().abs()).all())
@@ -130,7 +170,11 @@ def shapes(smoke: bool):
     flash, pro = get_preset("v4-flash"), get_preset("v4-pro")
     win = flash.window_size
     if smoke:
-        return [("smoke/csa/B2", 2, 8, win // 4, 64, 16), ("smoke/hca/B1", 1, 4, win // 4, 80, None)]
+        return [
+            ("smoke/csa/B2", 2, 8, win // 4, 64, 16),
+            ("smoke/hca/B1", 1, 4, win // 4, 80, None),
+            ("smoke/csa/prefill6", 6, 4, win // 4, 64, 16),
+        ]
     out = []
     for cfg in (flash, pro):
         for B in (1, 8, 64):
@@ -138,6 +182,9 @@ def shapes(smoke: bool):
     for cfg in (flash, pro):
         for B in (1, 8):
             out.append((f"{cfg.name}/hca8192/B{B}", B, cfg.n_heads, win, 8192, None))
+    # prefill chunks: T query rows, each with its own window + top-k list (per-query visibility)
+    out.append((f"{flash.name}/csa/prefill2048", 2048, flash.n_heads, win, 16 * flash.index_topk, flash.index_topk))
+    out.append((f"{pro.name}/csa/prefill1024", 1024, pro.n_heads, win, 16 * pro.index_topk, pro.index_topk))
     return out
 
 
@@ -173,7 +220,7 @@ def main(argv=None) -> int:
     rows = []
     out_file = open(args.out, "a") if args.out else None  # noqa: SIM115
     for name, B, H, window, ctx, topk in shapes(args.smoke):
-        q, caches, sink = make_case(B, H, window, ctx, topk, device)
+        q, caches, sink = make_case(B, H, window, ctx, topk, device, one_request="prefill" in name)
         flat = [(p.nope, p.rope, p.scale, idx) for p, idx in caches]
         N = sum(idx.shape[1] for _, idx in caches)
         flops = 2 * B * H * N * (FMT.head_dim + FMT.head_dim)
@@ -183,7 +230,17 @@ def main(argv=None) -> int:
         ref, _ = sparse_attention_reference(q, caches, sink, sm_scale)
         out, _ = sparse_attention_triton(q, caches, sink, sm_scale)
         ok, err = check(out, ref)
-        t_triton = bench(lambda q=q, c=caches, s=sink: sparse_attention_triton(q, c, s, sm_scale), args.smoke)
+        t_triton_eager = bench(lambda q=q, c=caches, s=sink: sparse_attention_triton(q, c, s, sm_scale), args.smoke)
+        t_triton, timer = time_call(
+            lambda q=q, c=caches, s=sink: sparse_attention_triton(q, c, s, sm_scale), args.smoke
+        )
+        t_path = {}
+        for path in ("fused", "gathered"):
+            o, _ = sparse_attention_triton(q, caches, sink, sm_scale, path=path)
+            ok = ok and check(o, ref)[0]
+            t_path[path], _ = time_call(
+                lambda q=q, c=caches, s=sink, p=path: sparse_attention_triton(q, c, s, sm_scale, path=p), args.smoke
+            )
         t_eager = bench(lambda q=q, c=caches, s=sink: sparse_attention_reference(q, c, s, sm_scale), args.smoke)
         t_comp, comp_err, comp_note = None, None, None
         t_plain = bench(lambda q=q, f=flat, s=sink: plain_attention(q, f, s, sm_scale), args.smoke)
@@ -208,6 +265,11 @@ def main(argv=None) -> int:
                 "N": N,
             },
             "time_s": t_triton,
+            "timer": timer,
+            "eager_time_s": t_triton_eager,
+            "path": choose_path(B, [idx.shape[1] for _, idx in caches], FMT.head_dim),
+            "fused_time_s": t_path["fused"],
+            "gathered_time_s": t_path["gathered"],
             "flops": flops,
             "bytes": nbytes,
             "roofline_s": roofline,
@@ -262,13 +324,15 @@ def main(argv=None) -> int:
         out_file.close()
 
     print(
-        f"\n{'shape':<24}{'triton us':>11}{'eager us':>11}{'compile us':>12}{'roofline us':>13}{'%roof':>7}"
-        f"{'TFLOP/s':>9}{'GB/s':>8}  ok"
+        f"\n{'shape':<24}{'path':>9}{'triton us':>11}{'fused us':>10}{'gather us':>10}{'eager us':>11}"
+        f"{'compile us':>12}{'roofline us':>13}{'%roof':>7}{'TFLOP/s':>9}{'GB/s':>8}  ok"
     )
     for r in rows:
         comp = f"{r['baseline_compiled_time_s'] * 1e6:12.1f}" if r["baseline_compiled_time_s"] else f"{'-':>12}"
         print(
-            f"{r['name'].split('/', 1)[1]:<24}{r['time_s'] * 1e6:11.1f}{r['baseline_eager_time_s'] * 1e6:11.1f}"
+            f"{r['name'].split('/', 1)[1]:<24}{r['path']:>9}{r['time_s'] * 1e6:11.1f}{r['fused_time_s'] * 1e6:10.1f}"
+            f"{r['gathered_time_s'] * 1e6:10.1f}"
+            f"{r['baseline_eager_time_s'] * 1e6:11.1f}"
             f"{comp}{r['roofline_s'] * 1e6:13.2f}{r['pct_roofline']:7.1f}{r['tflops']:9.1f}{r['gbps']:8.0f}"
             f"  {r['correct']}"
         )

@@ -4,10 +4,13 @@
     python benchmarks/sweep_attention.py --smoke                                        # CPU, interpreter
 
 Shapes: V4-Flash CSA B=64 (64 heads, 128 window + 512 top-k), V4-Pro CSA B=64 (128 heads, 128 + 1024),
-V4-Pro HCA B=8 (128 heads, 128 window + 8192 compressed entries); data from ``bench_attention.make_case``.
+V4-Pro HCA B=8 (128 heads, 128 window + 8192 compressed entries), V4-Flash CSA B=1, V4-Pro CSA B=8; data from
+``bench_attention.make_case``.
 
 Variants (``sparse_attention_triton`` keyword arguments):
-  base          one [BLOCK_N, 512] dequantised tile feeds both dots, q [BLOCK_H, 512] held (current default)
+  gathered      two launches: entries dequantised into a bf16 workspace, then a pipelined dense flash-decoding
+                kernel (``path="gathered"``; the default for decode-sized steps); configs from GATHERED_CONFIGS
+  base          fused: one [BLOCK_N, 512] dequantised tile feeds both dots, q [BLOCK_H, 512] held (``path="fused"``)
   qk2 / qk1     QK^T in D-chunks of 128 / 64 dims, q chunks re-loaded from global (``qk_tiles=2 / 1``)
   ds2 / ds4     output dims split over 2 / 4 programs (``d_split``): full QK^T each, P.V for 256 / 128 dims
   ds2_qk2       both
@@ -31,7 +34,6 @@ import datetime
 import functools
 import json
 import os
-import statistics
 import sys
 import time
 
@@ -45,13 +47,14 @@ import triton  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from bench_attention import FMT, PEAK_BF16_FLOPS, PEAK_HBM_BYTES, check, make_case  # noqa: E402
+from bench_attention import FMT, PEAK_BF16_FLOPS, PEAK_HBM_BYTES, check, make_case, time_call  # noqa: E402
 
 from dsv4.config import get_preset  # noqa: E402
 from dsv4.kernels.attention import sparse_attention_reference, sparse_attention_triton  # noqa: E402
 
 VARIANTS = {
-    "base": {},
+    "gathered": {"path": "gathered"},
+    "base": {"path": "fused"},
     "qk2": {"qk_tiles": 2},
     "qk1": {"qk_tiles": 1},
     "ds2": {"d_split": 2},
@@ -66,6 +69,15 @@ CONFIGS = [  # (block_h, block_n, num_warps, num_stages)
     (128, 64, 16, 1),
     (32, 64, 8, 1),
 ]
+GATHERED_CONFIGS = [  # the dense kernel: num_stages is its software-pipeline depth
+    (64, 64, 8, 2),
+    (64, 32, 8, 3),
+    (64, 32, 8, 2),
+    (64, 64, 8, 1),
+    (64, 128, 8, 1),
+    (64, 64, 8, 3),
+]
+GATHERED_SPLITS = (1, 2, 3, 4, 6, 8, 12)
 SMOKE_CONFIGS = [(16, 16, 4, 1)]
 
 
@@ -78,40 +90,9 @@ def shapes(smoke: bool):
         (f"{flash.name}/csa/B64", 64, flash.n_heads, win, 4 * flash.index_topk, flash.index_topk),
         (f"{pro.name}/csa/B64", 64, pro.n_heads, win, 4 * pro.index_topk, pro.index_topk),
         (f"{pro.name}/hca8192/B8", 8, pro.n_heads, win, 8192, None),
+        (f"{flash.name}/csa/B1", 1, flash.n_heads, win, 4 * flash.index_topk, flash.index_topk),
+        (f"{pro.name}/csa/B8", 8, pro.n_heads, win, 4 * pro.index_topk, pro.index_topk),
     ]
-
-
-def time_call(fn, smoke: bool) -> tuple[float, str]:
-    """Median seconds per call: CUDA-graph replay of 10 calls, else do_bench, else wall clock (CPU)."""
-    if not torch.cuda.is_available():
-        t0 = time.perf_counter()
-        fn()
-        return time.perf_counter() - t0, "wall"
-    try:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            fn()  # warm-up / compile outside the capture
-        torch.cuda.current_stream().wait_stream(stream)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(10):
-                fn()
-        graph.replay()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        times = []
-        for _ in range(15):
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1e-3 / 10)
-        return statistics.median(times), "graph"
-    except Exception:  # noqa: BLE001 - any capture problem: fall back to the eager timer
-        torch.cuda.synchronize()
-        return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median") * 1e-3, "do_bench"
 
 
 def main(argv=None) -> int:
@@ -143,7 +124,10 @@ def main(argv=None) -> int:
     # and the budget cuts whole (variant, config) pairs, not the last shape.
     wrong = set()
     for vname, vkw in variants.items():
-        runs = [(c, None) for c in configs] + ([(configs[0], 1)] if vname == "base" else [])
+        vconfigs = GATHERED_CONFIGS if vname == "gathered" and not args.smoke else configs
+        runs = [(c, None) for c in vconfigs] + ([(vconfigs[0], 1)] if vname == "base" else [])
+        if vname == "gathered":  # calibrates GATHERED_FILL: explicit key splits with the first config
+            runs += [(vconfigs[0], n) for n in GATHERED_SPLITS]
         for (bh, bn, nw, ns), splits in runs:
             for shape, H, q, caches, sink, scale, ref, flops, nbytes, roofline in cases:
                 if (bh > max(16, H) and not args.smoke) or (shape, vname) in wrong:

@@ -17,6 +17,7 @@ from dsv4.formats import FP8EntryFormat
 from dsv4.kernels.attention import (
     MIN_KEYS_PER_SPLIT,
     choose_num_splits,
+    choose_path,
     sparse_attention,
     sparse_attention_reference,
     sparse_attention_triton,
@@ -121,19 +122,24 @@ def test_reference_duplicates_count_twice():
 
 
 # ---------------------------------------------------------------------------- kernel vs reference
+PATHS = ["fused", "gathered"]
+
+
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("T,H", [(1, 4), (4, 8), (8, 16)])
-def test_kernel_matches_reference(T, H):
+def test_kernel_matches_reference(T, H, path):
     gen = torch.Generator().manual_seed(10 + H)
     caches, _ = two_caches(T, gen)
     sink = torch.randn(H, generator=gen)
     q = make_q(T, H, gen)
-    out, lse = sparse_attention(q, caches, sink, SCALE, backend="triton")
+    out, lse = sparse_attention_triton(q, caches, sink, SCALE, path=path)
     o_ref, l_ref = sparse_attention_reference(q, caches, sink, SCALE)
     assert_close_bf16(out, o_ref)
     torch.testing.assert_close(lse, l_ref, atol=1e-4, rtol=1e-5)
 
 
-def test_kernel_invalid_patterns_and_sink_only_rows():
+@pytest.mark.parametrize("path", PATHS)
+def test_kernel_invalid_patterns_and_sink_only_rows(path):
     """Empty window, fewer valid entries than K, interleaved -1, out-of-range slots, a sink-only row."""
     gen = torch.Generator().manual_seed(3)
     T, H = 5, 8
@@ -149,7 +155,7 @@ def test_kernel_invalid_patterns_and_sink_only_rows():
     sink = torch.randn(H, generator=gen)
     sink[H - 1] = NEG_INF  # a padded head: with no entries its lse is -inf and its output 0
     q = make_q(T, H, gen)
-    out, lse = sparse_attention(q, caches, sink, SCALE, backend="triton")
+    out, lse = sparse_attention_triton(q, caches, sink, SCALE, path=path)
     o_ref, l_ref = sparse_attention_reference(q, caches, sink, SCALE)
     o_dense, l_dense = dense_attention(q.float(), vals, sink, SCALE)
     assert_close_bf16(out, o_ref)
@@ -162,7 +168,8 @@ def test_kernel_invalid_patterns_and_sink_only_rows():
     assert torch.isfinite(out.float()).all()
 
 
-def test_kernel_split_path_matches_reference():
+@pytest.mark.parametrize("path", PATHS)
+def test_kernel_split_path_matches_reference(path):
     """A long key list with few heads through the flash-decoding split + combine path."""
     gen = torch.Generator().manual_seed(4)
     T, H = 2, 4
@@ -172,7 +179,7 @@ def test_kernel_split_path_matches_reference():
     q = make_q(T, H, gen)
     o_ref, l_ref = sparse_attention_reference(q, caches, sink, SCALE)
     for splits in (3, 5):
-        out, lse = sparse_attention_triton(q, caches, sink, SCALE, num_splits=splits, block_n=16)
+        out, lse = sparse_attention_triton(q, caches, sink, SCALE, num_splits=splits, block_n=16, path=path)
         assert_close_bf16(out, o_ref)
         torch.testing.assert_close(lse, l_ref, atol=1e-4, rtol=1e-5)
 
@@ -207,6 +214,20 @@ def test_kernel_variants_match_reference(variant):
     assert torch.equal(out[2], torch.zeros_like(out[2]))
 
 
+def test_gathered_path_no_keys_and_choice():
+    """Every list empty (K = 0) on the gathered path: out 0, lse = sink; choose_path by workspace bytes."""
+    gen = torch.Generator().manual_seed(9)
+    caches, _ = two_caches(2, gen, k_win=8, k_pool=8)
+    caches = [(caches[0][0], caches[0][1][:, :0]), (caches[1][0], caches[1][1][:, :0])]
+    q, sink = make_q(2, 4, gen), torch.randn(4, generator=gen)
+    out, lse = sparse_attention_triton(q, caches, sink, SCALE, path="gathered")
+    assert torch.equal(out, torch.zeros_like(out)) and torch.equal(lse, sink.expand(2, 4))
+    assert choose_path(64, [128, 1024], D) == "gathered"  # V4-Pro decode, B = 64: ~75 MB
+    assert choose_path(4096, [128, 1024], D) == "fused"  # a prefill chunk: ~4.8 GB
+    with pytest.raises(ValueError, match="path"):
+        sparse_attention_triton(q, caches, sink, SCALE, path="dense")
+
+
 def test_kernel_variant_arguments_rejected():
     gen = torch.Generator().manual_seed(8)
     caches, _ = two_caches(1, gen, k_win=8, k_pool=8)
@@ -234,7 +255,8 @@ def test_choose_num_splits():
     assert choose_num_splits(rows=1, head_blocks=2, total_blocks=130, block_n=64, num_sms=132) == 17
 
 
-def test_kernel_duplicates_pages_and_three_caches():
+@pytest.mark.parametrize("path", PATHS)
+def test_kernel_duplicates_pages_and_three_caches(path):
     """Duplicated slots, entries spread over pages, a third cache (pairs + combine), an empty (K=0) cache."""
     gen = torch.Generator().manual_seed(5)
     T, H = 3, 8
@@ -246,7 +268,7 @@ def test_kernel_duplicates_pages_and_three_caches():
     vals = [*vals, (vals[1][0], dup), (vals[1][0], empty)]
     sink = torch.randn(H, generator=gen)
     q = make_q(T, H, gen)
-    out, lse = sparse_attention(q, caches, sink, SCALE, backend="triton")
+    out, lse = sparse_attention_triton(q, caches, sink, SCALE, path=path)
     o_ref, l_ref = sparse_attention_reference(q, caches, sink, SCALE)
     o_dense, _ = dense_attention(q.float(), vals, sink, SCALE)
     assert_close_bf16(out, o_ref)
@@ -298,8 +320,9 @@ def test_auto_on_cpu_is_reference_and_validation():
 # ---------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
 @requires_cuda
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("T,H,k_pool,splits", [(4, 64, 512, None), (2, 128, 1024, None), (1, 64, 2048, 8)])
-def test_kernel_matches_reference_gpu(T, H, k_pool, splits):
+def test_kernel_matches_reference_gpu(T, H, k_pool, splits, path):
     gen = torch.Generator().manual_seed(11)
     win, _ = make_pages(T, 128, gen, "cuda")
     pool, _ = make_pages(64, 64, gen, "cuda")
@@ -310,7 +333,7 @@ def test_kernel_matches_reference_gpu(T, H, k_pool, splits):
     caches = [(win, widx), (pool, pidx)]
     sink = torch.randn(H, generator=gen).cuda()
     q = make_q(T, H, gen, "cuda")
-    out, lse = sparse_attention_triton(q, caches, sink, SCALE, num_splits=splits)
+    out, lse = sparse_attention_triton(q, caches, sink, SCALE, num_splits=splits, path=path)
     o_ref, l_ref = sparse_attention_reference(q, caches, sink, SCALE)
     assert_close_bf16(out, o_ref)
     torch.testing.assert_close(lse, l_ref, atol=1e-4, rtol=1e-5)
@@ -326,6 +349,8 @@ def test_kernel_matches_reference_gpu(T, H, k_pool, splits):
         {"qk_tiles": 1, "num_warps": 16},
         {"d_split": 2},
         {"d_split": 4, "qk_tiles": 2},
+        {"path": "gathered", "num_stages": 3, "block_n": 32},
+        {"path": "gathered", "num_splits": 5},
         # {"block_h": 128, "num_warps": 16} does not compile on sm90 (ptxas: "Insufficient registers (128)",
         # H200 2026-12-02): a 128 x 512 fp32 accumulator does not fit 16 warps' register budget.
     ],

@@ -51,7 +51,7 @@ def _to_bf16(x, INTERPRETER: tl.constexpr):
 
 
 @triton.jit
-def _load_tiles(
+def _load_tiles3(
     nope_ptr,
     rope_ptr,
     scale_ptr,
@@ -65,7 +65,7 @@ def _load_tiles(
     TILE: tl.constexpr,
     NOPE_TILES: tl.constexpr,
 ):
-    """Dequantised tiles ``t0 .. t0+NT`` of BLOCK_N entries as [BLOCK_N, NT*TILE] bf16 (tile NOPE_TILES = rope).
+    """Dequantised tiles ``t0 .. t0+NT`` of BLOCK_N entries as [BLOCK_N, NT, TILE] fp32 (tile NOPE_TILES = rope).
 
     Each entry's FP8 bytes of these tiles are contiguous (one wide load per entry row), its UE8M0 scale
     bytes are loaded once ([BLOCK_N, NT]) and ``2**(b - 127)`` is built from the exponent bits (exact).
@@ -80,7 +80,29 @@ def _load_tiles(
     has_rope = (offs_j * 0 + t0 + NT) > NOPE_TILES  # only a chunk holding the rope tile reads it
     r = tl.load(rope_ptr + rope_base[:, None] + offs_j[None, :], mask=valid[:, None] & has_rope[None, :], other=0.0)
     k3 = tl.where(is_nope[None, :, None], x * sc[:, :, None], r.to(tl.float32)[:, None, :])
-    # Exact in bf16: an e4m3 value times a power of two; the rope part was bf16 already.
+    return k3
+
+
+@triton.jit
+def _load_tiles(
+    nope_ptr,
+    rope_ptr,
+    scale_ptr,
+    nope_base,
+    rope_base,
+    scale_base,
+    valid,
+    t0,
+    NT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    TILE: tl.constexpr,
+    NOPE_TILES: tl.constexpr,
+):
+    """``_load_tiles3`` as one [BLOCK_N, NT*TILE] bf16 tile (exact in bf16: an e4m3 value times a power of two;
+    the rope part was bf16 already)."""
+    k3 = _load_tiles3(
+        nope_ptr, rope_ptr, scale_ptr, nope_base, rope_base, scale_base, valid, t0, NT, BLOCK_N, TILE, NOPE_TILES
+    )
     return tl.reshape(k3, (BLOCK_N, NT * TILE)).to(tl.bfloat16)
 
 
@@ -175,6 +197,61 @@ def _attend_block(
         )  # fmt: skip
     acc = acc * alpha[:, None] + _mma(_to_bf16(p, INTERPRETER), v, INTERPRETER)
     return m_new, l_i, acc
+
+
+@triton.jit
+def _write_result(
+    m_i,
+    l_i,
+    acc,
+    offs_h,
+    h_mask,
+    offs_d,
+    pid_t,
+    pid_d,
+    pid_s,
+    split_offset,
+    sink_ptr,
+    out_ptr,
+    stride_ot,
+    stride_oh,
+    lse_ptr,
+    stride_lt,
+    stride_lh,
+    ws_m_ptr,
+    ws_l_ptr,
+    ws_acc_ptr,
+    ws_splits,
+    num_heads,
+    D: tl.constexpr,
+    SPLIT: tl.constexpr,
+    INTERPRETER: tl.constexpr,
+):
+    """Epilogue of a program's online softmax (running max ``m_i`` in the log2 domain, sum ``l_i``, ``acc``
+    [BLOCK_H, DV] for output dims ``offs_d``): with ``SPLIT`` the partial state goes to the workspace row of
+    split ``split_offset + pid_s``; otherwise the sink is added and the bf16 output and the lse are stored."""
+    if SPLIT:
+        # workspace: m, l [T, H, ws_splits]; acc [T, H, ws_splits, D] (all fp32, contiguous)
+        ws_row = (pid_t * num_heads + offs_h) * ws_splits + split_offset + pid_s
+        first = h_mask & ((offs_h * 0 + pid_d) == 0)  # every output split holds the same (m, l)
+        tl.store(ws_m_ptr + ws_row, m_i, mask=first)
+        tl.store(ws_l_ptr + ws_row, l_i, mask=first)
+        tl.store(ws_acc_ptr + ws_row[:, None] * D + offs_d[None, :], acc, mask=h_mask[:, None])
+    else:
+        sink = tl.load(sink_ptr + offs_h, mask=h_mask, other=float("-inf")) * 1.4426950408889634
+        m_all = tl.maximum(m_i, sink)
+        m_safe = tl.where(m_all == float("-inf"), 0.0, m_all)
+        w = tl.exp2(m_i - m_safe)
+        denom = l_i * w + tl.exp2(sink - m_safe)
+        safe = tl.where(denom > 0.0, denom, 1.0)  # denom == 0 only when acc == 0 (no key, sink -inf)
+        o = acc * (w / safe)[:, None]
+        lse = tl.where(denom > 0.0, (m_safe + tl.log2(safe)) * 0.6931471805599453, float("-inf"))
+        tl.store(
+            out_ptr + pid_t * stride_ot + offs_h[:, None].to(tl.int64) * stride_oh + offs_d[None, :],
+            _to_bf16(o, INTERPRETER),
+            mask=h_mask[:, None],
+        )
+        tl.store(lse_ptr + pid_t * stride_lt + offs_h * stride_lh, lse, mask=h_mask & ((offs_h * 0 + pid_d) == 0))
 
 
 @triton.jit
@@ -343,28 +420,11 @@ def _sparse_attn_fwd(
                 INTERPRETER,
             )
 
-    if SPLIT:
-        # workspace: m, l [T, H, ws_splits]; acc [T, H, ws_splits, D] (all fp32, contiguous)
-        ws_row = (pid_t * num_heads + offs_h) * ws_splits + split_offset + pid_s
-        first = h_mask & ((offs_h * 0 + pid_d) == 0)  # every output split holds the same (m, l)
-        tl.store(ws_m_ptr + ws_row, m_i, mask=first)
-        tl.store(ws_l_ptr + ws_row, l_i, mask=first)
-        tl.store(ws_acc_ptr + ws_row[:, None] * D + offs_d[None, :], acc, mask=h_mask[:, None])
-    else:
-        sink = tl.load(sink_ptr + offs_h, mask=h_mask, other=float("-inf")) * 1.4426950408889634
-        m_all = tl.maximum(m_i, sink)
-        m_safe = tl.where(m_all == float("-inf"), 0.0, m_all)
-        w = tl.exp2(m_i - m_safe)
-        denom = l_i * w + tl.exp2(sink - m_safe)
-        safe = tl.where(denom > 0.0, denom, 1.0)  # denom == 0 only when acc == 0 (no key, sink -inf)
-        o = acc * (w / safe)[:, None]
-        lse = tl.where(denom > 0.0, (m_safe + tl.log2(safe)) * 0.6931471805599453, float("-inf"))
-        tl.store(
-            out_ptr + pid_t * stride_ot + offs_h[:, None].to(tl.int64) * stride_oh + offs_d[None, :],
-            _to_bf16(o, INTERPRETER),
-            mask=h_mask[:, None],
-        )
-        tl.store(lse_ptr + pid_t * stride_lt + offs_h * stride_lh, lse, mask=h_mask & ((offs_h * 0 + pid_d) == 0))
+    _write_result(
+        m_i, l_i, acc, offs_h, h_mask, offs_d, pid_t, pid_d, pid_s, split_offset, sink_ptr, out_ptr, stride_ot,
+        stride_oh, lse_ptr, stride_lt, stride_lh, ws_m_ptr, ws_l_ptr, ws_acc_ptr, ws_splits, num_heads, D, SPLIT,
+        INTERPRETER,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -406,4 +466,13 @@ def _sparse_attn_combine(
     tl.store(lse_ptr + pid_t * stride_lt + pid_h * stride_lh, lse)
 
 
-__all__ = ["LOG2E", "_sparse_attn_combine", "_sparse_attn_fwd", "triton"]
+__all__ = [
+    "LOG2E",
+    "_load_tiles",
+    "_mma",
+    "_sparse_attn_combine",
+    "_sparse_attn_fwd",
+    "_to_bf16",
+    "_write_result",
+    "triton",
+]

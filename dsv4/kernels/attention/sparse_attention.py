@@ -52,7 +52,17 @@ Kernel design (sm90; ``_triton_sparse_attention.py``)
   ``d_split``; QK^T and the gather are repeated, so the total MMA work is ``(d_split + 1) / 2`` times the
   unsplit QK+PV work: 1.5x at 2, 2.5x at 4).  The default path builds ONE
   [BLOCK_N, 512] tile and feeds it as ``tl.trans(k)`` to QK^T and as ``k`` to P.V.
-- Prefill is the same kernel with T = chunk tokens: every row carries its own index rows.
+- Gathered path (``path="gathered"``, ``_triton_gathered_attention.py``; the default while its workspace
+  fits ``GATHERED_MAX_BYTES``): launch 1 dequantises every indexed entry of every row into a dense bf16
+  workspace [T, cols, 512] (+ an fp32 bias row: 0 valid, -inf skipped/padding), launch 2 is a plain
+  flash-decoding kernel over contiguous tiles that Triton software-pipelines (cp.async, ``num_stages``
+  2), launch 3 the combine when keys are split.  It moves more bytes (the workspace is written and read
+  back) but turns the serial gather -> dequantise -> MMA chain of the fused kernel into a memory-bound
+  copy plus a pipelined MMA loop.  H200, 2026-12-02 (``2026-12-02_h200_attention_gathered.jsonl``, CUDA
+  graph): V4-Pro B = 64 110.6 us vs 161.7 fused (gather 34 us + dense 76 us), V4-Flash B = 64 64.9 vs 88.2,
+  V4-Pro HCA 8192 B = 8 193 vs 384, V4-Pro B = 8 33.2 vs 58.1, V4-Flash B = 1 17.5 vs 23.5.
+- Prefill is the same kernels with T = chunk tokens: every row carries its own index rows (the gathered
+  path runs row slices whose workspace fits ``GATHERED_MAX_BYTES``).
 - Kernel preconditions: the entry geometry has ``n_tiles + 1`` a power of two and ``rope_dim == tile``
   (true for the V4 format: 7 FP8 tiles of 64 + 64 rope dims); otherwise ``backend="auto"`` runs the
   reference.
@@ -73,6 +83,7 @@ from dsv4.kernels.dispatch import interpreter_enabled, use_triton
 __all__ = [
     "MIN_KEYS_PER_SPLIT",
     "choose_num_splits",
+    "choose_path",
     "sparse_attention",
     "sparse_attention_reference",
     "sparse_attention_triton",
@@ -89,6 +100,13 @@ DEFAULT_NUM_WARPS = 8
 DEFAULT_NUM_STAGES = 1
 MIN_KEYS_PER_SPLIT = 128  # below this a split's fixed cost (q load, partial write) dominates
 DEFAULT_NUM_SMS = 132  # H200; used when no CUDA device is present (interpreter)
+# Gathered path (decode): keys per dense block, entries per gather program, software-pipeline depth, and the
+# largest bf16 workspace it may allocate per call (bytes; bigger steps, i.e. prefill chunks, run fused).
+GATHERED_BLOCK_N = 64
+GATHER_BLOCK = 32
+GATHERED_NUM_STAGES = 2
+GATHERED_MAX_BYTES = 256 << 20
+GATHERED_FILL = 0.5  # dense kernel: key splits up to ~num_sms / 2 programs (one [64, 512] fp32 acc fills an SM)
 
 
 # ---------------------------------------------------------------------------- validation
@@ -225,7 +243,12 @@ def sparse_attention_reference(
 
 # ---------------------------------------------------------------------------- triton host side
 def choose_num_splits(
-    rows: int, head_blocks: int, total_blocks: int, block_n: int, num_sms: int = DEFAULT_NUM_SMS
+    rows: int,
+    head_blocks: int,
+    total_blocks: int,
+    block_n: int,
+    num_sms: int = DEFAULT_NUM_SMS,
+    fill: float = 0.25,
 ) -> int:
     """Key splits per (row, head block), from static shapes only (no device sync); 1 = no split.
 
@@ -234,11 +257,14 @@ def choose_num_splits(
     attention_variants in benchmarks/results): with >= num_sms / 4 programs (B = 64: 64 or 128) no split was
     fastest (V4-Pro 162 us vs 218 us with 3 splits); with fewer, ~num_sms / 4 programs in all was best
     (B = 1: 16 splits of 2 head blocks, 32 of 1; B = 8 V4-Flash: 4).  Each split keeps >= MIN_KEYS_PER_SPLIT keys.
+    ``fill``: grids below ``fill * num_sms`` programs are split up to about that many (0.25: the fused kernel's
+    measured optimum; the gathered path passes ``GATHERED_FILL``).
     """
     programs = max(1, rows * head_blocks)
-    if total_blocks <= 1 or programs >= num_sms // 4:
+    target = max(1, int(num_sms * fill))
+    if total_blocks <= 1 or programs >= target:
         return 1
-    want = math.ceil(num_sms / (4 * programs))
+    want = math.ceil(target / programs)
     most = max(1, total_blocks // max(1, math.ceil(MIN_KEYS_PER_SPLIT / block_n)))
     return max(1, min(want, most, total_blocks))
 
@@ -270,6 +296,93 @@ def _cache_args(pages: EntryPages, idx: torch.Tensor, block_n: int) -> list:
     ]
 
 
+def choose_path(rows: int, keys: Sequence[int], head_dim: int, block_n: int = GATHERED_BLOCK_N) -> str:
+    """``"gathered"`` when its workspace (rows x padded keys x (bf16 entry + fp32 bias) bytes) stays under
+    ``GATHERED_MAX_BYTES`` (decode-sized steps), else ``"fused"`` (host ints only, no device sync)."""
+    cols = sum(-(-k // block_n) * block_n for k in keys)
+    return "gathered" if rows * cols * (2 * head_dim + 4) <= GATHERED_MAX_BYTES else "fused"
+
+
+def _gathered(q, caches, sink, scale, out, lse, fmt, block_h, block_n, num_splits, num_warps, num_stages):
+    """The two-launch path: ``_gather_dequant_kernel`` per pair of caches, then ``_dense_attn_fwd`` (+ combine).
+
+    Rows are processed in slices whose workspace stays under ``GATHERED_MAX_BYTES`` (a prefill chunk of many
+    tokens runs as several slices; decode steps are one)."""
+    T, H, D = q.shape
+    block_n = block_n or GATHERED_BLOCK_N
+    cols = max(block_n, sum(-(-idx.shape[1] // block_n) * block_n for _, idx in caches))
+    per_slice = max(1, GATHERED_MAX_BYTES // (cols * (2 * D + 4)))
+    for r0 in range(0, T, per_slice):
+        r1 = min(T, r0 + per_slice)
+        sl = [(pages, idx[r0:r1]) for pages, idx in caches]
+        _gathered_rows(
+            q[r0:r1], sl, sink, scale, out[r0:r1], lse[r0:r1], fmt, block_h, block_n, num_splits, num_warps, num_stages
+        )
+    return out, lse
+
+
+def _gathered_rows(q, caches, sink, scale, out, lse, fmt, block_h, block_n, num_splits, num_warps, num_stages):
+    from dsv4.kernels.attention._triton_gathered_attention import _dense_attn_fwd, _gather_dequant_kernel
+    from dsv4.kernels.attention._triton_sparse_attention import LOG2E, _sparse_attn_combine
+
+    T, H, D = q.shape
+    interp = interpreter_enabled()
+    widths = [-(-idx.shape[1] // block_n) * block_n for _, idx in caches]
+    if sum(widths) == 0:  # no keys at all: one masked block, so the softmax sees only the sink
+        cols = block_n
+        kv = torch.zeros(T, cols, D, dtype=torch.bfloat16, device=q.device)
+        bias = torch.full((T, cols), float("-inf"), dtype=torch.float32, device=q.device)
+    else:  # every column is written by the gather (lists padded to block_n with masked keys)
+        cols = sum(widths)
+        kv = torch.empty(T, cols, D, dtype=torch.bfloat16, device=q.device)
+        bias = torch.empty(T, cols, dtype=torch.float32, device=q.device)
+    gblk = min(GATHER_BLOCK, block_n)
+    gkw = {"BLOCK_G": gblk, "TILE": fmt.tile, "N_TILES": fmt.n_tiles + 1, "NOPE_TILES": fmt.n_tiles}
+    col = 0
+    for i in range(0, len(caches), 2):
+        group = caches[i : i + 2]
+        a = _cache_args(*group[0], gblk)
+        b = _cache_args(*group[1], gblk) if len(group) == 2 else a[:11] + [0, 1, 0, 0]
+        # each list padded to block_n columns: its blocks of gblk entries cover the padding (masked keys)
+        a[-1] = widths[i] // gblk
+        if len(group) == 2:
+            b[-1] = widths[i + 1] // gblk
+        n_prog = a[-1] + (b[-1] if len(group) == 2 else 0)
+        if n_prog:
+            _gather_dequant_kernel[(T, n_prog)](
+                kv, bias, kv.stride(0), bias.stride(0), col, *a, *b, HAS_B=len(group) == 2, num_warps=4, **gkw
+            )
+        col += sum(widths[i : i + 2])
+    n_blocks = cols // block_n
+    head_blocks = -(-H // block_h)
+    if num_splits is None:
+        ns = choose_num_splits(T, head_blocks, n_blocks, block_n, _num_sms(q.device), fill=GATHERED_FILL)
+    else:
+        ns = num_splits
+    ns = max(1, min(int(ns), n_blocks))
+    bps = -(-n_blocks // ns)
+    ns = -(-n_blocks // bps)
+    split = ns > 1
+    if split:
+        ws_m = torch.empty(T, H, ns, dtype=torch.float32, device=q.device)
+        ws_l = torch.empty_like(ws_m)
+        ws_acc = torch.empty(T, H, ns, D, dtype=torch.float32, device=q.device)
+    else:
+        ws_m = ws_l = ws_acc = lse
+    _dense_attn_fwd[(T, head_blocks, ns)](
+        q, q.stride(0), q.stride(1), sink, kv, bias, kv.stride(0), bias.stride(0), n_blocks, bps, out,
+        out.stride(0), out.stride(1), lse, lse.stride(0), lse.stride(1), ws_m, ws_l, ws_acc, ns, H,
+        float(scale) * LOG2E, BLOCK_H=block_h, BLOCK_N=block_n, D=D, SPLIT=split, INTERPRETER=interp,
+        num_warps=num_warps or DEFAULT_NUM_WARPS, num_stages=num_stages or GATHERED_NUM_STAGES,
+    )  # fmt: skip
+    if split:
+        _sparse_attn_combine[(T, H)](
+            ws_m, ws_l, ws_acc, ns, sink, out, out.stride(0), out.stride(1), lse, lse.stride(0), lse.stride(1), H,
+            D=D, BLOCK_S=max(1, 1 << (ns - 1).bit_length()), INTERPRETER=interp, num_warps=4,
+        )  # fmt: skip
+    return out, lse
+
+
 def sparse_attention_triton(
     q: torch.Tensor,
     caches: Sequence[Cache],
@@ -284,8 +397,14 @@ def sparse_attention_triton(
     num_stages: int | None = None,
     qk_tiles: int | None = None,
     d_split: int = 1,
+    path: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton path of ``sparse_attention`` (arguments validated by the caller).
+
+    ``path``: ``"fused"`` (gather + dequantise + attend in one kernel), ``"gathered"`` (dequantise the
+    indexed entries into a bf16 workspace, then a pipelined dense flash-decoding kernel; see
+    ``_triton_gathered_attention``) or None (``choose_path``).  The knobs below apply to the fused path,
+    except ``num_splits``, ``block_h``, ``block_n``, ``num_warps`` and ``num_stages``, which both use.
 
     Tuning knobs (keyword-only): ``num_splits`` key splits per (row, head block) for each launch (None:
     ``choose_num_splits``), ``block_h`` heads per program (>= 16), ``block_n`` keys per block (>= 16),
@@ -304,8 +423,13 @@ def sparse_attention_triton(
 
     T, H, D = q.shape
     fmt = _entry_format(caches[0][0])
+    if path is None:  # the fused-only variants imply the fused path
+        fused_only = qk_tiles is not None or d_split != 1
+        path = "fused" if fused_only else choose_path(T, [idx.shape[1] for _, idx in caches], D)
+    if path not in ("fused", "gathered"):
+        raise ValueError(f"path: expected 'fused', 'gathered' or None, got {path!r}")
     block_h = block_h or min(DEFAULT_BLOCK_H, max(16, triton.next_power_of_2(q.shape[1])))
-    block_n = block_n or DEFAULT_BLOCK_N
+    block_n = block_n or (DEFAULT_BLOCK_N if path == "fused" else GATHERED_BLOCK_N)
     kw = {"num_warps": num_warps or DEFAULT_NUM_WARPS, "num_stages": num_stages or DEFAULT_NUM_STAGES}
     n_tiles = fmt.n_tiles + 1  # FP8 tiles + the rope tile
     qk_tiles = n_tiles if qk_tiles is None else int(qk_tiles)
@@ -334,9 +458,12 @@ def sparse_attention_triton(
             num_stages=num_stages,
             qk_tiles=qk_tiles,
             d_split=d_split,
+            path=path,
         )
         out.copy_(res)
         return out, lse
+    if path == "gathered":
+        return _gathered(q, caches, sink, scale, out, lse, fmt, block_h, block_n, num_splits, num_warps, num_stages)
     caches = [(pages, idx if idx.stride(-1) == 1 else idx.contiguous()) for pages, idx in caches]
     sink = sink.contiguous()
     head_blocks = -(-H // block_h)
