@@ -40,7 +40,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from dsv4.config import get_preset  # noqa: E402
 from dsv4.formats import FP8EntryFormat  # noqa: E402
-from dsv4.kernels.attention import choose_path, sparse_attention_reference, sparse_attention_triton  # noqa: E402
+from dsv4.kernels.attention import sparse_attention_reference, sparse_attention_triton  # noqa: E402
+from dsv4.kernels.attention.sparse_attention import DEFAULT_PATH  # noqa: E402
 
 PEAK_BF16_FLOPS = 776e12
 PEAK_HBM_BYTES = 4.17e12
@@ -267,7 +268,7 @@ def main(argv=None) -> int:
             "time_s": t_triton,
             "timer": timer,
             "eager_time_s": t_triton_eager,
-            "path": choose_path(B, [idx.shape[1] for _, idx in caches], FMT.head_dim),
+            "path": DEFAULT_PATH,
             "fused_time_s": t_path["fused"],
             "gathered_time_s": t_path["gathered"],
             "flops": flops,

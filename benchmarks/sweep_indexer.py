@@ -1,13 +1,16 @@
-"""Launch-parameter sweep of the indexer scores kernels (MXFP4 keys: convert / dot_scaled / fp8mma; FP8 keys).
+"""Launch-parameter sweep of the indexer scores kernels (MXFP4 keys: convert / dot_scaled / fp8mma / fold; FP8 keys).
 
-    python benchmarks/sweep_indexer.py --out benchmarks/results/sweep_indexer.jsonl    # H200, < 3 min
+    python benchmarks/sweep_indexer.py --batches 4 --variants fp4_fold fp4_fold4 fp4_fp8mma fp8keys \
+        --out benchmarks/results/sweep_indexer.jsonl                                  # H200, ~1-2 min
     python benchmarks/sweep_indexer.py --smoke                                       # CPU, interpreter
 
-Variants: fp4_{convert,dot_scaled,fp8mma} (``indexer_scores(impl=...)``), fp4_fp8mma_noasm (fp8mma with
-the byte re-encoding in Triton integer ops instead of inline PTX), fp8keys (``indexer_scores_fp8keys``).
+Variants: fp4_{convert,dot_scaled,fp8mma,fold,fold4} (``indexer_scores(impl=...)``), fp4_fp8mma_noasm /
+fp4_fold_noasm (the byte re-encoding in Triton integer ops instead of inline PTX), fp8keys
+(``indexer_scores_fp8keys``).
 
 Shape: 1M-token context (262,144 entries), Hi = 64 heads x 128, pages of 64 entries shuffled through one
-pool, one query row per request, B = 4 (and 1, 8), every entry visible.  Grid per variant:
+pool, one query row per request, B = 4 (and 1, 8), every entry visible.  Grid per variant: ``--grid fast``
+(default) = (block_n, warps, stages) in FAST_LAUNCHES x tiles_per_program {4, 8, 16}; ``--grid full`` =
 block_n {64, 128, 256} x tiles_per_program {1, 2, 4, 8, 16} x num_warps {4, 8} x num_stages {1, 2, 3, 4}.
 
 Timing.  ``--timer graph`` (default) measures GPU time only: the call is captured 20 times into a CUDA
@@ -18,7 +21,7 @@ an engine running decode under CUDA graphs sees.  ``--timer bench`` uses ``trito
 the first H200 run shows a ~115 us floor for every variant, even at 4K context, i.e. host-bound.  Each
 variant's default launch is also timed with do_bench (name suffix ``+host``) to show that gap.
 
-Compilation: tiles_per_program is a runtime argument, so a variant has 3 x 2 x 4 = 24 binaries; they are
+Compilation: tiles_per_program is a runtime argument, so a variant has 7 (fast grid) or 24 (full) binaries; they are
 compiled first in parallel worker processes (Triton's disk cache), then loaded by this process.  Configs
 that fail to compile or to run (e.g. shared memory) are skipped with a note.  Each variant's output is
 checked against the fp32 reference (once per variant at full tolerance; every config's output against it).
@@ -57,8 +60,21 @@ from dsv4.kernels.indexer import (  # noqa: E402
 from dsv4.kernels.indexer import scores as scores_mod  # noqa: E402
 from dsv4.kernels.indexer.scores import launch_config  # noqa: E402
 
-VARIANTS = ["fp4_convert", "fp4_dot_scaled", "fp4_fp8mma", "fp4_fp8mma_noasm", "fp8keys"]
-GRID = {"block_n": [64, 128, 256], "tiles": [1, 2, 4, 8, 16], "num_warps": [4, 8], "num_stages": [1, 2, 3, 4]}
+VARIANTS = [
+    "fp4_convert",
+    "fp4_dot_scaled",
+    "fp4_fp8mma",
+    "fp4_fp8mma_noasm",
+    "fp4_fold",
+    "fp4_fold4",
+    "fp4_fold_noasm",
+    "fp8keys",
+]
+FULL_GRID = {"block_n": [64, 128, 256], "tiles": [1, 2, 4, 8, 16], "num_warps": [4, 8], "num_stages": [1, 2, 3, 4]}
+# default (--grid fast): the (block_n, warps, stages) combos that compile without spills for the fold/fp8mma
+# kernels (sm90 AOT check: 256 entries need 8 warps), x tiles {4, 8, 16} -- 21 configs a variant
+FAST_LAUNCHES = [(64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 4, 3), (128, 8, 2), (256, 8, 2), (256, 8, 3)]
+FAST_TILES = [4, 8, 16]
 SMOKE_GRID = {"block_n": [16, 32], "tiles": [1, 4], "num_warps": [4], "num_stages": [1]}
 L2_FLUSH_BYTES = 128 * 1024 * 1024  # > the H200's L2
 RTOL = ATOL = 1e-5
@@ -71,6 +87,16 @@ def run_fn(variant: str, prob: dict, cfg: dict):
     q, w, bt, tr, nv, n = prob["q"], prob["w"], prob["bt"], prob["tr"], prob["nv"], prob["n"]
     if variant == "fp8keys":
         return partial(indexer_scores_fp8keys, q, w, prob["fk"], bt, tr, nv, n, "triton", **kw)
+    if variant == "fp4_fold_noasm":  # the fold table lookup in Triton integer ops instead of PTX prmt
+
+        def run_fold():
+            scores_mod._FOLD_ASM = False
+            try:
+                return indexer_scores(q, w, prob["keys"], bt, tr, nv, n, "triton", impl="fold", **kw)
+            finally:
+                scores_mod._FOLD_ASM = True
+
+        return run_fold
     if variant == "fp4_fp8mma_noasm":  # the e2m1 -> e4m3 re-encoding in Triton integer ops instead of PTX
 
         def run():
@@ -294,10 +320,15 @@ def print_table(rows, top: int):
                 f"{r['name']:28} {c['block_n']:7} {c['tiles']:5} {c['num_warps']:5} {c['num_stages']:6} "
                 f"{r['time_s'] * 1e6:9.1f} {r['roofline_s'] * 1e6:8.1f} {r['time_s'] / r['roofline_s']:7.2f}"
             )
-        f4 = best.get("indexer_fp4_fp8mma") or best.get("indexer_fp4_convert")
         f8 = best.get("indexer_fp8keys")
-        if f4 and f8:
-            print(f"best {f4['name']} vs best fp8keys: {f8['time_s'] / f4['time_s']:.2f}x faster")
+        print("best config per variant:")
+        for name, r in sorted(best.items(), key=lambda kv: kv[1]["time_s"]):
+            c = r["config"]
+            vs = f", {f8['time_s'] / r['time_s']:.2f}x vs best fp8keys" if f8 else ""
+            print(
+                f"  {name:28} {r['time_s'] * 1e6:7.1f} us ({r['time_s'] / r['roofline_s']:.2f}x roof{vs}): "
+                f"block_n={c['block_n']} tiles={c['tiles']} warps={c['num_warps']} stages={c['num_stages']}"
+            )
 
 
 def main(argv=None):
@@ -309,6 +340,7 @@ def main(argv=None):
     ap.add_argument("--heads", type=int, default=64)
     ap.add_argument("--page", type=int, default=64)
     ap.add_argument("--variants", nargs="+", default=VARIANTS, choices=VARIANTS)
+    ap.add_argument("--grid", choices=["fast", "full"], default="fast", help="fast: 21 configs a variant")
     ap.add_argument("--timer", choices=["graph", "bench"], default="graph")
     ap.add_argument("--no-flush", action="store_true", help="graph timer: keep L2 warm between calls")
     ap.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 1), help="parallel compile workers")
@@ -318,7 +350,7 @@ def main(argv=None):
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if dev.type == "cpu" and not args.smoke:
         raise SystemExit("no CUDA device: run with --smoke")
-    grid = SMOKE_GRID if args.smoke else GRID
+    grid = SMOKE_GRID if args.smoke else FULL_GRID
     if args.smoke:
         args.entries, args.heads, args.page, args.batches = min(args.entries, 96), min(args.heads, 16), 16, [2]
         args.timer, args.jobs = "cpu", min(args.jobs, 2)
@@ -330,7 +362,13 @@ def main(argv=None):
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
     configs = [dict(zip(grid, v, strict=True)) for v in itertools.product(*grid.values())]
-    compile_cfgs = [c for c in configs if c["tiles"] == grid["tiles"][0]]
+    if args.grid == "fast" and not args.smoke:
+        configs = [
+            {"block_n": bn, "tiles": t, "num_warps": nw, "num_stages": ns}
+            for bn, nw, ns in FAST_LAUNCHES
+            for t in FAST_TILES
+        ]
+    compile_cfgs = [c for c in configs if c["tiles"] == configs[0]["tiles"]]
     jobs = [(v, c) for v in args.variants for c in compile_cfgs]
     compile_errors = precompile(jobs, args)
     print(f"compiled {len(jobs)} binaries in {time.perf_counter() - t_start:.1f} s ({len(compile_errors)} failed)")

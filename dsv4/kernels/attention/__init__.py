@@ -3,7 +3,6 @@
 from dsv4.kernels.attention.sparse_attention import (
     MIN_KEYS_PER_SPLIT,
     choose_num_splits,
-    choose_path,
     sparse_attention,
     sparse_attention_reference,
     sparse_attention_triton,
@@ -12,7 +11,6 @@ from dsv4.kernels.attention.sparse_attention import (
 __all__ = [
     "MIN_KEYS_PER_SPLIT",
     "choose_num_splits",
-    "choose_path",
     "sparse_attention",
     "sparse_attention_reference",
     "sparse_attention_triton",

@@ -52,8 +52,8 @@ Kernel design (sm90; ``_triton_sparse_attention.py``)
   ``d_split``; QK^T and the gather are repeated, so the total MMA work is ``(d_split + 1) / 2`` times the
   unsplit QK+PV work: 1.5x at 2, 2.5x at 4).  The default path builds ONE
   [BLOCK_N, 512] tile and feeds it as ``tl.trans(k)`` to QK^T and as ``k`` to P.V.
-- Gathered path (``path="gathered"``, ``_triton_gathered_attention.py``; the default while its workspace
-  fits ``GATHERED_MAX_BYTES``): launch 1 dequantises every indexed entry of every row into a dense bf16
+- Gathered path (``path="gathered"``, ``_triton_gathered_attention.py``; the default, ``DEFAULT_PATH``):
+  launch 1 dequantises every indexed entry of every row into a dense bf16
   workspace [T, cols, 512] (+ an fp32 bias row: 0 valid, -inf skipped/padding), launch 2 is a plain
   flash-decoding kernel over contiguous tiles that Triton software-pipelines (cp.async, ``num_stages``
   2), launch 3 the combine when keys are split.  It moves more bytes (the workspace is written and read
@@ -83,7 +83,6 @@ from dsv4.kernels.dispatch import interpreter_enabled, use_triton
 __all__ = [
     "MIN_KEYS_PER_SPLIT",
     "choose_num_splits",
-    "choose_path",
     "sparse_attention",
     "sparse_attention_reference",
     "sparse_attention_triton",
@@ -105,7 +104,11 @@ DEFAULT_NUM_SMS = 132  # H200; used when no CUDA device is present (interpreter)
 GATHERED_BLOCK_N = 64
 GATHER_BLOCK = 32
 GATHERED_NUM_STAGES = 2
-GATHERED_MAX_BYTES = 256 << 20
+GATHERED_MAX_BYTES = 256 << 20  # workspace per slice of rows (prefill chunks run as several slices)
+# H200 2026-12-02 (2026-12-02_h200_attention_v4.jsonl, CUDA graph): the gathered path was faster at every decode
+# shape but one (V4-Flash HCA-8192 B = 1: 79 vs 66 us) and for prefill chunks (V4-Pro 1,024 rows: 1.68 vs 2.26 ms;
+# V4-Flash 2,048 rows: 1.29 vs 1.31 ms), so it is the default everywhere.
+DEFAULT_PATH = "gathered"
 GATHERED_FILL = 0.5  # dense kernel: key splits up to ~num_sms / 2 programs (one [64, 512] fp32 acc fills an SM)
 
 
@@ -296,13 +299,6 @@ def _cache_args(pages: EntryPages, idx: torch.Tensor, block_n: int) -> list:
     ]
 
 
-def choose_path(rows: int, keys: Sequence[int], head_dim: int, block_n: int = GATHERED_BLOCK_N) -> str:
-    """``"gathered"`` when its workspace (rows x padded keys x (bf16 entry + fp32 bias) bytes) stays under
-    ``GATHERED_MAX_BYTES`` (decode-sized steps), else ``"fused"`` (host ints only, no device sync)."""
-    cols = sum(-(-k // block_n) * block_n for k in keys)
-    return "gathered" if rows * cols * (2 * head_dim + 4) <= GATHERED_MAX_BYTES else "fused"
-
-
 def _gathered(q, caches, sink, scale, out, lse, fmt, block_h, block_n, num_splits, num_warps, num_stages):
     """The two-launch path: ``_gather_dequant_kernel`` per pair of caches, then ``_dense_attn_fwd`` (+ combine).
 
@@ -403,7 +399,8 @@ def sparse_attention_triton(
 
     ``path``: ``"fused"`` (gather + dequantise + attend in one kernel), ``"gathered"`` (dequantise the
     indexed entries into a bf16 workspace, then a pipelined dense flash-decoding kernel; see
-    ``_triton_gathered_attention``) or None (``choose_path``).  The knobs below apply to the fused path,
+    ``_triton_gathered_attention``) or None (gathered, unless a fused-only variant is asked for).  The knobs
+    below apply to the fused path,
     except ``num_splits``, ``block_h``, ``block_n``, ``num_warps`` and ``num_stages``, which both use.
 
     Tuning knobs (keyword-only): ``num_splits`` key splits per (row, head block) for each launch (None:
@@ -425,7 +422,7 @@ def sparse_attention_triton(
     fmt = _entry_format(caches[0][0])
     if path is None:  # the fused-only variants imply the fused path
         fused_only = qk_tiles is not None or d_split != 1
-        path = "fused" if fused_only else choose_path(T, [idx.shape[1] for _, idx in caches], D)
+        path = "fused" if fused_only else DEFAULT_PATH
     if path not in ("fused", "gathered"):
         raise ValueError(f"path: expected 'fused', 'gathered' or None, got {path!r}")
     block_h = block_h or min(DEFAULT_BLOCK_H, max(16, triton.next_power_of_2(q.shape[1])))

@@ -26,13 +26,40 @@ nibble = even element), i.e. two K=64 dots into one accumulator.  A key's four U
 one int32 word (the [P, bs, 4] scale view reinterpreted in place).  ``impl="dot_scaled"`` swaps the
 conversion + dots for ``tl.dot_scaled`` (performance.md "Leads"; for measurement on the H200).
 
+``impl="fp8mma"`` is the default (``AUTO_IMPL_ORDER``): the fastest on the H200 (2026-12-02,
+``2026-12-02_h200_sweep_indexer_fold.jsonl``: 1M entries, B = 4: fp8mma 75.8 us, fold4 104.6 us, fold ~102 us
+(bench_indexer) and 6 of 1,048,576 scores off by up to 5e-5 absolute, i.e. the tensor core's truncated
+accumulation over K = 128, so it is also not exact; fewer SASS instructions did not make it faster).
+
+``impl="fold"``: each key's block scales are folded into the FP8 re-encoding, so one K=128
+FP8 MMA a tile does the whole dot product.  With d = smax - s_blk (binades below the key's largest block),
+element e2m1 v is stored as the e4m3 byte of v * 2**(6 - d) (6 -> 384 fits; every code stays an exact e4m3
+normal for d <= 11): one 8-entry byte table per (key, block), two words that are affine in d, indexed by the
+e2m1 codes with PTX ``prmt`` (4 lookups an instruction; signs by a second ``prmt`` in sign mode), i.e. ~6
+integer ops per 4 elements and no fp32 scale passes.  The key factor 2**(smax - 133) multiplies the head sum;
+the query is one e4m3 operand with one power-of-two scale a head (folded into the weights).  Keys with
+blocks more than 11 binades apart (e.g. an all-zero block, UE8M0 byte 1, next to a large one) or with
+smax <= 6, and every key when the query does not fit one e4m3 scale a head, are not stored by the fast loop;
+a second loop over the program's tiles (run only then) scores exactly those with the "convert" math, in
+sub-tiles of 64 entries so that its registers do not lower the fast loop's occupancy.  The key byte order
+is the one the PTX emits (column 32b + 16w + 4g + j = element 32b + 8g + 4w + j); the query follows it.
+``impl="fold4"``: the same encoding and K=128 dot, with Triton's ``max_num_imprecise_acc=32``: each 32-block's
+MMA starts from zero and is added in fp32 (exact, see Numerics; +~200 FADD a tile).
+
 Under ``TRITON_INTERPRET`` the dots run in fp32 on operands widened from bf16 (exact), because the
 interpreter's bf16 ``tl.dot`` is wrong in triton 3.9; on the GPU they are bf16 tensor-core MMAs.
 
 Numerics: q (MXFP4-simulated, exact in bf16) and the keys (exact in bf16) are multiplied exactly and
 summed in fp32 by the tensor core; the reference sums in fp32 in another order, so the two agree to a
 few fp32 ulps of ``sum_d |q_d k_d|`` (tests use rtol = atol = 1e-5 on O(1) data).  Entries whose page
-is -1 (outside the block table) score -inf in both paths.
+is -1 (outside the block table) score -inf in both paths.  FP8 MMAs (fp8mma, fold, fold4): the products of
+two e2m1-valued e4m3 numbers are exact; Hopper's FP8 MMA is reported to accumulate with ~14 significant
+bits (DeepSeek-V3, H800).  fp8mma and fold4 start every 32-block's MMA from zero, where the sum needs
+< 14 bits: exact.  fold accumulates 4 blocks in the tensor core: exact while each partial sum of a
+(key, head) needs <= 14 bits -- always for the MXFP4 keys/queries of realistic data (a CPU model of a
+14-bit accumulator gives 0 error on quantised Gaussians at the GPU test's shapes), not guaranteed for
+adversarial codes with block scales far apart (same model: up to ~2**-13 of the score);
+tests/kernels/test_indexer_scores.py::test_gpu_fold_adversarial_keys records the H200's behaviour.
 """
 
 from __future__ import annotations
@@ -47,7 +74,7 @@ import triton
 import triton.language as tl
 
 from dsv4.errors import check_tensor
-from dsv4.formats import FP8_DTYPE, KeyPages, MXFP4KeyFormat
+from dsv4.formats import FP8_DTYPE, KeyPages, MXFP4KeyFormat, e2m1_decode
 from dsv4.formats.ue8m0 import ceil_log2_ratio
 from dsv4.kernels.dispatch import interpreter_enabled, use_triton
 
@@ -164,7 +191,47 @@ def indexer_scores_fp8keys_reference(
 # the head weights by this factor back (ReLU commutes with a positive scale).
 _E4M3_BIAS, _E2M1_BIAS = 7, 1
 _FP8_CODE_SCALE = float(2 ** (_E4M3_BIAS - _E2M1_BIAS))
-_IMPLS = {"convert": 0, "dot_scaled": 1, "fp8mma": 2}
+_IMPLS = {"convert": 0, "dot_scaled": 1, "fp8mma": 2, "fold": 3, "fold4": 3}
+_KSPLIT = {"fold": 1, "fold4": 4}  # "fold": one K=128 FP8 MMA a tile; "fold4": one K=32 MMA a block, fp32 sum
+
+
+def _fold_tables() -> tuple[list[int], list[int]]:
+    """The e4m3 magnitude bytes of every e2m1 magnitude code em (0..7) times 2**(C - d), for each block-scale
+    distance d = 0.._FOLD_MAX_D, as two little-endian words a d (codes 0-3, codes 4-7): the 8-entry byte table
+    the fold kernels index with PTX ``prmt``.  C = 6 puts the largest code (6 -> 384) just under the e4m3
+    maximum; every code stays exact up to d = 14 (0.5 * 2**-8 = 2**-9 is e4m3's smallest subnormal), and an
+    e4m3 normal up to d = 11, where the table is affine in d (2 integer ops a key-block); the kernels use
+    d <= _FOLD_MAX_D = 11 and send keys with blocks further apart to the general path."""
+    mags = e2m1_decode(torch.arange(8, dtype=torch.uint8)).double()
+    lo, hi = [], []
+    for d in range(_FOLD_MAX_D + 1):
+        v = (mags * 2.0 ** (_FOLD_C - d)).float()
+        b = v.to(FP8_DTYPE)
+        if not torch.equal(b.float(), v):
+            raise AssertionError(f"fold table: d={d} not exact in e4m3")
+        w = b.view(torch.uint8).to(torch.int64).tolist()
+        lo.append(sum(x << (8 * i) for i, x in enumerate(w[:4])))
+        hi.append(sum(x << (8 * i) for i, x in enumerate(w[4:])))
+    return lo, hi
+
+
+_FOLD_C = 6  # keys are encoded as value * 2**(6 - d): e2m1 6 -> 384 <= e4m3 max 448
+_FOLD_MAX_D = 11  # largest block-scale distance (binades below the key's largest block) encoded (all normals)
+_FOLD_LO, _FOLD_HI = _fold_tables()
+# the tables are affine in d while every code stays an e4m3 normal (d <= 11): byte(em) = B(d) + off(em)
+# for em >= 1 with B(d) = (C + 6 - d) << 3 (the byte of 0.5), 0 for em = 0.
+_FOLD_B0 = _FOLD_LO[0] >> 8 & 0xFF
+_FOLD_LO_OFF = _FOLD_LO[0] - _FOLD_B0 * 0x01010100
+_FOLD_HI_OFF = _FOLD_HI[0] - _FOLD_B0 * 0x01010101
+for _d in range(_FOLD_MAX_D + 1):
+    _b = _FOLD_B0 - (_d << 3)
+    if (_FOLD_LO_OFF + _b * 0x01010100, _FOLD_HI_OFF + _b * 0x01010101) != (_FOLD_LO[_d], _FOLD_HI[_d]):
+        raise AssertionError(f"fold table: d={_d} is not affine")
+FOLD_B0 = tl.constexpr(_FOLD_B0)
+FOLD_LO_OFF = tl.constexpr(_FOLD_LO_OFF)
+FOLD_HI_OFF = tl.constexpr(_FOLD_HI_OFF)
+FOLD_MAX_D = tl.constexpr(_FOLD_MAX_D)
+FOLD_C = tl.constexpr(_FOLD_C)
 
 
 @triton.jit
@@ -311,6 +378,104 @@ def _store_scores(out_row, offs_n, acc, w, ok, N):
     tl.store(out_row + offs_n, tl.where(ok, s, float("-inf")), mask=offs_n < N)
 
 
+@triton.jit
+def _fold_words(d):
+    """The fold table of block-scale distance d (int32, 0 <= d <= FOLD_MAX_D): two words of 4 e4m3 magnitude
+    bytes, codes 0-3 and 4-7 (see _fold_tables; affine in d: 2 integer multiply-adds)."""
+    b = FOLD_B0 - (d << 3)
+    lo = b * 0x01010100 + FOLD_LO_OFF
+    hi = b * 0x01010101 + FOLD_HI_OFF
+    return lo, hi
+
+
+@triton.jit
+def _fold_bytes_asm(pc, lo, hi):
+    """e4m3 bytes of 4 packed e2m1 bytes p (8 codes, elements 0..7 of a 32-bit register) looked up in the
+    key-block's table (lo, hi): one ``prmt`` for 4 magnitudes (selector = code & 7); one ``prmt`` in sign
+    mode (selector bit 3) replicating each element's sign bit -- bit 7 of a byte of p (odd elements) or of
+    p << 4 (even elements) -- over its output byte; one lop3 m | (s & 0x80808080).  5 instructions for 4
+    elements.  Returns (elements 0-3, elements 4-7) as 4 bytes each.  GPU only (inline PTX)."""
+    return tl.inline_asm_elementwise(
+        asm="""
+        {
+        .reg .b32 m, s, x, y;
+        shl.b32 y, $2, 4;
+        and.b32 m, $2, 0x7777;
+        prmt.b32 m, $3, $7, m;
+        prmt.b32 s, $2, y, 0x9D8C;
+        lop3.b32 $0, m, s, 0x80808080, 0xF8;
+        shr.u32 x, $2, 16;
+        and.b32 m, x, 0x7777;
+        prmt.b32 m, $3, $7, m;
+        prmt.b32 s, $2, y, 0xBFAE;
+        lop3.b32 $1, m, s, 0x80808080, 0xF8;
+        }
+        """,
+        constraints="=r,=r,r,r,r,r,r,r,r,r,r",
+        args=[pc, lo, hi],
+        dtype=(tl.uint8, tl.uint8),
+        is_pure=True,
+        pack=4,
+    )
+
+
+@triton.jit
+def _fold_keys(pc, lo, hi, ASM: tl.constexpr):
+    """Packed e2m1 bytes pc [BN, NB, 16] (NB blocks of a key) and each (key, block)'s fold table words lo, hi
+    [BN, NB, 1] -> e4m3 keys [BN, NB * 32] with every element = value * 2**(FOLD_C - d), in the fold K order:
+    column 32b + 16w + 4g + j holds element 32b + 8g + 4w + j (block b, g = group of 8 elements = 4 packed
+    bytes) -- the order of the PTX path's output registers (no byte shuffle of the key tile); the query is
+    loaded in the same order (_fold_q_order)."""
+    BN: tl.constexpr = pc.shape[0]
+    NB: tl.constexpr = pc.shape[1]
+    W: tl.constexpr = pc.shape[2]
+    lo = tl.broadcast_to(lo, pc.shape)
+    hi = tl.broadcast_to(hi, pc.shape)
+    if ASM:
+        e03, e47 = _fold_bytes_asm(pc, lo, hi)
+        # [.., 16 bytes of e03, 16 bytes of e47] a block: the pair dim moved outside the bytes, so each thread's
+        # 32-bit registers from the PTX are used as they are (join + reshape would interleave their bytes)
+        k8 = tl.reshape(tl.permute(tl.join(e03, e47), (0, 1, 3, 2)), (BN, NB * W * 2))
+    else:
+        p = pc.to(tl.int32)
+        c0 = p & 7  # even element (low nibble)
+        m0 = (tl.where(c0 < 4, lo, hi) >> ((c0 & 3) * 8)) & 255
+        c1 = (p >> 4) & 7  # odd element
+        m1 = (tl.where(c1 < 4, lo, hi) >> ((c1 & 3) * 8)) & 255
+        even = m0 | ((p & 8) << 4)
+        odd = m1 | (p & 0x80)
+        nat = tl.reshape(tl.join(even, odd), (BN, NB, W // 4, 2, 4))  # natural order in a block: (g, w, j)
+        k8 = tl.reshape(tl.permute(nat, (0, 1, 3, 2, 4)), (BN, NB * W * 2))
+    return k8.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+
+
+@triton.jit
+def _fold_q_order(r):
+    """Element held by column r of the fold K order (see _fold_keys)."""
+    return (r // 32) * 32 + ((r % 16) // 4) * 8 + ((r % 32) // 16) * 4 + r % 4
+
+
+@triton.jit
+def _fold_load(kptr, ok, s4, smax, c: tl.constexpr, NB: tl.constexpr, QBLOCK: tl.constexpr, ASM: tl.constexpr):
+    """Blocks c .. c+NB-1 of the tile's keys as fold-encoded e4m3 [BN, NB * QBLOCK], each element = value *
+    2**(FOLD_C - d) with d = smax - the block's scale byte (keys with d > FOLD_MAX_D get garbage: the caller
+    routes them to the general path)."""
+    nb = tl.arange(0, NB)
+    d = smax[:, None] - ((s4[:, None] >> (8 * (c + nb))[None, :]) & 255)  # [BN, NB]
+    lo, hi = _fold_words(tl.minimum(d, FOLD_MAX_D))
+    offs = (c + nb)[:, None] * (QBLOCK // 2) + tl.arange(0, QBLOCK // 2)[None, :]  # [NB, 16] packed bytes
+    pc = tl.load(kptr[:, None, None] + offs[None, :, :], mask=ok[:, None, None], other=0)
+    return _fold_keys(pc, lo[:, :, None], hi[:, :, None], ASM)
+
+
+@triton.jit
+def _fold_far(s4, smax):
+    """Keys the fold encoding cannot hold exactly: blocks more than FOLD_MAX_D binades apart, or a largest
+    scale byte <= FOLD_C (the key factor 2**(smax - 127 - FOLD_C) would be an fp32 subnormal)."""
+    smin = tl.minimum(tl.minimum(_sbyte(s4, 0), _sbyte(s4, 1)), tl.minimum(_sbyte(s4, 2), _sbyte(s4, 3)))
+    return (smax - smin > FOLD_MAX_D) | (smax <= FOLD_C)
+
+
 @triton.jit(do_not_specialize=["tiles"])
 def _mxfp4_scores_kernel(
     q_ptr,
@@ -345,6 +510,9 @@ def _mxfp4_scores_kernel(
     IMPL: tl.constexpr,
     W_SCALE: tl.constexpr,
     ASM: tl.constexpr = False,
+    KSPLIT: tl.constexpr = 1,
+    GENERAL: tl.constexpr = True,
+    GEN_N: tl.constexpr = 1,
 ):
     """One program: query row t, tiles [chunk*tiles, (chunk+1)*tiles) of BLOCK_N entries.  Logits are
     computed as keys @ q^T, [BLOCK_N, HP] (entries on the MMA's M side, heads on N), so the head sum is a
@@ -452,6 +620,86 @@ def _mxfp4_scores_kernel(
                     _pow2(_sbyte(s4, 3))[:, None] * _pow2(be3)[None, :]
                 )
                 _store_scores(out_row, offs_n, acc, w, ok, N)
+    elif IMPL == 3:
+        tl.static_assert(N_SCALES == 4)
+        # the query as one e4m3 [128, HP] operand in the fold K order, one power-of-two scale a head putting
+        # its largest |q| in [2**8, 2**9) (MXFP4 values: <= 384); exact if no block is > ~16 binades below
+        r = tl.arange(0, 2 * HALF_D)
+        qf = tl.load(q_base + _fold_q_order(r)[:, None], mask=h_ok[None, :], other=0.0)
+        qf = qf.to(tl.float32)
+        be = (tl.max(tl.abs(qf), axis=0).to(tl.int32, bitcast=True) >> 23) & 255
+        qe = tl.minimum(tl.maximum(262 - be, 8), 246)  # biased exponent of the scale 2**(135 - be)
+        q8 = (qf * _pow2(qe)[None, :]).to(tl.float8e4nv)
+        q_exact = tl.min(tl.min((q8.to(tl.float32) * _pow2(254 - qe)[None, :] == qf).to(tl.int32), axis=1), axis=0)
+        wq = w * _pow2(254 - qe)  # undo the query scale; the key scale 2**(smax - 127 - FOLD_C) is per key
+        far_any = tl.zeros((BLOCK_N,), tl.int32)
+        if q_exact != 0:
+            for i in range(0, n_live):
+                offs_n = tile0 + i * BLOCK_N
+                ok, kptr, s4 = _tile_keys(
+                    offs_n,
+                    nv,
+                    row,
+                    bt_ptr,
+                    stride_bt,
+                    MAX_BLOCKS,
+                    NUM_PAGES,
+                    BS,
+                    data_ptr,
+                    stride_dp,
+                    stride_dr,
+                    scale_ptr,
+                    stride_sp,
+                    stride_sr,
+                )
+                smax = tl.maximum(tl.maximum(_sbyte(s4, 0), _sbyte(s4, 1)), tl.maximum(_sbyte(s4, 2), _sbyte(s4, 3)))
+                k8 = _fold_load(kptr, ok, s4, smax, 0, N_SCALES, QBLOCK, ASM)
+                if KSPLIT == 1:
+                    acc = _dot(k8, q8, tl.zeros((BLOCK_N, HP), tl.float32), FP32_DOT)
+                elif FP32_DOT:
+                    acc = _dot(k8, q8, tl.zeros((BLOCK_N, HP), tl.float32), FP32_DOT)
+                else:
+                    # the MMA's partial sums moved into an fp32 accumulator every QBLOCK of K (i.e. every
+                    # block's sum starts from zero in the tensor core: exact), by Triton's promotion
+                    acc = tl.dot(k8, q8, tl.zeros((BLOCK_N, HP), tl.float32), max_num_imprecise_acc=QBLOCK)
+                far = ok & _fold_far(s4, smax)
+                s = tl.sum(tl.maximum(acc, 0.0) * wq[None, :], axis=1) * _pow2(tl.maximum(smax - FOLD_C, 1))
+                tl.store(out_row + offs_n, tl.where(ok, s, float("-inf")), mask=(offs_n < N) & ~far)
+                far_any |= far.to(tl.int32)
+        # general path (exact for every key and query, the "convert" kernel's math): the keys the fold
+        # encoding cannot hold, or every key if the query does not fit one e4m3 scale a head
+        if GENERAL and ((q_exact == 0) | (tl.max(far_any, axis=0) != 0)):
+            q_even = tl.load(q_base + 2 * offs_i[:, None], mask=h_ok[None, :], other=0.0)  # [64, HP]
+            q_odd = tl.load(q_base + 2 * offs_i[:, None] + 1, mask=h_ok[None, :], other=0.0)
+            sidx = (2 * offs_i) // QBLOCK
+            # sub-tiles of GEN_N entries: this rare path's registers must not cut the fast loop's occupancy
+            for i in range(0, n_live * (BLOCK_N // GEN_N)):
+                offs_n = first * BLOCK_N + i * GEN_N + tl.arange(0, GEN_N)
+                ok, kptr, s4 = _tile_keys(
+                    offs_n,
+                    nv,
+                    row,
+                    bt_ptr,
+                    stride_bt,
+                    MAX_BLOCKS,
+                    NUM_PAGES,
+                    BS,
+                    data_ptr,
+                    stride_dp,
+                    stride_dr,
+                    scale_ptr,
+                    stride_sp,
+                    stride_sr,
+                )
+                smax = tl.maximum(tl.maximum(_sbyte(s4, 0), _sbyte(s4, 1)), tl.maximum(_sbyte(s4, 2), _sbyte(s4, 3)))
+                redo = (ok & _fold_far(s4, smax)) | (offs_n < N * (1 - q_exact))  # every entry if q is not exact
+                packed = tl.load(kptr[:, None] + offs_i[None, :], mask=ok[:, None], other=0)  # [BN, 64]
+                sadd = (((s4[:, None] >> (8 * sidx[None, :])) & 255) - 1) << 7  # [BN, 64]
+                p32 = packed.to(tl.int32)
+                acc = _dot(_e2m1_to_bf16(p32 & 15, sadd), q_even, tl.zeros((GEN_N, HP), tl.float32), FP32_DOT)
+                acc = _dot(_e2m1_to_bf16(p32 >> 4, sadd), q_odd, acc, FP32_DOT)
+                s = tl.sum(tl.maximum(acc, 0.0) * w[None, :], axis=1)
+                tl.store(out_row + offs_n, tl.where(ok, s, float("-inf")), mask=(offs_n < N) & redo)
     elif IMPL == 1:
         q_full = tl.load(q_base + tl.arange(0, 2 * HALF_D)[:, None], mask=h_ok[None, :], other=0.0)  # [128, HP]
         for i in range(0, n_live):
@@ -676,8 +924,10 @@ def _launch_config(T, H, N, device, block_n, tiles_per_program, num_warps, num_s
 
 
 # impl="auto": the first of these that compiles on the device (checked once a device, at the first call)
-AUTO_IMPL_ORDER = ("fp8mma", "convert")
+AUTO_IMPL_ORDER = ("fp8mma", "convert")  # H200 2026-12-02: fp8mma 75.8 us vs fold ~102, fold4 104.6 (1M, B=4)
 _AUTO_IMPL: dict[int, str] = {}
+_GEN_N = 64  # entries a sub-tile of the fold impls' general path (keeps its registers below the fast loop's)
+_FOLD_ASM = True  # GPU: the fold impls' e2m1 -> scaled e4m3 table lookup by inline PTX ``prmt``; False: Triton ops
 _FP8MMA_ASM = True  # GPU: e2m1 -> e4m3 bytes by inline PTX (4 bytes a register); False: Triton integer ops
 
 
@@ -715,7 +965,9 @@ def _launch_mxfp4(impl, q, weights, data, scale32, block_table, token_row, n_vis
         FP32_DOT=interp,
         IMPL=_IMPLS[impl],
         W_SCALE=_FP8_CODE_SCALE if impl == "fp8mma" else 1.0,
-        ASM=impl == "fp8mma" and _FP8MMA_ASM and not interp,
+        ASM=_FP8MMA_ASM and not interp if impl == "fp8mma" else _FOLD_ASM and not interp if impl in _KSPLIT else False,
+        KSPLIT=_KSPLIT.get(impl, 1),
+        GEN_N=min(cfg.block_n, _GEN_N),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
@@ -760,6 +1012,11 @@ def indexer_scores(
             "convert": e2m1 -> bf16 by bit manipulation in registers, bf16 ``tl.dot`` (K = 2 x 64).
             "dot_scaled": ``tl.dot_scaled(keys, scales, "e2m1", q, None, "bf16")`` (Triton lowers the
             MXFP4 operand; on sm90 by up-conversion); an experiment for the H200.
+            "fold": block scales folded into the e2m1 -> e4m3 re-encoding (``prmt`` table lookups), one
+            K=128 FP8 MMA a tile; keys with blocks > 11 binades apart (and all keys if q needs more than
+            one e4m3 scale a head) are scored by the "convert" math in a second, rarely run loop.  See
+            the module docstring (Numerics) for the FP8 MMA's accumulation precision.
+            "fold4": the same with each 32-block's MMA partial added in fp32 (exact, a bit slower).
             "fp8mma": the e2m1 bytes re-encoded as e4m3 (SWAR, 4 bytes a register), q as e4m3, one
             K=32 FP8 MMA per 32-block with the key's block scale (and, if q's blocks of a head span
             more than ~8 binades, q's) applied to the block's fp32 partial.  Exact: the products are
