@@ -51,39 +51,6 @@ def _to_bf16(x, INTERPRETER: tl.constexpr):
 
 
 @triton.jit
-def _load_tiles3(
-    nope_ptr,
-    rope_ptr,
-    scale_ptr,
-    nope_base,
-    rope_base,
-    scale_base,
-    valid,
-    t0,
-    NT: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    TILE: tl.constexpr,
-    NOPE_TILES: tl.constexpr,
-):
-    """Dequantised tiles ``t0 .. t0+NT`` of BLOCK_N entries as [BLOCK_N, NT, TILE] fp32 (tile NOPE_TILES = rope).
-
-    Each entry's FP8 bytes of these tiles are contiguous (one wide load per entry row), its UE8M0 scale
-    bytes are loaded once ([BLOCK_N, NT]) and ``2**(b - 127)`` is built from the exponent bits (exact).
-    """
-    offs_t = t0 + tl.arange(0, NT)
-    offs_j = tl.arange(0, TILE)
-    is_nope = offs_t < NOPE_TILES
-    nope_off = nope_base[:, None, None] + (offs_t * TILE)[None, :, None] + offs_j[None, None, :]
-    x = tl.load(nope_ptr + nope_off, mask=valid[:, None, None] & is_nope[None, :, None], other=0.0).to(tl.float32)
-    sb = tl.load(scale_ptr + scale_base[:, None] + offs_t[None, :], mask=valid[:, None] & is_nope[None, :], other=0)
-    sc = (sb.to(tl.int32) << 23).to(tl.float32, bitcast=True)
-    has_rope = (offs_j * 0 + t0 + NT) > NOPE_TILES  # only a chunk holding the rope tile reads it
-    r = tl.load(rope_ptr + rope_base[:, None] + offs_j[None, :], mask=valid[:, None] & has_rope[None, :], other=0.0)
-    k3 = tl.where(is_nope[None, :, None], x * sc[:, :, None], r.to(tl.float32)[:, None, :])
-    return k3
-
-
-@triton.jit
 def _load_tiles(
     nope_ptr,
     rope_ptr,
@@ -98,11 +65,22 @@ def _load_tiles(
     TILE: tl.constexpr,
     NOPE_TILES: tl.constexpr,
 ):
-    """``_load_tiles3`` as one [BLOCK_N, NT*TILE] bf16 tile (exact in bf16: an e4m3 value times a power of two;
-    the rope part was bf16 already)."""
-    k3 = _load_tiles3(
-        nope_ptr, rope_ptr, scale_ptr, nope_base, rope_base, scale_base, valid, t0, NT, BLOCK_N, TILE, NOPE_TILES
-    )
+    """Dequantised tiles ``t0 .. t0+NT`` of BLOCK_N entries as [BLOCK_N, NT*TILE] bf16 (tile NOPE_TILES = rope).
+
+    Each entry's FP8 bytes of these tiles are contiguous (one wide load per entry row), its UE8M0 scale
+    bytes are loaded once ([BLOCK_N, NT]) and ``2**(b - 127)`` is built from the exponent bits (exact).
+    """
+    offs_t = t0 + tl.arange(0, NT)
+    offs_j = tl.arange(0, TILE)
+    is_nope = offs_t < NOPE_TILES
+    nope_off = nope_base[:, None, None] + (offs_t * TILE)[None, :, None] + offs_j[None, None, :]
+    x = tl.load(nope_ptr + nope_off, mask=valid[:, None, None] & is_nope[None, :, None], other=0.0).to(tl.float32)
+    sb = tl.load(scale_ptr + scale_base[:, None] + offs_t[None, :], mask=valid[:, None] & is_nope[None, :], other=0)
+    sc = (sb.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+    has_rope = (offs_j * 0 + t0 + NT) > NOPE_TILES  # only a chunk holding the rope tile reads it
+    r = tl.load(rope_ptr + rope_base[:, None] + offs_j[None, :], mask=valid[:, None] & has_rope[None, :], other=0.0)
+    k3 = tl.where(is_nope[None, :, None], x * sc[:, :, None], r.to(tl.float32)[:, None, :])
+    # Exact in bf16: an e4m3 value times a power of two; the rope part was bf16 already.
     return tl.reshape(k3, (BLOCK_N, NT * TILE)).to(tl.bfloat16)
 
 
