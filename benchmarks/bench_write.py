@@ -3,7 +3,7 @@
     python benchmarks/bench_write.py --out FILE.jsonl     # on the H200
     python benchmarks/bench_write.py --smoke              # tiny shapes, CPU (interpreter) or GPU
     python benchmarks/bench_write.py --prefill-only       # prefill rows + HCA decode B=64 only
-    python benchmarks/bench_write.py --prefill-only --models v4-flash --tune store_window:block_t=16,num_warps=8
+    python benchmarks/bench_write.py --prefill-only --models v4-flash --tune store_window: --tune store_window:iters=4
 
 Ops (each = what one layer does per step on the write path):
 - ``store_window``: kv_norm -> RoPE -> FP8 -> ring slot, for T tokens (prefill also writes the bf16
@@ -166,14 +166,17 @@ def mxfp4_written_bytes(fmt: MXFP4KeyFormat) -> int:
 
 
 # ---------------------------------------------------------------------------- cases
-def parse_tune(items: list[str]) -> dict[str, dict[str, int]]:
-    """``["op:k=v,k=v", ...]`` -> {op: {k: int(v)}}."""
-    out: dict[str, dict[str, int]] = {}
+def parse_tune(items: list[str]) -> dict[str, list[dict[str, int]]]:
+    """``["op:k=v,k=v", ...]`` -> {op: [{k: int(v)}, ...]}: each item is one variant of its op (an op given
+    several times is measured once per variant, in order; ``op:`` alone is the default geometry)."""
+    out: dict[str, list[dict[str, int]]] = {}
     for item in items:
         op, _, kvs = item.partition(":")
+        variant = {}
         for kv in filter(None, kvs.split(",")):
             k, _, v = kv.partition("=")
-            out.setdefault(op, {})[k] = int(v)
+            variant[k] = int(v)
+        out.setdefault(op, []).append(variant)
     return out
 
 
@@ -308,9 +311,11 @@ def main() -> None:
         action="append",
         default=[],
         metavar="OP:KEY=VAL[,KEY=VAL]",
-        help="launch tuning of the Triton path, e.g. store_window:block_t=4,num_warps=8 or "
-        "hca:pool_block_t=128,block_d=64 or csa_indexer:emit_block_t=16 (keys of compressor_step; "
-        "emit_block_t / emit_num_warps go to emit_entries); repeatable",
+        help="launch tuning of the Triton path, e.g. store_window:block_t=4,num_warps=4,iters=2 or "
+        "hca:pool_block_t=128,block_d=64,spec_loads=1,write_block_t=64,write_warps=8 or csa_main:emit_scan=16 "
+        "(keys of compressor_step; emit_block_t / emit_num_warps / emit_iters / emit_scan go to emit_entries); "
+        "repeatable: each one is a variant "
+        "measured separately (store_window: alone = the default geometry)",
     )
     args = ap.parse_args()
     tune = parse_tune(args.tune)
@@ -332,16 +337,16 @@ def main() -> None:
                     if op != "hca":
                         continue
                     sizes = sizes[-1:]
-                for n in sizes:
+                for n, variant in [(n, v) for n in sizes for v in tune.get(op, [{}])]:
                     if op == "hca" and mode == "prefill" and args.smoke:
                         n = 130  # at least one HCA entry
                     gen = torch.Generator().manual_seed(0)
                     if op == "store_window":
                         tri, ref, ok, note, nbytes = case_store_window(
-                            FP8EntryFormat(cfg.head_dim, cfg.rope_head_dim), mode, n, device, gen, tune.get(op, {})
+                            FP8EntryFormat(cfg.head_dim, cfg.rope_head_dim), mode, n, device, gen, variant
                         )
                     else:
-                        tri, ref, ok, note, nbytes = case_compressor(op, cfg, mode, n, device, gen, tune.get(op, {}))
+                        tri, ref, ok, note, nbytes = case_compressor(op, cfg, mode, n, device, gen, variant)
                     launches = count_launches(tri)
                     ref_launches = count_launches(ref)
                     syncs, ref_syncs = count_syncs(tri), count_syncs(ref)
@@ -357,7 +362,7 @@ def main() -> None:
                         "torch": torch.__version__,
                         "triton": triton.__version__,
                         "shape": {"mode": mode, ("B" if mode == "decode" else "T"): n},
-                        "tune": tune.get(op, {}),
+                        "tune": variant,
                         "time_s": t_tri,
                         "time_kind": "cuda graph replay / call" if t_graph is not None else "eager",
                         "eager_time_s": t_eager,
@@ -385,7 +390,9 @@ def main() -> None:
                         f"{model:9s} {op:12s} {mode:7s} {n:6d}  graph {us(t_graph)} us  eager {us(t_eager)} us"
                         f"  launches {nk}  torch {us(t_ref)} us  x{t_ref / t_tri:7.1f}"
                         f"  roofline {roof * 1e6:8.2f} us ({rec['pct_of_roofline']:5.1f}%)"
-                        f"  {'ok' if ok else 'MISMATCH'} ({note})" + ("" if graph_note == "ok" else f" [{graph_note}]"),
+                        f"  {'ok' if ok else 'MISMATCH'} ({note})"
+                        + ("" if graph_note == "ok" else f" [{graph_note}]")
+                        + (f"  tune {variant}" if variant else ""),
                         flush=True,
                     )
     if args.out:

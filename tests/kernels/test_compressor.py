@@ -166,8 +166,11 @@ def _emit_setup(kind, device, t=12):
     return [x.to(device) for x in (pooled, emits, pos, w, inv, slots)], fmt, ratio
 
 
-@pytest.mark.parametrize("kind", ["main", "indexer"])
+@pytest.mark.parametrize("kind", ["main", "indexer", "indexer_dot"])
 def test_emit_entries_triton_equals_reference(device, kind):
+    """(``indexer_dot``: the indexer's MMA kernel, 16 tokens per program.)"""
+    kw = {"dot": 1, "block_t": 16} if kind == "indexer_dot" else {}
+    kind = kind.removesuffix("_dot")
     (pooled, emits, pos, w, inv, slots), fmt, ratio = _emit_setup(kind, device)
     pages, bufs = [], []
     for seed in (0, 0):
@@ -176,7 +179,7 @@ def test_emit_entries_triton_equals_reference(device, kind):
         bufs.append(flat)
         pages.append(fmt.entry_pages(flat, 3, 4) if kind == "main" else fmt.key_pages(flat, 3, 4))
     before = bufs[0].clone()
-    emit_entries(pooled, emits, pos, w, 1e-6, inv, slots, pages[0], fmt, ratio, kind, backend="triton")
+    emit_entries(pooled, emits, pos, w, 1e-6, inv, slots, pages[0], fmt, ratio, kind, backend="triton", **kw)
     emit_entries(pooled, emits, pos, w, 1e-6, inv, slots, pages[1], fmt, ratio, kind, backend="torch")
     # RMSNorm / Hadamard sum orders differ (fp32) but on these rows the bf16 results coincide: bytes equal
     assert torch.equal(bufs[0], bufs[1])
@@ -194,7 +197,20 @@ def test_emit_entries_triton_equals_reference(device, kind):
         assert torch.equal(views["pad"], views_b["pad"])
 
 
-@pytest.mark.parametrize("tuning", [{}, {"block_t": 1}, {"block_t": 16, "num_warps": 2}])
+TUNE_EMIT = [
+    {},
+    {"block_t": 1},
+    {"block_t": 16, "num_warps": 2},
+    {"iters": 4},
+    {"block_t": 2, "iters": 3},
+    {"scan": 8},
+    {"scan": 32},
+    {"dot": 1, "block_t": 16},
+    {"dot": 1, "block_t": 32, "num_warps": 1},
+]
+
+
+@pytest.mark.parametrize("tuning", TUNE_EMIT)
 @pytest.mark.parametrize("kind", ["main", "indexer"])
 def test_emit_entries_many_emitters_per_block(device, kind, tuning):
     """A prefill-like step (every token emits: m = 1, and a few skipped slots) for any launch tuning: bytes
@@ -217,9 +233,49 @@ def test_emit_entries_many_emitters_per_block(device, kind, tuning):
         flat = flat.to(torch.uint8).to(device)
         pages = fmt.entry_pages(flat, n_pages, bs) if kind == "main" else fmt.key_pages(flat, n_pages, bs)
         kw = tuning if backend == "triton" else {}
+        if kind == "indexer":  # ``iters`` / ``scan`` are the main kernel's
+            kw = {k: v for k, v in kw.items() if k not in ("iters", "scan")}
+        elif "dot" in kw:  # the indexer's
+            kw = {}
         emit_entries(pooled, emits, pos, w, 1e-6, inv, slots, pages, fmt, ratio, kind, backend=backend, **kw)
         bufs.append(flat)
     assert torch.equal(bufs[0], bufs[1])
+
+
+@pytest.mark.parametrize("scan", [None, 1, 2, 16])
+def test_emit_main_scan_sparse_emitters(device, scan):
+    """The main emit's flag scan (``scan`` rows per program, the emitting ones stored in turn): sparse and
+    irregular emitters (m = 4 positions of two requests, a skipped slot, a partial last program) give the
+    reference's bytes; rows of non-emitting tokens (NaN) are never read."""
+    fmt, ratio, bs, n_pages = FP8EntryFormat(), 4, 4, 6
+    g = torch.Generator().manual_seed(5)
+    pos = torch.cat([torch.arange(6, 19), torch.arange(100, 110)]).to(torch.int32)
+    t = pos.numel()
+    emits = (pos + 1) % ratio == 0
+    pooled = torch.randn(t, fmt.head_dim, generator=g)
+    pooled[~emits] = float("nan")
+    slots = torch.randperm(n_pages * bs, generator=g)[:t].to(torch.int32)
+    slots[emits.nonzero()[1, 0]] = -1
+    w = torch.rand(fmt.head_dim, generator=g) + 0.5
+    inv = 1.0 / (160000.0 ** (torch.arange(0, 64, 2).float() / 64))
+    args = [x.to(device) for x in (pooled, emits, pos, w)]
+    bufs = []
+    for backend in ("triton", "torch"):
+        flat = torch.randint(0, 256, (fmt.page_bytes(bs) * n_pages,), generator=torch.Generator().manual_seed(3))
+        flat = flat.to(torch.uint8).to(device)
+        kw = {"scan": scan} if backend == "triton" else {}
+        emit_entries(
+            *args[:4], 1e-6, inv.to(device), slots.to(device), fmt.entry_pages(flat, n_pages, bs), fmt, ratio,
+            "main", backend=backend, **kw,
+        )  # fmt: skip
+        bufs.append(flat)
+    assert torch.equal(bufs[0], bufs[1])
+    if scan is None:  # and the scan needs emits-only geometry
+        with pytest.raises(ValueError, match="scan"):
+            emit_entries(
+                *args[:4], 1e-6, inv.to(device), slots.to(device), fmt.entry_pages(bufs[0], n_pages, bs), fmt,
+                ratio, "main", backend="triton", scan=4, block_t=2,
+            )  # fmt: skip
 
 
 def test_compressor_then_emit_main_matches_oracle_entries(device):
@@ -273,7 +329,14 @@ def test_validation_errors(device):
         compressor_step(kv, kv, pos, pos, kv_state, sc_state, 0, True)
 
 
-TUNINGS = [{}, {"pool_block_t": 1, "block_d": 16, "num_warps": 4}, {"pool_block_t": 32, "num_warps": 2}]
+TUNINGS = [
+    {},
+    {"pool_block_t": 1, "block_d": 16, "num_warps": 4},
+    {"pool_block_t": 32, "num_warps": 2},
+    {"spec_loads": 1},
+    {"spec_loads": 1, "pool_block_t": 1, "block_d": 16, "write_block_t": 4, "write_warps": 2},
+    {"spec_loads": 0, "write_block_t": 128, "write_warps": 4},
+]
 
 
 @pytest.mark.parametrize("tuning", TUNINGS)

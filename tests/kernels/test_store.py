@@ -169,17 +169,26 @@ def test_store_window_matches_reference(device):
         assert torch.equal(flat_k, flat_r)
 
 
-@pytest.mark.parametrize("block_t", [2, 8])
-def test_store_window_row_blocks_equal_one_row_per_program(device, block_t):
-    """Several rows per program (tail block partly past T; skipped slots inside blocks) change nothing."""
-    slots = _slots(device)[:-1]  # 19 rows: not a multiple of the block
+@pytest.mark.parametrize(
+    "geometry",
+    [
+        {"block_t": 2},
+        {"block_t": 8, "num_warps": 8},
+        {"iters": 3},  # 19 rows: 7 programs, the last one with 1 row (prefetch of the next one masked off)
+        {"block_t": 4, "num_warps": 2, "iters": 2},
+    ],
+)
+def test_store_window_geometries_equal_one_row_per_program(device, geometry):
+    """Blocks of rows / several blocks per program (tail partly past T; skipped slots inside blocks) change
+    nothing against the default geometry (one row per program, one warp)."""
+    slots = _slots(device)[:-1]  # 19 rows: not a multiple of any block
     t = slots.numel()
     kv, w, pos, inv_freq = _rope_inputs(t, device, seed=3)
     outs, flats = [], []
-    for bt, nw in ((1, 4), (block_t, 8 if block_t == 8 else 4)):
+    for kw in ({}, geometry):
         flat, pages = _fp8_buffer(device)
         out = torch.zeros(t, FMT.head_dim, dtype=torch.bfloat16, device=device)
-        store_window(kv, w, 1e-6, pos, inv_freq, slots, pages, FMT, out=out, backend="triton", block_t=bt, num_warps=nw)
+        store_window(kv, w, 1e-6, pos, inv_freq, slots, pages, FMT, out=out, backend="triton", **kw)
         outs.append(out)
         flats.append(flat)
     if outs[0].device.type == "cpu":  # interpreter: numpy sums, the same order for any tile shape
@@ -189,8 +198,16 @@ def test_store_window_row_blocks_equal_one_row_per_program(device, block_t):
     expect, _ = _fp8_buffer(device)
     store_fp8_entries(outs[1], slots, FMT.entry_pages(expect, PAGES, BS), FMT, backend="torch")
     assert torch.equal(flats[1], expect)
+
+
+def test_store_window_bad_geometry_is_rejected(device):
+    slots = _slots(device)
+    kv, w, pos, inv_freq = _rope_inputs(slots.numel(), device)
+    _, pages = _fp8_buffer(device)
     with pytest.raises(ValueError, match="block_t"):
         store_window(kv, w, 1e-6, pos, inv_freq, slots, pages, FMT, backend="triton", block_t=3)
+    with pytest.raises(ValueError, match="iters"):
+        store_window(kv, w, 1e-6, pos, inv_freq, slots, pages, FMT, backend="triton", iters=0)
 
 
 def test_store_window_rope_and_norm_semantics(device):
@@ -296,3 +313,72 @@ def test_strided_slot_tensors_are_read_by_element_not_by_memory(device):
     store_fp8_entries(x, slots, pages_k, FMT, backend="triton")
     store_fp8_entries(x, slots, pages_r, FMT, backend="torch")
     assert torch.equal(flat_k, flat_r)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize(
+    "geometry",
+    [{}, {"iters": 4}, {"block_t": 4}, {"block_t": 8, "num_warps": 8, "iters": 2}, {"block_t": 2, "num_warps": 1}],
+)
+def test_store_window_real_widths_on_gpu(geometry):
+    """V4 widths (head_dim 512, rope 64, 7 tiles), 4,099 tokens over a 64-entry-page ring with skipped
+    slots, positions up to 2^20, the hardware bf16 / e4m3 conversions: the bf16 rows match the reference up to
+    RMSNorm's sum order and the stored bytes are exactly ``fmt.quantize`` of the kernel's own rows."""
+    dev = torch.device("cuda")
+    t, bs, pages_n = 4099, 64, 80
+    g = torch.Generator().manual_seed(11)
+    kv = (torch.randn(t, FMT.head_dim, generator=g) * torch.logspace(-3, 3, t).unsqueeze(1)).bfloat16().to(dev)
+    kv[5, :64] = 0.0  # a zero tile: amax floor
+    w = (torch.rand(FMT.head_dim, generator=g) + 0.5).to(dev)
+    pos = torch.randint(0, 1 << 20, (t,), generator=g, dtype=torch.int32).to(dev)
+    inv = (1.0 / (160000.0 ** (torch.arange(0, FMT.rope_dim, 2).float() / FMT.rope_dim))).to(dev)
+    slots = torch.randperm(pages_n * bs, generator=g)[:t].to(torch.int32)
+    slots[::97] = -1
+    slots[1::101] = pages_n * bs + 3
+    slots = slots.to(dev)
+
+    def buf():
+        flat = torch.randint(0, 256, (FMT.page_bytes(bs) * pages_n,), generator=torch.Generator().manual_seed(2))
+        flat = flat.to(torch.uint8).to(dev)
+        return flat, FMT.entry_pages(flat, pages_n, bs)
+
+    (fk, pk), (fr, pr), (fe, pe) = buf(), buf(), buf()
+    ok_, or_ = (torch.zeros(t, FMT.head_dim, dtype=torch.bfloat16, device=dev) for _ in range(2))
+    store_window(kv, w, 1e-6, pos, inv, slots, pk, FMT, out=ok_, backend="triton", **geometry)
+    store_window(kv, w, 1e-6, pos, inv, slots, pr, FMT, out=or_, backend="torch")
+    store_fp8_entries(ok_, slots, pe, FMT, backend="torch")
+    torch.cuda.synchronize()
+    assert torch.equal(fk, fe)  # bytes == fmt.quantize(kernel rows): the e4m3 / scale / rope bytes are exact
+    # bf16 rows: RMSNorm's sum order and, at angles up to 2^20 rad, the last fp32 bit of libdevice's vs torch's
+    # sin/cos can move a bf16 rounding by one step; H200 2026-12-02: max relative 0.0084 (one step of a value
+    # just above a power of two after RoPE's cancellation), so the bound is two steps (2^-6), and such
+    # differences must stay rare (< 0.1 % of the values).
+    rel = ((ok_.float() - or_.float()).abs() / or_.float().abs().clamp_min(1e-30)).max()
+    assert rel <= 2.0**-6
+    assert (ok_ != or_).float().mean() < 1e-3
+    assert (fk != fr).float().mean() < 1e-3
+
+
+def test_store_window_small_format_without_vector_runs(device):
+    """A format whose tile (4) is not a multiple of the kernel's 8-value runs takes the plain layout: the same
+    semantics (bytes = fmt.quantize of the kernel's rows, rows = the reference's up to RMSNorm's sum order)."""
+    fmt = FP8EntryFormat(head_dim=36, rope_dim=8, tile=4)
+    t, bs, pages_n = 6, 4, 2
+    g = torch.Generator().manual_seed(8)
+    kv = (torch.randn(t, fmt.head_dim, generator=g) * 2).bfloat16().to(device)
+    w = (torch.rand(fmt.head_dim, generator=g) + 0.5).to(device)
+    pos = torch.tensor([0, 1, 7, 1000, 65_535, 1 << 20], dtype=torch.int32, device=device)
+    inv = (1.0 / (10000.0 ** (torch.arange(0, fmt.rope_dim, 2).float() / fmt.rope_dim))).to(device)
+    slots = torch.tensor([3, -1, 0, 7, 5, 100], dtype=torch.int32, device=device)
+    flats, outs = [], []
+    for backend in ("triton", "torch"):
+        flat = torch.zeros(fmt.page_bytes(bs) * pages_n, dtype=torch.uint8, device=device)
+        out = torch.zeros(t, fmt.head_dim, dtype=torch.bfloat16, device=device)
+        store_window(kv, w, 1e-6, pos, inv, slots, fmt.entry_pages(flat, pages_n, bs), fmt, out=out, backend=backend)
+        flats.append(flat)
+        outs.append(out)
+    assert ((outs[0].float() - outs[1].float()).abs() <= outs[1].float().abs() * 2**-7).all()
+    expect = torch.zeros_like(flats[0])
+    store_fp8_entries(outs[0], slots, fmt.entry_pages(expect, pages_n, bs), fmt, backend="torch")
+    assert torch.equal(flats[0], expect)

@@ -8,7 +8,8 @@ casts, fp32 division or fast-math:
 - ``ceil_log2_ratio``: ``ceil(log2(max(amax, floor) / qmax))`` without a division (see below);
 - ``pow2_neg``: the fp32 ``2**-e`` built from its exponent field;
 - ``e4m3_code``: fp32 with |v| <= 448 -> float8_e4m3fn byte, round to nearest even, sign kept;
-- ``rope_cos_sin_rows``: the same for a block of rows ([rows, rope_dim/2]);
+- ``rope_cos_sin_rows`` / ``rope_cos_sin_pos``: the same for a block of rows ([rows, rope_dim/2]);
+- ``bf16_rne``: ``bf16_round`` by the hardware conversion on a GPU (the same values);
 - ``e2m1_code``: fp32 -> e2m1 code with the format's tie-to-even-code thresholds;
 - ``rope_cos_sin_at``: cos/sin of the RoPE angle ``fp32(ratio * (pos // ratio)) * inv_freq`` (fp32),
   the reference's angle bit for bit, through libdevice's IEEE-accurate ``cosf``/``sinf`` (full range
@@ -147,6 +148,35 @@ def rope_cos_sin_rows(pos_ptrs, mask, ratio, inv_ptrs, INTERP: tl.constexpr):
         c = libdevice.cos(ang)
         s = libdevice.sin(ang)
     return c, s
+
+
+@triton.jit
+def rope_cos_sin_pos(p, RATIO: tl.constexpr, inv_ptrs, INTERP: tl.constexpr):
+    """``rope_cos_sin_rows`` for already loaded positions ``p`` [R] (int32/int64) and a compile-time ``RATIO``
+    (1: no division; a power of two: a shift): (cos, sin) [R, H] at ``fp32(RATIO * (p // RATIO)) * inv_freq``."""
+    if RATIO != 1:
+        p = p.to(tl.int64)
+        q = p // RATIO
+        q = tl.where((q * RATIO != p) & (p < 0), q - 1, q)  # floor division, as torch's ``//``
+        p = q * RATIO
+    ang = p.to(tl.float32)[:, None] * tl.load(inv_ptrs)[None, :]
+    if INTERP:
+        c = tl.cos(ang)
+        s = tl.sin(ang)
+    else:
+        c = libdevice.cos(ang)
+        s = libdevice.sin(ang)
+    return c, s
+
+
+@triton.jit
+def bf16_rne(x, INTERP: tl.constexpr):
+    """fp32 -> nearest-even bf16 value (as fp32): the hardware conversion (``cvt.rn.bf16x2.f32``) on a GPU,
+    ``bf16_round``'s integer emulation under the interpreter (same values)."""
+    if INTERP:
+        return bf16_round(x)
+    else:
+        return x.to(tl.bfloat16).to(tl.float32)
 
 
 # e2m1 rounding thresholds as global constexprs (derived from the format's value table, see e2m1_thresholds):

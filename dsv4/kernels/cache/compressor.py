@@ -46,7 +46,15 @@ import triton.language as tl
 from dsv4.errors import check_tensor
 from dsv4.formats.fp8_entry import EntryPages, FP8EntryFormat
 from dsv4.formats.mxfp4_key import KeyPages, MXFP4KeyFormat
-from dsv4.kernels.cache._triton_quant import bf16_round, rope_cos_sin_at
+from dsv4.kernels.cache._triton_quant import (
+    bf16_rne,
+    bf16_round,
+    ceil_log2_ratio,
+    e2m1_code,
+    pow2_neg,
+    rope_cos_sin_at,
+    rope_cos_sin_rows,
+)
 from dsv4.kernels.cache.store import (
     _check_entry_pages,
     _check_key_pages,
@@ -73,9 +81,9 @@ _INT = (torch.int32, torch.int64)
 # emitting tokens one after another (a prefill block of m consecutive positions holds exactly one), each over
 # a [c*m, block_d] tile of <= _POOL_TILE values read with one load per tensor (full tiles at 8 warps: 16 values
 # per thread per tensor, CSA main [8, 512] and HCA [128, 32]; CSA indexer [8, 128] at 4 warps); the
-# state-write pass copies
-# [_WRITE_BLOCK_T, _WRITE_BLOCK_D] tiles.  Decode: [c*m, block_d] tiles of <= _DECODE_TILE values; HCA
-# (c*m = 128) at 8 warps: 16 values per thread per tensor, so more programs stay resident per SM.
+# state-write pass copies [_WRITE_BLOCK_T, _WRITE_BLOCK_D] tiles.  Decode: [c*m, block_d] tiles of
+# <= _DECODE_TILE values; HCA (c*m = 128) at 8 warps: 16 values per thread per tensor, so more programs stay
+# resident per SM.
 _POOL_BLOCK_T = 128
 _POOL_TILE = 4096
 _POOL_WARPS = 8
@@ -83,8 +91,22 @@ _DECODE_TILE = 4096
 # H200, 2026-12-02: HCA decode at B = 64 took 13.1 us with 4 warps (write_v2) and 18.1 us with 8 (write_v3).
 _DECODE_WARPS = 4
 _EMIT_BLOCK_T = 8  # indexer emit: tokens scanned per program (m = 4: 2 emitting ones at most in a prefill)
+# indexer emit warps: H200, 2026-12-02 (write_v5), CSA indexer prefill T = 65,536: 193.4 us with 1 warp vs 224.7
+# with 4 and 206.9 with 2 (T = 8,192: 31.0 vs 34.6 / 32.7)
+_EMIT_INDEXER_WARPS = 1
+# indexer emit, MMA variant (``_emit_indexer_dot_kernel``): off by default until measured; tokens per program, warps
+_EMIT_INDEXER_DOT = False
+_EMIT_DOT_BLOCK_T = 64
+_EMIT_DOT_WARPS = 4
+# pool kernel: load the step's rows speculatively (``_pool_token`` SPEC; one dependent round trip less)
+_POOL_SPEC = False
+# State-write pass: one program per _WRITE_BLOCK_T tokens, [_WRITE_BLOCK_T, _WRITE_BLOCK_D] tiles looped over the
+# channels.  (It was a (token block, channel block) grid of [32, 256] tiles at 8 warps: sm_90a ptxas 182
+# registers, so one program per SM, and 4,096 (HCA) / 8,192 (CSA main) programs at T = 65,536, all but the
+# last c*m tokens' exiting after their index loads.)
 _WRITE_BLOCK_T = 32
-_WRITE_BLOCK_D = 256
+_WRITE_BLOCK_D = 128
+_WRITE_WARPS = 4
 
 
 def _geometry(ratio: int, overlap: bool) -> tuple[int, int]:
@@ -175,33 +197,53 @@ def _pool_token(
     OVERLAP: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    DECODE: tl.constexpr,
+    SPEC: tl.constexpr = False,
 ):
-    """Pool channels [b*BLOCK_D, ...) of the entry completed by token i (position t, state slot ``slot``)."""
+    """Pool channels [b*BLOCK_D, ...) of the entry completed by token i (position t, state slot ``slot``).
+
+    ``SPEC`` (non-decode): load the step's rows (j in [0, T)) at once, in parallel with the slots /
+    positions that tell whether they belong to the request, then the state rows for the others only (a
+    masked load, empty inside a prefill): the bulk loads no longer wait for that round trip; rows of
+    another request at j are read for nothing (at most c*m - 1 per request boundary)."""
     k = tl.arange(0, BLOCK_R)
     rmask = k < CM
     p = t - CM + 1 + k  # positions of the pooled rows
     j = i - CM + 1 + k  # the batch index position p would have if it is in this step
     jin = rmask & (j >= 0) & (j < T)
-    js = tl.load(tslot_ptr + j, mask=jin, other=-1).to(tl.int64)
-    jp = tl.load(pos_ptr + j, mask=jin, other=-1).to(tl.int64)
-    in_step = jin & (js == slot) & (jp == p)
+    if DECODE:  # one token per request: only the token's own row (k = CM - 1, j = i) is in the step
+        in_step = rmask & (k == CM - 1)
+    else:  # (a dependent round trip: the batch's slots and positions of the rows' candidate tokens)
+        js = tl.load(tslot_ptr + j, mask=jin, other=-1).to(tl.int64)
+        jp = tl.load(pos_ptr + j, mask=jin, other=-1).to(tl.int64)
+        in_step = jin & (js == slot) & (jp == p)
     from_state = rmask & (in_step == 0) & (p >= 0)
     ch = b * BLOCK_D + tl.arange(0, BLOCK_D)
     chm = ch < D
     if OVERLAP:
-        coff = tl.where(k < M, 0, D)
+        coff = (k >= M).to(tl.int32) * D  # (a multiply, not a select: keeps the divisibility of D)
     else:
         coff = tl.zeros([BLOCK_R], tl.int32)
     col = coff[:, None] + ch[None, :]
     m_any = (in_step | from_state)[:, None] & chm[None, :]
     row = tl.where(p >= 0, p % CM, 0)
-    # one load per tensor: each row's pointer is into this step's input or into the state ring
     in_off = j[:, None] * stride_in + col
     st_off = slot * st_ss + row[:, None] * st_sr + col
-    # (the select depends on the row only, so the pointers stay contiguous along the channels: wide loads)
     sel = in_step[:, None]
-    kv_r = tl.load(tl.where(sel, kv_ptr + in_off, kvs_ptr + st_off), mask=m_any, other=0.0)
-    sc_r = tl.load(tl.where(sel, sc_ptr + in_off, scs_ptr + st_off), mask=m_any, other=float("-inf"))
+    if SPEC and not DECODE:
+        m_in = jin[:, None] & chm[None, :]
+        kv_i = tl.load(kv_ptr + in_off, mask=m_in, other=0.0)
+        sc_i = tl.load(sc_ptr + in_off, mask=m_in, other=float("-inf"))
+        m_st = from_state[:, None] & chm[None, :]
+        kv_s = tl.load(kvs_ptr + st_off, mask=m_st, other=0.0)
+        sc_s = tl.load(scs_ptr + st_off, mask=m_st, other=float("-inf"))
+        kv_r = tl.where(sel, kv_i, kv_s)
+        sc_r = tl.where(sel, sc_i, sc_s)
+    else:
+        # one load per tensor: each row's pointer is into this step's input or into the state ring (the
+        # select depends on the row only, so the pointers stay contiguous along the channels: wide loads)
+        kv_r = tl.load(tl.where(sel, kv_ptr + in_off, kvs_ptr + st_off), mask=m_any, other=0.0)
+        sc_r = tl.load(tl.where(sel, sc_ptr + in_off, scs_ptr + st_off), mask=m_any, other=float("-inf"))
     mx = tl.max(sc_r, axis=0)
     mx = tl.where(mx == float("-inf"), 0.0, mx)  # all-absent (padding) channels: no inf - inf
     e = tl.exp(sc_r - mx[None, :])
@@ -249,7 +291,7 @@ def _compressor_decode_kernel(
     if emit & slot_ok & (b * BLOCK_D < D):
         _pool_token(
             i, t, slot, b, kv_ptr, sc_ptr, stride_in, pos_ptr, tslot_ptr, kvs_ptr, scs_ptr, st_ss, st_sr,
-            pooled_ptr, T, M, CM, D, OVERLAP, BLOCK_R, BLOCK_D,
+            pooled_ptr, T, M, CM, D, OVERLAP, BLOCK_R, BLOCK_D, True,
         )  # fmt: skip
     jn = i + CM
     later = jn < T
@@ -286,6 +328,7 @@ def _compressor_pool_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    SPEC: tl.constexpr = False,
 ):
     """Program (token block a, channel block b): write ``emits`` of tokens [a*BLOCK_T, ...) (b == 0) and
     pool channels [b*BLOCK_D, ...) of each emitting token with a state slot, one after another (visiting
@@ -310,7 +353,7 @@ def _compressor_pool_kernel(
         slot = tl.sum(tl.where(sel, ss, 0), axis=0)
         _pool_token(
             a * BLOCK_T + k, t, slot, b, kv_ptr, sc_ptr, stride_in, pos_ptr, tslot_ptr, kvs_ptr, scs_ptr, st_ss,
-            st_sr, pooled_ptr, T, M, CM, D, OVERLAP, BLOCK_R, BLOCK_D,
+            st_sr, pooled_ptr, T, M, CM, D, OVERLAP, BLOCK_R, BLOCK_D, False, SPEC,
         )  # fmt: skip
         k = tl.min(tl.where(work & (kk > k), kk, BLOCK_T), axis=0)
 
@@ -333,11 +376,12 @@ def _compressor_write_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """Program (token block a, channel block b): copy the [BLOCK_T, BLOCK_D] tile of this step's rows into
-    the state ring, masked to the tokens not superseded by a later token of their request (position
-    t + c*m in this step).  A block with no such token exits after its index loads."""
+    """Program a (token block): copy this step's rows [a*BLOCK_T, ...) into the state ring, masked to the
+    tokens not superseded by a later token of their request (position t + c*m in this step), in [BLOCK_T,
+    BLOCK_D] tiles over the channels (a compile-time loop: the channel mask folds away, wide accesses).  A
+    block with no such token (in a prefill all but the request's last c*m tokens) exits after its index
+    loads: one program per token block keeps the grid small."""
     a = tl.program_id(0).to(tl.int64)
-    b = tl.program_id(1)
     ii = a * BLOCK_T + tl.arange(0, BLOCK_T)
     im = ii < T
     tt = tl.load(pos_ptr + ii, mask=im, other=-1).to(tl.int64)
@@ -349,12 +393,17 @@ def _compressor_write_kernel(
     superseded = later & (js == ss) & (jp == tt + CM)
     wr = im & (ss >= 0) & (ss < num_state_slots) & (tt >= 0) & (superseded == 0)
     if tl.sum(wr.to(tl.int32), axis=0) > 0:
-        ch = b * BLOCK_D + tl.arange(0, BLOCK_D)
-        m = wr[:, None] & (ch < CD)[None, :]
-        src = ii[:, None] * stride_in + ch[None, :]
-        dst = tl.where(wr, ss * st_ss + (tt % CM) * st_sr, 0)[:, None] + ch[None, :]
-        tl.store(kvs_ptr + dst, tl.load(kv_ptr + src, mask=m), mask=m)
-        tl.store(scs_ptr + dst, tl.load(sc_ptr + src, mask=m), mask=m)
+        src_row = ii * stride_in
+        # (the strides are multiples of 16 elements, as the launch checks; without the hint the select hides
+        # it and the stores fall back to narrow accesses through a shared-memory layout conversion)
+        dst_row = tl.multiple_of(tl.where(wr, ss * st_ss + (tt % CM) * st_sr, 0), 16)
+        for c0 in tl.static_range(0, CD, BLOCK_D):
+            ch = c0 + tl.arange(0, BLOCK_D)
+            m = wr[:, None] & (ch < CD)[None, :]
+            src = src_row[:, None] + ch[None, :]
+            dst = dst_row[:, None] + ch[None, :]
+            tl.store(kvs_ptr + dst, tl.load(kv_ptr + src, mask=m), mask=m)
+            tl.store(scs_ptr + dst, tl.load(sc_ptr + src, mask=m), mask=m)
 
 
 def compressor_step(
@@ -372,6 +421,9 @@ def compressor_step(
     pool_block_t: int | None = None,
     block_d: int | None = None,
     num_warps: int | None = None,
+    spec_loads: int | None = None,
+    write_block_t: int | None = None,
+    write_warps: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fold one step's compressor projections into the state ring and pool the entries that complete.
 
@@ -389,7 +441,10 @@ def compressor_step(
     Tuning (Triton path only; results do not depend on them): ``pool_block_t`` tokens scanned per pool
         program (power of two; default min(m, 128): one emitting token per program in a prefill),
         ``block_d`` channels per program (power of two; pool and decode kernels), ``num_warps`` of the
-        pool / decode kernel.
+        pool / decode kernel, ``spec_loads`` (0/1, pool kernel: read the step's rows before knowing they
+        belong to the request, see ``_pool_token``; default ``_POOL_SPEC``), ``write_block_t`` /
+        ``write_warps`` (state-write kernel: tokens per program, power of two, and warps; default
+        _WRITE_BLOCK_T / _WRITE_WARPS).
     Preconditions: the step contract of the module docstring.
     """
     c, cm = _geometry(ratio, overlap)
@@ -437,11 +492,14 @@ def compressor_step(
     _compressor_pool_kernel[(triton.cdiv(t, bt), triton.cdiv(d, bd))](
         *head, pooled, emits.view(torch.uint8), t,
         M=ratio, CM=cm, D=d, OVERLAP=overlap, BLOCK_T=bt, BLOCK_R=block_r, BLOCK_D=bd,
+        SPEC=bool(_POOL_SPEC if spec_loads is None else spec_loads),
         num_warps=num_warps or (_POOL_WARPS if block_r * bd >= _POOL_TILE else 4),
     )  # fmt: skip
     wd = min(triton.next_power_of_2(cd), _WRITE_BLOCK_D)
-    _compressor_write_kernel[(triton.cdiv(t, _WRITE_BLOCK_T), triton.cdiv(cd, wd))](
-        *head, t, CM=cm, CD=cd, BLOCK_T=_WRITE_BLOCK_T, BLOCK_D=wd, num_warps=8,
+    wbt = write_block_t or _WRITE_BLOCK_T
+    _check_pow2("write_block_t", wbt)
+    _compressor_write_kernel[(triton.cdiv(t, wbt),)](
+        *head, t, CM=cm, CD=cd, BLOCK_T=wbt, BLOCK_D=wd, num_warps=write_warps or _WRITE_WARPS,
     )  # fmt: skip
     return pooled, emits
 
@@ -589,6 +647,109 @@ def _emit_indexer_kernel(
         k = tl.min(tl.where(work & (kk > k), kk, BLOCK_T), axis=0)
 
 
+@triton.jit
+def _mxfp4_store_rows(
+    z, go, dbase, sbase, HAD_SCALE: tl.constexpr, INTERP: tl.constexpr, BLOCK_T: tl.constexpr, NBH: tl.constexpr,
+    HB: tl.constexpr, FLOOR: tl.constexpr, Q_EXP: tl.constexpr, Q_MANT: tl.constexpr,
+):  # fmt: skip
+    """Rows z [BLOCK_T, NBH * 2 * HB] fp32 (Hadamard sums) -> x HAD_SCALE -> bf16 -> NBH MXFP4 blocks each,
+    stored at ``dbase`` [BLOCK_T] (NBH * HB bytes) and ``sbase`` [BLOCK_T] (NBH scale bytes) where ``go``."""
+    z = bf16_rne(z * HAD_SCALE, INTERP)
+    ze, zo = tl.split(tl.reshape(z, [BLOCK_T, NBH, HB, 2]))
+    amax = tl.maximum(tl.max(tl.abs(ze), axis=2), tl.max(tl.abs(zo), axis=2))  # [BLOCK_T, NBH]
+    e = ceil_log2_ratio(amax, FLOOR, Q_EXP, Q_MANT)
+    inv = pow2_neg(e)[:, :, None]
+    code = (e2m1_code(ze * inv) | (e2m1_code(zo * inv) << 4)).to(tl.uint8)
+    b = tl.arange(0, NBH)
+    tl.store(dbase[:, None, None] + (b[:, None] * HB + tl.arange(0, HB)[None, :])[None, :, :], code,
+             mask=go[:, None, None])  # fmt: skip
+    sbyte = tl.minimum(tl.maximum(e + 127, 0), 254).to(tl.uint8)
+    tl.store(sbase[:, None] + b[None, :], sbyte, mask=go[:, None])
+
+
+@triton.jit
+def _emit_indexer_dot_kernel(
+    x_ptr,
+    stride_x,
+    n_rows,
+    w_ptr,
+    eps,
+    pos_ptr,
+    inv_ptr,
+    ratio,
+    emit_ptr,
+    slot_ptr,
+    num_slots,
+    bs,
+    data_ptr,
+    data_sp,
+    data_sr,
+    scale_ptr,
+    scale_sp,
+    scale_sr,
+    INTERP: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    DIM: tl.constexpr,
+    NOPE: tl.constexpr,
+    HR: tl.constexpr,
+    HAD_SCALE: tl.constexpr,
+    NB: tl.constexpr,
+    HB: tl.constexpr,
+    FLOOR: tl.constexpr,
+    Q_EXP: tl.constexpr,
+    Q_MANT: tl.constexpr,
+):
+    """``_emit_indexer_kernel`` for a block of BLOCK_T (>= 16) tokens at once, the Hadamard as two MMAs.
+
+    The emitting rows of the block are loaded together ([BLOCK_T, NOPE] nope values and [BLOCK_T, HR, 2]
+    rope pairs, the others masked to 0), normed and roped as in the window store, then the Hadamard as
+    H_2 (x) H_NOPE (needs NOPE = 2*HR = DIM / 2): two tf32 MMAs with one [NOPE, NOPE] sign matrix (built in
+    registers once per program) and a sum / difference.  The operands are bf16 values and +-1, so every
+    product is exact and only the fp32 accumulation order differs from the reference's matmul (as with
+    the factorised kernel).  The two halves are quantised to MXFP4 blocks and stored separately."""
+    a = tl.program_id(0).to(tl.int64)
+    ii = a * BLOCK_T + tl.arange(0, BLOCK_T)
+    im = ii < n_rows
+    ee = tl.load(emit_ptr + ii, mask=im, other=0) != 0
+    sl = tl.load(slot_ptr + ii, mask=im & ee, other=-1)
+    go = im & ee & (sl >= 0) & (sl < num_slots)
+    if tl.sum(go.to(tl.int32), axis=0) > 0:
+        cn = tl.arange(0, NOPE)
+        j = tl.arange(0, HR)
+        roff = NOPE + 2 * j[:, None] + tl.arange(0, 2)[None, :]  # [HR, 2]
+        xrow = x_ptr + ii * stride_x
+        xn = bf16_rne(tl.load(xrow[:, None] + cn[None, :], mask=go[:, None], other=0.0), INTERP)
+        xr = bf16_rne(tl.load(xrow[:, None, None] + roff[None, :, :], mask=go[:, None, None], other=0.0), INTERP)
+        xe, xo = tl.split(xr)
+        ss = tl.sum(xn * xn, axis=1) + tl.sum(xe * xe + xo * xo, axis=1)
+        r = tl.div_rn(tl.zeros([BLOCK_T], tl.float32) + 1.0, tl.sqrt_rn(tl.div_rn(ss, DIM) + eps))
+        wn = tl.load(w_ptr + cn).to(tl.float32)
+        we, wo = tl.split(tl.load(w_ptr + roff).to(tl.float32))
+        yn = bf16_rne(wn[None, :] * (xn * r[:, None]), INTERP)
+        ye = bf16_rne(we[None, :] * (xe * r[:, None]), INTERP)
+        yo = bf16_rne(wo[None, :] * (xo * r[:, None]), INTERP)
+        c, s = rope_cos_sin_rows(pos_ptr + ii, go, ratio, inv_ptr + j, INTERP)
+        rot = tl.reshape(
+            tl.join(bf16_rne(ye * c - yo * s, INTERP), bf16_rne(ye * s + yo * c, INTERP)), [BLOCK_T, 2 * HR]
+        )
+        # H_DIM = H_2 (x) H_NOPE (nope = rope = DIM / 2): z[:NOPE] = A + B, z[NOPE:] = A - B with
+        # A = yn @ H_NOPE, B = rope @ H_NOPE; tf32 MMAs (the values are bf16, exact in tf32; the signs +-1: exact
+        # products; bf16 operands would halve the shared memory but the interpreter's bf16 dot is wrong)
+        h = _parity_sign(cn[:, None] & cn[None, :])  # [NOPE, NOPE]
+        za = tl.dot(yn, h, input_precision="tf32")
+        zb = tl.dot(rot, h, input_precision="tf32")
+        s32 = tl.where(go, sl, 0).to(tl.int32)
+        page = (s32 // bs).to(tl.int64)
+        row = (s32 % bs).to(tl.int64)
+        dbase = data_ptr + page * data_sp + row * data_sr
+        sbase = scale_ptr + page * scale_sp + row * scale_sr
+        _mxfp4_store_rows(za + zb, go, dbase, sbase, HAD_SCALE, INTERP, BLOCK_T, NB // 2, HB, FLOOR, Q_EXP, Q_MANT)
+        _mxfp4_store_rows(
+            za - zb, go, dbase + (NB // 2) * HB, sbase + NB // 2, HAD_SCALE, INTERP, BLOCK_T, NB // 2, HB, FLOOR,
+            Q_EXP, Q_MANT,
+        )  # fmt: skip
+
+
 def emit_entries(
     pooled: torch.Tensor,
     emits: torch.Tensor,
@@ -605,6 +766,9 @@ def emit_entries(
     *,
     block_t: int | None = None,
     num_warps: int | None = None,
+    iters: int | None = None,
+    scan: int | None = None,
+    dot: int | None = None,
 ) -> None:
     """Finish and store the entries pooled by ``compressor_step`` (spec §3 "after pooling").
 
@@ -617,9 +781,15 @@ def emit_entries(
     ``pooled`` [T, d] fp32 with d = fmt.head_dim (main) / fmt.dim (indexer); rows of non-emitting
     tokens are never read.  Triton vs reference: as ``store_window`` (RMSNorm / Hadamard sum order).
     Tuning (Triton path only; results do not depend on them): ``block_t`` tokens per program (power of
-    two; main: up to 8 rows per program (``store._row_block``); indexer: min(m, 8), emitting ones handled in
-    turn), ``num_warps`` (default 4).  The indexer kernel needs nope and rope widths that are
-    power-of-two multiples of the MXFP4 block (128 = 64 + 64, blocks of 32 in the released model).
+    two; main: 1 row per block and a warp per row by default, ``iters`` blocks per program (default 1), as
+    ``store_window``; indexer: min(m, 8), emitting ones handled in turn), ``num_warps`` (main: min(block_t, 8);
+    indexer: 1), ``scan`` (main, when neither ``block_t`` nor ``iters`` is given: rows per program whose
+    flags are read at once, the emitting ones stored in turn by one warp; power of two, default
+    min(next_pow2(m), 128, T / 512 rounded down to a power of two); 1 = one-row programs), ``dot``
+    (indexer, 0/1: the Hadamard as tf32 MMAs over ``block_t`` >= 16 tokens per program, default
+    _EMIT_DOT_BLOCK_T; default ``_EMIT_INDEXER_DOT``).
+    The indexer kernel needs nope and rope widths that are power-of-two multiples of the MXFP4 block
+    (128 = 64 + 64, blocks of 32 in the released model).
     """
     if kind not in ("main", "indexer"):
         raise ValueError(f"kind: expected 'main' or 'indexer', got {kind!r}")
@@ -655,9 +825,12 @@ def emit_entries(
         raise ValueError("pooled (unit inner stride), norm_weight, inv_freq (contiguous): bad layout")
     if kind == "main":
         _launch_norm_rope_fp8(
-            pooled, norm_weight, eps, positions, ratio, inv_freq, slots, pages, fmt, None, emits, block_t, num_warps
-        )
+            pooled, norm_weight, eps, positions, ratio, inv_freq, slots, pages, fmt, None, emits, block_t, num_warps,
+            iters, scan,
+        )  # fmt: skip
         return
+    if scan is not None or iters is not None:
+        raise ValueError("scan / iters: main emit only (the indexer emit scans block_t tokens per program)")
     _check_pow2("fmt.dim", d)
     _check_pow2("rope_dim // 2", rd // 2)
     kb = fmt.block
@@ -667,6 +840,19 @@ def emit_entries(
     _check_pow2("rope_dim // fmt.block", rd // kb)
     pargs, kw = _mxfp4_args(pages, fmt)
     bs = pages.entries_per_page
+    use_dot = _EMIT_INDEXER_DOT if dot is None else bool(dot)
+    if use_dot:
+        bt = block_t or _EMIT_DOT_BLOCK_T
+        _check_pow2("block_t", bt)
+        if bt < 16 or d - rd != rd or fmt.n_blocks % 2:
+            raise ValueError(f"dot=1: needs block_t >= 16 (got {bt}), nope = rope (got {d - rd}, {rd}), even blocks")
+        _emit_indexer_dot_kernel[(triton.cdiv(t, bt),)](
+            pooled, pooled.stride(0), t, norm_weight, float(eps), positions, inv_freq, ratio, emits.view(torch.uint8),
+            slots, pages.data.shape[0] * bs, bs, *pargs,
+            INTERP=interpreter_enabled(), BLOCK_T=bt, DIM=d, NOPE=d - rd, HR=rd // 2, HAD_SCALE=d**-0.5,
+            num_warps=num_warps or _EMIT_DOT_WARPS, **kw,
+        )  # fmt: skip
+        return
     bt = block_t or min(triton.next_power_of_2(ratio), _EMIT_BLOCK_T)
     _check_pow2("block_t", bt)
     _emit_indexer_kernel[(triton.cdiv(t, bt),)](
@@ -674,5 +860,5 @@ def emit_entries(
         slots, pages.data.shape[0] * bs, bs, *pargs,
         INTERP=interpreter_enabled(), BLOCK_T=bt, DIM=d, NOPE=d - rd, HR=rd // 2, HAD_SCALE=d**-0.5,
         KB=kb, NA=(d - rd) // kb, RA=rd // kb,
-        num_warps=num_warps or 4, **kw,
+        num_warps=num_warps or _EMIT_INDEXER_WARPS, **kw,
     )  # fmt: skip

@@ -25,9 +25,11 @@ values agree with the reference to fp32 rounding (after the bf16 rounding almost
 Each Triton path is one kernel launch with no host synchronisation (no ``.item()``/``nonzero``), no
 copies and no allocation, so it can be captured in a CUDA graph; the public functions only check
 metadata in Python.  Grids: ``store_fp8_entries`` / ``store_mxfp4_keys`` one program per row;
-the main emit a block of rows per program ([rows, 8, 64] nope tile + [rows, 32] rope pairs, 4 warps; fewer
-rows for small batches); ``store_window`` the same kernel with one row per program by default (faster on
-the H200 at 65,536 rows, see ``_STORE_WINDOW_BLOCK_T``).
+``store_window`` and the main emit one program of one warp per row by default (``_ROW_BLOCK``: a
+[1, 8, 64] nope tile + [1, 32, 2] rope pairs, 16-byte vectors per thread, every reduction inside the
+warp); tunable to blocks of rows and several blocks per program (``block_t``, ``num_warps``, ``iters``).
+On a GPU the kernel rounds to bf16 / e4m3 with the hardware's round-to-nearest-even conversions (the same
+values as the integer emulation used under the interpreter).
 
 """
 
@@ -44,13 +46,14 @@ from dsv4.formats.fp8_entry import FP8_DTYPE, ROPE_DTYPE, EntryPages, FP8EntryFo
 from dsv4.formats.mxfp4_key import KeyPages, MXFP4KeyFormat
 from dsv4.kernels.cache._triton_quant import (
     bf16_bits,
+    bf16_rne,
     bf16_round,
     ceil_log2_ratio,
     e2m1_code,
     e4m3_code,
     pow2_neg,
     qmax_split,
-    rope_cos_sin_rows,
+    rope_cos_sin_pos,
 )
 from dsv4.kernels.dispatch import interpreter_enabled, use_triton
 from dsv4.model.functional import apply_rope, rms_norm
@@ -67,12 +70,21 @@ __all__ = [
 
 _FLOAT_IN = (torch.bfloat16, torch.float16, torch.float32)
 _SLOT_DTYPES = (torch.int32, torch.int64)
-# store_window / main emit: up to _BLOCK_T_ROWS rows per program ([8, 8, 64] nope tile + [8, 32] rope pairs:
-# 32 nope values per thread at 4 warps, 8 KB of bf16 loads in flight per program, ~3 programs per SM), fewer
-# rows when that would leave < _MIN_PROGRAMS programs (decode: 1 row per program, as before).
-_NUM_WARPS_ROW = 4
-_BLOCK_T_ROWS = 8
-_MIN_PROGRAMS = 1024
+# store_window / main emit geometry (``_norm_rope_fp8_kernel``): one row per block and one warp per row by
+# default (sm_90a SASS: ~300 instructions per row on the main path, no shared memory, no barriers; blocks of
+# several rows over several warps need cross-warp reductions and cost 340-590 per row), _ROW_ITERS blocks per
+# program (the next one prefetched during the current one's compute).
+_ROW_BLOCK = 1
+_MAX_WARPS = 8
+_ROW_ITERS = 1
+# main emit (``HAS_EMIT``): rows per program whose emit flags are scanned at once, default min(ratio, this).
+# (H200 write_v5: HCA prefill 65,536 took 172.7 us after the emit moved to one-row programs, 150.4 before
+# with 8-row programs: 65,536 programs of which 512 have a row to emit.)
+_EMIT_SCAN_MAX = 128
+_EMIT_SCAN_MIN_PROGRAMS = 512
+# values per contiguous run the window kernel hands each thread: 16 bytes of bf16 (one 128-bit access)
+_VEC_ELEMS = 8
+_VEC = tl.constexpr(_VEC_ELEMS)
 
 
 # ============================================================================ validation helpers
@@ -258,6 +270,107 @@ def _store_fp8_kernel(
 
 
 @triton.jit
+def _norm_rope_rows(
+    xn,  # [BLOCK_T, NT_PAD, TILE] the nope values as loaded (0 where masked)
+    xr,  # [BLOCK_T, HR, 2] the rope pairs as loaded
+    ii,  # [BLOCK_T] int64 row indices
+    go,  # [BLOCK_T] rows to process
+    w_ptr,
+    eps,
+    pos_ptr,
+    inv_ptr,
+    slot_ptr,
+    num_slots,
+    bs,
+    out_ptr,
+    stride_out,
+    nope_ptr,
+    nope_sp,
+    nope_sr,
+    rope_ptr,
+    rope_sp,
+    rope_sr,
+    scale_ptr,
+    scale_sp,
+    scale_sr,
+    noff,
+    tin,
+    roff,
+    RATIO: tl.constexpr,
+    HAS_OUT: tl.constexpr,
+    INTERP: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    NOPE: tl.constexpr,
+    NT: tl.constexpr,
+    NT_PAD: tl.constexpr,
+    TILE: tl.constexpr,
+    HR: tl.constexpr,
+    FLOOR: tl.constexpr,
+    QMAX: tl.constexpr,
+    Q_EXP: tl.constexpr,
+    Q_MANT: tl.constexpr,
+):
+    """RMSNorm -> RoPE -> [out] -> FP8 entry of one block of loaded rows (see ``_norm_rope_fp8_kernel``)."""
+    slot = tl.load(slot_ptr + ii, mask=go, other=-1)
+    ok = go & (slot >= 0) & (slot < num_slots)
+    # page / row in int32 (a pool has < 2**31 slots; an int64 division is a ~100-instruction call), the byte
+    # offsets below in int64
+    s32 = tl.where(ok, slot, 0).to(tl.int32)
+    page = (s32 // bs).to(tl.int64)
+    row = (s32 % bs).to(tl.int64)
+    p = tl.load(pos_ptr + ii, mask=go, other=0)
+    tiles = tl.arange(0, NT_PAD)
+    cols = tl.arange(0, TILE)
+    j = tl.arange(0, HR)
+    # the weight in its own (load) layout, broadcast over the rows (loaded here, not once per program: a
+    # program whose rows all skip never reads it; with ITERS > 1 the re-reads hit L1)
+    if BLOCK_T == 1:  # the tile's own shape and vector runs: the same register layout as xn, no conversion
+        wn = tl.load(w_ptr + noff, mask=tin, other=0.0).to(tl.float32)
+    else:  # [NT_PAD, TILE] (converted once, not the [BLOCK_T, ...] products)
+        wn = tl.load(w_ptr + tiles[:, None] * TILE + cols[None, :], mask=(tiles < NT)[:, None], other=0.0)
+        wn = wn.to(tl.float32)[None, :, :]
+    we, wo = tl.split(tl.load(w_ptr + roff).to(tl.float32))
+    xn = bf16_rne(xn.to(tl.float32), INTERP)
+    xe, xo = tl.split(bf16_rne(xr.to(tl.float32), INTERP))
+    ss = tl.sum(tl.sum(xn * xn, axis=2), axis=1) + tl.sum(xe * xe + xo * xo, axis=1)
+    r = tl.div_rn(tl.zeros([BLOCK_T], tl.float32) + 1.0, tl.sqrt_rn(tl.div_rn(ss, HEAD_DIM) + eps))
+    yn = bf16_rne(wn * (xn * r[:, None, None]), INTERP)
+    ye = bf16_rne(we * (xe * r[:, None]), INTERP)
+    yo = bf16_rne(wo * (xo * r[:, None]), INTERP)
+    c, s = rope_cos_sin_pos(p, RATIO, inv_ptr + j, INTERP)
+    rot = tl.join(bf16_rne(ye * c - yo * s, INTERP), bf16_rne(ye * s + yo * c, INTERP))  # [BLOCK_T, HR, 2]
+    rin = roff < HEAD_DIM
+    if HAS_OUT:
+        orow = out_ptr + ii * stride_out
+        tl.store(orow[:, None, None] + noff, bf16_bits(yn), mask=go[:, None, None] & tin)
+        tl.store(orow[:, None, None] + roff, bf16_bits(rot), mask=go[:, None, None] & rin)
+    # quantise: one UE8M0 scale per (row, tile)
+    amax = tl.max(tl.abs(yn), axis=2)
+    e = ceil_log2_ratio(amax, FLOOR, Q_EXP, Q_MANT)
+    v = yn * pow2_neg(e)[:, :, None]
+    if INTERP:
+        code = e4m3_code(tl.minimum(tl.maximum(v, -QMAX), QMAX)).to(tl.uint8)
+    else:  # |v| <= QMAX by construction; cvt.rn.satfinite.e4m3x2.f32 rounds to nearest even and keeps -0
+        code = v.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    nbase = nope_ptr + page * nope_sp + row * nope_sr
+    tl.store(nbase[:, None, None] + noff, code, mask=ok[:, None, None] & tin)
+    sbyte = tl.minimum(tl.maximum(e + 127, 0), 254)
+    smask = ok[:, None] & (tiles < NT)[None, :]
+    tl.store((scale_ptr + page * scale_sp + row * scale_sr)[:, None] + tiles[None, :], sbyte.to(tl.uint8), mask=smask)
+    rb = (rope_ptr + page * rope_sp + row * rope_sr)[:, None, None] + (roff - NOPE)
+    tl.store(rb, bf16_bits(rot), mask=ok[:, None, None] & rin)
+
+
+@triton.jit
+def _rows_to_do(ii, n_rows, emit_ptr, HAS_EMIT: tl.constexpr):
+    go = ii < n_rows
+    if HAS_EMIT:
+        go = go & (tl.load(emit_ptr + ii, mask=go, other=0) != 0)
+    return go
+
+
+@triton.jit
 def _norm_rope_fp8_kernel(
     x_ptr,
     stride_x,
@@ -266,7 +379,6 @@ def _norm_rope_fp8_kernel(
     eps,
     pos_ptr,
     inv_ptr,
-    ratio,
     emit_ptr,
     slot_ptr,
     num_slots,
@@ -282,10 +394,12 @@ def _norm_rope_fp8_kernel(
     scale_ptr,
     scale_sp,
     scale_sr,
+    RATIO: tl.constexpr,
     HAS_EMIT: tl.constexpr,
     HAS_OUT: tl.constexpr,
     INTERP: tl.constexpr,
     BLOCK_T: tl.constexpr,
+    ITERS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     NOPE: tl.constexpr,
     NT: tl.constexpr,
@@ -296,70 +410,81 @@ def _norm_rope_fp8_kernel(
     QMAX: tl.constexpr,
     Q_EXP: tl.constexpr,
     Q_MANT: tl.constexpr,
+    VEC_RUNS: tl.constexpr,
+    SCAN: tl.constexpr = 1,
 ):
-    """Rows [a*BLOCK_T, ...): bf16(x) -> RMSNorm (fp32, bf16 out) -> RoPE (fp32, bf16 out) -> [out] + FP8 entry.
+    """Rows [a*ITERS*BLOCK_T, ...): x -> bf16 -> RMSNorm (fp32, bf16 out) -> RoPE (fp32, bf16 out) -> [out] + FP8.
 
-    Tiles are [BLOCK_T, NT_PAD, TILE] (nope) and [BLOCK_T, HR] (rope pairs): all loads of the block are
-    issued together, per-row reductions are vectorised over the rows, cos/sin are computed once per
-    (row, pair).  With ``HAS_EMIT`` only rows with ``emits`` != 0 are read and stored; a block without any
-    exits after one vector load of its flags."""
+    Two tiles per block of BLOCK_T rows, both read and written as contiguous runs (16-byte vectors per
+    thread on a GPU): the nope part [BLOCK_T, NT_PAD, TILE] (tiles >= NT masked) and the rope part
+    [BLOCK_T, HR, 2], split into its even / odd lanes in registers (``tl.split``), rotated, re-interleaved
+    (``tl.join``).  cos/sin once per (row, pair) at ``RATIO * (pos // RATIO)``.  A program handles ITERS
+    blocks one after the other, loading block i+1 before computing block i (its loads stay in flight during
+    the compute).  With ``HAS_EMIT`` only rows with ``emits`` != 0 are read and stored; a block without
+    any is skipped after one vector load of its flags.  bf16 and e4m3 rounding: the hardware's
+    round-to-nearest-even conversions on a GPU, the bit-exact integer emulation under the interpreter
+    (``INTERP``); both give the reference's bytes.
+
+    ``SCAN`` > 1 (``HAS_EMIT``, BLOCK_T = ITERS = 1: the compressor's emit): the program owns rows
+    [a*SCAN, ...), reads their SCAN flags with one vector load and processes the flagged rows one after
+    another (a prefill emits one row in ``ratio``: with SCAN = ratio most programs do one row and none is
+    empty, instead of ``ratio`` one-row programs of which ``ratio - 1`` only read their flag)."""
     a = tl.program_id(0).to(tl.int64)
-    ii = a * BLOCK_T + tl.arange(0, BLOCK_T)
-    go = ii < n_rows
-    if HAS_EMIT:
-        go = go & (tl.load(emit_ptr + ii, mask=go, other=0) != 0)
-    if tl.sum(go.to(tl.int32), axis=0) > 0:
-        slot = tl.load(slot_ptr + ii, mask=go, other=-1).to(tl.int64)
-        ok = go & (slot >= 0) & (slot < num_slots)
-        page = tl.where(ok, slot // bs, 0)
-        row = tl.where(ok, slot % bs, 0)
-        tiles = tl.arange(0, NT_PAD)
-        cols = tl.arange(0, TILE)
-        j = tl.arange(0, HR)
-        noff = (tiles[:, None] * TILE + cols[None, :])[None, :, :]  # [1, NT_PAD, TILE]
-        tin = ((tiles < NT)[:, None] & (cols < TILE)[None, :])[None, :, :]
-        nmask = go[:, None, None] & tin
-        jall = (j < HR)[None, :]
-        rmask = go[:, None] & jall
-        xrow = x_ptr + ii * stride_x
-        xn = bf16_round(tl.load(xrow[:, None, None] + noff, mask=nmask, other=0.0).to(tl.float32))
-        xr = xrow[:, None] + NOPE + 2 * j[None, :]
-        xe = bf16_round(tl.load(xr, mask=rmask, other=0.0).to(tl.float32))
-        xo = bf16_round(tl.load(xr + 1, mask=rmask, other=0.0).to(tl.float32))
-        ss = tl.sum(tl.sum(xn * xn, axis=2), axis=1) + tl.sum(xe * xe, axis=1) + tl.sum(xo * xo, axis=1)
-        r = tl.div_rn(tl.zeros([BLOCK_T], tl.float32) + 1.0, tl.sqrt_rn(tl.div_rn(ss, HEAD_DIM) + eps))
-        wn = tl.load(w_ptr + noff, mask=tin, other=0.0).to(tl.float32)
-        we = tl.load(w_ptr + NOPE + 2 * j).to(tl.float32)[None, :]
-        wo = tl.load(w_ptr + NOPE + 2 * j + 1).to(tl.float32)[None, :]
-        yn = bf16_round(wn * (xn * r[:, None, None]))
-        ye = bf16_round(we * (xe * r[:, None]))
-        yo = bf16_round(wo * (xo * r[:, None]))
-        c, s = rope_cos_sin_rows(pos_ptr + ii, go, ratio, inv_ptr + j, INTERP)
-        re = bf16_round(ye * c - yo * s)
-        ro = bf16_round(ye * s + yo * c)
-        if HAS_OUT:
-            orow = out_ptr + ii * stride_out
-            tl.store(orow[:, None, None] + noff, bf16_bits(yn), mask=nmask)
-            ore = orow[:, None] + NOPE + 2 * j[None, :]
-            tl.store(ore, bf16_bits(re), mask=rmask)
-            tl.store(ore + 1, bf16_bits(ro), mask=rmask)
-        # quantise: one UE8M0 scale per (row, tile)
-        amax = tl.max(tl.abs(yn), axis=2)
-        e = ceil_log2_ratio(amax, FLOOR, Q_EXP, Q_MANT)
-        v = yn * pow2_neg(e)[:, :, None]
-        v = tl.minimum(tl.maximum(v, -QMAX), QMAX)
-        code = e4m3_code(v)
-        nbase = nope_ptr + page * nope_sp + row * nope_sr
-        tl.store(nbase[:, None, None] + noff, code.to(tl.uint8), mask=ok[:, None, None] & tin)
-        sbyte = tl.minimum(tl.maximum(e + 127, 0), 254)
-        smask = ok[:, None] & (tiles < NT)[None, :]
-        tl.store(
-            (scale_ptr + page * scale_sp + row * scale_sr)[:, None] + tiles[None, :], sbyte.to(tl.uint8), mask=smask
-        )
-        rb = (rope_ptr + page * rope_sp + row * rope_sr)[:, None] + 2 * j[None, :]
-        okr = ok[:, None] & jall
-        tl.store(rb, bf16_bits(re), mask=okr)
-        tl.store(rb + 1, bf16_bits(ro), mask=okr)
+    tiles = tl.arange(0, NT_PAD)
+    cols = tl.arange(0, TILE)
+    j = tl.arange(0, HR)
+    k = tl.arange(0, 2)
+    # runs of _VEC contiguous values (16 bytes of bf16): the loads, the bf16 stores and the e4m3 stores then
+    # share one register layout (contiguity TILE lets the loads take 32 bytes per thread but the stores only
+    # 16, which costs a shared-memory layout conversion of the whole tile)
+    if VEC_RUNS:
+        vcols = tl.max_contiguous(cols, _VEC)
+    else:
+        vcols = cols
+    noff = (tiles[:, None] * TILE + vcols[None, :])[None, :, :]  # [1, NT_PAD, TILE]
+    tin = ((tiles < NT)[:, None] & (cols < TILE)[None, :])[None, :, :]
+    roff = (NOPE + 2 * j[:, None] + k[None, :])[None, :, :]  # [1, HR, 2]
+    rin = roff < HEAD_DIM
+    if SCAN > 1:
+        kk = tl.arange(0, SCAN)
+        fl = _rows_to_do(a * SCAN + kk, n_rows, emit_ptr, True)
+        k = tl.min(tl.where(fl, kk, SCAN), axis=0)
+        while k < SCAN:
+            ii = a * SCAN + k + tl.arange(0, BLOCK_T)
+            go = ii < n_rows
+            xrow = x_ptr + ii * stride_x
+            xn = tl.load(xrow[:, None, None] + noff, mask=go[:, None, None] & tin, other=0.0)
+            xr = tl.load(xrow[:, None, None] + roff, mask=go[:, None, None] & rin, other=0.0)
+            _norm_rope_rows(
+                xn, xr, ii, go, w_ptr, eps, pos_ptr, inv_ptr, slot_ptr, num_slots, bs, out_ptr, stride_out,
+                nope_ptr, nope_sp, nope_sr, rope_ptr, rope_sp, rope_sr, scale_ptr, scale_sp, scale_sr,
+                noff, tin, roff, RATIO, HAS_OUT, INTERP, BLOCK_T, HEAD_DIM, NOPE, NT, NT_PAD, TILE, HR,
+                FLOOR, QMAX, Q_EXP, Q_MANT,
+            )  # fmt: skip
+            k = tl.min(tl.where(fl & (kk > k), kk, SCAN), axis=0)
+        return
+    ii = a * (ITERS * BLOCK_T) + tl.arange(0, BLOCK_T)
+    lim = tl.minimum(n_rows, (a + 1) * (ITERS * BLOCK_T))  # end of this program's rows
+    go = _rows_to_do(ii, lim, emit_ptr, HAS_EMIT)
+    xrow = x_ptr + ii * stride_x
+    xn = tl.load(xrow[:, None, None] + noff, mask=go[:, None, None] & tin, other=0.0)
+    xr = tl.load(xrow[:, None, None] + roff, mask=go[:, None, None] & rin, other=0.0)
+    for _ in range(ITERS):
+        if ITERS > 1:  # prefetch the next block (masked off after the last one)
+            ii_n = ii + BLOCK_T
+            go_n = _rows_to_do(ii_n, lim, emit_ptr, HAS_EMIT)
+            xrow_n = x_ptr + ii_n * stride_x
+            xn_n = tl.load(xrow_n[:, None, None] + noff, mask=go_n[:, None, None] & tin, other=0.0)
+            xr_n = tl.load(xrow_n[:, None, None] + roff, mask=go_n[:, None, None] & rin, other=0.0)
+        if tl.sum(go.to(tl.int32), axis=0) > 0:
+            _norm_rope_rows(
+                xn, xr, ii, go, w_ptr, eps, pos_ptr, inv_ptr, slot_ptr, num_slots, bs, out_ptr, stride_out,
+                nope_ptr, nope_sp, nope_sr, rope_ptr, rope_sp, rope_sr, scale_ptr, scale_sp, scale_sr,
+                noff, tin, roff, RATIO, HAS_OUT, INTERP, BLOCK_T, HEAD_DIM, NOPE, NT, NT_PAD, TILE, HR,
+                FLOOR, QMAX, Q_EXP, Q_MANT,
+            )  # fmt: skip
+        if ITERS > 1:
+            ii, go, xn, xr = ii_n, go_n, xn_n, xr_n
 
 
 @triton.jit
@@ -477,21 +602,6 @@ def _check_pow2(name: str, n: int) -> None:
         raise ValueError(f"{name}: the Triton kernel needs a power of two, got {n}")
 
 
-_STORE_WINDOW_BLOCK_T = 1
-
-
-def _row_block(n: int, block_t: int | None) -> int:
-    """Rows per program: ``block_t`` if given, else the largest power of two <= _BLOCK_T_ROWS that still
-    leaves >= _MIN_PROGRAMS programs (decode batches keep one row per program: lowest latency)."""
-    if block_t is not None:
-        _check_pow2("block_t", block_t)
-        return block_t
-    bt = _BLOCK_T_ROWS
-    while bt > 1 and triton.cdiv(n, bt) < _MIN_PROGRAMS:
-        bt //= 2
-    return bt
-
-
 def _launch_norm_rope_fp8(
     x: torch.Tensor,
     norm_weight: torch.Tensor,
@@ -506,24 +616,51 @@ def _launch_norm_rope_fp8(
     emits: torch.Tensor | None,
     block_t: int | None = None,
     num_warps: int | None = None,
+    iters: int | None = None,
+    scan: int | None = None,
 ) -> None:
     """One launch, shared by ``store_window`` (ratio 1) and the main compressor's ``emit_entries``:
     RoPE at ``ratio * (positions // ratio)``, computed in the kernel (no cos/sin tensors).
-    ``block_t`` rows per program (power of two; default ``_row_block``), ``num_warps`` (default 4)."""
+    Geometry: ``block_t`` rows per block (power of two, default 1), ``num_warps`` (default
+    min(block_t, 8): a warp per row), ``iters`` blocks per program, each prefetched while the previous one
+    is computed (default 1).  With ``emits``: ``scan`` rows per program whose flags are read at once, the
+    flagged ones processed in turn (power of two; default min(next_pow2(ratio), _EMIT_SCAN_MAX, the largest
+    power of two <= max(1, n / _EMIT_SCAN_MIN_PROGRAMS)); 1 = the row-block path above, which ``block_t`` /
+    ``iters`` then select)."""
     n = x.shape[0]
     if n == 0:
         return
     _check_pow2("fmt.tile", fmt.tile)
     _check_pow2("fmt.rope_dim // 2", fmt.rope_dim // 2)
-    bt = _row_block(n, block_t)
+    if pages.num_slots >= 2**31:
+        raise ValueError(f"pages: the Triton kernel indexes slots in int32, got {pages.num_slots} slots")
+    bt = _ROW_BLOCK if block_t is None else block_t
+    _check_pow2("block_t", bt)
+    nw = num_warps or min(bt, _MAX_WARPS)
+    it = _ROW_ITERS if iters is None else iters
+    if not isinstance(it, int) or it < 1:
+        raise ValueError(f"iters: expected a positive int, got {it!r}")
+    it = min(it, triton.cdiv(n, bt))
+    sc = 1
+    if emits is not None and block_t is None and iters is None:
+        # keep >= _EMIT_SCAN_MIN_PROGRAMS programs (a decode step, where every token may emit, keeps one row
+        # per program; H200 write_v5 HCA decode B = 64: 11.9 us with one-row programs)
+        keep = 1 << max(0, (n // _EMIT_SCAN_MIN_PROGRAMS).bit_length() - 1)
+        sc = min(triton.next_power_of_2(ratio), _EMIT_SCAN_MAX, keep) if scan is None else scan
+        _check_pow2("scan", sc)
+    elif scan not in (None, 1):
+        raise ValueError(f"scan: needs emits and no block_t / iters, got scan={scan}")
+    if sc > 1:
+        bt, it = 1, 1
     pargs, kw = _fp8_args(pages, fmt)
     o = out.view(torch.int16) if out is not None else x
     e = emits.view(torch.uint8) if emits is not None else slots
-    _norm_rope_fp8_kernel[(triton.cdiv(n, bt),)](
-        x, x.stride(0), n, norm_weight, float(eps), positions, inv_freq, ratio, e, slots, pages.num_slots,
+    _norm_rope_fp8_kernel[(triton.cdiv(n, bt * it * sc),)](
+        x, x.stride(0), n, norm_weight, float(eps), positions, inv_freq, e, slots, pages.num_slots,
         pages.entries_per_page, o, o.stride(0), *pargs,
-        HAS_EMIT=emits is not None, HAS_OUT=out is not None, INTERP=interpreter_enabled(), BLOCK_T=bt,
-        HEAD_DIM=fmt.head_dim, NOPE=fmt.nope_dim, num_warps=num_warps or _NUM_WARPS_ROW, **kw,
+        RATIO=ratio, HAS_EMIT=emits is not None, HAS_OUT=out is not None, INTERP=interpreter_enabled(), BLOCK_T=bt,
+        ITERS=it, HEAD_DIM=fmt.head_dim, NOPE=fmt.nope_dim, VEC_RUNS=fmt.tile % _VEC_ELEMS == 0, SCAN=sc,
+        num_warps=nw, **kw,
     )  # fmt: skip
 
 
@@ -594,6 +731,7 @@ def store_window(
     *,
     block_t: int | None = None,
     num_warps: int | None = None,
+    iters: int | None = None,
 ) -> None:
     """Fused window-KV write (spec §2 step 2): kv_norm -> RoPE(t) -> FP8 -> ring slot.
 
@@ -606,8 +744,8 @@ def store_window(
     receives the normed + roped rows for every token (whatever its slot).
     Triton vs reference: the bf16 rows agree up to the fp32 sum order of RMSNorm (rarely one bf16
     ulp); the stored bytes always equal ``fmt.quantize`` of the kernel's own bf16 rows.
-    Tuning (Triton path only; results do not depend on them): ``block_t`` rows per program (a power of
-    two; default 1, see below), ``num_warps`` (default 4).
+    Tuning (Triton path only; results do not depend on them): ``block_t`` rows per block (a power of
+    two; default 1), ``num_warps`` (default min(block_t, 8)), ``iters`` blocks per program (default 1).
     """
     _check_entry_pages(pages, fmt)
     dev = pages.nope.device
@@ -627,8 +765,6 @@ def store_window(
     slots, positions = slots.contiguous(), positions.contiguous()
     if not norm_weight.is_contiguous() or not inv_freq.is_contiguous():
         raise ValueError("norm_weight, inv_freq: expected contiguous tensors")
-    # H200, 2026-12-02 (benchmarks/results/2026-12-02_h200_write_v3.jsonl): 8 rows a program took 190 us at
-    # T = 65,536 where the one-row kernel of the earlier run took 164 us, so the window store defaults to one
-    # row a program; the compressor's emit keeps the row blocks (they skip non-emitting tokens).
-    bt = _STORE_WINDOW_BLOCK_T if block_t is None else block_t
-    _launch_norm_rope_fp8(kv, norm_weight, eps, positions, 1, inv_freq, slots, pages, fmt, out, None, bt, num_warps)
+    _launch_norm_rope_fp8(
+        kv, norm_weight, eps, positions, 1, inv_freq, slots, pages, fmt, out, None, block_t, num_warps, iters
+    )
