@@ -19,11 +19,12 @@ scattered through a shared pool.  In one run, on the same data:
 
 bytes = B x entries x (68 | 132) + q + weights + scores written; roofline_s = bytes / 4.17e12.
 
-Top-k: k = 1024 and 512 over R x 262,144 fp32 scores (R = 1, 4, 8), Triton radix select vs
-``torch.topk`` (which does not order ties like ours; checked as a set).  bytes = one read of the scores.
-``topk_radix`` = auto splits, ``topk_radix_s<S>`` = S programs per row (s1: one program per row),
-``topk_radix_graph`` = auto splits replayed from a CUDA graph; ``topk_radix_graph_s<S>`` /
-``topk_radix_graph_f<R>`` = the same with S splits / R finishing programs per row (tuning the defaults).
+Top-k: k = 1024 and 512 over R x 262,144 fp32 scores (R = 1, 4, 8, 64), checked against the reference
+(and its set against ``torch.topk``; ours returns ascending indices).  bytes = one read of the scores.
+``topk_filter`` = the default (group-max filter) path eager, ``topk_<method>_graph`` = replayed from a CUDA
+graph: ``filter``, ``radix`` (4-launch radix split path), ``radix_s1`` (one program per row);
+``--topk-splits S ...`` adds ``topk_filter_s<S>_graph``; ``topk_filter_graph_sorted_rows`` = sorted rows
+(the filter's whole-row fallback), R = 4, k = 1024.
 Also the whole step (FP4 scores + top-1024) vs PyTorch eager (scores + torch.topk) at 1M.
 
 Correctness is checked on each shape's data before timing (kernels vs the fp32 references).  Times are
@@ -214,46 +215,47 @@ def bench_scores_shape(args, dev, info, rows, gen, ctx, B, compiled, with_step):
 
 
 def bench_topk(args, dev, info, rows, gen):
-    """Auto splits with a preallocated workspace (as under a CUDA graph), a few explicit split counts
-    (splits=1 is the one-program-per-row kernel), and the auto case replayed from a CUDA graph."""
+    """Top-k over R x 262,144 normal scores (R = 1, 4, 8, 64; 64 = the decode step at 1M context), each checked
+    against the reference first: the default method (group-max filter) eager and from a CUDA graph, the
+    radix split path and the single-program kernel from a graph, torch.topk eager; ``--topk-splits`` adds
+    graph-timed split counts of the filter path.  One adversarial case (sorted rows: the filter's whole-row
+    fallback) at R = 4."""
     n = 2048 if args.smoke else 262144
     for k in [64] if args.smoke else [1024, 512]:
-        for R in [2] if args.smoke else [1, 4, 8]:
+        for R in [2] if args.smoke else [1, 4, 8, 64]:
             s = torch.randn(R, n, device=dev, generator=gen)
             nv = torch.full((R,), n, dtype=torch.int32, device=dev)
             ws = topk_workspace(R, n, dev)
-            run = partial(topk_indices, s, k, nv, "triton", workspace=ws)
-            base = partial(torch.topk, s, k, dim=1)
-            want = topk_indices_reference(s, k, nv)
-            got = run()
-            if not torch.equal(got, want):
-                raise SystemExit(f"topk R={R} k={k}: differs from the reference")
-            if not torch.equal(got.long().sort(1).values, base().indices.sort(1).values):
-                raise SystemExit(f"topk R={R} k={k}: set differs from torch.topk")
-            t_base = timer(base, args.smoke)
             shape = {"rows": R, "n": n, "k": k}
             nbytes = R * n * 4 + R * k * 4
+            want = topk_indices_reference(s, k, nv)
+            base = partial(torch.topk, s, k, dim=1)
+            variants = [("filter", {}), ("radix", {"method": "radix"}), ("radix_s1", {"method": "radix", "splits": 1})]
+            variants += [(f"filter_s{sp}", {"method": "filter", "splits": sp}) for sp in args.topk_splits]
+            for tag, kw in variants:
+                got = topk_indices(s, k, nv, "triton", workspace=ws, **kw)
+                if not torch.equal(got, want):
+                    raise SystemExit(f"topk {tag} R={R} k={k}: differs from the reference")
+            if not torch.equal(want.long(), base().indices.sort(1).values):  # ours: ascending indices
+                raise SystemExit(f"topk R={R} k={k}: reference set differs from torch.topk")
+            t_base = timer(base, args.smoke)
             record(rows, info, "torch_topk", shape, t_base, nbytes)
-            record(rows, info, "topk_radix", shape, timer(run, args.smoke), nbytes, "torch_topk", t_base)
-            for splits in [1, 4] if args.smoke else [1, 16, 32, 64]:
-                run_s = partial(topk_indices, s, k, nv, "triton", workspace=ws, splits=splits)
-                if not torch.equal(run_s(), want):
-                    raise SystemExit(f"topk R={R} k={k} splits={splits}: differs from the reference")
-                t = timer(run_s, args.smoke)
-                record(rows, info, f"topk_radix_s{splits}", shape, t, nbytes, "torch_topk", t_base, splits=splits)
-            if not args.smoke:
-                t = graph_timer(run)
-                record(rows, info, "topk_radix_graph", shape, t, nbytes, "torch_topk", t_base)
-                # Graph-timed knobs of the split path (to tune the defaults): splits, then finishing programs.
-                knobs = [("s", {"splits": sp}) for sp in (16, 32, 64)]
-                knobs += [("f", {"finish_programs": fp}) for fp in (8, 16, 32, 64)]
-                for tag, kw in knobs:
-                    run_k = partial(topk_indices, s, k, nv, "triton", workspace=ws, **kw)
-                    if not torch.equal(run_k(), want):
-                        raise SystemExit(f"topk R={R} k={k} {kw}: differs from the reference")
-                    t = graph_timer(run_k)
-                    name = f"topk_radix_graph_{tag}{next(iter(kw.values()))}"
-                    record(rows, info, name, shape, t, nbytes, "torch_topk", t_base, **kw)
+            run = partial(topk_indices, s, k, nv, "triton", workspace=ws)
+            record(rows, info, "topk_filter", shape, timer(run, args.smoke), nbytes, "torch_topk", t_base)
+            if args.smoke:
+                continue
+            for tag, kw in variants:
+                run_k = partial(topk_indices, s, k, nv, "triton", workspace=ws, **kw)
+                t = graph_timer(run_k)
+                if not torch.equal(run_k(), want):  # after the replays: the workspace contract held
+                    raise SystemExit(f"topk {tag} R={R} k={k}: differs from the reference after replays")
+                record(rows, info, f"topk_{tag}_graph", shape, t, nbytes, "torch_topk", t_base, **kw)
+            if R == 4 and k == 1024:  # adversarial rows: many candidates -> the filter's whole-row fallback
+                srt = torch.sort(s, dim=1).values
+                run_f = partial(topk_indices, srt, k, nv, "triton", workspace=ws)
+                if not torch.equal(run_f(), topk_indices_reference(srt, k, nv)):
+                    raise SystemExit(f"topk sorted rows R={R} k={k}: differs from the reference")
+                record(rows, info, "topk_filter_graph_sorted_rows", shape, graph_timer(run_f), nbytes)
 
 
 def graph_timer(fn) -> float:
@@ -287,6 +289,7 @@ def main(argv=None):
     ap.add_argument("--stages", type=int, default=None, help="scores kernel: num_stages")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
     ap.add_argument("--only", choices=["scores", "topk"], default=None)
+    ap.add_argument("--topk-splits", type=int, nargs="*", default=[], help="top-k: graph-timed filter split counts")
     args = ap.parse_args(argv)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if dev.type == "cpu" and not args.smoke:

@@ -1,15 +1,19 @@
-"""Top-k of indexer scores (radix-select Triton kernels vs stable-sort reference) and to_physical.
+"""Top-k of indexer scores (Triton kernels vs stable-sort reference) and to_physical.
 
-Every Triton case runs both paths: ``splits=1`` (one program per row) and the split path (several
-programs per row, four launches) at small sizes, so its chunk boundaries, per-split prefix offsets,
-the tie order across splits and the rank sort shared by several finishing programs are all exercised
-under the interpreter.
+Every Triton case of ``run_both`` runs the three paths: ``splits=1`` (one program per row), the default
+group-max filter path (several programs per row in launches A and C, candidate list filled in any order,
+in-register exact selection or the whole-row fallback) and the 4-launch radix split path (atomics into
+per-row histograms, zero-on-exit workspace) at small sizes, so chunk boundaries, the tie rule across
+chunks and the workspace contracts are exercised under the interpreter.  The ``filter`` tests pin which
+tier of launch D a row takes (from the candidate counter).  The output is the chosen set in ascending
+index order.
 """
 
 import pytest
 import torch
 
 from dsv4.kernels.indexer import to_physical, topk_indices, topk_indices_reference
+from dsv4.kernels.indexer import topk as topk_mod
 from dsv4.kernels.indexer.topk import topk_workspace
 
 NEG_INF = float("-inf")
@@ -18,7 +22,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 
 def check_contract(idx, scores, k, n_visible):
-    """Properties that hold without any reference: selection, padding, order, tie-break."""
+    """Properties that hold without any reference: selection, padding, ascending index order, tie-break."""
     T, N = scores.shape
     for t in range(T):
         nv = N if n_visible is None else int(n_visible[t])
@@ -30,12 +34,11 @@ def check_contract(idx, scores, k, n_visible):
         chosen = row[:kk].long()
         assert chosen.unique().numel() == kk
         vals = scores[t, chosen]
-        # sorted by score descending, then index ascending
-        for a in range(kk - 1):
-            assert vals[a] > vals[a + 1] or (vals[a] == vals[a + 1] and chosen[a] < chosen[a + 1])
+        assert (chosen[1:] > chosen[:-1]).all()  # ascending index order
         if kk:
             # nothing left out beats the smallest chosen (ties: a left-out equal one has a larger index)
-            thr, last = vals[-1], chosen[vals == vals[-1]].max()
+            thr = vals.min()
+            last = chosen[vals == thr].max()
             mask = torch.ones(nv, dtype=torch.bool)
             mask[chosen] = False
             rest = scores[t, :nv][mask]
@@ -45,12 +48,15 @@ def check_contract(idx, scores, k, n_visible):
 
 
 def run_both(scores, k, nv=None, splits=(1, 4)):
+    """Reference vs Triton: the default method for every split count (1: single program; >= 2: the
+    group-max filter path) and the radix split path for the smallest split count >= 2."""
     b = topk_indices(scores, k, nv, backend="torch")
     check_contract(b, scores, k, nv)
-    for sp in splits:
-        a = topk_indices(scores, k, nv, backend="triton", splits=sp)
+    runs = [(sp, "auto") for sp in splits] + [(min(sp for sp in splits if sp > 1), "radix")] * (max(splits) > 1)
+    for sp, method in runs:
+        a = topk_indices(scores, k, nv, backend="triton", splits=sp, method=method)
         assert a.dtype == torch.int32 and a.shape == (scores.shape[0], k)
-        assert torch.equal(a, b), f"splits={sp}"
+        assert torch.equal(a, b), f"splits={sp} method={method}"
     return b
 
 
@@ -72,7 +78,7 @@ def test_boundary_ties_before_larger_values():
     """Ties at the threshold come before (in index order) larger values: exactly `need` of them are taken."""
     s = torch.tensor([[1.0, 1.0, 1.0, 5.0, 1.0, 4.0], [2.0, 2.0, 2.0, 2.0, 2.0, 9.0]])
     idx = run_both(s, 3)
-    assert idx.tolist() == [[3, 5, 0], [5, 0, 1]]
+    assert idx.tolist() == [[0, 3, 5], [0, 1, 5]]
 
 
 def test_signed_zero_is_one_value():
@@ -91,7 +97,7 @@ def test_fewer_visible_than_k_and_inf_and_nan():
     idx = run_both(s, 32, nv)
     assert (idx[1, 10:] == -1).all() and (idx[1, :10] >= 0).all()
     assert (idx[3] == -1).all()
-    assert idx[2, 0] == 9 and 7 not in idx[2].tolist()
+    assert 9 in idx[2].tolist() and 7 not in idx[2].tolist()
 
 
 def test_all_minus_inf():
@@ -103,8 +109,7 @@ def test_k_equals_n_and_k_above_n():
     g = torch.Generator().manual_seed(2)
     s = torch.randn(3, 48, generator=g)
     idx = run_both(s, 48)
-    ref = torch.sort(s, dim=1, descending=True).indices.to(torch.int32)
-    assert torch.equal(idx, ref)
+    assert torch.equal(idx, torch.arange(48, dtype=torch.int32).expand(3, 48))
     idx = run_both(s, 64)
     assert (idx[:, 48:] == -1).all()
 
@@ -114,20 +119,23 @@ def test_large_row_matches_torch_topk_set():
     s = torch.randn(2, 4096, generator=g)
     nv = torch.tensor([4096, 3000], dtype=torch.int32)
     idx = run_both(s, 256, nv)
-    want = torch.topk(s[0], 256).indices
-    assert torch.equal(idx[0].long(), want)  # distinct values: same order as torch.topk
+    want = torch.topk(s[0], 256).indices.sort().values
+    assert torch.equal(idx[0].long(), want)  # distinct values: same set as torch.topk
 
 
 @pytest.mark.parametrize("splits", [1, 3])
 def test_workspace_passed_in_and_candidate_heavy_rows(splits):
-    """Every element shares the top 16 key bits: all are candidates (several finishing blocks), with ties."""
+    """Every element shares the top 16 key bits: all are candidates (many list blocks), with ties."""
     g = torch.Generator().manual_seed(5)
     s = torch.rand(3, 1500, generator=g) * 1e-3 + 1.0
     s[1, 700:] = 1.0  # many exact ties inside the candidate bucket, spread over two splits
     s[2, ::2] = 1.0005  # ties among the largest values too
-    ws = torch.randint(-(2**31), 2**31 - 1, (4, 4600), generator=g, dtype=torch.int32)  # garbage: never zeroed
-    a = topk_indices(s, 40, backend="triton", workspace=ws, splits=splits)
-    assert torch.equal(a, topk_indices_reference(s, 40))
+    ws = torch.randint(-(2**31), 2**31 - 1, (4, 4600), generator=g, dtype=torch.int32)  # garbage scratch
+    ws[:, :256] = 0  # except the row histograms: zero on entry (as from topk_workspace)
+    for _ in range(2):  # the call leaves them zero: a second call on the same buffer is right too
+        a = topk_indices(s, 40, backend="triton", workspace=ws, splits=splits, method="radix")
+        assert torch.equal(a, topk_indices_reference(s, 40))
+        assert (ws[:, :256] == 0).all()
     check_contract(a, s, 40, None)
     with pytest.raises(ValueError, match="workspace"):
         topk_indices(s, 40, backend="triton", workspace=ws[:, :100], splits=splits)
@@ -137,15 +145,16 @@ def test_split_workspace_size_and_helper():
     g = torch.Generator().manual_seed(6)
     s = torch.randn(2, 300, generator=g)
     want = topk_indices_reference(s, 16)
-    need = 2 * 300 + 2 * 256 * 4 + 4  # split path: list indices + keys, H1 + H2, counts
+    need = 640 + 2 * 300  # split path: histograms, counts, candidate indices + keys
     ws = torch.zeros((2, need), dtype=torch.int32)
     assert torch.equal(topk_indices(s, 16, backend="triton", workspace=ws, splits=4), want)
     with pytest.raises(ValueError, match="workspace"):
         topk_indices(s, 16, backend="triton", workspace=ws[:, : need - 1], splits=4)
-    with pytest.raises(ValueError, match="workspace"):  # the single-program path needs only N columns
-        topk_indices(s, 16, backend="triton", workspace=ws[:, :299], splits=1)
+    assert torch.equal(topk_indices(s, 16, backend="triton", workspace=ws[:, : 640 + 300], splits=1), want)
+    with pytest.raises(ValueError, match="workspace"):  # the single-program path needs 640 + N columns
+        topk_indices(s, 16, backend="triton", workspace=ws[:, : 640 + 299], splits=1)
     big = topk_workspace(2, 300)
-    assert big.dtype == torch.int32 and big.shape == (2, 2 * 300 + 2 * 256 * 64 + 4)
+    assert big.dtype == torch.int32 and big.shape == (2, 640 + 2 * 300) and (big == 0).all()
     for sp in (1, 2, 64):
         assert torch.equal(topk_indices(s, 16, backend="triton", workspace=big, splits=sp), want)
 
@@ -157,12 +166,12 @@ def test_split_boundary_ties_across_splits_take_lowest_indices():
     s[0, tie] = 1.0
     s[0, [299, 0, 150]] = 2.0  # winners in the first, middle and last split
     idx = run_both(s, 7, splits=(1, 2, 3, 4, 7))
-    assert idx[0].tolist() == [0, 150, 299, 11, 79, 80, 81]
+    assert idx[0].tolist() == [0, 11, 79, 80, 81, 150, 299]
     # row 1: the boundary value is the largest one, tied in all splits; winners come after ties in index order
     s[1, ::7] = 3.0
     s[1, [298, 1]] = 4.0
     idx = run_both(s, 5, splits=(1, 4, 5))
-    assert idx[1].tolist() == [1, 298, 0, 7, 14]
+    assert idx[1].tolist() == [0, 1, 7, 14, 298]
 
 
 def test_split_chunks_empty_or_cut_by_n_visible():
@@ -170,10 +179,10 @@ def test_split_chunks_empty_or_cut_by_n_visible():
     s = torch.randn(5, 300, generator=g)
     s[4, 100:] = s[4, 99]  # ties reaching into hidden entries
     nv = torch.tensor([300, 80, 81, 0, 159], dtype=torch.int32)  # 4 splits: at / past / inside chunk edges
-    idx = run_both(s, 40, nv, splits=(1, 4, 64))  # 64 splits of 16 entries: most chunks past the row
+    idx = run_both(s, 40, nv, splits=(1, 4, 32))  # 32 splits of 16 entries: most chunks past the row
     assert (idx[3] == -1).all() and (idx[1, :40] < 80).all()
     tiny = torch.tensor([[0.5, -1.0, 2.0, NEG_INF, 0.5]])
-    assert run_both(tiny, 3, splits=(1, 8))[0].tolist() == [2, 0, 4]  # more splits than entries
+    assert run_both(tiny, 3, splits=(1, 8))[0].tolist() == [0, 2, 4]  # more splits than entries
 
 
 def test_result_independent_of_splits():
@@ -187,29 +196,51 @@ def test_result_independent_of_splits():
         run_both(s, k, nv, splits=(1, 2, 5, 16))
 
 
-@pytest.mark.parametrize("finish_programs", [1, 2, 5])
-def test_split_finish_programs_share_the_ranking(finish_programs):
-    """The last launch ranks the winners + candidates in slices of 32 spread over R programs per row: few
-    programs (several slices each, strided), more programs than slices, and -1 padding shared among them."""
+@pytest.mark.parametrize("splits", [2, 64])
+def test_split_padding_shared_and_many_winner_chunks(splits):
+    """k > #selectable and k large: the -1 padding is written in stripes by all programs of a row; winners
+    and ties spread over every chunk (per-chunk offsets from all earlier chunks)."""
     g = torch.Generator().manual_seed(10)
     s = torch.randn(3, 900, generator=g)
-    s[1] = (s[1] * 2).round()  # ties among winners and at the threshold, in list and in index order
-    s[2, 450:] = NEG_INF  # fewer selectable than k: padding written by every program's share
+    s[1] = (s[1] * 2).round()  # ties among winners and at the threshold
+    s[2, 250:] = NEG_INF  # fewer selectable than k
     nv = torch.tensor([900, 900, 800], dtype=torch.int32)
-    want = topk_indices_reference(s, 600, nv)
-    check_contract(want, s, 600, nv)
-    for sp in (3, 8):
-        got = topk_indices(s, 600, nv, backend="triton", splits=sp, finish_programs=finish_programs)
-        assert torch.equal(got, want), f"splits={sp}"
+    want = topk_indices_reference(s, 300, nv)
+    check_contract(want, s, 300, nv)
+    for method in ("filter", "radix"):
+        assert torch.equal(topk_indices(s, 300, nv, backend="triton", splits=splits, method=method), want), method
 
 
-def test_split_finish_all_tied_row_bounds_the_ranking():
-    """Every entry is a candidate with the same key: only the first k (index order) are chosen and ranked."""
+def test_split_all_tied_row():
+    """Every entry is a candidate with the same key: only the first k (index order) are chosen."""
     s = torch.full((2, 1000), 0.75)
     s[1, 500] = 2.0  # one winner, placed in the middle of the row
-    got = topk_indices(s, 50, backend="triton", splits=4, finish_programs=3)
-    assert got[0].tolist() == list(range(50))
-    assert got[1].tolist() == [500] + list(range(49))
+    for method in ("filter", "radix"):  # filter: every entry is a candidate, > CAP: the fallback
+        got = topk_indices(s, 50, backend="triton", splits=4, method=method)
+        assert got[0].tolist() == list(range(50))
+        assert got[1].tolist() == list(range(49)) + [500]
+
+
+def test_workspace_reused_across_shapes_and_paths():
+    """One zeroed buffer for many calls (as in a CUDA graph): different T, N, k, splits and the single path;
+    the row histograms are zero after each call."""
+    g = torch.Generator().manual_seed(11)
+    ws = topk_workspace(6, 800)
+    cases = [(6, 800, 64, 5, "radix"), (2, 333, 17, 3, "filter"), (6, 800, 1, 1, "auto"), (5, 257, 300, 16, "filter")]
+    cases += [(6, 800, 100, 2, "radix"), (6, 800, 100, 2, "filter")]
+    for T, N, k, sp, method in cases:
+        s = (torch.randn(T, N, generator=g) * 3).round()
+        nv = torch.randint(0, N + 1, (T,), generator=g, dtype=torch.int32)
+        got = topk_indices(s, k, nv, backend="triton", workspace=ws, splits=sp, method=method)
+        assert torch.equal(got, topk_indices_reference(s, k, nv)), method
+        assert (ws[:, :256] == 0).all()
+
+
+def test_many_rows_split_path():
+    g = torch.Generator().manual_seed(12)
+    s = torch.randn(65, 32, generator=g).round()  # T > 64: row index arithmetic of every launch
+    s[::3, 10:] = float("nan")
+    run_both(s, 12, splits=(2,))
 
 
 def test_reference_and_validation():
@@ -224,8 +255,8 @@ def test_reference_and_validation():
     for bad in (0, 65, True, 2.0):
         with pytest.raises(ValueError, match="splits"):
             topk_indices(s, 2, splits=bad)
-        with pytest.raises(ValueError, match="finish_programs"):
-            topk_indices(s, 2, finish_programs=bad)
+    with pytest.raises(ValueError, match="method"):
+        topk_indices(s, 2, method="sort")
 
 
 def test_to_physical():
@@ -238,6 +269,39 @@ def test_to_physical():
     assert phys.dtype == torch.int32
     with pytest.raises(ValueError, match="entries_per_page"):
         to_physical(idx, bt, tr, 0)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("k", [512, 1024])
+@pytest.mark.parametrize("rows", [1, 4, 8])
+def test_gpu_real_shape_random_rows(rows, k):
+    """The benchmark shape: rows x 262,144 normal scores, auto splits, shared workspace, twice in a row."""
+    g = torch.Generator().manual_seed(rows * k)
+    s = torch.randn(rows, 262144, generator=g).cuda()
+    want = topk_indices_reference(s, k)
+    ws = topk_workspace(rows, 262144, s.device)
+    for _ in range(2):
+        assert torch.equal(topk_indices(s, k, backend="triton", workspace=ws), want)
+    assert (ws[:, :256] == 0).all()
+
+
+@gpu
+@needs_cuda
+def test_gpu_many_rows_and_tied_rows():
+    g = torch.Generator().manual_seed(13)
+    s = torch.randn(66, 20000, generator=g)
+    s[0] = 1.0  # all tied: every entry is a candidate
+    s[1, ::5] = 2.0  # ties among the winners
+    s[2] = (s[2] * 1e-3).round()  # ties at the threshold in every chunk
+    s[3, :100] = float("nan")
+    nv = torch.randint(0, 20001, (66,), generator=g, dtype=torch.int32)
+    nv[:4] = 20000
+    s, nv = s.cuda(), nv.cuda()
+    for k in (1, 512, 4096):
+        want = topk_indices_reference(s, k, nv)
+        for splits in (None, 1, 2, 5, 64):
+            assert torch.equal(topk_indices(s, k, nv, backend="triton", splits=splits), want), f"{k} {splits}"
 
 
 @gpu
@@ -258,7 +322,8 @@ def test_gpu_long_rows(k):
 @gpu
 @needs_cuda
 def test_gpu_one_row_repeatable_and_graph_capturable():
-    """Split path on one long row: same result on every call (no atomics), and it captures in a CUDA graph."""
+    """Split path on one long row: same result on every call (integer atomics only), and it captures in a CUDA
+    graph whose replays reuse the workspace (its histograms are left zero)."""
     g = torch.Generator().manual_seed(9)
     s = (torch.randn(1, 262144, generator=g) * 4).round().cuda()  # heavy ties across all splits
     want = topk_indices_reference(s, 4096)
@@ -269,10 +334,12 @@ def test_gpu_one_row_repeatable_and_graph_capturable():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = topk_indices(s, 1024, backend="triton", workspace=ws)
-    s.copy_(torch.randn_like(s))
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out, topk_indices_reference(s, 1024))
+    for _ in range(3):
+        s.copy_(torch.randn_like(s))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, topk_indices_reference(s, 1024))
+    assert (ws[:, :256] == 0).all()
 
 
 def test_strided_n_visible_is_read_by_element():
@@ -282,3 +349,138 @@ def test_strided_n_visible_is_read_by_element():
     assert nv.stride(0) == 2
     want = topk_indices_reference(scores, 4, nv)
     assert torch.equal(topk_indices(scores, 4, nv, backend="triton"), want)
+
+
+# ---------------------------------------------------------------------------------------- filter path
+def filter_run(s, k, nv=None, splits=3, ws=None):
+    """The filter path on s; returns (result, candidate count per row, the plan) after checking the result
+    against the reference.  The counter is read from the workspace (column _WS_CNT)."""
+    T, N = s.shape
+    if ws is None:  # garbage scratch: the filter path needs no zeroing
+        ws = torch.randint(-(2**31), 2**31 - 1, (T, 640 + 2 * max(N, 1)), dtype=torch.int32)
+    got = topk_indices(s, k, nv, backend="triton", workspace=ws, splits=splits, method="filter")
+    assert torch.equal(got, topk_indices_reference(s, k, nv)), (k, splits)
+    return got, ws[:T, topk_mod._WS_CNT].tolist(), topk_mod._filter_plan(N, k, splits, True)
+
+
+@pytest.mark.parametrize("splits", [1, 3, 8])
+@pytest.mark.parametrize("k", [1, 16, 40])
+def test_filter_random_rows_few_candidates(k, splits):
+    """Normal scores: the candidates (key >= L) are few, all fit the list; any split count; garbage scratch."""
+    g = torch.Generator().manual_seed(20 + k)
+    s = torch.randn(3, 1200, generator=g)
+    _, cnt, plan = filter_run(s, k, splits=splits)
+    assert all(k <= c <= plan["SB1"] for c in cnt), (cnt, plan)  # the small in-register tier
+
+
+def test_filter_boundary_ties_and_fallback_rows():
+    """Ties at the boundary (lower index wins), an all-equal row, sorted rows (every group max is near L: many
+    candidates -> the whole-row fallback) and a row for the second in-register tier."""
+    g = torch.Generator().manual_seed(21)
+    N, k = 2048, 16
+    s = torch.randn(6, N, generator=g)
+    s[0] = (s[0] * 2).round()  # a few values: ties among winners and at the threshold
+    s[1] = 0.25  # all equal
+    s[2] = torch.linspace(-1, 1, N)  # ascending
+    s[3] = torch.linspace(1, -1, N)  # descending
+    s[4, :60] = 10 + torch.rand(60, generator=g)  # one group full of large values: SB1 < candidates <= CAP
+    s[5, 100:700:3] = 7.0  # many ties at the top value, spread over several groups and chunks
+    got, cnt, plan = filter_run(s, k, splits=4)
+    assert plan["SB1"] < plan["CAP"]
+    assert cnt[1] == N and cnt[2] > plan["CAP"] and cnt[3] > plan["CAP"]  # fallback rows
+    assert plan["SB1"] < cnt[4] <= plan["CAP"]  # second tier
+    assert got[1].tolist() == list(range(k)) and got[5].tolist() == list(range(100, 148, 3))
+    assert got[2].tolist() == list(range(N - k, N)) and got[3].tolist() == list(range(k))
+
+
+def test_filter_nan_inf_n_visible_and_k_above_selectable():
+    g = torch.Generator().manual_seed(22)
+    s = torch.randn(5, 1000, generator=g)
+    s[0, ::2] = NEG_INF
+    s[1, 3::7] = float("nan")
+    s[1, 500] = float("inf")
+    s[2, :] = NEG_INF
+    s[2, [5, 900]] = -3.0  # two selectable entries: k > #selectable
+    s[3, 40:] = s[3, 40:] + 100.0  # the largest values are hidden by n_visible
+    nv = torch.tensor([1000, 999, 1000, 40, 0], dtype=torch.int32)
+    for k in (1, 30):
+        got, _, _ = filter_run(s, k, nv, splits=5)
+        kk = min(k, 2)
+        assert got[2, :kk].tolist() == [5, 900][:kk] and (got[2, kk:] == -1).all() and (got[4] == -1).all()
+        assert (got[3, :k] < 40).all() and 500 in got[1].tolist()  # +inf: the largest
+
+
+def test_filter_small_rows_k_above_groups_and_many_rows():
+    """Fewer groups than k (level = INT32_MIN: every selectable entry is a candidate), k > N, T > 1."""
+    g = torch.Generator().manual_seed(23)
+    filter_run(torch.randn(2, 48, generator=g), 64, splits=2)
+    filter_run(torch.randn(9, 100, generator=g).round(), 20, splits=3)
+    tiny = torch.tensor([[0.5, -1.0, 2.0, NEG_INF, 0.5]])
+    assert filter_run(tiny, 3, splits=8)[0][0].tolist() == [0, 2, 4]
+    assert (filter_run(torch.empty(2, 0), 4)[0] == -1).all()  # empty rows
+
+
+def test_filter_reuses_workspace_without_zeroing():
+    """Every scratch value is written before it is read in the same call: the same (garbage) buffer serves
+    consecutive calls of different shapes; the radix path's histograms (columns [0, 256)) are not touched."""
+    g = torch.Generator().manual_seed(24)
+    ws = torch.randint(-(2**31), 2**31 - 1, (4, 640 + 2 * 1500), generator=g, dtype=torch.int32)
+    ws[:, :256] = 0
+    for T, N, k, sp in [(4, 1500, 32, 6), (2, 700, 5, 2), (4, 1500, 32, 6)]:
+        s = torch.randn(T, N, generator=g)
+        filter_run(s, k, splits=sp, ws=ws)
+    assert (ws[:, :256] == 0).all()
+    assert torch.equal(
+        topk_indices(s, 32, backend="triton", workspace=ws, splits=6, method="radix"), filter_run(s, 32)[0]
+    )
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("k", [512, 1024])
+@pytest.mark.parametrize("rows", [1, 4, 8, 64])
+def test_gpu_filter_real_shapes(rows, k):
+    """rows x 262,144 normal scores (64 rows: the decode step at 1M context): default path = filter, twice on
+    one workspace; the radix path agrees."""
+    g = torch.Generator().manual_seed(rows + k)
+    s = torch.randn(rows, 262144, generator=g).cuda()
+    want = topk_indices_reference(s, k)
+    ws = topk_workspace(rows, 262144, s.device)
+    for _ in range(2):
+        assert torch.equal(topk_indices(s, k, backend="triton", workspace=ws), want)
+    cnt = ws[:, topk_mod._WS_CNT]
+    assert (cnt >= k).all() and (cnt <= 2 * k).all(), cnt  # few candidates: the fast in-register tier
+    assert torch.equal(topk_indices(s, k, backend="triton", workspace=ws, method="radix"), want)
+
+
+@gpu
+@needs_cuda
+def test_gpu_filter_adversarial_rows_and_graph():
+    """Ties, sorted rows (fallback), NaN, n_visible on long rows; then a CUDA graph of the default path replayed
+    on new data (the workspace needs no reset between replays)."""
+    g = torch.Generator().manual_seed(25)
+    N = 262144
+    s = torch.randn(6, N, generator=g)
+    s[0] = (s[0] * 4).round()
+    s[1] = 1.0
+    s[2] = torch.linspace(0, 1, N)
+    s[3, ::5] = float("nan")
+    s[4, 1000:] = s[4, 1000:] + 50  # hidden by n_visible
+    nv = torch.tensor([N, N, N, N, 1000, 77777], dtype=torch.int32)
+    s, nv = s.cuda(), nv.cuda()
+    for k in (1, 512, 1024, 4096):
+        want = topk_indices_reference(s, k, nv)
+        for splits in (None, 1, 7, 64):
+            got = topk_indices(s, k, nv, backend="triton", splits=splits, method="filter")
+            assert torch.equal(got, want), (k, splits)
+    x = torch.randn(4, N, device="cuda")
+    ws = topk_workspace(4, N, x.device)
+    topk_indices(x, 1024, backend="triton", workspace=ws)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = topk_indices(x, 1024, backend="triton", workspace=ws)
+    for i in range(3):
+        x.copy_(torch.randn_like(x) if i != 1 else (torch.randn_like(x) * 2).round())
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, topk_indices_reference(x, 1024))

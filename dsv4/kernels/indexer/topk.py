@@ -4,76 +4,106 @@
 ``min(k, #selectable)`` largest scores, where an entry is selectable iff ``j < n_visible[t]`` and its
 score is neither -inf nor NaN.  The rest of the row is padded with -1.
 
-Order and ties (deterministic, identical in both backends): indices are sorted by score descending,
-then by index ascending; among equal scores the lower index wins a place at the boundary.  -0.0 and
-+0.0 are equal.
+Set, ties and order (deterministic, identical in both backends): the chosen set is that of a stable
+descending sort (among equal scores at the boundary the lower index wins a place; -0.0 and +0.0 are
+equal), and it is returned in ascending index order (the attention consumer does not care about the
+order; index order is the cheapest to produce and gives its gathers locality).
 
 Scores are mapped to 32-bit order-preserving integer keys (float bits, magnitude bits flipped for
 negatives; -0.0 folded to +0.0), so "larger score" = "larger key".  Digits of the key, high to low,
-are d1 = bits 31..24 (sign-flipped), d2 = 23..16, d3 = 15..8, d4 = 7..0.  Both Triton paths are radix
-selects on these digits; no host sync, static shapes, no data-dependent launch sizes, and the
-workspace is scratch only (never needs zeroing).
+are d1 = bits 31..24 (sign-flipped), d2 = 23..16, d3 = 15..8, d4 = 7..0.  No host sync, static shapes,
+no data-dependent launch sizes, CUDA-graph capturable, deterministic (atomics only build order-free data).
 
-Split path (long rows, few rows: S = ``splits`` programs per row, each owning a contiguous chunk of
-``ceil(N / S)`` entries rounded up to a multiple of 16; four launches, no atomics):
+Three Triton paths (``method``; the result never depends on the path or on ``splits``):
 
-1. ``_split_hist1`` grid (T, S): 256-bin histogram of d1 over the chunk's selectable entries ->
-   H1[t, s, :] in the workspace (each program writes only its own row of H1).
-2. ``_split_hist2`` grid (T, S): every program sums H1[t] over the splits (identical inputs, so every
-   program of the row derives the same bucket b1 holding the kk-th largest, kk = min(k, #selectable)),
-   then histograms d2 over its chunk's entries with d1 == b1 -> H2[t, s, :].
-3. ``_split_scatter`` grid (T, S): from H1[t], H2[t] every program derives the 16-bit prefix
-   P = (b1, b2) of the kk-th largest and, per split s', the number of winners (key prefix > P) and
-   candidates (prefix == P).  Exclusive prefix sums over s' < s give this program's own ranges of the
-   row's list L = [winners in index order | candidates in index order] (|L| <= N); it re-reads its chunk
-   and writes (index, 32-bit key) of each winner / candidate to L in the workspace.  Program s == 0
-   also writes the row's counts (meta).
-4. ``_split_finish`` grid (T, R), R = ``finish_programs`` (default ceil(k / 32)): every program of the
-   row repeats the same radix select on the candidates' d3, d4 (contiguous reads, no gather), giving the
-   exact threshold key ``thr`` and ``idx_thr``, the index of the last candidate equal to it that is
-   taken (the first ``need`` in index order), so "chosen" = winner, or key > thr, or key == thr and
-   index <= idx_thr; it also bounds L to the prefix ``end`` holding every chosen entry.  Then a rank
-   sort replaces a one-program ``tl.sort``: the program ranks its slices of 32 entries of L (strided by
-   32 R) against all of L[:end] ([32, 512] compare tiles: score desc, index asc) and stores each chosen
-   entry at out[t, rank]; ranks of the chosen are exactly 0 .. kk-1 (everything ahead of a chosen entry
-   is chosen, and L holds every chosen entry), so each output position has one writer.  Positions
-   kk .. k-1 get -1, each program writing its own 32-wide stripes.
+Filter path (default for long rows; S = ``splits`` programs per row in launches A and C, each owning a
+contiguous chunk of CH = ceil(N / S) entries rounded up to whole groups of G entries).  G = the largest
+power of two in [2, 256] leaving >= 2 k groups (G = 128 for N = 262,144, k = 1,024), raised if needed so
+that NG = ceil(N / G) <= 8,192.  No histogram over the row (``tl.histogram`` lowers to shared-memory
+atomics that serialise when the top digit of real scores falls into a few bins):
 
-Race freedom by construction (the interpreter runs programs one after another and cannot show
-races, so none may exist): programs of one launch never read what another program of the same launch
-writes; data crosses programs only through launch boundaries (stream order).  Every output position
-has exactly one writer: programs derive their ranges from exclusive prefix sums of counts that all of
-them compute identically (integer sums of the same H1/H2), and those counts equal what each program
-then counts in its own chunk (same classification function, same chunk bounds); in the last launch,
-positions come from ranks under a total order (unique (key, index) pairs).  The result (values and
-positions) is therefore deterministic run to run.
+A. ``_filter_max``, grid (T, S): reads the chunk once; GM[t, g] = max key of group g over its
+   selectable entries (INT32_MIN for a group without any); W[t, s] = the chunk's selectable count.
+   Program s == 0 zeroes the row's candidate counter.
+B. ``_filter_level``, grid (T,): kk = min(k, sum of W[t, :]) and L = the kk-th largest group max
+   (bitwise search over the NG maxima: 32 block-wide counts).  At least kk selectable entries have
+   key >= L (one per group), so every chosen entry has key >= L.
+C. ``_filter_cand``, grid (T, S): re-reads only the groups of the chunk whose max is >= L and appends
+   the selectable entries with key >= L (index, key) to the row's candidate list, at a range reserved
+   with one atomic on the row's counter per tile; nothing is written at positions >= CAP (the counter
+   still counts).  The list order depends on timing; D only uses order-free functions of it.  For
+   i.i.d. scores the list holds about 1.2-1.4 kk candidates (k = 1,024, N = 262,144: ~1,400).
+D. ``_filter_write``, grid (T,): if count <= CAP, the candidates are loaded into registers (SB1 =
+   next_pow2(2 k) slots, or SB2 = min(8,192, 4 SB1) when more), the exact threshold key thr = the kk-th
+   largest is found by a bitwise search, ties at thr keep the lowest indices (a second bitwise search
+   over the tied indices, only when some tie must be left out), the kk chosen indices are compacted
+   into the output row and sorted ascending (``tl.sort`` of next_pow2(k)), -1 padded.  If count > CAP
+   (adversarial rows: many equal scores, sorted rows), the program runs the single-program radix select
+   over the whole row instead (exact for any row; slow: one program for the row).
 
-Cost per call (T rows of N fp32 scores, S splits): four launches.  Launch 1 reads the scores (4 N T
-bytes, from HBM) and writes S KiB of H1 per row; launches 2 and 3 re-read them (mostly from L2) and
-each of their T S programs also reads its row's S x 256 int32 histograms (S KiB: T S^2 KiB in all,
-twice in launch 3); launch 3 writes L (8 bytes per winner / candidate).  Each of the T R programs of
-launch 4 reads the candidates three times (the threshold), its slices of L and L[:end] once per slice
-(|L| / (32 R) slices): ~ |L|^2 / R compares per program, ~35 K for k = 1,024 (|L| ~ 1,070, R = 32).
-The candidates are the entries sharing the kk-th largest key's top 16 bits (sign, exponent, 7 mantissa
-bits): ~45 for 262,144 normal scores at k = 1,024 (vs ~5,850 sharing its top 8 bits), but every copy of
-the threshold value when many scores are exactly equal (then every finishing program loops over them
-for the threshold, but ranks only L[:end], i.e. up to the last chosen one).
-For T = 4, N = 262,144 (auto S = 32): 4 MiB from HBM, ~20 MiB from L2.
+Workspace contract (filter path): every scratch value is written before it is read within the same
+call (the counter by A, W and GM by A, L and kk by B, the list by C), so the buffer needs no zeroing
+and may hold garbage; columns [0, 256) are never touched.  Layout per row: counter at 512, kk / L at
+513 / 514, W at 520 + s, candidate indices at [640, 640 + CAP), keys at [640 + CAP, 640 + 2 CAP),
+group maxima at [640 + 2 CAP, 640 + 2 CAP + NG) (CAP <= (2 N - NG) / 2: all within 640 + 2 N); the
+fallback uses [640, 640 + N).
+
+Radix split path (``method="radix"``, splits >= 2: S = ``splits`` programs per row, each owning a contiguous chunk of
+CH = ``ceil(N / S)`` entries rounded up to a multiple of 16; four launches of grid (T, S)):
+
+1. ``_split_hist1``: the chunk's 256-bin d1 histogram (selectable entries), added into the row's H1
+   with integer ``tl.atomic_add`` (sums of integers: the same result in any order).  Program s == 0
+   zeroes the row's H2 and candidate counter (only the next launches use them).
+2. ``_split_hist2``: every program reads H1[t] (1 KiB) and derives the bucket b1 holding the kk-th
+   largest (kk = min(k, #selectable)); the chunk's d2 histogram of entries with d1 == b1 is added into
+   H2[t] with atomics.
+3. ``_split_cand``: from H1, H2 every program derives the 16-bit prefix P = (b1, b2) of the kk-th
+   largest key; it stores its chunk's winner count (prefix > P) in W[t, s] (own slot) and appends its
+   candidates (prefix == P: index and key) to the row's candidate list at a range reserved with one
+   atomic on the row's counter per block.  The list order depends on timing; nothing below depends on
+   the order.  Program s == 0 stores kk, P and the number of candidates to take.
+4. ``_split_write``: every program of the row repeats the same radix select on the candidates' d3, d4
+   (contiguous reads; ~45 candidates for 262,144 normal scores at k = 1,024), giving the exact
+   threshold key and ``need_eq``, the number of entries equal to it to take (the first ones in index
+   order).  Its output offset = winners of earlier chunks (sum of W[t, :s]) + candidates of earlier
+   chunks (index < its chunk start) above the threshold + min(ties at the threshold there, need_eq).
+   It re-reads its chunk and writes each chosen entry (prefix > P; or prefix == P and low 16 bits
+   above the threshold's; or equal to the threshold with tie rank < need_eq) at offset + running
+   count, i.e. in index order; positions kk .. k-1 get -1 (shared in stripes).  Program s == 0 zeroes
+   H1[t] for the next call.
+
+Workspace contract (split path): columns [0, 256) of each row (H1) must be zero when a call starts;
+``topk_workspace`` returns zeros, every call leaves them zero again (launch 4), so one buffer serves
+every call of a CUDA graph -- as long as only this function writes it, one call at a time (one
+stream).  H2, the counter, W and the list are scratch, reset or overwritten inside each call.  The
+single-program path uses only columns >= 640 (never touches H1).
+
+Race freedom (the interpreter runs programs one after another and cannot show races, so none may
+exist): within a launch, programs exchange data only through atomics whose result is
+order-independent (the histogram sums; the list ranges, which are disjoint whatever the order);
+everything else crosses programs at launch boundaries (stream order).  Every output position has
+exactly one writer: offsets are exclusive prefix sums, over chunks, of counts that the writer of each
+chunk then reproduces exactly (same classification, same bounds, same threshold in every program).
+
+Cost per call (T rows of N fp32 scores, S splits; T = 4, N = 262,144, auto S = 32): four launches.
+Launch 1 reads the scores once from HBM (4 N T bytes = 4 MiB); launches 2-4 re-read them from L2
+(12 MiB in all).  Histogram traffic: T S x 256 atomics into H1 and at most as many into H2 (only
+non-zero bins), T S x 2 KiB of H1 / H2 reads (256 KiB): no longer O(T S^2).  Launch 4 reads the
+candidate list 3 times per program (T S x 3 x 8 bytes x #candidates: ~140 KiB for normal scores;
+every copy of the threshold value when many scores are exactly equal), W (S ints) and writes k T ints.
 
 Why 8 + 8 histogram bits and not one 12-bit pass: ``tl.histogram`` lowers to a warp-ballot histogram
 whose cost per element grows with the bins each lane owns (bins / 32), so 4,096 bins cost ~16x the
-instructions of 256 per element, more than the second 256-bin pass saves; and each scatter program
-would then read S x 4,096 per-split counts instead of S x 256.
+instructions of 256 per element, more than the second 256-bin pass saves.
 
-Single-program path (``splits == 1``: short rows or many rows; one program per row, scratch = the
-output row plus N int32 of the workspace):
+Single-program path (``splits == 1`` with method "auto" or "radix", and method "auto" with
+N <= 4,096; one program per row, scratch = the output row plus N int32 of the workspace):
 
 1-2. Full-row 256-bin histogram of d1; suffix sums give the bucket b0 holding the kk-th largest.
 3. Full row again: d1 > b0 -> winners to out[t]; d1 == b0 -> candidate indices to the workspace.
 4. Radix select on the candidates over d2, d3, d4 (each pass gathers the candidates' scores).
 5. Compaction of the candidates in index order: key > thr, or key == thr among the first ``need``.
-6. The kk indices are re-read with their scores, turned into int64 keys ``key << 32 | (2^32-1-index)``
-   (unique, so the order is total) and sorted descending with ``tl.sort``; the rest of the row is -1.
+6. The kk indices are sorted ascending with ``tl.sort``; the rest of the row is -1.
 """
 
 from __future__ import annotations
@@ -89,15 +119,33 @@ __all__ = ["to_physical", "topk_indices", "topk_indices_reference", "topk_worksp
 
 _MAX_K = 4096  # largest k the Triton kernels sort in registers
 _BINS = 256  # histogram bins per 8-bit digit (the kernels hard-code 256)
-_META = 4  # per-row counts the split path passes to its last launch: n_win, n_cand, need (+ 1 spare)
-_MAX_SPLITS = 64  # programs per row on the split path ([64, 256] histogram tiles stay in registers)
+_MAX_SPLITS = 64  # programs per row on the split path (W holds one count per split)
 _TARGET_PROGRAMS = 128  # auto splits: about one program per SM in all
 _MIN_CHUNK = 4096  # auto splits: entries per program at least
 _MAX_BLOCK = 8192  # split path: entries per loop iteration of a (T, S) program at most
-_FINISH_SLICE = 32  # split path, finish: list entries ranked per slice ([E, BJ] compare tiles)
-_FINISH_BJ = 512  # split path, finish: list entries compared against per inner iteration
-_FINISH_CBLOCK = 256  # split path, finish: candidates per iteration of the threshold search
-_MAX_FINISH = 64  # split path: finishing programs per row at most
+_CBLOCK = 256  # split path, launch 4: candidates per iteration of the threshold search
+_PBLOCK = 128  # split path, launch 4: -1 padding stripe per program
+_SINGLE_MAX_N = 4096  # method "auto", splits None: one program per row up to this row length
+# method "auto": the radix split path for few rows and large k, the filter path otherwise.  H200 2026-12-02
+# (2026-12-02_h200_topk_filter.jsonl, graph, rows x 262,144): k = 1,024: radix 28.3 / 43.7 us at 1 / 4 rows vs
+# filter 39.5 / 46.0, but filter 54.0 vs 69.8 at 8 rows and 175 vs 436 at 64; k = 512: filter 28.6 / 32.6 / 40.7
+# / 161 vs radix 29.9 / 43.6 / 69.5 / 428 at 1 / 4 / 8 / 64 rows.
+_RADIX_MAX_ROWS = 4
+_RADIX_MIN_K = 1024
+_FILTER_PROGRAMS = 256  # filter path, auto splits: programs of launches A and C in all (about 2 per SM)
+_G_MIN, _G_MAX = 2, 256  # filter path: group size range (then raised so that NG <= _MAX_GROUPS)
+_MAX_GROUPS = 8192  # filter path: group maxima sorted by launch B at most
+_MAX_LIST = 8192  # filter path: candidates held in registers by launch D at most (SB2)
+_FILTER_TILE = 4096  # filter path, launches A and C: entries per tile (loop iteration) at most
+_FILTER_TILE_INTERP = 512  # the same under the interpreter (more tiles per chunk in small tests)
+# Workspace layout of a row (int32 columns); the kernels see the offsets as constexpr globals.
+_WS_H2, _WS_CNT, _WS_META, _WS_W = _BINS, 2 * _BINS, 2 * _BINS + 1, 2 * _BINS + 8
+_WS_LIST = 640  # >= _WS_W + _MAX_SPLITS, a multiple of 16: candidate indices, then their keys
+_H1 = tl.constexpr(0)  # [256] row histogram of d1: zero between calls
+_H2 = tl.constexpr(_WS_H2)  # [256] row histogram of d2 (within bucket b1)
+_CNT = tl.constexpr(_WS_CNT)  # candidate counter
+_META = tl.constexpr(_WS_META)  # kk, P, candidates to take
+_W = tl.constexpr(_WS_W)  # [S] winners per chunk
 
 
 # ---------------------------------------------------------------------------------------- reference
@@ -110,12 +158,15 @@ def _selectable(scores: torch.Tensor, n_visible: torch.Tensor | None) -> torch.T
 
 
 def topk_indices_reference(scores: torch.Tensor, k: int, n_visible: torch.Tensor | None = None) -> torch.Tensor:
-    """PyTorch reference: a stable descending sort of the selectable scores (ties keep index order)."""
+    """PyTorch reference: the first ``min(k, #selectable)`` of a stable descending sort of the selectable
+    scores (ties: lower index first), returned in ascending index order, -1 padded to k."""
     sel = _selectable(scores, n_visible)
     s = torch.where(sel, scores + 0.0, torch.full_like(scores, float("-inf")))  # + 0.0 folds -0.0
     order = torch.sort(s, dim=1, descending=True, stable=True).indices[:, :k]
     n_sel = sel.sum(1, keepdim=True)
     pos = torch.arange(order.shape[1], device=scores.device)[None, :]
+    big = torch.iinfo(torch.int64).max
+    order = torch.where(pos < n_sel, order, torch.full_like(order, big)).sort(dim=1).values  # index order
     idx = torch.where(pos < n_sel, order, torch.full_like(order, -1)).to(torch.int32)
     if idx.shape[1] < k:  # k > N: pad
         idx = torch.cat([idx, idx.new_full((idx.shape[0], k - idx.shape[1]), -1)], dim=1)
@@ -142,16 +193,12 @@ def _pick_bucket(hist, need, bins):
 
 
 @triton.jit
-def _sort_winners(row, out_row, kk, K, KP: tl.constexpr):
-    """out_row[:kk] holds the chosen indices (any order): sort them by score desc, index asc; -1 pad to K."""
+def _sort_winners(out_row, kk, K, KP: tl.constexpr):
+    """out_row[:kk] holds the chosen indices (any order): sort them ascending; -1 pad to K."""
     offs_k = tl.arange(0, KP)
     live = offs_k < kk
-    idx = tl.load(out_row + offs_k, mask=live, other=0)
-    key = _order_key(tl.load(row + idx, mask=live, other=0.0)).to(tl.int64)
-    comp = (key << 32) | (4294967295 - idx.to(tl.int64))  # unique per index: a total order
-    comp = tl.where(live, comp, -9223372036854775807 - 1)
-    comp = tl.sort(comp, descending=True)
-    res = (4294967295 - (comp & 4294967295)).to(tl.int32)
+    idx = tl.load(out_row + offs_k, mask=live, other=2147483647)
+    res = tl.sort(idx)
     tl.debug_barrier()  # every thread has read out_row before any overwrites it
     tl.store(out_row + offs_k, tl.where(live, res, -1), mask=offs_k < K)
 
@@ -171,14 +218,18 @@ def _topk_kernel(
     BLOCK: tl.constexpr,
     KP: tl.constexpr,
 ):
+    """Grid (T,): the single-program path, one program per row (scratch: N int32 at ws_ptr's row)."""
     r = tl.program_id(0).to(tl.int64)
-    row = s_ptr + r * stride_s
-    out_row = out_ptr + r * stride_o
-    ws_row = ws_ptr + r * stride_w
     if HAS_NV:
         nv = tl.minimum(tl.maximum(tl.load(nv_ptr + r), 0), N)
     else:
         nv = N
+    _select_row(s_ptr + r * stride_s, nv, out_ptr + r * stride_o, ws_ptr + r * stride_w, K, BLOCK, KP)
+
+
+@triton.jit
+def _select_row(row, nv, out_row, ws_row, K, BLOCK: tl.constexpr, KP: tl.constexpr):
+    """Exact top-k of one row of nv scores by one program (any row; ws_row: nv int32 of scratch)."""
     bins = tl.arange(0, 256)
 
     # Pass 1 (full row): histogram of the top 8 key bits over the selectable elements.
@@ -254,7 +305,7 @@ def _topk_kernel(
         eq_seen += tl.sum(eq.to(tl.int32), axis=0)
     tl.debug_barrier()
 
-    _sort_winners(row, out_row, kk, K, KP)
+    _sort_winners(out_row, kk, K, KP)
 
 
 # ---------------------------------------------------------------------------------------- split path
@@ -279,209 +330,356 @@ def _load_keys(row, offs, hi):
 
 
 @triton.jit
-def _row_hist(h_ptr, S, SP: tl.constexpr):
-    """The [S, 256] per-split histograms at h_ptr (int32, row-major) as a [SP, 256] tile (0-padded)."""
-    sidx = tl.arange(0, SP)
-    bins = tl.arange(0, 256)
-    return tl.load(h_ptr + sidx[:, None] * 256 + bins[None, :], mask=sidx[:, None] < S, other=0)
-
-
-@triton.jit
-def _split_hist1(
-    s_ptr, nv_ptr, ws_ptr, stride_s, stride_w, N, CH, H1_OFF,
-    HAS_NV: tl.constexpr, BLOCK: tl.constexpr,
-):  # fmt: skip
-    r = tl.program_id(0).to(tl.int64)
-    sp = tl.program_id(1)
-    row = s_ptr + r * stride_s
-    lo, hi = _chunk_bounds(nv_ptr, r, sp, N, CH, HAS_NV)
-    bins = tl.arange(0, 256)
-    hist = tl.zeros((256,), tl.int32)
-    n_other = 0
-    for start in range(lo, hi, BLOCK):
-        key, ok = _load_keys(row, start + tl.arange(0, BLOCK), hi)
-        d1 = ((key >> 24) & 255) ^ 128
-        hist += tl.histogram(tl.where(ok, d1, 0), 256)  # the rest is counted in bin 0, then removed
-        n_other += tl.sum((~ok).to(tl.int32), axis=0)
-    hist = tl.where(bins == 0, hist - n_other, hist)
-    tl.store(ws_ptr + r * stride_w + H1_OFF + sp * 256 + bins, hist)
-
-
-@triton.jit
-def _split_hist2(
-    s_ptr, nv_ptr, ws_ptr, stride_s, stride_w, N, K, S, CH, H1_OFF, H2_OFF,
-    HAS_NV: tl.constexpr, BLOCK: tl.constexpr, SP: tl.constexpr,
-):  # fmt: skip
-    r = tl.program_id(0).to(tl.int64)
-    sp = tl.program_id(1)
-    row = s_ptr + r * stride_s
-    ws_row = ws_ptr + r * stride_w
-    bins = tl.arange(0, 256)
-    hist1 = tl.sum(_row_hist(ws_row + H1_OFF, S, SP), axis=0)  # the whole row's d1 histogram
-    kk = tl.minimum(tl.sum(hist1, axis=0), K)
-    b1, above1 = _pick_bucket(hist1, kk, bins)
-
-    lo, hi = _chunk_bounds(nv_ptr, r, sp, N, CH, HAS_NV)
-    hist = tl.zeros((256,), tl.int32)
-    n_other = 0
-    for start in range(lo, hi, BLOCK):
-        key, ok = _load_keys(row, start + tl.arange(0, BLOCK), hi)
-        match = ok & ((((key >> 24) & 255) ^ 128) == b1)
-        hist += tl.histogram(tl.where(match, (key >> 16) & 255, 0), 256)
-        n_other += tl.sum((~match).to(tl.int32), axis=0)
-    hist = tl.where(bins == 0, hist - n_other, hist)
-    tl.store(ws_row + H2_OFF + sp * 256 + bins, hist)
-
-
-@triton.jit
-def _split_scatter(
-    s_ptr, nv_ptr, ws_ptr, stride_s, stride_w, N, K, S, CH, KEY_OFF, H1_OFF, H2_OFF, META_OFF,
-    HAS_NV: tl.constexpr, BLOCK: tl.constexpr, SP: tl.constexpr,
-):  # fmt: skip
-    r = tl.program_id(0).to(tl.int64)
-    sp = tl.program_id(1)
-    row = s_ptr + r * stride_s
-    ws_row = ws_ptr + r * stride_w
-    bins = tl.arange(0, 256)[None, :]
-    before = tl.arange(0, SP)[:, None] < sp  # splits whose output precedes this one's
-
-    t1 = _row_hist(ws_row + H1_OFF, S, SP)
-    hist1 = tl.sum(t1, axis=0)
-    kk = tl.minimum(tl.sum(hist1, axis=0), K)
-    b1, above1 = _pick_bucket(hist1, kk, tl.arange(0, 256))
-    w_off = tl.sum(tl.sum(tl.where(before & (bins > b1), t1, 0), axis=1), axis=0)
-
-    t2 = _row_hist(ws_row + H2_OFF, S, SP)
-    hist2 = tl.sum(t2, axis=0)
-    b2, above2 = _pick_bucket(hist2, kk - above1, tl.arange(0, 256))
-    w_off += tl.sum(tl.sum(tl.where(before & (bins > b2), t2, 0), axis=1), axis=0)
-    n_cand = tl.sum(tl.where(tl.arange(0, 256) == b2, hist2, 0), axis=0)
-    n_win = above1 + above2
-    # The row's list L = winners (index order), then candidates (index order): indices at ws[0 : n_win +
-    # n_cand], their keys at ws[KEY_OFF : ...].  Winners + candidates are disjoint entries: at most N.
-    c_off = n_win + tl.sum(tl.sum(tl.where(before & (bins == b2), t2, 0), axis=1), axis=0)
-    is_first = sp == 0  # one writer of the row's counts
-    tl.store(ws_row + META_OFF, n_win, mask=is_first)
-    tl.store(ws_row + META_OFF + 1, n_cand, mask=is_first)
-    tl.store(ws_row + META_OFF + 2, kk - n_win, mask=is_first)
-
-    prefix = b1 * 256 + b2  # the kk-th largest key's top 16 bits (sign-flipped, so unsigned order)
-    lo, hi = _chunk_bounds(nv_ptr, r, sp, N, CH, HAS_NV)
-    for start in range(lo, hi, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        key, ok = _load_keys(row, offs, hi)
-        top = ((key >> 16) & 65535) ^ 32768
-        win = ok & (top > prefix)
-        cand = ok & (top == prefix)
-        pos = w_off + tl.cumsum(win.to(tl.int32), axis=0) - 1
-        pos = tl.where(cand, c_off + tl.cumsum(cand.to(tl.int32), axis=0) - 1, pos)
-        keep = win | cand
-        tl.store(ws_row + pos, offs.to(tl.int32), mask=keep)
-        tl.store(ws_row + KEY_OFF + pos, key, mask=keep)
-        w_off += tl.sum(win.to(tl.int32), axis=0)
-        c_off += tl.sum(cand.to(tl.int32), axis=0)
-
-
-@triton.jit
-def _cand_hist(digit, m, bins):
-    """256-bin histogram of digit over the lanes where m holds."""
+def _masked_hist(digit, m, bins):
+    """256-bin histogram of digit over the lanes where m holds (the rest is counted in bin 0, then removed)."""
     hist = tl.histogram(tl.where(m, digit, 0), 256)
     return tl.where(bins == 0, hist - tl.sum((~m).to(tl.int32), axis=0), hist)
 
 
 @triton.jit
-def _thr_scan(low, idx, offs, m, thr, need, idx_thr, last, eq_seen):
-    """One block of candidates (list order): the index of the need-th one with low == thr, if in it, and
-    the list position of the last chosen one so far."""
-    eq = m & (low == thr)
-    eq_rank = eq_seen + tl.cumsum(eq.to(tl.int32), axis=0) - 1
-    at_thr = eq & (eq_rank == need - 1)
-    idx_thr = tl.maximum(idx_thr, tl.max(tl.where(at_thr, idx, -1), axis=0))
-    last = tl.maximum(last, tl.max(tl.where(at_thr | (m & (low > thr)), offs, -1), axis=0))
-    return idx_thr, last, eq_seen + tl.sum(eq.to(tl.int32), axis=0)
+def _split_hist1(
+    s_ptr, nv_ptr, ws_ptr, stride_s, stride_w, N, CH,
+    HAS_NV: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Grid (T, S): the chunk's d1 histogram, added into the row's H1 (zero on entry) with integer atomics.
+    Program s == 0 also zeroes the row's H2 and candidate counter (first used by the next launches)."""
+    r = tl.program_id(0).to(tl.int64)
+    sp = tl.program_id(1)
+    row = s_ptr + r * stride_s
+    ws_row = ws_ptr + r * stride_w
+    bins = tl.arange(0, 256)
+    lo, hi = _chunk_bounds(nv_ptr, r, sp, N, CH, HAS_NV)
+    hist = tl.zeros((256,), tl.int32)
+    for start in range(lo, hi, BLOCK):
+        key, ok = _load_keys(row, start + tl.arange(0, BLOCK), hi)
+        hist += _masked_hist(((key >> 24) & 255) ^ 128, ok, bins)
+    tl.atomic_add(ws_row + _H1 + bins, hist, mask=hist != 0, sem="relaxed")
+    if sp == 0:
+        tl.store(ws_row + _H2 + bins, tl.zeros((256,), tl.int32))
+        tl.store(ws_row + _CNT, 0)
 
 
 @triton.jit
-def _split_finish(
-    out_ptr, ws_ptr, stride_o, stride_w, K, KEY_OFF, META_OFF,
-    CBLOCK: tl.constexpr, E: tl.constexpr, BJ: tl.constexpr,
+def _split_hist2(
+    s_ptr, nv_ptr, ws_ptr, stride_s, stride_w, N, K, CH,
+    HAS_NV: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    """Grid (T, R).  Every program of row t derives the same exact threshold from the candidates, then
-    ranks its share of the list L (slices of E entries, strided by R E) against all of L and writes each
-    chosen entry at its rank; out[t] positions >= kk of its share of [0, K) get -1."""
+    """Grid (T, S): from the row's H1, the bucket b1 holding the kk-th largest; the chunk's d2 histogram of
+    the entries with d1 == b1, added into the row's H2 (zeroed by launch 1) with integer atomics."""
     r = tl.program_id(0).to(tl.int64)
-    p = tl.program_id(1)
-    R = tl.num_programs(1)
+    sp = tl.program_id(1)
+    row = s_ptr + r * stride_s
+    ws_row = ws_ptr + r * stride_w
+    bins = tl.arange(0, 256)
+    hist1 = tl.load(ws_row + _H1 + bins)
+    kk = tl.minimum(tl.sum(hist1, axis=0), K)
+    b1, above1 = _pick_bucket(hist1, kk, bins)
+    lo, hi = _chunk_bounds(nv_ptr, r, sp, N, CH, HAS_NV)
+    hist = tl.zeros((256,), tl.int32)
+    for start in range(lo, hi, BLOCK):
+        key, ok = _load_keys(row, start + tl.arange(0, BLOCK), hi)
+        hist += _masked_hist((key >> 16) & 255, ok & ((((key >> 24) & 255) ^ 128) == b1), bins)
+    tl.atomic_add(ws_row + _H2 + bins, hist, mask=hist != 0, sem="relaxed")
+
+
+@triton.jit
+def _split_cand(
+    s_ptr, nv_ptr, ws_ptr, stride_s, stride_w, N, K, CH, LIST_OFF, KEY_OFF,
+    HAS_NV: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Grid (T, S): from H1, H2 the 16-bit prefix P of the kk-th largest key.  Counts the chunk's winners
+    (prefix > P) into W[t, s] (own slot) and appends its candidates (prefix == P: index, key) to the row's
+    candidate list at a position reserved with one atomic per block (list order is arbitrary; the last
+    launch only uses order-free functions of it).  Program s == 0 writes the row's kk, P, need."""
+    r = tl.program_id(0).to(tl.int64)
+    sp = tl.program_id(1)
+    row = s_ptr + r * stride_s
+    ws_row = ws_ptr + r * stride_w
+    bins = tl.arange(0, 256)
+    hist1 = tl.load(ws_row + _H1 + bins)
+    kk = tl.minimum(tl.sum(hist1, axis=0), K)
+    b1, above1 = _pick_bucket(hist1, kk, bins)
+    b2, above2 = _pick_bucket(tl.load(ws_row + _H2 + bins), kk - above1, bins)
+    prefix = b1 * 256 + b2  # top 16 bits of the kk-th largest key (sign-flipped: unsigned order)
+    if sp == 0:
+        tl.store(ws_row + _META, kk)
+        tl.store(ws_row + _META + 1, prefix)
+        tl.store(ws_row + _META + 2, kk - above1 - above2)  # candidates to take
+
+    lo, hi = _chunk_bounds(nv_ptr, r, sp, N, CH, HAS_NV)
+    n_win = 0
+    for start in range(lo, hi, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        key, ok = _load_keys(row, offs, hi)
+        top = ((key >> 16) & 65535) ^ 32768
+        n_win += tl.sum((ok & (top > prefix)).to(tl.int32), axis=0)
+        cand = ok & (top == prefix)
+        n_c = tl.sum(cand.to(tl.int32), axis=0)
+        if n_c > 0:
+            base = tl.atomic_add(ws_row + _CNT, n_c, sem="relaxed")
+            pos = base + tl.cumsum(cand.to(tl.int32), axis=0) - 1
+            tl.store(ws_row + LIST_OFF + pos, offs.to(tl.int32), mask=cand)
+            tl.store(ws_row + KEY_OFF + pos, key, mask=cand)
+    tl.store(ws_row + _W + sp, n_win)
+
+
+@triton.jit
+def _split_write(
+    s_ptr, nv_ptr, out_ptr, ws_ptr, stride_s, stride_o, stride_w, N, K, CH, LIST_OFF, KEY_OFF,
+    HAS_NV: tl.constexpr, BLOCK: tl.constexpr, CBLOCK: tl.constexpr, SP: tl.constexpr, PBLOCK: tl.constexpr,
+):  # fmt: skip
+    """Grid (T, S): every program of the row derives the same exact threshold from the candidate list
+    (radix select on the low 16 key bits), counts the chosen entries of the chunks before its own (W and
+    the list), re-reads its chunk and writes its chosen entries in index order.  Pads its share of
+    out[t, kk:K] with -1.  Program s == 0 zeroes the row's H1 for the next call."""
+    r = tl.program_id(0).to(tl.int64)
+    sp = tl.program_id(1)
+    S = tl.num_programs(1)
+    row = s_ptr + r * stride_s
     out_row = out_ptr + r * stride_o
     ws_row = ws_ptr + r * stride_w
     bins = tl.arange(0, 256)
-    n_win = tl.load(ws_row + META_OFF)
-    n_cand = tl.load(ws_row + META_OFF + 1)
-    need = tl.load(ws_row + META_OFF + 2)  # how many candidates to take (>= 1 unless the row is empty)
-    kk = n_win + need
-    n_l = n_win + n_cand
+    kk = tl.load(ws_row + _META)
+    prefix = tl.load(ws_row + _META + 1)
+    need = tl.load(ws_row + _META + 2)
+    n_c = tl.load(ws_row + _CNT)
+    lo, hi = _chunk_bounds(nv_ptr, r, sp, N, CH, HAS_NV)
 
-    # Radix select over the candidates' low 16 key bits (all candidates share the top 16): d3, then d4.
-    # The first CBLOCK candidates (usually all of them) stay in registers for the three passes.
-    offs0 = n_win + tl.arange(0, CBLOCK)
-    m0 = offs0 < n_l
-    low0 = tl.load(ws_row + KEY_OFF + offs0, mask=m0, other=0) & 65535
-    idx0 = tl.load(ws_row + offs0, mask=m0, other=0)
-    hist = _cand_hist(low0 >> 8, m0, bins)
-    for start in range(n_win + CBLOCK, n_l, CBLOCK):
-        offs = start + tl.arange(0, CBLOCK)
-        m = offs < n_l
-        low = tl.load(ws_row + KEY_OFF + offs, mask=m, other=0) & 65535
-        hist += _cand_hist(low >> 8, m, bins)
+    # Radix select over the candidates' low 16 key bits (d3, then d4).  The first CBLOCK candidates
+    # (usually all of them) stay in registers.
+    c0 = tl.arange(0, CBLOCK)
+    m0 = c0 < n_c
+    low0 = tl.load(ws_row + KEY_OFF + c0, mask=m0, other=0) & 65535
+    idx0 = tl.load(ws_row + LIST_OFF + c0, mask=m0, other=0)
+    hist = _masked_hist(low0 >> 8, m0, bins)
+    for start in range(CBLOCK, n_c, CBLOCK):
+        c = start + tl.arange(0, CBLOCK)
+        m = c < n_c
+        low = tl.load(ws_row + KEY_OFF + c, mask=m, other=0) & 65535
+        hist += _masked_hist(low >> 8, m, bins)
     b3, above = _pick_bucket(hist, need, bins)
     need = need - above
-    hist = _cand_hist(low0 & 255, m0 & ((low0 >> 8) == b3), bins)
-    for start in range(n_win + CBLOCK, n_l, CBLOCK):
-        offs = start + tl.arange(0, CBLOCK)
-        m = offs < n_l
-        low = tl.load(ws_row + KEY_OFF + offs, mask=m, other=0) & 65535
-        hist += _cand_hist(low & 255, m & ((low >> 8) == b3), bins)
+    hist = _masked_hist(low0 & 255, m0 & ((low0 >> 8) == b3), bins)
+    for start in range(CBLOCK, n_c, CBLOCK):
+        c = start + tl.arange(0, CBLOCK)
+        m = c < n_c
+        low = tl.load(ws_row + KEY_OFF + c, mask=m, other=0) & 65535
+        hist += _masked_hist(low & 255, m & ((low >> 8) == b3), bins)
     b4, above = _pick_bucket(hist, need, bins)
-    need = need - above  # candidates with low == thr to take: the first `need` in index order
-    thr = b3 * 256 + b4
-    # Index of the last of them: a candidate is chosen iff low > thr, or low == thr and index <= idx_thr.
-    # Also the end of the chosen part of L (list position after the last chosen entry): nothing past it
-    # is chosen, so nothing past it can precede a chosen entry in the output either.
-    idx_thr, last, eq_seen = _thr_scan(low0, idx0, offs0, m0, thr, need, -1, n_win - 1, 0)
-    for start in range(n_win + CBLOCK, n_l, CBLOCK):
-        offs = start + tl.arange(0, CBLOCK)
-        m = offs < n_l
-        low = tl.load(ws_row + KEY_OFF + offs, mask=m, other=0) & 65535
-        idx = tl.load(ws_row + offs, mask=m, other=0)
-        idx_thr, last, eq_seen = _thr_scan(low, idx, offs, m, thr, need, idx_thr, last, eq_seen)
-    end = last + 1
+    need_eq = need - above  # candidates equal to the threshold to take: the first need_eq in index order
+    thr = b3 * 256 + b4  # low 16 bits of the kk-th largest key
+    # Candidates of earlier chunks (index < lo): chosen ones above the threshold, and ties at it.
+    before = m0 & (idx0 < lo)
+    gt_before = tl.sum((before & (low0 > thr)).to(tl.int32), axis=0)
+    eq_before = tl.sum((before & (low0 == thr)).to(tl.int32), axis=0)
+    for start in range(CBLOCK, n_c, CBLOCK):
+        c = start + tl.arange(0, CBLOCK)
+        m = c < n_c
+        low = tl.load(ws_row + KEY_OFF + c, mask=m, other=0) & 65535
+        before = m & (tl.load(ws_row + LIST_OFF + c, mask=m, other=0) < lo)
+        gt_before += tl.sum((before & (low > thr)).to(tl.int32), axis=0)
+        eq_before += tl.sum((before & (low == thr)).to(tl.int32), axis=0)
+    w = tl.load(ws_row + _W + tl.arange(0, SP), mask=tl.arange(0, SP) < sp, other=0)
+    pos0 = tl.sum(w, axis=0) + gt_before + tl.minimum(eq_before, need_eq)
 
-    # Rank sort: the position of a chosen entry x is the number of entries of L[:end] before it in the
-    # output order (score desc, index asc); every such entry is itself chosen, so the ranks are 0 .. kk-1.
-    for base in range(p * E, end, R * E):
-        q = base + tl.arange(0, E)
-        mq = q < end
-        ix = tl.load(ws_row + q, mask=mq, other=0)
-        kx = tl.load(ws_row + KEY_OFF + q, mask=mq, other=0)
-        lx = kx & 65535
-        chosen = mq & ((q < n_win) | (lx > thr) | ((lx == thr) & (ix <= idx_thr)))
-        if tl.max(chosen.to(tl.int32), axis=0) > 0:
-            rank = tl.zeros((E,), tl.int32)
-            for jb in range(0, end, BJ):
-                j = jb + tl.arange(0, BJ)
-                mj = j < end
-                iy = tl.load(ws_row + j, mask=mj, other=0)
-                ky = tl.load(ws_row + KEY_OFF + j, mask=mj, other=0)
-                kyb, iyb = ky[None, :], iy[None, :]
-                kxb, ixb = kx[:, None], ix[:, None]
-                first = mj[None, :] & ((kyb > kxb) | ((kyb == kxb) & (iyb < ixb)))
-                rank += tl.sum(first.to(tl.int32), axis=1)
-            tl.store(out_row + rank, ix, mask=chosen & (rank < kk))  # always true: a guard against OOB
+    # The chunk again: winners, candidates above the threshold, and the first need_eq ties (row order).
+    eq_seen = eq_before
+    for start in range(lo, hi, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        key, ok = _load_keys(row, offs, hi)
+        top = ((key >> 16) & 65535) ^ 32768
+        low = key & 65535
+        cand = ok & (top == prefix)
+        eq = cand & (low == thr)
+        eq_rank = eq_seen + tl.cumsum(eq.to(tl.int32), axis=0) - 1
+        take = (ok & (top > prefix)) | (cand & (low > thr)) | (eq & (eq_rank < need_eq))
+        pos = pos0 + tl.cumsum(take.to(tl.int32), axis=0) - 1
+        tl.store(out_row + pos, offs.to(tl.int32), mask=take & (pos < kk))  # always < kk: an OOB guard
+        pos0 += tl.sum(take.to(tl.int32), axis=0)
+        eq_seen += tl.sum(eq.to(tl.int32), axis=0)
 
-    # Padding: positions [kk, K) of this program's share of the row.
-    for base in range(p * E, K, R * E):
-        offs = base + tl.arange(0, E)
-        tl.store(out_row + offs, tl.full((E,), -1, tl.int32), mask=(offs < K) & (offs >= kk))
+    # Padding: positions [kk, K), in PBLOCK stripes shared among the row's programs.
+    for base in range(sp * PBLOCK, K, S * PBLOCK):
+        offs = base + tl.arange(0, PBLOCK)
+        tl.store(out_row + offs, tl.full((PBLOCK,), -1, tl.int32), mask=(offs < K) & (offs >= kk))
+    if sp == 0:
+        tl.store(ws_row + _H1 + bins, tl.zeros((256,), tl.int32))
+
+
+# ---------------------------------------------------------------------------------------- filter path
+@triton.jit
+def _group_max_tile(row, gm_row, start, tile, gi, hi, end, G: tl.constexpr, MASKED: tl.constexpr):
+    """Launch A on one [NGB, G] tile at start: stores the group maxima (groups below end), returns the
+    number of selectable entries.  MASKED False: every entry of the tile is < hi (no load mask)."""
+    offs = start + tile
+    if MASKED:
+        m = offs < hi
+        x = tl.load(row + offs, mask=m, other=float("-inf"))
+        ok = m & (x > float("-inf"))
+    else:
+        x = tl.load(row + offs)
+        ok = x > float("-inf")
+    gmax = tl.max(tl.where(ok, _order_key(x), -2147483648), axis=1)
+    g = start // G + gi
+    tl.store(gm_row + g, gmax, mask=g * G < end)
+    return tl.sum(tl.sum(ok.to(tl.int32), axis=1), axis=0)
+
+
+@triton.jit
+def _filter_max(
+    s_ptr, nv_ptr, ws_ptr, stride_s, stride_w, N, NG, CH, GM_OFF,
+    HAS_NV: tl.constexpr, G: tl.constexpr, NGB: tl.constexpr,
+):  # fmt: skip
+    """A, grid (T, S): the max key of every group of G entries of the chunk (selectable entries only;
+    INT32_MIN for a group without any) into GM[t, g], the chunk's selectable count into W[t, s] (own
+    slots).  Program s == 0 zeroes the row's candidate counter (first used by launch C)."""
+    r = tl.program_id(0).to(tl.int64)
+    sp = tl.program_id(1)
+    row = s_ptr + r * stride_s
+    ws_row = ws_ptr + r * stride_w
+    lo, hi = _chunk_bounds(nv_ptr, r, sp, N, CH, HAS_NV)
+    end = tl.minimum(lo + CH, N)  # groups [lo / G, end / G) are this program's (also the hidden ones)
+    gi = tl.arange(0, NGB)
+    tile = gi[:, None] * G + tl.arange(0, G)[None, :]
+    n_ok = 0
+    n_full = (hi - lo) // (NGB * G)  # tiles with every entry visible: unmasked (vector) loads
+    for t in range(0, n_full):
+        start = lo + t * (NGB * G)
+        n_ok += _group_max_tile(row, ws_row + GM_OFF, start, tile, gi, hi, end, G, False)
+    for start in range(lo + n_full * (NGB * G), end, NGB * G):
+        n_ok += _group_max_tile(row, ws_row + GM_OFF, start, tile, gi, hi, end, G, True)
+    tl.store(ws_row + _W + sp, n_ok)
+    if sp == 0:
+        tl.store(ws_row + _CNT, 0)
+
+
+@triton.jit
+def _filter_level(ws_ptr, stride_w, K, NG, S, GM_OFF, NGP: tl.constexpr, SP: tl.constexpr):
+    """B, grid (T,): kk = min(K, selectable entries of the row) and L = the kk-th largest group max
+    (INT32_MIN when fewer than kk groups hold a selectable entry) into META.  At least kk selectable
+    entries have key >= L (one per such group), so every chosen entry has key >= L."""
+    r = tl.program_id(0).to(tl.int64)
+    ws_row = ws_ptr + r * stride_w
+    sidx = tl.arange(0, SP)
+    kk = tl.minimum(tl.sum(tl.load(ws_row + _W + sidx, mask=sidx < S, other=0), axis=0), K)
+    g = tl.arange(0, NGP)
+    gm = tl.load(ws_row + GM_OFF + g, mask=g < NG, other=-2147483648)
+    level = _kth_largest(gm, g < NG, kk)
+    tl.store(ws_row + _META, kk)
+    tl.store(ws_row + _META + 1, level)
+
+
+@triton.jit
+def _filter_cand(
+    s_ptr, nv_ptr, ws_ptr, stride_s, stride_w, N, NG, CH, GM_OFF, CAP, LIST_OFF, KEY_OFF,
+    HAS_NV: tl.constexpr, G: tl.constexpr, NGB: tl.constexpr,
+):  # fmt: skip
+    """C, grid (T, S): appends the chunk's selectable entries with key >= L (index, key) to the row's
+    candidate list, one atomic on the row's counter per tile that has any; only groups whose max is
+    >= L are read.  Positions >= CAP are not written (the counter still counts them).  The list order
+    depends on timing; launch D only uses order-free functions of it."""
+    r = tl.program_id(0).to(tl.int64)
+    sp = tl.program_id(1)
+    row = s_ptr + r * stride_s
+    ws_row = ws_ptr + r * stride_w
+    level = tl.load(ws_row + _META + 1)
+    lo, hi = _chunk_bounds(nv_ptr, r, sp, N, CH, HAS_NV)
+    gi = tl.arange(0, NGB)
+    tile = gi[:, None] * G + tl.arange(0, G)[None, :]
+    n_full = (hi - lo) // (NGB * G)  # tiles with every entry visible: group-uniform load masks
+    for t in range(0, n_full):
+        start = lo + t * (NGB * G)
+        _cand_tile(row, ws_row, start, tile, gi, hi, level, GM_OFF, CAP, LIST_OFF, KEY_OFF, G, False)
+    for start in range(lo + n_full * (NGB * G), hi, NGB * G):
+        _cand_tile(row, ws_row, start, tile, gi, hi, level, GM_OFF, CAP, LIST_OFF, KEY_OFF, G, True)
+
+
+@triton.jit
+def _cand_tile(
+    row, ws_row, start, tile, gi, hi, level, GM_OFF, CAP, LIST_OFF, KEY_OFF, G: tl.constexpr, MASKED: tl.constexpr
+):
+    """Launch C on one [NGB, G] tile at start: reads the groups whose max is >= level and appends their
+    selectable entries with key >= level to the list.  MASKED False: every entry of the tile is < hi."""
+    g = start // G + gi
+    offs = start + tile
+    if MASKED:
+        gmax = tl.load(ws_row + GM_OFF + g, mask=g * G < hi, other=-2147483648)
+        m = ((gmax >= level) & (g * G < hi))[:, None] & (offs < hi)
+    else:
+        gmax = tl.load(ws_row + GM_OFF + g)
+        m = (gmax >= level)[:, None] & (offs >= 0)
+    x = tl.load(row + offs, mask=m, other=float("-inf"))
+    key = _order_key(x)
+    cand = (m & (x > float("-inf")) & (key >= level)).to(tl.int32)
+    per_g = tl.sum(cand, axis=1)
+    n_c = tl.sum(per_g, axis=0)
+    if n_c > 0:
+        base = tl.atomic_add(ws_row + _CNT, n_c, sem="relaxed")
+        pos = base + (tl.cumsum(per_g, axis=0) - per_g)[:, None] + tl.cumsum(cand, axis=1) - 1
+        keep = (cand != 0) & (pos < CAP)
+        tl.store(ws_row + LIST_OFF + pos, offs.to(tl.int32), mask=keep)
+        tl.store(ws_row + KEY_OFF + pos, key, mask=keep)
+
+
+@triton.jit
+def _kth_largest(v, valid, kk):
+    """The kk-th largest of the int32 values v[valid] (duplicates counted), by a bitwise search from the
+    top bit: the largest x with #(v >= x) >= kk.  INT32_MIN when kk > #valid, INT32_MAX when kk <= 0."""
+    u = v.to(tl.int64) + 2147483648  # order-preserving map to [0, 2^32)
+    ans = tl.zeros((), tl.int64)
+    for b in tl.static_range(31, -1, -1):
+        trial = ans | (1 << b)
+        cnt = tl.sum((valid & (u >= trial)).to(tl.int32), axis=0)
+        ans = tl.where(cnt >= kk, trial, ans)
+    return (ans - 2147483648).to(tl.int32)
+
+
+@triton.jit
+def _take_listed(ws_row, out_row, n_c, kk, K, LIST_OFF, KEY_OFF, SB: tl.constexpr, KP: tl.constexpr):
+    """The exact top kk of the n_c (<= SB) listed candidates, written to out_row in ascending index
+    order, -1 padded to K.  Threshold key = the kk-th largest key; of the candidates equal to it, those
+    with the lowest indices are taken (the tie index bound is searched only when some must be left)."""
+    c = tl.arange(0, SB)
+    m = c < n_c
+    idx = tl.load(ws_row + LIST_OFF + c, mask=m, other=0)
+    key = tl.load(ws_row + KEY_OFF + c, mask=m, other=0)
+    thr = _kth_largest(key, m, kk)
+    gt = m & (key > thr)
+    eq = m & (key == thr)
+    need_eq = kk - tl.sum(gt.to(tl.int32), axis=0)
+    idx_max = 2147483647
+    if need_eq < tl.sum(eq.to(tl.int32), axis=0):  # the need_eq-th smallest index among the ties
+        idx_max = 2147483647 - _kth_largest(2147483647 - idx, eq, need_eq)
+    take = gt | (eq & (idx <= idx_max))  # exactly kk candidates (indices are distinct)
+    pos = tl.cumsum(take.to(tl.int32), axis=0) - 1
+    tl.store(out_row + pos, idx, mask=take)
+    tl.debug_barrier()
+    _sort_winners(out_row, kk, K, KP)
+
+
+@triton.jit
+def _filter_write(
+    s_ptr, nv_ptr, out_ptr, ws_ptr, stride_s, stride_o, stride_w, N, K, CAP, LIST_OFF, KEY_OFF,
+    HAS_NV: tl.constexpr, SB1: tl.constexpr, SB2: tl.constexpr, BLOCK: tl.constexpr, KP: tl.constexpr,
+):  # fmt: skip
+    """D, grid (T,): exact selection among the candidates (held in registers: SB1 or SB2 slots) when
+    the list holds all of them (count <= CAP), else the single-program radix select over the whole row
+    (adversarial rows: slow but exact).  Writes the whole output row."""
+    r = tl.program_id(0).to(tl.int64)
+    ws_row = ws_ptr + r * stride_w
+    out_row = out_ptr + r * stride_o
+    kk = tl.load(ws_row + _META)
+    n_c = tl.load(ws_row + _CNT)
+    if n_c <= tl.minimum(CAP, SB1):
+        _take_listed(ws_row, out_row, n_c, kk, K, LIST_OFF, KEY_OFF, SB1, KP)
+    elif n_c <= CAP:  # CAP <= SB2
+        _take_listed(ws_row, out_row, n_c, kk, K, LIST_OFF, KEY_OFF, SB2, KP)
+    else:
+        if HAS_NV:
+            nv = tl.minimum(tl.maximum(tl.load(nv_ptr + r), 0), N)
+        else:
+            nv = N
+        _select_row(s_ptr + r * stride_s, nv, out_row, ws_row + LIST_OFF, K, BLOCK, KP)
 
 
 # ---------------------------------------------------------------------------------------- public ops
@@ -491,19 +689,26 @@ def _auto_splits(T: int, N: int) -> int:
     return max(1, min(_MAX_SPLITS, _TARGET_PROGRAMS // max(T, 1), triton.cdiv(N, _MIN_CHUNK)))
 
 
+def _auto_splits_filter(T: int, N: int) -> int:
+    """Programs per row for launches A and C of the filter path: about _FILTER_PROGRAMS in all, chunks of
+    at least _MIN_CHUNK entries, at most _MAX_SPLITS."""
+    return max(1, min(_MAX_SPLITS, triton.cdiv(_FILTER_PROGRAMS, max(T, 1)), triton.cdiv(N, _MIN_CHUNK)))
+
+
 def _workspace_cols(N: int, splits: int) -> int:
-    if splits == 1:
-        return max(N, 1)
-    return 2 * N + 2 * splits * _BINS + _META
+    return _WS_LIST + max(N, 1) * (1 if splits == 1 else 2)
 
 
 def topk_workspace(T: int, N: int, device: torch.device | str | None = None) -> torch.Tensor:
-    """A [T, cols] int32 workspace that fits ``topk_indices`` on [T, N] scores for any ``splits``.
+    """A zeroed [T, 640 + 2 N] int32 workspace that fits ``topk_indices`` on [T, N] scores for any ``splits``
+    and method.
 
-    cols = 2 N + 2 x 64 x 256 + 4 (winner + candidate indices and keys, per-split histograms, counts).
-    Its contents never matter (no zeroing needed), so one buffer can serve every call of a CUDA graph.
+    Columns: [0, 256) the row histogram H1 of the radix split path, which must be zero when a call starts
+    and which every call leaves zero (the other paths never touch it); then scratch (counters, per-split
+    counts, candidate lists, group maxima), written before it is read in every call.  Only
+    ``topk_indices`` may write it, one call at a time; then one buffer serves every call of a CUDA graph.
     """
-    return torch.empty((T, _workspace_cols(N, _MAX_SPLITS)), dtype=torch.int32, device=device)
+    return torch.zeros((T, _workspace_cols(N, 2)), dtype=torch.int32, device=device)
 
 
 def topk_indices(
@@ -514,28 +719,31 @@ def topk_indices(
     *,
     workspace: torch.Tensor | None = None,
     splits: int | None = None,
-    finish_programs: int | None = None,
+    method: str = "auto",
 ) -> torch.Tensor:
-    """Logical indices of the top-``min(k, #selectable)`` scores of each row, -1 padded.
+    """Logical indices of the top-``min(k, #selectable)`` scores of each row, ascending, -1 padded.
 
     Args:
         scores: [T, N] fp32 (e.g. from ``indexer_scores``); -inf and NaN entries are never selected.
         k: host int, 1 <= k (the Triton kernel supports k <= 4096; typical 512 / 1024).
         n_visible: optional [T] int32; entries j >= n_visible[t] are never selected.
         backend: "auto" | "torch" | "triton".
-        workspace: optional row-contiguous [>= T, >= cols] int32 scratch for the Triton kernels, contents
-            irrelevant (allocated per call if None; ``topk_workspace(T, N)`` makes one that fits every
-            path -- pass it in to keep allocations out of a captured CUDA graph).  cols = N when
-            splits == 1, else 2 N + 2 x 256 x splits + 4.
-        splits: Triton only, host int in [1, 64]: programs per row (1 = one program per row, the
-            whole row in it; >= 2 = the split path of the module docstring).  None picks from T and N
-            (about 128 programs in all, chunks of >= 4096 entries).  The result never depends on it.
-        finish_programs: Triton split path only, host int in [1, 64]: programs per row of the last launch
-            (each ranks a share of the row's winners + candidates).  None = ceil(k / 32), at most 64.
-            The result never depends on it.
+        workspace: optional row-contiguous [>= T, >= cols] int32 buffer for the Triton kernels, from
+            ``topk_workspace`` (zeroed; the radix split path needs columns [0, 256) of each row zero on
+            entry and leaves them zero, the other paths never touch them and need nothing zeroed; pass it
+            in to keep allocations out of a captured CUDA graph).  Allocated (zeroed) per call if None.
+            cols = 640 + N on the single-program path, else 640 + 2 N.
+        splits: Triton only, host int in [1, 64]: programs per row of the launches over the row (A and
+            C of the filter path, all four of the radix split path).  None picks from T, N and the
+            method.  The result never depends on it.
+        method: Triton only: "filter" (group-max filter, any splits), "radix" (splits == 1: the
+            single-program kernel; else the 4-launch radix split path), or "auto": the single-program
+            kernel when splits == 1 or (splits is None and N <= 4096), the radix split path for
+            T <= 4 rows and k >= 1024, else "filter" (measured, see ``_RADIX_MAX_ROWS``).
 
     Returns:
-        [T, k] int32, sorted by score descending then index ascending; -1 after the selected ones.
+        [T, k] int32: the chosen indices in ascending order (chosen = the top kk = min(k, #selectable)
+        by score, ties at the boundary to the lower index), then -1.
     """
     check_tensor("scores", scores, dtype=torch.float32, ndim=2)
     if not isinstance(k, int) or isinstance(k, bool) or k < 1:
@@ -543,17 +751,17 @@ def topk_indices(
     T, N = scores.shape
     if n_visible is not None:
         check_tensor("n_visible", n_visible, dtype=torch.int32, shape=(T,), device=scores.device)
+    if method not in ("auto", "filter", "radix"):
+        raise ValueError(f"method: expected 'auto', 'filter' or 'radix', got {method!r}")
+    if method == "auto":
+        single = splits == 1 or (splits is None and N <= _SINGLE_MAX_N)
+        few_rows_big_k = T <= _RADIX_MAX_ROWS and k >= _RADIX_MIN_K  # H200: radix 43.7 vs filter 46.0 us (4 rows)
+        method = "radix" if single or few_rows_big_k else "filter"
     if splits is None:
-        splits = _auto_splits(T, N)
+        splits = _auto_splits_filter(T, N) if method == "filter" else _auto_splits(T, N)
     elif not isinstance(splits, int) or isinstance(splits, bool) or not 1 <= splits <= _MAX_SPLITS:
         raise ValueError(f"splits: expected None or a host int in [1, {_MAX_SPLITS}], got {splits!r}")
-    if finish_programs is not None and (
-        not isinstance(finish_programs, int)
-        or isinstance(finish_programs, bool)
-        or not 1 <= finish_programs <= _MAX_FINISH
-    ):
-        raise ValueError(f"finish_programs: expected None or a host int in [1, {_MAX_FINISH}], got {finish_programs!r}")
-    cols = _workspace_cols(N, splits)
+    cols = _workspace_cols(N, 2 if method == "filter" else splits)
     if workspace is not None:
         check_tensor("workspace", workspace, dtype=torch.int32, ndim=2, device=scores.device)
         if workspace.shape[0] < T or workspace.shape[1] < cols or workspace.stride(1) != 1:
@@ -571,44 +779,75 @@ def topk_indices(
         return out
     scores = scores if scores.stride(1) == 1 else scores.contiguous()
     if workspace is None:
-        workspace = torch.empty((T, cols), dtype=torch.int32, device=scores.device)
+        workspace = torch.zeros((T, cols), dtype=torch.int32, device=scores.device)
     interp = interpreter_enabled()
     nv = n_visible if n_visible is not None else out  # placeholder pointer when HAS_NV is False
     has_nv = n_visible is not None
-    kp = max(16, triton.next_power_of_2(k))
     ss, so, sw = scores.stride(0), out.stride(0), workspace.stride(0)
-    if splits == 1:
+    if (method == "radix" and splits == 1) or N == 0:
         _topk_kernel[(T,)](
-            scores, nv, out, workspace, ss, so, sw, N, k,
-            HAS_NV=has_nv, BLOCK=1024 if interp else 4096, KP=kp, num_warps=8,
+            scores, nv, out, workspace[:, _WS_LIST:], ss, so, sw, N, k,
+            HAS_NV=has_nv, BLOCK=1024 if interp else 4096, KP=max(16, triton.next_power_of_2(k)), num_warps=8,
         )  # fmt: skip
         return out
-    S, sp = splits, triton.next_power_of_2(splits)
+    if method == "filter" and N > 0:  # (N == 0: the single-program kernel pads the rows)
+        _launch_filter(scores, nv, out, workspace, k, splits, has_nv, interp)
+        return out
+    S = splits
     ch = triton.cdiv(triton.cdiv(N, S), 16) * 16  # chunk start offsets stay 16-aligned (vector loads)
-    key_off, h1_off = N, 2 * N
-    h2_off = h1_off + S * _BINS
-    meta_off = h2_off + S * _BINS
+    list_off, key_off = _WS_LIST, _WS_LIST + N
     # One loop iteration per program where the chunk allows: all of its loads are issued at once.
     block = 256 if interp else max(256, min(_MAX_BLOCK, triton.next_power_of_2(ch)))
     grid = (T, S)
-    _split_hist1[grid](scores, nv, workspace, ss, sw, N, ch, h1_off, HAS_NV=has_nv, BLOCK=block, num_warps=8)
-    _split_hist2[grid](
-        scores, nv, workspace, ss, sw, N, k, S, ch, h1_off, h2_off,
-        HAS_NV=has_nv, BLOCK=block, SP=sp, num_warps=8,
-    )  # fmt: skip
-    _split_scatter[grid](
-        scores, nv, workspace, ss, sw, N, k, S, ch, key_off, h1_off, h2_off, meta_off,
-        HAS_NV=has_nv, BLOCK=block, SP=sp, num_warps=8,
-    )  # fmt: skip
-    # Finish: R programs per row, each ranking its slices of E list entries against the whole list
-    # (~ (k + #candidates) / R x (k + #candidates) compares each); R E >= k, so ~one slice per program.
-    fe = _FINISH_SLICE
-    rf = finish_programs if finish_programs is not None else max(1, min(_MAX_FINISH, triton.cdiv(k, fe)))
-    _split_finish[(T, rf)](
-        out, workspace, so, sw, k, key_off, meta_off,
-        CBLOCK=_FINISH_CBLOCK, E=fe, BJ=_FINISH_BJ, num_warps=8,
+    _split_hist1[grid](scores, nv, workspace, ss, sw, N, ch, HAS_NV=has_nv, BLOCK=block, num_warps=8)
+    _split_hist2[grid](scores, nv, workspace, ss, sw, N, k, ch, HAS_NV=has_nv, BLOCK=block, num_warps=8)
+    _split_cand[grid](
+        scores, nv, workspace, ss, sw, N, k, ch, list_off, key_off, HAS_NV=has_nv, BLOCK=block, num_warps=8
+    )
+    _split_write[grid](
+        scores, nv, out, workspace, ss, so, sw, N, k, ch, list_off, key_off,
+        HAS_NV=has_nv, BLOCK=block, CBLOCK=_CBLOCK, SP=_MAX_SPLITS, PBLOCK=_PBLOCK,
+        num_warps=8,
     )  # fmt: skip
     return out
+
+
+def _filter_plan(N: int, k: int, splits: int, interp: bool) -> dict:
+    """Host ints of the filter path (see the module docstring): group size G, groups NG, chunk CH, tile,
+    sort sizes SB1 <= SB2 and list capacity CAP, and the workspace offsets."""
+    g = _G_MIN
+    while g < _G_MAX and triton.cdiv(N, 2 * g) >= 2 * k:  # the largest G with >= 2 k groups
+        g *= 2
+    g = max(g, triton.next_power_of_2(triton.cdiv(N, _MAX_GROUPS)))  # level sort of <= _MAX_GROUPS maxima
+    ng = triton.cdiv(N, g)
+    align = max(g, 16)
+    ch = triton.cdiv(triton.cdiv(N, splits), align) * align  # whole groups per chunk, 16-aligned starts
+    tile = max(g, min(_FILTER_TILE_INTERP if interp else _FILTER_TILE, triton.next_power_of_2(ch)))
+    kp = max(16, triton.next_power_of_2(k))
+    sb1 = max(kp, triton.next_power_of_2(2 * k))
+    sb2 = max(sb1, min(_MAX_LIST, 4 * sb1))
+    cap = min(sb2, (2 * N - ng) // 2)  # list (2 CAP) + group maxima (NG) fit in 2 N columns
+    return dict(G=g, NG=ng, NGP=triton.next_power_of_2(ng), CH=ch, NGB=tile // g, KP=kp, SB1=sb1, SB2=sb2,
+                CAP=cap, LIST=_WS_LIST, KEYS=_WS_LIST + cap, GM=_WS_LIST + 2 * cap)  # fmt: skip
+
+
+def _launch_filter(scores, nv, out, ws, k, splits, has_nv, interp):
+    T, N = scores.shape
+    ss, so, sw = scores.stride(0), out.stride(0), ws.stride(0)
+    p = _filter_plan(N, k, splits, interp)
+    grid = (T, splits)
+    _filter_max[grid](
+        scores, nv, ws, ss, sw, N, p["NG"], p["CH"], p["GM"], HAS_NV=has_nv, G=p["G"], NGB=p["NGB"], num_warps=8
+    )
+    _filter_level[(T,)](ws, sw, k, p["NG"], splits, p["GM"], NGP=p["NGP"], SP=_MAX_SPLITS, num_warps=8)
+    _filter_cand[grid](
+        scores, nv, ws, ss, sw, N, p["NG"], p["CH"], p["GM"], p["CAP"], p["LIST"], p["KEYS"],
+        HAS_NV=has_nv, G=p["G"], NGB=p["NGB"], num_warps=8,
+    )  # fmt: skip
+    _filter_write[(T,)](
+        scores, nv, out, ws, ss, so, sw, N, k, p["CAP"], p["LIST"], p["KEYS"],
+        HAS_NV=has_nv, SB1=p["SB1"], SB2=p["SB2"], BLOCK=1024 if interp else 4096, KP=p["KP"], num_warps=8,
+    )  # fmt: skip
 
 
 def to_physical(
