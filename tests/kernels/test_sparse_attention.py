@@ -214,6 +214,24 @@ def test_kernel_variants_match_reference(variant):
     assert torch.equal(out[2], torch.zeros_like(out[2]))
 
 
+@pytest.mark.parametrize("path", PATHS)
+def test_kernel_strided_index_rows_and_sink(path):
+    """Index rows and a sink that are views with non-unit inner strides: the kernels read them as ptr + i."""
+    gen = torch.Generator().manual_seed(14)
+    T, H = 3, 8
+    caches, _ = two_caches(T, gen, k_win=16, k_pool=24)
+    wide = [(pages, torch.stack([idx, torch.full_like(idx, -1)], dim=-1).flatten(-2)) for pages, idx in caches]
+    strided = [(pages, w[:, ::2]) for pages, w in wide]
+    assert all(idx.stride(-1) == 2 for _, idx in strided)
+    sink2 = torch.randn(2 * H, generator=gen)
+    sink = sink2[::2]
+    q = make_q(T, H, gen)
+    o_ref, l_ref = sparse_attention_reference(q, caches, sink.contiguous(), SCALE)
+    out, lse = sparse_attention_triton(q, strided, sink, SCALE, path=path)
+    assert_close_bf16(out, o_ref)
+    torch.testing.assert_close(lse, l_ref, atol=1e-4, rtol=1e-5)
+
+
 def test_gathered_path_row_slices(monkeypatch):
     """A workspace cap smaller than the step: the rows run in slices (2 rows each here), same results."""
     sa = importlib.import_module("dsv4.kernels.attention.sparse_attention")  # the package attr is the function

@@ -459,10 +459,10 @@ def sparse_attention_triton(
         )
         out.copy_(res)
         return out, lse
-    if path == "gathered":
-        return _gathered(q, caches, sink, scale, out, lse, fmt, block_h, block_n, num_splits, num_warps, num_stages)
     caches = [(pages, idx if idx.stride(-1) == 1 else idx.contiguous()) for pages, idx in caches]
     sink = sink.contiguous()
+    if path == "gathered":
+        return _gathered(q, caches, sink, scale, out, lse, fmt, block_h, block_n, num_splits, num_warps, num_stages)
     head_blocks = -(-H // block_h)
     groups = [caches[i : i + 2] for i in range(0, len(caches), 2)]
     group_blocks = [sum(-(-idx.shape[1] // block_n) for _, idx in g) for g in groups]
