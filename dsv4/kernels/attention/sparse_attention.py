@@ -299,31 +299,56 @@ def _cache_args(pages: EntryPages, idx: torch.Tensor, block_n: int) -> list:
     ]
 
 
+def _split_workspace(T: int, H: int, splits: int, D: int, device, placeholder: torch.Tensor):
+    """fp32 partial states (m, l [T, H, splits], acc [T, H, splits, D]) for key splits; ``placeholder`` x 3
+    when ``splits`` is 0 (no split: the kernels never touch them)."""
+    if splits == 0:
+        return placeholder, placeholder, placeholder
+    ws_m = torch.empty(T, H, splits, dtype=torch.float32, device=device)
+    return ws_m, torch.empty_like(ws_m), torch.empty(T, H, splits, D, dtype=torch.float32, device=device)
+
+
+def _combine(ws, splits: int, sink, out, lse, interp: bool) -> None:
+    """``_sparse_attn_combine``: merge the ``splits`` partial states of every (row, head), add the sink."""
+    from dsv4.kernels.attention._triton_sparse_attention import _sparse_attn_combine
+
+    T, H, D = out.shape
+    _sparse_attn_combine[(T, H)](
+        *ws, splits, sink, out, out.stride(0), out.stride(1), lse, lse.stride(0), lse.stride(1), H, D=D,
+        BLOCK_S=max(1, 1 << (splits - 1).bit_length()), INTERPRETER=interp, num_warps=4,
+    )  # fmt: skip
+
+
+def _padded_widths(caches, block_n: int) -> list[int]:
+    """Each index list's length rounded up to whole blocks of ``block_n`` keys (the gathered workspace columns)."""
+    return [triton.cdiv(idx.shape[1], block_n) * block_n for _, idx in caches]
+
+
 def _gathered(q, caches, sink, scale, out, lse, fmt, block_h, block_n, num_splits, num_warps, num_stages):
     """The two-launch path: ``_gather_dequant_kernel`` per pair of caches, then ``_dense_attn_fwd`` (+ combine).
 
     Rows are processed in slices whose workspace stays under ``GATHERED_MAX_BYTES`` (a prefill chunk of many
     tokens runs as several slices; decode steps are one)."""
     T, H, D = q.shape
-    block_n = block_n or GATHERED_BLOCK_N
-    cols = max(block_n, sum(-(-idx.shape[1] // block_n) * block_n for _, idx in caches))
+    widths = _padded_widths(caches, block_n)
+    cols = max(block_n, sum(widths))
     per_slice = max(1, GATHERED_MAX_BYTES // (cols * (2 * D + 4)))
     for r0 in range(0, T, per_slice):
         r1 = min(T, r0 + per_slice)
         sl = [(pages, idx[r0:r1]) for pages, idx in caches]
         _gathered_rows(
-            q[r0:r1], sl, sink, scale, out[r0:r1], lse[r0:r1], fmt, block_h, block_n, num_splits, num_warps, num_stages
-        )
+            q[r0:r1], sl, widths, sink, scale, out[r0:r1], lse[r0:r1], fmt, block_h, block_n, num_splits, num_warps,
+            num_stages,
+        )  # fmt: skip
     return out, lse
 
 
-def _gathered_rows(q, caches, sink, scale, out, lse, fmt, block_h, block_n, num_splits, num_warps, num_stages):
+def _gathered_rows(q, caches, widths, sink, scale, out, lse, fmt, block_h, block_n, num_splits, num_warps, num_stages):
     from dsv4.kernels.attention._triton_gathered_attention import _dense_attn_fwd, _gather_dequant_kernel
-    from dsv4.kernels.attention._triton_sparse_attention import LOG2E, _sparse_attn_combine
+    from dsv4.kernels.attention._triton_sparse_attention import LOG2E
 
     T, H, D = q.shape
     interp = interpreter_enabled()
-    widths = [-(-idx.shape[1] // block_n) * block_n for _, idx in caches]
     if sum(widths) == 0:  # no keys at all: one masked block, so the softmax sees only the sink
         cols = block_n
         kv = torch.zeros(T, cols, D, dtype=torch.bfloat16, device=q.device)
@@ -359,23 +384,15 @@ def _gathered_rows(q, caches, sink, scale, out, lse, fmt, block_h, block_n, num_
     bps = -(-n_blocks // ns)
     ns = -(-n_blocks // bps)
     split = ns > 1
-    if split:
-        ws_m = torch.empty(T, H, ns, dtype=torch.float32, device=q.device)
-        ws_l = torch.empty_like(ws_m)
-        ws_acc = torch.empty(T, H, ns, D, dtype=torch.float32, device=q.device)
-    else:
-        ws_m = ws_l = ws_acc = lse
+    ws = _split_workspace(T, H, ns if split else 0, D, q.device, lse)
     _dense_attn_fwd[(T, head_blocks, ns)](
         q, q.stride(0), q.stride(1), sink, kv, bias, kv.stride(0), bias.stride(0), n_blocks, bps, out,
-        out.stride(0), out.stride(1), lse, lse.stride(0), lse.stride(1), ws_m, ws_l, ws_acc, ns, H,
+        out.stride(0), out.stride(1), lse, lse.stride(0), lse.stride(1), *ws, ns, H,
         float(scale) * LOG2E, BLOCK_H=block_h, BLOCK_N=block_n, D=D, SPLIT=split, INTERPRETER=interp,
         num_warps=num_warps or DEFAULT_NUM_WARPS, num_stages=num_stages or GATHERED_NUM_STAGES,
     )  # fmt: skip
     if split:
-        _sparse_attn_combine[(T, H)](
-            ws_m, ws_l, ws_acc, ns, sink, out, out.stride(0), out.stride(1), lse, lse.stride(0), lse.stride(1), H,
-            D=D, BLOCK_S=max(1, 1 << (ns - 1).bit_length()), INTERPRETER=interp, num_warps=4,
-        )  # fmt: skip
+        _combine(ws, ns, sink, out, lse, interp)
     return out, lse
 
 
@@ -416,7 +433,7 @@ def sparse_attention_triton(
 
     Works on CUDA tensors and, under ``TRITON_INTERPRET=1``, on CPU tensors.
     """
-    from dsv4.kernels.attention._triton_sparse_attention import LOG2E, _sparse_attn_combine, _sparse_attn_fwd
+    from dsv4.kernels.attention._triton_sparse_attention import LOG2E, _sparse_attn_fwd
 
     T, H, D = q.shape
     fmt = _entry_format(caches[0][0])
@@ -473,12 +490,7 @@ def sparse_attention_triton(
         splits = [max(1, int(num_splits))] * len(groups)
     use_ws = len(groups) > 1 or splits[0] > 1
     ws_splits = sum(splits)
-    if use_ws:
-        ws_m = torch.empty(T, H, ws_splits, dtype=torch.float32, device=q.device)
-        ws_l = torch.empty_like(ws_m)
-        ws_acc = torch.empty(T, H, ws_splits, D, dtype=torch.float32, device=q.device)
-    else:
-        ws_m = ws_l = ws_acc = lse  # unused placeholders
+    ws_m, ws_l, ws_acc = _split_workspace(T, H, ws_splits if use_ws else 0, D, q.device, lse)
     qk_scale_log2 = float(scale) * LOG2E
     interp = interpreter_enabled()  # CPU tensors only run under TRITON_INTERPRET=1
     offset = 0
@@ -521,22 +533,5 @@ def sparse_attention_triton(
         )
         offset += ns
     if use_ws:
-        _sparse_attn_combine[(T, H)](
-            ws_m,
-            ws_l,
-            ws_acc,
-            ws_splits,
-            sink,
-            out,
-            out.stride(0),
-            out.stride(1),
-            lse,
-            lse.stride(0),
-            lse.stride(1),
-            H,
-            D=D,
-            BLOCK_S=max(1, 1 << (ws_splits - 1).bit_length()),
-            INTERPRETER=interp,
-            num_warps=4,
-        )
+        _combine((ws_m, ws_l, ws_acc), ws_splits, sink, out, lse, interp)
     return out, lse
