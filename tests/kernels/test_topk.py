@@ -256,6 +256,8 @@ def test_reference_and_validation():
         with pytest.raises(ValueError, match="splits"):
             topk_indices(s, 2, splits=bad)
     with pytest.raises(ValueError, match="method"):
+        topk_indices(s, 2, method="fast")
+    with pytest.raises(ValueError, match="method"):
         topk_indices(s, 2, method="sort")
 
 
