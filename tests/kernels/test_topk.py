@@ -442,17 +442,18 @@ def test_filter_reuses_workspace_without_zeroing():
 @pytest.mark.parametrize("k", [512, 1024])
 @pytest.mark.parametrize("rows", [1, 4, 8, 64])
 def test_gpu_filter_real_shapes(rows, k):
-    """rows x 262,144 normal scores (64 rows: the decode step at 1M context): default path = filter, twice on
-    one workspace; the radix path agrees."""
+    """rows x 262,144 normal scores (64 rows: the decode step at 1M context): the filter path twice on one
+    workspace (its candidate count is the fast in-register tier); the radix path and the auto choice agree."""
     g = torch.Generator().manual_seed(rows + k)
     s = torch.randn(rows, 262144, generator=g).cuda()
     want = topk_indices_reference(s, k)
     ws = topk_workspace(rows, 262144, s.device)
     for _ in range(2):
-        assert torch.equal(topk_indices(s, k, backend="triton", workspace=ws), want)
+        assert torch.equal(topk_indices(s, k, backend="triton", workspace=ws, method="filter"), want)
     cnt = ws[:, topk_mod._WS_CNT]
     assert (cnt >= k).all() and (cnt <= 2 * k).all(), cnt  # few candidates: the fast in-register tier
     assert torch.equal(topk_indices(s, k, backend="triton", workspace=ws, method="radix"), want)
+    assert torch.equal(topk_indices(s, k, backend="triton", workspace=ws), want)
 
 
 @gpu
