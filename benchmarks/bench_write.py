@@ -32,9 +32,11 @@ Timings (GPU; on the CPU only the wall clock of one eager call):
 Bytes (``bytes``: the minimum the op must move; roofline_s = bytes / 4.17e12, H200 HBM):
 - store_window: read kv (T x head_dim bf16) + positions + slots (int32), write T entries (nope e4m3 +
   rope bf16 + tile scales; the pad byte is not written) [+ the bf16 ``out`` rows in prefill];
-- compressor decode (B tokens, all emitting): read kv + score of the step (B x c*d fp32 each), read the
+- compressor decode (B tokens, all emitting; the op is ``compress_decode``, one launch, or with the tuning key
+  ``two_launch=1`` compressor_step + emit_entries): read kv + score of the step (B x c*d fp32 each), read the
   (c*m - 1) x d state values the pooling takes from the ring (kv + score), write the step's state row
-  (c*d, kv + score), pass ``pooled`` between the two kernels (B x d fp32, written + read), write B entries;
+  (c*d, kv + score), [two_launch: pass ``pooled`` between the two kernels (B x d fp32, written + read)],
+  write B entries;
 - compressor prefill (T tokens from 0, E = T/m entries): read kv + score once, write the last c*m rows
   of the state, pooled written + read (E x d fp32), write E entries.
 The norm weights and inv_freq (< 3 KB) are not counted.
@@ -62,7 +64,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from dsv4.config import get_preset  # noqa: E402
 from dsv4.engine.graphs import capture_graph  # noqa: E402
 from dsv4.formats import FP8EntryFormat, MXFP4KeyFormat  # noqa: E402
-from dsv4.kernels.cache.compressor import compressor_step, emit_entries  # noqa: E402
+from dsv4.kernels.cache.compressor import compress_decode, compressor_step, emit_entries  # noqa: E402
 from dsv4.kernels.cache.store import store_window  # noqa: E402
 
 PEAK_HBM_BYTES = 4.17e12
@@ -253,10 +255,19 @@ def case_compressor(kind, cfg, mode, n, device, gen, tune=None):
     tune = dict(tune or {})
     emit_kw = {k[len("emit_") :]: tune.pop(k) for k in list(tune) if k.startswith("emit_")}
 
+    two_launch = bool(tune.pop("two_launch", 0))
+    counters = torch.zeros(n_req, dtype=torch.int32, device=device)
+
     def run(backend, pages, ks, ss):
         kw_s, kw_e = (tune, emit_kw) if backend == "triton" else ({}, {})
 
         def f():
+            if mode == "decode" and not two_launch:  # what a layer's decode step runs: one fused launch
+                compress_decode(
+                    kv, sc, pos, tslot, ks, ss, counters, ratio, overlap, w, 1e-6, inv, eslot, pages, fmt, ekind,
+                    backend=backend, **kw_s,
+                )  # fmt: skip
+                return
             pooled, emits = compressor_step(
                 kv, sc, pos, tslot, ks, ss, ratio, overlap, decode=mode == "decode", backend=backend, **kw_s
             )
@@ -279,7 +290,8 @@ def case_compressor(kind, cfg, mode, n, device, gen, tune=None):
         state = t * c * d * 4 * 2  # each token's own row written
         state_reads = e * (c * ratio - 1) * d * 4 * 2  # the other pooled rows, kv + score
     idx = t * 4 * 3  # positions, token slots, entry slots
-    nbytes = rows_in + state + state_reads + e * d * 4 * 2 + e * entry_w + idx
+    handoff = e * d * 4 * 2 if mode == "prefill" or two_launch else 0  # pooled rows between launches
+    nbytes = rows_in + state + state_reads + handoff + e * entry_w + idx
     return (
         run("triton", pk, ksk, ssk),
         run("torch", pr, ksr, ssr),

@@ -58,10 +58,11 @@ def kernel_bytes(op: str, cfg, mode: str, n: int) -> dict[str, int]:
     else:
         entry_w, emit_k = bw.fp8_written_bytes(FP8EntryFormat(cfg.head_dim, cfg.rope_head_dim)), "_norm_rope_fp8_kernel"
     kvsc = 4 * 2  # fp32 kv + score
-    if mode == "decode":
+    if mode == "decode":  # one fused launch (compress_decode); the pooled hand-off stays in L2, not counted
         e = n
-        dec = n * c * d * kvsc + e * (c * ratio - 1) * d * kvsc + n * c * d * kvsc + e * d * 4 + n + n * 8
-        return {"_compressor_decode_kernel": dec, emit_k: n + e * (d * 4 + 8 + entry_w)}
+        dec = n * c * d * kvsc + e * (c * ratio - 1) * d * kvsc + n * c * d * kvsc + n + n * 8 + e * (8 + entry_w)
+        kind = "indexer" if op == "csa_indexer" else "main"
+        return {f"_compressor_decode_emit_{kind}_kernel": dec}
     e = n // ratio
     pool = n * c * d * kvsc + n * 8 + n + e * d * 4
     write = n * 8 + min(n, c * ratio) * c * d * kvsc
@@ -91,7 +92,7 @@ def short(name: str) -> str:
     if name.startswith("_emit_indexer"):
         return "_emit_indexer_kernel"
     for ks in KERNELS.values():
-        for k in ks + ("_compressor_decode_kernel",):
+        for k in ks + ("_compressor_decode_emit_main_kernel", "_compressor_decode_emit_indexer_kernel"):
             if name.startswith(k):
                 return k
     return name[:40]

@@ -248,6 +248,36 @@ class LayerCacheHandle:
             rp.emit_slots, pages, fmt, rp.ratio, kind=which, backend=backend,
         )  # fmt: skip
 
+    def compress(
+        self,
+        kv: torch.Tensor,
+        score: torch.Tensor,
+        norm_weight: torch.Tensor,
+        inv_freq: torch.Tensor,
+        which: str = "main",
+        backend: str = "auto",
+    ) -> None:
+        """``update_compressor`` then ``emit_compressed`` (same arguments, same effect).  A decode step
+        (``plan.is_decode``) runs them as ONE fused launch (``compress_decode``); otherwise as those two
+        calls (pool + state write, then emit: 3 launches on the Triton path)."""
+        if not self.plan.is_decode:
+            pooled, emits = self.update_compressor(kv, score, which, backend=backend)
+            self.emit_compressed(pooled, emits, norm_weight, inv_freq, which, backend=backend)
+            return
+        from dsv4.kernels.cache.compressor import compress_decode
+
+        rp = self._need_ratio("compress")
+        st = self._compressor(which)
+        if which == "main":
+            pages, fmt = self.paged.entries, self.schema.entry_fmt
+        else:
+            pages, fmt = self.paged.keys, self.schema.key_fmt
+        compress_decode(
+            kv, score, self.plan.positions, self.plan.token_slots, st.kv, st.score, st.counters, st.shape.ratio,
+            st.shape.overlap, norm_weight, self.schema.config.norm_eps, inv_freq, rp.emit_slots, pages, fmt,
+            kind=which, backend=backend,
+        )  # fmt: skip
+
     def _compressor(self, which: str) -> CompressorState:
         self._need_ratio("compressor")
         if which not in ("main", "indexer"):

@@ -28,11 +28,14 @@ from dsv4.formats import EntryPages
 
 @dataclass(frozen=True)
 class CompressorState:
-    """One compressor's state views: ``kv``/``score`` fp32 [num_slots, rows, width]."""
+    """One compressor's state views: ``kv``/``score`` fp32 [num_slots, rows, width]; ``counters`` int32
+    [num_slots], all 0 between launches: the fused decode kernel's per-slot arrival counters
+    (``dsv4.kernels.cache.compressor.compress_decode``)."""
 
     shape: CompressorShape
     kv: torch.Tensor
     score: torch.Tensor
+    counters: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -72,6 +75,7 @@ class StateCachePool:
         self._head = torch.zeros(n_layers, num_slots + 1, dtype=torch.int32, device=dev)
         # Compressor states grouped by shape, so one fill resets every layer of a kind.
         self._comp: dict[CompressorShape, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._counters: dict[CompressorShape, torch.Tensor] = {}
         index_in_group: dict[tuple[int, str], tuple[CompressorShape, int]] = {}
         group_sizes: dict[CompressorShape, int] = {}
         for ls in schema.layers:
@@ -83,13 +87,14 @@ class StateCachePool:
             kv = torch.zeros(n, num_slots, shape.rows, shape.width, dtype=torch.float32, device=dev)
             score = torch.full_like(kv, float("-inf"))
             self._comp[shape] = (kv, score)
+            self._counters[shape] = torch.zeros(n, num_slots, dtype=torch.int32, device=dev)
 
         def comp_view(layer_id: int, role: str) -> CompressorState | None:
             if (layer_id, role) not in index_in_group:
                 return None
             shape, i = index_in_group[(layer_id, role)]
             kv, score = self._comp[shape]
-            return CompressorState(shape, kv[i], score[i])
+            return CompressorState(shape, kv[i], score[i], self._counters[shape][i])
 
         self.layers: tuple[LayerState, ...] = tuple(
             LayerState(
@@ -146,4 +151,5 @@ class StateCachePool:
     @property
     def total_bytes(self) -> int:
         t = [self._ring_buf, self._pos, self._head, *(x for pair in self._comp.values() for x in pair)]
+        t += list(self._counters.values())
         return sum(x.numel() * x.element_size() for x in t)

@@ -18,7 +18,7 @@ Timings (GPU: ``triton.testing.do_bench`` medians; CPU: wall clock of one call):
   plan is not timed).  Both give the same output bit for bit (checked: ``graph_equal``).
 - parts, each on the step's own intermediate tensors, eager and inside a CUDA graph of
   ``GRAPH_CALLS`` back-to-back calls: ``window_store`` (handle.write_window), ``compressor``
-  (compressor_project + update_compressor + emit_compressed, main and CSA indexer compressors),
+  (compressor_project + handle.compress, main and CSA indexer compressors),
   ``indexer`` (indexer_query + indexer_scores), ``topk`` (topk_indices), ``attention``
   (sparse_attention over window + compressed entries), ``projections`` (query, wkv, output projection).
   ``cache_path`` = window_store + compressor + indexer + topk + attention.
@@ -337,8 +337,7 @@ def _parts(blk: AttentionSubBlock, handle, x: torch.Tensor) -> dict[str, Callabl
         comps = [(w.compressor, "main")] + ([(w.indexer.compressor, "indexer")] if blk.kind.value == "csa" else [])
         for cw, which in comps:
             kv, score = F.compressor_project(x, cw.wkv, cw.wgate, cw.ape, plan.positions, blk.ratio)
-            pooled, emits = handle.update_compressor(kv, score, which, backend=be)
-            handle.emit_compressed(pooled, emits, cw.norm, inv, which, backend=be)
+            handle.compress(kv, score, cw.norm, inv, which, backend=be)
 
     caches = [(handle.read_swa_view().pages, blk._ring_window_index(handle))]
     if blk.ratio:

@@ -7,7 +7,7 @@ Order of one step (per layer)::
     [prefill] gather the ring's history rows into a workspace        <- before the ring is written
     window KV: wkv -> kv_norm -> RoPE -> FP8 -> ring                    handle.write_window
     [prefill] the chunk's own KV -> FP8 into the workspace
-    CSA/HCA: compressor projections -> state -> pooled -> entries       handle.update_compressor / emit_compressed
+    CSA/HCA: compressor projections -> state -> pooled -> entries       handle.compress
     CSA: indexer compressor -> MXFP4 keys; indexer query; scores; top-k kernels.indexer
     sparse attention: window + (top-k | all visible) entries + sink     kernels.attention.sparse_attention
     inverse RoPE, grouped output projection                            projections.output_projection
@@ -101,8 +101,7 @@ class AttentionSubBlock:
     # ------------------------------------------------------------------ pieces
     def _compress(self, x: torch.Tensor, handle: LayerCacheHandle, cw, which: str) -> EntryPages:
         kv, score = F.compressor_project(x, cw.wkv, cw.wgate, cw.ape, handle.positions, self.ratio)
-        pooled, emits = handle.update_compressor(kv, score, which, backend=self.backend)
-        handle.emit_compressed(pooled, emits, cw.norm, self.inv_freq, which, backend=self.backend)
+        handle.compress(kv, score, cw.norm, self.inv_freq, which, backend=self.backend)
         return handle.paged.entries
 
     def _indexer_topk(self, x: torch.Tensor, qr: torch.Tensor, handle: LayerCacheHandle) -> torch.Tensor:

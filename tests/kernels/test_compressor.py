@@ -11,7 +11,7 @@ import torch
 
 from dsv4.engine.graphs import capture_graph
 from dsv4.formats import FP8EntryFormat, MXFP4KeyFormat
-from dsv4.kernels.cache.compressor import compressor_step, emit_entries, entry_positions
+from dsv4.kernels.cache.compressor import compress_decode, compressor_step, emit_entries, entry_positions
 
 BACKENDS = ["torch", "triton"]
 CONFIGS = {"csa": (4, True), "hca": (128, False)}
@@ -143,6 +143,89 @@ def test_decode_fused_launch(device, kind):
         torch.testing.assert_close(p[valid], p0[valid], atol=1e-5, rtol=1e-5)
         assert torch.equal(k, k0) and torch.equal(s, s0)
     assert int(valid.sum()) == 2  # positions m-1 and 2m-1 emit; 7m-1 emits but has no slot
+
+
+FUSED_KINDS = {"csa_main": (4, True, "main"), "csa_indexer": (4, True, "indexer"), "hca": (128, False, "main")}
+
+
+def _decode_setup(kind, device, d_small=None):
+    """A decode batch of 7 tokens (one per request): emitting ones with a state slot and an entry slot, one
+    with entry slot -1, one with an out-of-range entry slot, one with state slot -1, and non-emitting ones;
+    junk state (finite) and junk pages."""
+    ratio, overlap, ekind = FUSED_KINDS[kind]
+    fmt = FP8EntryFormat() if ekind == "main" else MXFP4KeyFormat()
+    d = fmt.head_dim if ekind == "main" else fmt.dim
+    c, b = (2 if overlap else 1), 7
+    g = torch.Generator().manual_seed(21)
+    pos = torch.tensor(
+        [ratio - 1, 3 * ratio - 1, 2 * ratio, 9 * ratio - 1, 5 * ratio - 1, 4 * ratio + 1, 2 * ratio - 1]
+    )
+    tslot = torch.tensor([0, 3, 1, 6, -1, 2, 5], dtype=torch.int32)
+    eslot = torch.tensor([1, 6, 3, -1, 0, 2, 40], dtype=torch.int32)  # token 3: entry slot -1, token 6: out of range
+    kv = torch.randn(b, c * d, generator=g)
+    sc = torch.randn(b, c * d, generator=g)
+    st = (torch.randn(2, 7, c * ratio, c * d, generator=g) * torch.tensor([3.0, 1.0])[:, None, None, None]).contiguous()
+    w = torch.rand(d, generator=g) + 0.5
+    inv = 1.0 / (160000.0 ** (torch.arange(0, 64, 2).float() / 64))
+    flat = torch.randint(0, 256, (fmt.page_bytes(4) * 3,), generator=g, dtype=torch.uint8)
+    tensors = [x.to(device) for x in (kv, sc, pos.to(torch.int32), tslot, st, w, inv, eslot, flat)]
+    return tensors, fmt, ratio, overlap, ekind
+
+
+def _pages(fmt, ekind, flat):
+    return fmt.entry_pages(flat, 3, 4) if ekind == "main" else fmt.key_pages(flat, 3, 4)
+
+
+@pytest.mark.parametrize("tuning", [{}, {"block_d": 16, "num_warps": 2}])
+@pytest.mark.parametrize("kind", list(FUSED_KINDS))
+def test_compress_decode_one_launch_equals_two_launches(device, kind, tuning):
+    """compress_decode (Triton: pool + state row + emit in one launch, the last channel block of each entry
+    emitting) writes the same state and the same entry / key bytes as compressor_step(decode=True) +
+    emit_entries (same pooling and emit code: bit-equal), and leaves the counters at 0.  The torch backend
+    (the two references) agrees to the pooled values' fp32 rounding."""
+    (kv, sc, pos, tslot, st, w, inv, eslot, flat), fmt, ratio, overlap, ekind = _decode_setup(kind, device)
+    counters = torch.zeros(st.shape[1], dtype=torch.int32, device=device)
+    f1, k1, s1 = flat.clone(), st[0].clone(), st[1].clone()
+    pooled, emits = compressor_step(kv, sc, pos, tslot, k1, s1, ratio, overlap, decode=True, backend="triton")
+    emits &= tslot >= 0  # (pooled rows of tokens without a state slot are unspecified; compress_decode skips them)
+    emit_entries(pooled, emits, pos, w, 1e-6, inv, eslot, _pages(fmt, ekind, f1), fmt, ratio, ekind, backend="triton")
+    outs = []
+    for backend in ("triton", "torch"):
+        f2, k2, s2 = flat.clone(), st[0].clone(), st[1].clone()
+        for _ in range(2 if backend == "triton" else 1):  # twice: the counters must be back at 0 in between
+            compress_decode(
+                kv, sc, pos, tslot, k2, s2, counters, ratio, overlap, w, 1e-6, inv, eslot, _pages(fmt, ekind, f2),
+                fmt, ekind, backend=backend, **(tuning if backend == "triton" else {}),
+            )  # fmt: skip
+        outs.append((f2, k2, s2))
+        assert not counters.any()
+    (f2, k2, s2), (f3, k3, s3) = outs
+    assert torch.equal(k2, k1) and torch.equal(s2, s1) and torch.equal(f2, f1)
+    assert torch.equal(k3, k1) and torch.equal(s3, s1)
+    # the reference's pooled sums round differently in fp32; after bf16 (+ e4m3 / e2m1) nearly every byte agrees
+    assert (f3 == f1).float().mean() > 0.99
+    # exactly the entries of emitting tokens with both slots valid changed
+    changed = set()
+    new, old = fmt.page_views(f2, 3, 4), fmt.page_views(flat, 3, 4)
+    for name in new:
+        diff = (new[name].view(torch.uint8) != old[name].view(torch.uint8)).flatten(2).any(-1)
+        changed |= {p * 4 + r for p, r in diff.nonzero().tolist()}
+    emitting = ((pos + 1) % ratio == 0) & (tslot >= 0) & (eslot >= 0) & (eslot < 12)
+    assert sorted(changed) == sorted(eslot[emitting].tolist()) and len(changed) == 2
+
+
+def test_compress_decode_validation(device):
+    (kv, sc, pos, tslot, st, w, inv, eslot, flat), fmt, ratio, overlap, ekind = _decode_setup("csa_main", device)
+    pages = _pages(fmt, ekind, flat)
+    ok = torch.zeros(st.shape[1], dtype=torch.int32, device=device)
+    k, s = st[0].clone(), st[1].clone()
+    with pytest.raises(ValueError, match="counters"):
+        compress_decode(kv, sc, pos, tslot, k, s, ok[:-1], ratio, overlap, w, 1e-6, inv, eslot, pages, fmt)
+    with pytest.raises(ValueError, match="counters"):
+        compress_decode(kv, sc, pos, tslot, k, s, ok.long(), ratio, overlap, w, 1e-6, inv, eslot, pages, fmt)
+    with pytest.raises(ValueError, match="fmt"):
+        compress_decode(kv, sc, pos, tslot, k, s, ok, ratio, overlap, w, 1e-6, inv, eslot, pages, fmt, "indexer")
+    assert torch.equal(k, st[0]) and torch.equal(s, st[1]) and not ok.any()  # a failed call changes nothing
 
 
 def _emit_setup(kind, device, t=12):
@@ -401,10 +484,11 @@ def test_emit_entries_rope_at_entry_position_far_out(device):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("decode", [True, False])
+@pytest.mark.parametrize("decode", [True, False, "fused"])
 @pytest.mark.parametrize("kind", ["csa_main", "csa_indexer", "hca"])
 def test_compress_emit_sync_free_and_capturable(kind, decode):
-    """compressor_step + emit_entries (Triton) never sync with the host and replay from a CUDA graph."""
+    """compressor_step + emit_entries (Triton) never sync with the host and replay from a CUDA graph; so does
+    the fused decode launch (``compress_decode``), whose results equal the two-launch path's."""
     dev = torch.device("cuda")
     ratio, overlap = (4, True) if kind.startswith("csa") else (128, False)
     fmt = MXFP4KeyFormat() if kind == "csa_indexer" else FP8EntryFormat()
@@ -430,8 +514,19 @@ def test_compress_emit_sync_free_and_capturable(kind, decode):
         pages = fmt.entry_pages(flat, n_pages, 4) if ekind == "main" else fmt.key_pages(flat, n_pages, 4)
         return flat, pages, st[0].clone(), st[1].clone()
 
+    fused = decode == "fused"
+    counters = torch.zeros(t, dtype=torch.int32, device=dev)
+
     def op(pages, ks, ss):
-        pooled, emits = compressor_step(kv, sc, pos, tslot, ks, ss, ratio, overlap, decode=decode, backend="triton")
+        if fused:
+            compress_decode(
+                kv, sc, pos, tslot, ks, ss, counters, ratio, overlap, w, 1e-6, inv, eslot, pages, fmt, ekind,
+                backend="triton",
+            )  # fmt: skip
+            return
+        pooled, emits = compressor_step(
+            kv, sc, pos, tslot, ks, ss, ratio, overlap, decode=bool(decode), backend="triton"
+        )
         emit_entries(pooled, emits, pos, w, 1e-6, inv, eslot, pages, fmt, ratio, ekind, backend="triton")
 
     fe, pe, kse, sse = make()
@@ -449,3 +544,9 @@ def test_compress_emit_sync_free_and_capturable(kind, decode):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(fg, fe) and torch.equal(ksg, kse) and torch.equal(ssg, sse)
+    if fused:  # the one-launch path writes what the two-launch one writes
+        assert not counters.any()
+        f2, p2, ks2, ss2 = make()
+        pooled, emits = compressor_step(kv, sc, pos, tslot, ks2, ss2, ratio, overlap, decode=True, backend="triton")
+        emit_entries(pooled, emits, pos, w, 1e-6, inv, eslot, p2, fmt, ratio, ekind, backend="triton")
+        assert torch.equal(f2, fe) and torch.equal(ks2, kse) and torch.equal(ss2, sse)

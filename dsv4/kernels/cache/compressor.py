@@ -56,12 +56,16 @@ from dsv4.kernels.cache._triton_quant import (
     rope_cos_sin_rows,
 )
 from dsv4.kernels.cache.store import (
+    _VEC_ELEMS,
     _check_entry_pages,
     _check_key_pages,
     _check_pow2,
+    _fp8_args,
+    _fp8_row_offsets,
     _launch_norm_rope_fp8,
     _mxfp4_args,
     _mxfp4_store_row,
+    _norm_rope_rows,
     store_fp8_entries_reference,
     store_mxfp4_keys_reference,
 )
@@ -69,6 +73,7 @@ from dsv4.kernels.dispatch import interpreter_enabled, use_triton
 from dsv4.model.functional import apply_rope, hadamard, rms_norm
 
 __all__ = [
+    "compress_decode",
     "compressor_step",
     "compressor_step_reference",
     "emit_entries",
@@ -257,41 +262,24 @@ def _pool_token(
 
 
 @triton.jit
-def _compressor_decode_kernel(
-    kv_ptr,
-    sc_ptr,
-    stride_in,
-    pos_ptr,
-    tslot_ptr,
-    kvs_ptr,
-    scs_ptr,
-    st_ss,
-    st_sr,
-    num_state_slots,
-    pooled_ptr,
-    emits_ptr,
-    T,
-    M: tl.constexpr,
-    CM: tl.constexpr,
-    D: tl.constexpr,
-    OVERLAP: tl.constexpr,
-    C: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    """decode=True, program (token i, channel block b): pool (if i emits) and write its own state row.
+def _decode_pool_write(
+    i, b, kv_ptr, sc_ptr, stride_in, pos_ptr, tslot_ptr, kvs_ptr, scs_ptr, st_ss, st_sr, num_state_slots, pooled_ptr,
+    emits_ptr, T, M: tl.constexpr, CM: tl.constexpr, D: tl.constexpr, OVERLAP: tl.constexpr, C: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """decode=True, token i, channel block b: pool (if i emits) and write its own state row.  Returns
+    (pooled: whether this program pooled a channel block of an entry, the token's state slot).
 
     One launch is safe because every request has one token: its write (row t mod c*m, which held
     position t - c*m) never touches a row that a pooling of this step reads."""
-    i = tl.program_id(0).to(tl.int64)
-    b = tl.program_id(1)
     t = tl.load(pos_ptr + i).to(tl.int64)
     slot = tl.load(tslot_ptr + i).to(tl.int64)
     slot_ok = (slot >= 0) & (slot < num_state_slots)
     emit = ((t + 1) % M) == 0
     if b == 0:
         tl.store(emits_ptr + i, emit.to(tl.uint8))
-    if emit & slot_ok & (b * BLOCK_D < D):
+    pooled = emit & slot_ok & (b * BLOCK_D < D)
+    if pooled:
         _pool_token(
             i, t, slot, b, kv_ptr, sc_ptr, stride_in, pos_ptr, tslot_ptr, kvs_ptr, scs_ptr, st_ss, st_sr,
             pooled_ptr, T, M, CM, D, OVERLAP, BLOCK_R, BLOCK_D, True,
@@ -307,6 +295,101 @@ def _compressor_decode_kernel(
         dst = slot * st_ss + (t % CM) * st_sr + wch
         tl.store(kvs_ptr + dst, tl.load(kv_ptr + i * stride_in + wch, mask=wm), mask=wm)
         tl.store(scs_ptr + dst, tl.load(sc_ptr + i * stride_in + wch, mask=wm), mask=wm)
+    return pooled, slot
+
+
+@triton.jit
+def _compressor_decode_kernel(
+    kv_ptr, sc_ptr, stride_in, pos_ptr, tslot_ptr, kvs_ptr, scs_ptr, st_ss, st_sr, num_state_slots, pooled_ptr,
+    emits_ptr, T, M: tl.constexpr, CM: tl.constexpr, D: tl.constexpr, OVERLAP: tl.constexpr, C: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """decode=True, program (token i, channel block b): ``_decode_pool_write``."""
+    _decode_pool_write(
+        tl.program_id(0).to(tl.int64), tl.program_id(1), kv_ptr, sc_ptr, stride_in, pos_ptr, tslot_ptr, kvs_ptr,
+        scs_ptr, st_ss, st_sr, num_state_slots, pooled_ptr, emits_ptr, T, M, CM, D, OVERLAP, C, BLOCK_R, BLOCK_D,
+    )  # fmt: skip
+
+
+@triton.jit
+def _last_arrival(pooled, cnt_ptr, slot, N_POOL: tl.constexpr):
+    """Whether this program is the last of the N_POOL channel-block programs of its entry to finish pooling
+    (``pooled``: this program pooled one).  Each of them adds 1 to the entry's counter ``cnt_ptr[slot]``
+    (int32, the state slot's: one token per slot in a decode step) after a CTA barrier, with acquire-release
+    semantics at GPU scope, so the one that sees N_POOL - 1 observes every other program's pooled values; it
+    sets the counter back to 0 for the next launch (the counters start and end each launch at 0).  N_POOL = 1:
+    no atomics."""
+    if N_POOL == 1:
+        last = pooled
+    else:
+        last = pooled & False
+        if pooled:
+            tl.debug_barrier()  # every thread's pooled stores precede the release
+            old = tl.atomic_add(cnt_ptr + slot, 1, sem="acq_rel")
+            last = old == N_POOL - 1
+            if last:
+                tl.store(cnt_ptr + slot, 0)
+            tl.debug_barrier()  # the acquire precedes every thread's loads of the pooled row
+    return last
+
+
+@triton.jit
+def _compressor_decode_emit_main_kernel(
+    kv_ptr, sc_ptr, stride_in, pos_ptr, tslot_ptr, kvs_ptr, scs_ptr, st_ss, st_sr, num_state_slots, pooled_ptr,
+    emits_ptr, T, cnt_ptr, w_ptr, eps, inv_ptr, eslot_ptr, num_slots, bs, nope_ptr, nope_sp, nope_sr, rope_ptr,
+    rope_sp, rope_sr, scale_ptr, scale_sp, scale_sr,
+    M: tl.constexpr, CM: tl.constexpr, D: tl.constexpr, OVERLAP: tl.constexpr, C: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, N_POOL: tl.constexpr, INTERP: tl.constexpr, NOPE: tl.constexpr,
+    NT: tl.constexpr, NT_PAD: tl.constexpr, TILE: tl.constexpr, HR: tl.constexpr, FLOOR: tl.constexpr,
+    QMAX: tl.constexpr, Q_EXP: tl.constexpr, Q_MANT: tl.constexpr, VEC_RUNS: tl.constexpr,
+):  # fmt: skip
+    """Decode step of a main compressor in one launch: ``_decode_pool_write``, then the last channel-block
+    program of each emitting token (``_last_arrival``) reads the token's pooled row back and emits its
+    FP8 entry (``_norm_rope_rows``: RMSNorm -> RoPE at the entry position -> quantise -> store)."""
+    i = tl.program_id(0).to(tl.int64)
+    pooled, slot = _decode_pool_write(
+        i, tl.program_id(1), kv_ptr, sc_ptr, stride_in, pos_ptr, tslot_ptr, kvs_ptr, scs_ptr, st_ss, st_sr,
+        num_state_slots, pooled_ptr, emits_ptr, T, M, CM, D, OVERLAP, C, BLOCK_R, BLOCK_D,
+    )  # fmt: skip
+    if _last_arrival(pooled, cnt_ptr, slot, N_POOL):
+        noff, tin, roff, rin = _fp8_row_offsets(D, NOPE, NT, NT_PAD, TILE, HR, VEC_RUNS)
+        ii = i + tl.arange(0, 1)
+        go = ii >= 0
+        xrow = pooled_ptr + ii * D
+        xn = tl.load(xrow[:, None, None] + noff, mask=tin, other=0.0)
+        xr = tl.load(xrow[:, None, None] + roff, mask=rin, other=0.0)
+        _norm_rope_rows(
+            xn, xr, ii, go, w_ptr, eps, pos_ptr, inv_ptr, eslot_ptr, num_slots, bs, pooled_ptr, 0, nope_ptr, nope_sp,
+            nope_sr, rope_ptr, rope_sp, rope_sr, scale_ptr, scale_sp, scale_sr, noff, tin, roff, M, False, INTERP,
+            1, D, NOPE, NT, NT_PAD, TILE, HR, FLOOR, QMAX, Q_EXP, Q_MANT,
+        )  # fmt: skip
+
+
+@triton.jit
+def _compressor_decode_emit_indexer_kernel(
+    kv_ptr, sc_ptr, stride_in, pos_ptr, tslot_ptr, kvs_ptr, scs_ptr, st_ss, st_sr, num_state_slots, pooled_ptr,
+    emits_ptr, T, cnt_ptr, w_ptr, eps, inv_ptr, eslot_ptr, num_slots, bs, data_ptr, data_sp, data_sr, scale_ptr,
+    scale_sp, scale_sr,
+    M: tl.constexpr, CM: tl.constexpr, D: tl.constexpr, OVERLAP: tl.constexpr, C: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, N_POOL: tl.constexpr, INTERP: tl.constexpr, NOPE: tl.constexpr,
+    HR: tl.constexpr, HAD_SCALE: tl.constexpr, KB: tl.constexpr, NA: tl.constexpr, RA: tl.constexpr,
+    NB: tl.constexpr, HB: tl.constexpr, FLOOR: tl.constexpr, Q_EXP: tl.constexpr, Q_MANT: tl.constexpr,
+):  # fmt: skip
+    """``_compressor_decode_emit_main_kernel`` for the CSA indexer's compressor: the emit is
+    ``_emit_indexer_rows`` (RMSNorm -> RoPE -> Hadamard -> MXFP4 key)."""
+    i = tl.program_id(0).to(tl.int64)
+    pooled, slot = _decode_pool_write(
+        i, tl.program_id(1), kv_ptr, sc_ptr, stride_in, pos_ptr, tslot_ptr, kvs_ptr, scs_ptr, st_ss, st_sr,
+        num_state_slots, pooled_ptr, emits_ptr, T, M, CM, D, OVERLAP, C, BLOCK_R, BLOCK_D,
+    )  # fmt: skip
+    if _last_arrival(pooled, cnt_ptr, slot, N_POOL):
+        ii = i + tl.arange(0, 1)
+        sl = tl.load(eslot_ptr + ii).to(tl.int64)
+        work = (sl >= 0) & (sl < num_slots)
+        _emit_indexer_rows(
+            pooled_ptr, D, ii, work, sl, w_ptr, eps, pos_ptr, inv_ptr, M, bs, data_ptr, data_sp, data_sr, scale_ptr,
+            scale_sp, scale_sr, INTERP, 1, D, NOPE, HR, HAD_SCALE, KB, NA, RA, NB, HB, FLOOR, Q_EXP, Q_MANT,
+        )  # fmt: skip
 
 
 @triton.jit
@@ -409,6 +492,28 @@ def _compressor_write_kernel(
             tl.store(scs_ptr + dst, tl.load(sc_ptr + src, mask=m), mask=m)
 
 
+def _check_step(kv, score, positions, token_slot, kv_state, score_state, ratio, overlap):
+    """Validate ``compressor_step``'s tensors; returns (c, c*m, T, c*d, d)."""
+    c, cm = _geometry(ratio, overlap)
+    check_tensor("kv", kv, dtype=torch.float32, ndim=2)
+    t, cd = kv.shape
+    dev = kv.device
+    if cd % c:
+        raise ValueError(f"kv: expected an even width for overlap=True, got {cd}")
+    check_tensor("score", score, dtype=torch.float32, shape=[t, cd], device=dev)
+    check_tensor("positions", positions, dtype=_INT, shape=[t], device=dev)
+    check_tensor("token_slot", token_slot, dtype=_INT, shape=[t], device=dev)
+    check_tensor("kv_state", kv_state, dtype=torch.float32, shape=[None, cm, cd], device=dev)
+    check_tensor("score_state", score_state, dtype=torch.float32, shape=list(kv_state.shape), device=dev)
+    if kv.stride() != score.stride() or kv.stride(1) != 1:
+        raise ValueError(
+            f"kv, score: expected equal strides with a unit inner stride, got {kv.stride()} {score.stride()}"
+        )
+    if kv_state.stride() != score_state.stride() or kv_state.stride(2) != 1:
+        raise ValueError("kv_state, score_state: expected equal strides with a unit inner stride")
+    return c, cm, t, cd, cd // c
+
+
 def compressor_step(
     kv: torch.Tensor,
     score: torch.Tensor,
@@ -450,24 +555,8 @@ def compressor_step(
         _WRITE_BLOCK_T / _WRITE_WARPS).
     Preconditions: the step contract of the module docstring.
     """
-    c, cm = _geometry(ratio, overlap)
-    check_tensor("kv", kv, dtype=torch.float32, ndim=2)
-    t, cd = kv.shape
+    c, cm, t, cd, d = _check_step(kv, score, positions, token_slot, kv_state, score_state, ratio, overlap)
     dev = kv.device
-    if cd % c:
-        raise ValueError(f"kv: expected an even width for overlap=True, got {cd}")
-    d = cd // c
-    check_tensor("score", score, dtype=torch.float32, shape=[t, cd], device=dev)
-    check_tensor("positions", positions, dtype=_INT, shape=[t], device=dev)
-    check_tensor("token_slot", token_slot, dtype=_INT, shape=[t], device=dev)
-    check_tensor("kv_state", kv_state, dtype=torch.float32, shape=[None, cm, cd], device=dev)
-    check_tensor("score_state", score_state, dtype=torch.float32, shape=list(kv_state.shape), device=dev)
-    if kv.stride() != score.stride() or kv.stride(1) != 1:
-        raise ValueError(
-            f"kv, score: expected equal strides with a unit inner stride, got {kv.stride()} {score.stride()}"
-        )
-    if kv_state.stride() != score_state.stride() or kv_state.stride(2) != 1:
-        raise ValueError("kv_state, score_state: expected equal strides with a unit inner stride")
     if not use_triton(backend, kv, score, positions, token_slot, kv_state, score_state):
         return compressor_step_reference(kv, score, positions, token_slot, kv_state, score_state, ratio, overlap)
     positions, token_slot = positions.contiguous(), token_slot.contiguous()  # indexed as ptr + i
@@ -592,6 +681,22 @@ def _emit_indexer_kernel(
     ee = tl.load(emit_ptr + ii, mask=im, other=0) != 0
     sl = tl.load(slot_ptr + ii, mask=im & ee, other=-1).to(tl.int64)
     work = im & ee & (sl >= 0) & (sl < num_slots)
+    _emit_indexer_rows(
+        x_ptr, stride_x, ii, work, sl, w_ptr, eps, pos_ptr, inv_ptr, ratio, bs, data_ptr, data_sp, data_sr,
+        scale_ptr, scale_sp, scale_sr, INTERP, BLOCK_T, DIM, NOPE, HR, HAD_SCALE, KB, NA, RA, NB, HB, FLOOR, Q_EXP,
+        Q_MANT,
+    )  # fmt: skip
+
+
+@triton.jit
+def _emit_indexer_rows(
+    x_ptr, stride_x, ii, work, sl, w_ptr, eps, pos_ptr, inv_ptr, ratio, bs, data_ptr, data_sp, data_sr, scale_ptr,
+    scale_sp, scale_sr, INTERP: tl.constexpr, BLOCK_T: tl.constexpr, DIM: tl.constexpr, NOPE: tl.constexpr,
+    HR: tl.constexpr, HAD_SCALE: tl.constexpr, KB: tl.constexpr, NA: tl.constexpr, RA: tl.constexpr, NB: tl.constexpr,
+    HB: tl.constexpr, FLOOR: tl.constexpr, Q_EXP: tl.constexpr, Q_MANT: tl.constexpr,
+):  # fmt: skip
+    """The rows ``ii`` [BLOCK_T] flagged in ``work``, one after another, to their key slots ``sl``: the body of
+    ``_emit_indexer_kernel`` (also the emit of the fused decode kernel, BLOCK_T = 1)."""
     kk = tl.arange(0, BLOCK_T)
     # sign tables (shared by the rows of the program)
     jj = tl.arange(0, HB)
@@ -616,7 +721,7 @@ def _emit_indexer_kernel(
     jpair = ra[:, None] * HB + jb[None, :]  # rope pair index of each [RA, HB] lane
     k = tl.min(tl.where(work, kk, BLOCK_T), axis=0)
     while k < BLOCK_T:
-        i = a * BLOCK_T + k
+        i = tl.sum(tl.where(kk == k, ii, 0), axis=0)
         slot = tl.sum(tl.where(kk == k, sl, 0), axis=0)
         xrow = x_ptr + i * stride_x
         xn = bf16_round(tl.load(xrow + noff).to(tl.float32))
@@ -753,6 +858,44 @@ def _emit_indexer_dot_kernel(
         )  # fmt: skip
 
 
+def _check_emit(t, positions, norm_weight, inv_freq, slots, pages, fmt, ratio, kind) -> tuple[int, int]:
+    """Validate ``emit_entries``'s arguments other than pooled / emits (T rows); returns (d, rope dims)."""
+    if kind not in ("main", "indexer"):
+        raise ValueError(f"kind: expected 'main' or 'indexer', got {kind!r}")
+    if kind == "main":
+        if not isinstance(fmt, FP8EntryFormat):
+            raise ValueError(f"fmt: expected FP8EntryFormat for kind='main', got {type(fmt).__name__}")
+        _check_entry_pages(pages, fmt)
+        dev, d, rd = pages.nope.device, fmt.head_dim, fmt.rope_dim
+    else:
+        if not isinstance(fmt, MXFP4KeyFormat):
+            raise ValueError(f"fmt: expected MXFP4KeyFormat for kind='indexer', got {type(fmt).__name__}")
+        _check_key_pages(pages, fmt)
+        dev, d, rd = pages.data.device, fmt.dim, 2 * inv_freq.shape[-1]
+    check_tensor("positions", positions, dtype=_INT, shape=[t], device=dev)
+    check_tensor("norm_weight", norm_weight, dtype=(torch.float32, torch.bfloat16), shape=[d], device=dev)
+    check_tensor("inv_freq", inv_freq, dtype=torch.float32, shape=[rd // 2], device=dev)
+    check_tensor("slots", slots, dtype=_INT, shape=[t], device=dev)
+    if not 0 < rd < d or rd % 2:
+        raise ValueError(f"inv_freq: expected 0 < 2*len(inv_freq) < {d}, got {rd}")
+    if not isinstance(ratio, int) or ratio <= 0:
+        raise ValueError(f"ratio: expected a positive int, got {ratio!r}")
+    return d, rd
+
+
+def _indexer_emit_geometry(fmt: MXFP4KeyFormat, d: int, rd: int) -> dict:
+    """The indexer emit kernels' constexprs (nope / rope widths, Hadamard scale, MXFP4 block split) after
+    checking their preconditions: power-of-two widths, nope and rope power-of-two multiples of the block."""
+    _check_pow2("fmt.dim", d)
+    _check_pow2("rope_dim // 2", rd // 2)
+    kb = fmt.block
+    if (d - rd) % kb or rd % kb or d - rd < kb:
+        raise ValueError(f"indexer emit: the Triton kernel needs nope ({d - rd}) and rope ({rd}) multiples of {kb}")
+    _check_pow2("nope // fmt.block", (d - rd) // kb)
+    _check_pow2("rope_dim // fmt.block", rd // kb)
+    return dict(NOPE=d - rd, HR=rd // 2, HAD_SCALE=d**-0.5, KB=kb, NA=(d - rd) // kb, RA=rd // kb)
+
+
 def emit_entries(
     pooled: torch.Tensor,
     emits: torch.Tensor,
@@ -794,30 +937,11 @@ def emit_entries(
     The indexer kernel needs nope and rope widths that are power-of-two multiples of the MXFP4 block
     (128 = 64 + 64, blocks of 32 in the released model).
     """
-    if kind not in ("main", "indexer"):
-        raise ValueError(f"kind: expected 'main' or 'indexer', got {kind!r}")
-    if kind == "main":
-        if not isinstance(fmt, FP8EntryFormat):
-            raise ValueError(f"fmt: expected FP8EntryFormat for kind='main', got {type(fmt).__name__}")
-        _check_entry_pages(pages, fmt)
-        dev, d, rd = pages.nope.device, fmt.head_dim, fmt.rope_dim
-    else:
-        if not isinstance(fmt, MXFP4KeyFormat):
-            raise ValueError(f"fmt: expected MXFP4KeyFormat for kind='indexer', got {type(fmt).__name__}")
-        _check_key_pages(pages, fmt)
-        dev, d, rd = pages.data.device, fmt.dim, 2 * inv_freq.shape[-1]
-    check_tensor("pooled", pooled, dtype=torch.float32, ndim=2, device=dev)
+    check_tensor("pooled", pooled, dtype=torch.float32, ndim=2)
     t = pooled.shape[0]
-    check_tensor("pooled", pooled, shape=[t, d])
-    check_tensor("emits", emits, dtype=torch.bool, shape=[t], device=dev)
-    check_tensor("positions", positions, dtype=_INT, shape=[t], device=dev)
-    check_tensor("norm_weight", norm_weight, dtype=(torch.float32, torch.bfloat16), shape=[d], device=dev)
-    check_tensor("inv_freq", inv_freq, dtype=torch.float32, shape=[rd // 2], device=dev)
-    check_tensor("slots", slots, dtype=_INT, shape=[t], device=dev)
-    if not 0 < rd < d or rd % 2:
-        raise ValueError(f"inv_freq: expected 0 < 2*len(inv_freq) < {d}, got {rd}")
-    if not isinstance(ratio, int) or ratio <= 0:
-        raise ValueError(f"ratio: expected a positive int, got {ratio!r}")
+    d, rd = _check_emit(t, positions, norm_weight, inv_freq, slots, pages, fmt, ratio, kind)
+    check_tensor("pooled", pooled, shape=[t, d], device=slots.device)
+    check_tensor("emits", emits, dtype=torch.bool, shape=[t], device=slots.device)
     if not use_triton(backend, pooled, emits, slots):
         emit_entries_reference(pooled, emits, positions, norm_weight, eps, inv_freq, slots, pages, fmt, ratio, kind)
         return
@@ -834,13 +958,7 @@ def emit_entries(
         return
     if scan is not None or iters is not None:
         raise ValueError("scan / iters: main emit only (the indexer emit scans block_t tokens per program)")
-    _check_pow2("fmt.dim", d)
-    _check_pow2("rope_dim // 2", rd // 2)
-    kb = fmt.block
-    if (d - rd) % kb or rd % kb or d - rd < kb:
-        raise ValueError(f"indexer emit: the Triton kernel needs nope ({d - rd}) and rope ({rd}) multiples of {kb}")
-    _check_pow2("nope // fmt.block", (d - rd) // kb)
-    _check_pow2("rope_dim // fmt.block", rd // kb)
+    geo = _indexer_emit_geometry(fmt, d, rd)
     pargs, kw = _mxfp4_args(pages, fmt)
     bs = pages.entries_per_page
     use_dot = _EMIT_INDEXER_DOT if dot is None else bool(dot)
@@ -852,8 +970,8 @@ def emit_entries(
         _emit_indexer_dot_kernel[(triton.cdiv(t, bt),)](
             pooled, pooled.stride(0), t, norm_weight, float(eps), positions, inv_freq, ratio, emits.view(torch.uint8),
             slots, pages.data.shape[0] * bs, bs, *pargs,
-            INTERP=interpreter_enabled(), BLOCK_T=bt, DIM=d, NOPE=d - rd, HR=rd // 2, HAD_SCALE=d**-0.5,
-            num_warps=num_warps or _EMIT_DOT_WARPS, **kw,
+            INTERP=interpreter_enabled(), BLOCK_T=bt, DIM=d, NOPE=geo["NOPE"], HR=geo["HR"],
+            HAD_SCALE=geo["HAD_SCALE"], num_warps=num_warps or _EMIT_DOT_WARPS, **kw,
         )  # fmt: skip
         return
     bt = block_t or min(triton.next_power_of_2(ratio), _EMIT_BLOCK_T)
@@ -861,7 +979,88 @@ def emit_entries(
     _emit_indexer_kernel[(triton.cdiv(t, bt),)](
         pooled, pooled.stride(0), t, norm_weight, float(eps), positions, inv_freq, ratio, emits.view(torch.uint8),
         slots, pages.data.shape[0] * bs, bs, *pargs,
-        INTERP=interpreter_enabled(), BLOCK_T=bt, DIM=d, NOPE=d - rd, HR=rd // 2, HAD_SCALE=d**-0.5,
-        KB=kb, NA=(d - rd) // kb, RA=rd // kb,
-        num_warps=num_warps or _EMIT_INDEXER_WARPS, **kw,
+        INTERP=interpreter_enabled(), BLOCK_T=bt, DIM=d, num_warps=num_warps or _EMIT_INDEXER_WARPS, **geo, **kw,
     )  # fmt: skip
+
+
+# ============================================================================ fused decode step
+def compress_decode(
+    kv: torch.Tensor,
+    score: torch.Tensor,
+    positions: torch.Tensor,
+    token_slot: torch.Tensor,
+    kv_state: torch.Tensor,
+    score_state: torch.Tensor,
+    counters: torch.Tensor,
+    ratio: int,
+    overlap: bool,
+    norm_weight: torch.Tensor,
+    eps: float,
+    inv_freq: torch.Tensor,
+    slots: torch.Tensor,
+    pages: EntryPages | KeyPages,
+    fmt: FP8EntryFormat | MXFP4KeyFormat,
+    kind: str = "main",
+    backend: str = "auto",
+    *,
+    block_d: int | None = None,
+    num_warps: int | None = None,
+) -> None:
+    """A decode step of one compressor in ONE launch: ``compressor_step(decode=True)`` followed by
+    ``emit_entries`` (same arguments, same results: state rows, entry / key bytes), with no pooled rows
+    handed between launches.
+
+    Programs are (token, channel block) as in the decode pool kernel; the last channel-block program of an
+    emitting token to finish (an atomic counter per state slot, ``counters``) reads the token's pooled row
+    back (written by the others, fenced by the counter's acquire-release) and emits the entry.
+    Args: those of ``compressor_step`` and ``emit_entries`` (``slots``: physical entry / key slot per
+        token, -1 = skip; a token without a state slot emits nothing), plus ``counters`` int32
+        [num_state_slots], all 0 (each launch leaves them 0;
+        ``CompressorState.counters``).  Concurrent launches on one ``counters`` tensor are not allowed.
+    Preconditions: decode (every request has exactly one token; the step contract of ``compressor_step``).
+    Tuning (Triton path only): ``block_d``, ``num_warps`` as ``compressor_step``'s decode kernel.
+    The torch backend runs ``compressor_step_reference`` + ``emit_entries_reference``.
+    """
+    c, cm, t, cd, d = _check_step(kv, score, positions, token_slot, kv_state, score_state, ratio, overlap)
+    dev = kv.device
+    d_emit, rd = _check_emit(t, positions, norm_weight, inv_freq, slots, pages, fmt, ratio, kind)
+    if d_emit != d:
+        raise ValueError(f"fmt: expected a {kind} format of width {d} (the compressor's), got {d_emit}")
+    check_tensor("counters", counters, dtype=torch.int32, shape=[kv_state.shape[0]], device=dev)
+    if not use_triton(backend, kv, score, positions, token_slot, kv_state, score_state, counters, slots):
+        pooled, emits = compressor_step_reference(
+            kv, score, positions, token_slot, kv_state, score_state, ratio, overlap
+        )
+        emits = emits & (token_slot >= 0) & (token_slot < kv_state.shape[0])  # nothing pooled: no entry
+        emit_entries_reference(pooled, emits, positions, norm_weight, eps, inv_freq, slots, pages, fmt, ratio, kind)
+        return
+    if t == 0:
+        return
+    if not counters.is_contiguous() or not norm_weight.is_contiguous() or not inv_freq.is_contiguous():
+        raise ValueError("counters, norm_weight, inv_freq: expected contiguous tensors")
+    positions, token_slot, slots = positions.contiguous(), token_slot.contiguous(), slots.contiguous()
+    pooled = torch.empty(t, d, dtype=torch.float32, device=dev)
+    emits = torch.empty(t, dtype=torch.uint8, device=dev)
+    block_r = triton.next_power_of_2(cm)
+    bd = block_d or max(16, min(triton.next_power_of_2(cd), _DECODE_TILE // block_r))
+    _check_pow2("block_d", bd)
+    head = (kv, score, kv.stride(0), positions, token_slot, kv_state, score_state, kv_state.stride(0))
+    head = head + (kv_state.stride(1), kv_state.shape[0], pooled, emits, t, counters)
+    geo = dict(M=ratio, CM=cm, D=d, OVERLAP=overlap, C=c, BLOCK_R=block_r, BLOCK_D=bd, N_POOL=triton.cdiv(d, bd))
+    emit = (norm_weight, float(eps), inv_freq, slots)
+    grid = (t, triton.cdiv(cd, bd))
+    interp = interpreter_enabled()
+    nw = num_warps or _DECODE_WARPS
+    if kind == "main":
+        pargs, kw = _fp8_args(pages, fmt)
+        _compressor_decode_emit_main_kernel[grid](
+            *head, *emit, pages.num_slots, pages.entries_per_page, *pargs, **geo, INTERP=interp, NOPE=fmt.nope_dim,
+            VEC_RUNS=fmt.tile % _VEC_ELEMS == 0, num_warps=nw, **kw,
+        )  # fmt: skip
+    else:
+        pargs, kw = _mxfp4_args(pages, fmt)
+        bs = pages.entries_per_page
+        _compressor_decode_emit_indexer_kernel[grid](
+            *head, *emit, pages.data.shape[0] * bs, bs, *pargs, **geo, INTERP=interp,
+            **_indexer_emit_geometry(fmt, d, rd), num_warps=nw, **kw,
+        )  # fmt: skip

@@ -363,6 +363,32 @@ def _norm_rope_rows(
 
 
 @triton.jit
+def _fp8_row_offsets(
+    HEAD_DIM: tl.constexpr, NOPE: tl.constexpr, NT: tl.constexpr, NT_PAD: tl.constexpr, TILE: tl.constexpr,
+    HR: tl.constexpr, VEC_RUNS: tl.constexpr,
+):  # fmt: skip
+    """Offsets (in values) and masks of one row's two tiles as ``_norm_rope_rows`` takes them: nope
+    ``noff`` / ``tin`` [1, NT_PAD, TILE] (tiles >= NT masked) and rope pairs ``roff`` / ``rin`` [1, HR, 2].
+
+    With ``VEC_RUNS`` the columns are runs of _VEC contiguous values (16 bytes of bf16): the loads, the bf16
+    stores and the e4m3 stores then share one register layout (contiguity TILE lets the loads take 32 bytes
+    per thread but the stores only 16, which costs a shared-memory layout conversion of the whole tile)."""
+    tiles = tl.arange(0, NT_PAD)
+    cols = tl.arange(0, TILE)
+    j = tl.arange(0, HR)
+    k = tl.arange(0, 2)
+    if VEC_RUNS:
+        vcols = tl.max_contiguous(cols, _VEC)
+    else:
+        vcols = cols
+    noff = (tiles[:, None] * TILE + vcols[None, :])[None, :, :]
+    tin = ((tiles < NT)[:, None] & (cols < TILE)[None, :])[None, :, :]
+    roff = (NOPE + 2 * j[:, None] + k[None, :])[None, :, :]
+    rin = roff < HEAD_DIM
+    return noff, tin, roff, rin
+
+
+@triton.jit
 def _rows_to_do(ii, n_rows, emit_ptr, HAS_EMIT: tl.constexpr):
     go = ii < n_rows
     if HAS_EMIT:
@@ -430,21 +456,7 @@ def _norm_rope_fp8_kernel(
     another (a prefill emits one row in ``ratio``: with SCAN = ratio most programs do one row and none is
     empty, instead of ``ratio`` one-row programs of which ``ratio - 1`` only read their flag)."""
     a = tl.program_id(0).to(tl.int64)
-    tiles = tl.arange(0, NT_PAD)
-    cols = tl.arange(0, TILE)
-    j = tl.arange(0, HR)
-    k = tl.arange(0, 2)
-    # runs of _VEC contiguous values (16 bytes of bf16): the loads, the bf16 stores and the e4m3 stores then
-    # share one register layout (contiguity TILE lets the loads take 32 bytes per thread but the stores only
-    # 16, which costs a shared-memory layout conversion of the whole tile)
-    if VEC_RUNS:
-        vcols = tl.max_contiguous(cols, _VEC)
-    else:
-        vcols = cols
-    noff = (tiles[:, None] * TILE + vcols[None, :])[None, :, :]  # [1, NT_PAD, TILE]
-    tin = ((tiles < NT)[:, None] & (cols < TILE)[None, :])[None, :, :]
-    roff = (NOPE + 2 * j[:, None] + k[None, :])[None, :, :]  # [1, HR, 2]
-    rin = roff < HEAD_DIM
+    noff, tin, roff, rin = _fp8_row_offsets(HEAD_DIM, NOPE, NT, NT_PAD, TILE, HR, VEC_RUNS)
     if SCAN > 1:
         kk = tl.arange(0, SCAN)
         fl = _rows_to_do(a * SCAN + kk, n_rows, emit_ptr, True)
