@@ -324,7 +324,7 @@ def main() -> None:
         default=[],
         metavar="OP:KEY=VAL[,KEY=VAL]",
         help="launch tuning of the Triton path, e.g. store_window:block_t=4,num_warps=4,iters=2 or "
-        "hca:pool_block_t=128,block_d=64,spec_loads=1,write_block_t=64,write_warps=8 or csa_main:emit_scan=16 "
+        "hca:pool_block_t=128,block_d=64,row_loads=1,write_block_t=64,write_warps=8 or csa_main:emit_scan=16 "
         "(keys of compressor_step; emit_block_t / emit_num_warps / emit_iters / emit_scan go to emit_entries); "
         "repeatable: each one is a variant "
         "measured separately (store_window: alone = the default geometry)",

@@ -416,9 +416,9 @@ TUNINGS = [
     {},
     {"pool_block_t": 1, "block_d": 16, "num_warps": 4},
     {"pool_block_t": 32, "num_warps": 2},
-    {"spec_loads": 1},
-    {"spec_loads": 1, "pool_block_t": 1, "block_d": 16, "write_block_t": 4, "write_warps": 2},
-    {"spec_loads": 0, "write_block_t": 128, "write_warps": 4},
+    {"row_loads": 1},
+    {"row_loads": 1, "pool_block_t": 1, "block_d": 16, "write_block_t": 4, "write_warps": 2},
+    {"row_loads": 0, "write_block_t": 128, "write_warps": 4},
 ]
 
 

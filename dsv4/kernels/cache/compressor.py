@@ -84,17 +84,18 @@ __all__ = [
 _INT = (torch.int32, torch.int64)
 # Non-decode launch geometry: the pool pass scans min(m, _POOL_BLOCK_T) tokens per program and pools their
 # emitting tokens one after another (a prefill block of m consecutive positions holds exactly one), each over
-# a [c*m, block_d] tile of <= _POOL_TILE values read with one load per tensor (full tiles at 8 warps: 16 values
-# per thread per tensor, CSA main [8, 512] and HCA [128, 32]; CSA indexer [8, 128] at 4 warps); the
+# a [c*m, block_d] tile of <= _POOL_TILE values read with one load per tensor (full tiles at 4 warps: 32 values
+# per thread per tensor, CSA main [8, 512] and HCA [128, 32]; CSA indexer [8, 128] at 2 warps); the
 # state-write pass copies [_WRITE_BLOCK_T, _WRITE_BLOCK_D] tiles.  Decode: [c*m, block_d] tiles of
-# <= _DECODE_TILE values; HCA (c*m = 128) at 8 warps: 16 values per thread per tensor, so more programs stay
-# resident per SM.
+# <= _DECODE_TILE values; HCA (c*m = 128) at 4 warps.
 _POOL_BLOCK_T = 128
 _POOL_TILE = 4096
 # small pool tiles (the CSA indexer compressor, d = 128): 2 warps, H200 2026-12-02 (write_pool: T = 65,536
 # csa_indexer 109.7 us with 2 warps vs 192.4 with 4)
 _POOL_WARPS_SMALL = 2
-_POOL_WARPS = 8
+# full pool tiles: 4 warps, H200 2026-12-02 session 3 (write_tune2, T = 65,536 with the register run start):
+# CSA main 176.9 us with 4 vs 206.1 with 8; HCA 94.4 us with 4 vs 134.7 with 8 and 111.2 with 2
+_POOL_WARPS = 4
 _DECODE_TILE = 4096
 # H200, 2026-12-02: HCA decode at B = 64 took 13.1 us with 4 warps (write_v2) and 18.1 us with 8 (write_v3).
 _DECODE_WARPS = 4
@@ -106,8 +107,9 @@ _EMIT_INDEXER_WARPS = 1
 _EMIT_INDEXER_DOT = False
 _EMIT_DOT_BLOCK_T = 64
 _EMIT_DOT_WARPS = 4
-# pool kernel: load the step's rows speculatively (``_pool_token`` SPEC; one dependent round trip less)
-_POOL_SPEC = False
+# pool kernel: which pooled rows are in the step, from per-row index loads (True: a dependent round trip) or
+# from the registers of the program's first load (False; ``_compressor_pool_kernel``)
+_POOL_ROW_LOADS = False
 # State-write pass: one program per _WRITE_BLOCK_T tokens, [_WRITE_BLOCK_T, _WRITE_BLOCK_D] tiles looped over the
 # channels.  (It was a (token block, channel block) grid of [32, 256] tiles at 8 warps: sm_90a ptxas 182
 # registers, so one program per SM, and 4,096 (HCA) / 8,192 (CSA main) programs at T = 65,536, all but the
@@ -206,14 +208,15 @@ def _pool_token(
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
     DECODE: tl.constexpr,
-    SPEC: tl.constexpr = False,
+    i0=0,
+    ROW_LOADS: tl.constexpr = True,
 ):
     """Pool channels [b*BLOCK_D, ...) of the entry completed by token i (position t, state slot ``slot``).
 
-    ``SPEC`` (non-decode): load the step's rows (j in [0, T)) at once, in parallel with the slots /
-    positions that tell whether they belong to the request, then the state rows for the others only (a
-    masked load, empty inside a prefill): the bulk loads no longer wait for that round trip; rows of
-    another request at j are read for nothing (at most c*m - 1 per request boundary)."""
+    Which of the pooled rows come from this step (non-decode): with ``ROW_LOADS`` by loading the slots and
+    positions of their candidate tokens (a dependent round trip before the bulk loads); otherwise from
+    ``i0``, the batch index of the request's first token in the step, which the caller found in registers:
+    by the step contract row j is in the step iff j >= i0."""
     k = tl.arange(0, BLOCK_R)
     rmask = k < CM
     p = t - CM + 1 + k  # positions of the pooled rows
@@ -221,10 +224,12 @@ def _pool_token(
     jin = rmask & (j >= 0) & (j < T)
     if DECODE:  # one token per request: only the token's own row (k = CM - 1, j = i) is in the step
         in_step = rmask & (k == CM - 1)
-    else:  # (a dependent round trip: the batch's slots and positions of the rows' candidate tokens)
+    elif ROW_LOADS:
         js = tl.load(tslot_ptr + j, mask=jin, other=-1).to(tl.int64)
         jp = tl.load(pos_ptr + j, mask=jin, other=-1).to(tl.int64)
         in_step = jin & (js == slot) & (jp == p)
+    else:
+        in_step = jin & (j >= i0)
     from_state = rmask & (in_step == 0) & (p >= 0)
     ch = b * BLOCK_D + tl.arange(0, BLOCK_D)
     chm = ch < D
@@ -238,20 +243,10 @@ def _pool_token(
     in_off = j[:, None] * stride_in + col
     st_off = slot * st_ss + row[:, None] * st_sr + col
     sel = in_step[:, None]
-    if SPEC and not DECODE:
-        m_in = jin[:, None] & chm[None, :]
-        kv_i = tl.load(kv_ptr + in_off, mask=m_in, other=0.0)
-        sc_i = tl.load(sc_ptr + in_off, mask=m_in, other=float("-inf"))
-        m_st = from_state[:, None] & chm[None, :]
-        kv_s = tl.load(kvs_ptr + st_off, mask=m_st, other=0.0)
-        sc_s = tl.load(scs_ptr + st_off, mask=m_st, other=float("-inf"))
-        kv_r = tl.where(sel, kv_i, kv_s)
-        sc_r = tl.where(sel, sc_i, sc_s)
-    else:
-        # one load per tensor: each row's pointer is into this step's input or into the state ring (the
-        # select depends on the row only, so the pointers stay contiguous along the channels: wide loads)
-        kv_r = tl.load(tl.where(sel, kv_ptr + in_off, kvs_ptr + st_off), mask=m_any, other=0.0)
-        sc_r = tl.load(tl.where(sel, sc_ptr + in_off, scs_ptr + st_off), mask=m_any, other=float("-inf"))
+    # one load per tensor: each row's pointer is into this step's input or into the state ring (the select
+    # depends on the row only, so the pointers stay contiguous along the channels: wide loads)
+    kv_r = tl.load(tl.where(sel, kv_ptr + in_off, kvs_ptr + st_off), mask=m_any, other=0.0)
+    sc_r = tl.load(tl.where(sel, sc_ptr + in_off, scs_ptr + st_off), mask=m_any, other=float("-inf"))
     mx = tl.max(sc_r, axis=0)
     mx = tl.where(mx == float("-inf"), 0.0, mx)  # all-absent (padding) channels: no inf - inf
     e = tl.exp(sc_r - mx[None, :])
@@ -414,18 +409,29 @@ def _compressor_pool_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    SPEC: tl.constexpr = False,
+    ROW_LOADS: tl.constexpr = False,
 ):
     """Program (token block a, channel block b): write ``emits`` of tokens [a*BLOCK_T, ...) (b == 0) and
     pool channels [b*BLOCK_D, ...) of each emitting token with a state slot, one after another (visiting
     only those: their positions / slots are taken from the block's registers, no per-token loads).  A
-    block without such a token exits after one vector load of its positions and slots."""
+    block without such a token exits after one vector load of its positions and slots.
+
+    Unless ``ROW_LOADS``, the same first load also takes the positions / slots of the BLOCK_R tokens before
+    the block, and each emitting token's request start i0 (``_pool_token``) is found from these registers:
+    the first index of the run of tokens ending at the token with the same slot and consecutive positions
+    (the step contract makes it the request's first token of the step, or the run reaches back past every
+    row the pooling needs)."""
     a = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1)
     ii = a * BLOCK_T + tl.arange(0, BLOCK_T)
     im = ii < T
     tt = tl.load(pos_ptr + ii, mask=im, other=0).to(tl.int64)
     ss = tl.load(tslot_ptr + ii, mask=im, other=-1).to(tl.int64)
+    if not ROW_LOADS:
+        pi = a * BLOCK_T - BLOCK_R + tl.arange(0, BLOCK_R)  # the BLOCK_R tokens before the block
+        pm = pi >= 0
+        tp = tl.load(pos_ptr + pi, mask=pm, other=-1).to(tl.int64)
+        sp = tl.load(tslot_ptr + pi, mask=pm, other=-2).to(tl.int64)
     ee = ((tt + 1) % M) == 0
     if b == 0:
         tl.store(emits_ptr + ii, ee.to(tl.uint8), mask=im)
@@ -437,9 +443,18 @@ def _compressor_pool_kernel(
         sel = kk == k
         t = tl.sum(tl.where(sel, tt, 0), axis=0)
         slot = tl.sum(tl.where(sel, ss, 0), axis=0)
+        i0 = a * BLOCK_T + k
+        if not ROW_LOADS:
+            # the run in the block (index kk holds position t - (k - kk)), then before it
+            run = (kk <= k) & (ss == slot) & (tt == t - (k - kk))
+            k0 = tl.min(tl.where(run, kk, k), axis=0)
+            r = tl.arange(0, BLOCK_R)
+            prun = (sp == slot) & (tp == t - (k + BLOCK_R - r))
+            r0 = tl.min(tl.where(prun, r, BLOCK_R), axis=0)
+            i0 = tl.where(k0 > 0, a * BLOCK_T + k0, a * BLOCK_T - BLOCK_R + r0)
         _pool_token(
             a * BLOCK_T + k, t, slot, b, kv_ptr, sc_ptr, stride_in, pos_ptr, tslot_ptr, kvs_ptr, scs_ptr, st_ss,
-            st_sr, pooled_ptr, T, M, CM, D, OVERLAP, BLOCK_R, BLOCK_D, False, SPEC,
+            st_sr, pooled_ptr, T, M, CM, D, OVERLAP, BLOCK_R, BLOCK_D, False, i0, ROW_LOADS,
         )  # fmt: skip
         k = tl.min(tl.where(work & (kk > k), kk, BLOCK_T), axis=0)
 
@@ -529,7 +544,7 @@ def compressor_step(
     pool_block_t: int | None = None,
     block_d: int | None = None,
     num_warps: int | None = None,
-    spec_loads: int | None = None,
+    row_loads: int | None = None,
     write_block_t: int | None = None,
     write_warps: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -549,8 +564,8 @@ def compressor_step(
     Tuning (Triton path only; results do not depend on them): ``pool_block_t`` tokens scanned per pool
         program (power of two; default min(m, 128): one emitting token per program in a prefill),
         ``block_d`` channels per program (power of two; pool and decode kernels), ``num_warps`` of the
-        pool / decode kernel, ``spec_loads`` (0/1, pool kernel: read the step's rows before knowing they
-        belong to the request, see ``_pool_token``; default ``_POOL_SPEC``), ``write_block_t`` /
+        pool / decode kernel, ``row_loads`` (0/1, pool kernel: find the pooled rows that are in the step by
+        loading their tokens' slots / positions, see ``_pool_token``; default ``_POOL_ROW_LOADS``), ``write_block_t`` /
         ``write_warps`` (state-write kernel: tokens per program, power of two, and warps; default
         _WRITE_BLOCK_T / _WRITE_WARPS).
     Preconditions: the step contract of the module docstring.
@@ -584,7 +599,7 @@ def compressor_step(
     _compressor_pool_kernel[(triton.cdiv(t, bt), triton.cdiv(d, bd))](
         *head, pooled, emits.view(torch.uint8), t,
         M=ratio, CM=cm, D=d, OVERLAP=overlap, BLOCK_T=bt, BLOCK_R=block_r, BLOCK_D=bd,
-        SPEC=bool(_POOL_SPEC if spec_loads is None else spec_loads),
+        ROW_LOADS=bool(_POOL_ROW_LOADS if row_loads is None else row_loads),
         num_warps=num_warps or (_POOL_WARPS if block_r * bd >= _POOL_TILE else _POOL_WARPS_SMALL),
     )  # fmt: skip
     wd = min(triton.next_power_of_2(cd), _WRITE_BLOCK_D)
