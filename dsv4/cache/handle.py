@@ -176,7 +176,7 @@ class LayerCacheHandle:
             self.schema.entry_fmt,
             backend=backend,
         )
-        self._advance_ring_head()
+        self._advance_ring_head(backend)
 
     def write_window(
         self, kv_raw: torch.Tensor, norm_weight: torch.Tensor, inv_freq: torch.Tensor, backend: str = "auto"
@@ -204,7 +204,7 @@ class LayerCacheHandle:
             self.schema.entry_fmt,
             backend=backend,
         )
-        self._advance_ring_head()
+        self._advance_ring_head(backend)
         return kv
 
     def update_compressor(
@@ -287,14 +287,14 @@ class LayerCacheHandle:
             raise ValueError(f"which='indexer': layer {self.layer_id} is {self.kind.value}; only CSA has an indexer")
         return st
 
-    def _advance_ring_head(self) -> None:
-        """ring_head[slot] = seq_len mod ring_size for the step's requests; padded rows (slot -1) go to the
-        head table's scratch element (no branch, no sync)."""
-        head = (self.plan.seq_lens % self.schema.ring_size).to(torch.int32)
-        slots = self.plan.request_slots.long()
-        scratch = self.state.ring_head_flat.numel() - 1
-        idx = torch.where(slots >= 0, slots, torch.full_like(slots, scratch))
-        self.state.ring_head_flat.scatter_(0, idx, head)
+    def _advance_ring_head(self, backend: str = "auto") -> None:
+        """ring_head[slot] = seq_len mod ring_size for the step's requests (padded rows, slot -1: none; no
+        branch, no sync; one launch on a GPU)."""
+        from dsv4.kernels.cache.ring import advance_ring_head
+
+        advance_ring_head(
+            self.plan.seq_lens, self.plan.request_slots, self.state.ring_head_flat, self.schema.ring_size, backend
+        )
 
     def flush_compression(
         self,

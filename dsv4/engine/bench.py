@@ -63,7 +63,7 @@ from dsv4.config import ModelConfig, get_preset
 from dsv4.engine.graphs import DecodeGraphRunner, capture_graph
 from dsv4.kernels.attention import sparse_attention
 from dsv4.kernels.cache.store import store_fp8_entries, store_mxfp4_keys
-from dsv4.kernels.indexer import indexer_scores, to_physical, topk_indices
+from dsv4.kernels.indexer import indexer_scores, to_physical, topk_indices, visible_physical
 from dsv4.model import functional as F
 from dsv4.model.attention import AttentionSubBlock
 from dsv4.model.projections import indexer_query, output_projection, query
@@ -354,11 +354,11 @@ def _parts(blk: AttentionSubBlock, handle, x: torch.Tensor) -> dict[str, Callabl
         out["indexer"] = index
         out["topk"] = lambda: topk_indices(scores, cfg.index_topk, rp.n_visible, backend=be)
         logical = out["topk"]()
+        phys = to_physical(logical, rp.block_table, plan.request_ids, rp.entries_per_page, backend=be)
+        caches.append((handle.paged.entries, phys))
     elif blk.ratio:
-        ids = torch.arange(rp.max_entries, device=x.device, dtype=torch.int32)
-        logical = torch.where(ids[None, :] < rp.n_visible[:, None], ids[None, :], -1)
-    if blk.ratio:
-        phys = to_physical(logical, rp.block_table, plan.request_ids, rp.entries_per_page)
+        phys = visible_physical(rp.n_visible, rp.max_entries, rp.block_table, plan.request_ids, rp.entries_per_page,
+                                backend=be)  # fmt: skip
         caches.append((handle.paged.entries, phys))
     out["attention"] = lambda: sparse_attention(q, caches, w.attn_sink, blk.scale, backend=be)
     o = out["attention"]()[0]

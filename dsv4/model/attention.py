@@ -33,8 +33,9 @@ from dsv4.config import LayerKind, ModelConfig
 from dsv4.errors import check_tensor
 from dsv4.formats import EntryPages
 from dsv4.kernels.attention import sparse_attention
+from dsv4.kernels.cache.ring import ring_window_slots
 from dsv4.kernels.cache.store import store_fp8_entries
-from dsv4.kernels.indexer import indexer_scores, to_physical, topk_indices
+from dsv4.kernels.indexer import indexer_scores, to_physical, topk_indices, visible_physical
 from dsv4.model import functional as F
 from dsv4.model.projections import indexer_query, output_projection, query
 from dsv4.model.weights import AttentionWeights
@@ -89,10 +90,11 @@ class AttentionSubBlock:
             if rp.max_entries > 0:
                 if self.kind is LayerKind.CSA:
                     logical = self._indexer_topk(x, qr, handle)
+                    phys = to_physical(logical, rp.block_table, plan.request_ids, rp.entries_per_page, backend=be)
                 else:
-                    ids = torch.arange(rp.max_entries, device=x.device, dtype=torch.int32)
-                    logical = torch.where(ids[None, :] < rp.n_visible[:, None], ids[None, :], -1)
-                phys = to_physical(logical, rp.block_table, plan.request_ids, rp.entries_per_page)
+                    phys = visible_physical(
+                        rp.n_visible, rp.max_entries, rp.block_table, plan.request_ids, rp.entries_per_page, backend=be
+                    )
                 caches.append((comp, phys))
 
         o, _ = sparse_attention(q, caches, w.attn_sink, self.scale, backend=be)
@@ -118,11 +120,8 @@ class AttentionSubBlock:
         """Decode: physical ring slots [T, window] of positions t-window+1 .. t (-1 before position 0).
 
         A padded row (token slot -1) gets negative slots, which the attention kernel skips."""
-        ring = handle.schema.ring_size
         plan = handle.plan
-        key_pos, valid = F.window_key_positions(plan.positions, ring)
-        slot = plan.token_slots[:, None].long() * ring + key_pos.remainder(ring)
-        return torch.where(valid, slot, -1).to(torch.int32)
+        return ring_window_slots(plan.positions, plan.token_slots, handle.schema.ring_size, backend=self.backend)
 
     def _window_workspace(self, handle: LayerCacheHandle) -> tuple[EntryPages, torch.Tensor, torch.Tensor]:
         """Prefill/mixed: an FP8 workspace holding each request's window history (copied from the ring

@@ -12,9 +12,9 @@ index order.
 import pytest
 import torch
 
-from dsv4.kernels.indexer import to_physical, topk_indices, topk_indices_reference
+from dsv4.kernels.indexer import to_physical, topk_indices, topk_indices_reference, visible_logical, visible_physical
 from dsv4.kernels.indexer import topk as topk_mod
-from dsv4.kernels.indexer.topk import topk_workspace
+from dsv4.kernels.indexer.topk import to_physical_reference, topk_workspace
 
 NEG_INF = float("-inf")
 gpu = pytest.mark.gpu
@@ -261,16 +261,37 @@ def test_reference_and_validation():
         topk_indices(s, 2, method="sort")
 
 
-def test_to_physical():
-    bt = torch.tensor([[5, 2, -1], [7, 0, 3]], dtype=torch.int32)
-    tr = torch.tensor([0, 1], dtype=torch.int32)
-    idx = torch.tensor([[0, 5, 4, -1, 9, 12], [11, 4, 0, -1, -1, 12]], dtype=torch.int32)
-    phys = to_physical(idx, bt, tr, 4)
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_to_physical(device, backend):
+    bt = torch.tensor([[5, 2, -1], [7, 0, 3]], dtype=torch.int32, device=device)
+    tr = torch.tensor([0, 1], dtype=torch.int32, device=device)
+    idx = torch.tensor([[0, 5, 4, -1, 9, 12], [11, 4, 0, -1, -1, 12]], dtype=torch.int32, device=device)
+    phys = to_physical(idx, bt, tr, 4, backend=backend)
     # row 0: 0 -> page 5 row 0 = 20; 5 -> page 2 row 1 = 9; 4 -> 8; -1; 9 -> page -1 -> -1; 12 -> col 3 -> -1
     assert phys.tolist() == [[20, 9, 8, -1, -1, -1], [15, 0, 28, -1, -1, -1]]
     assert phys.dtype == torch.int32
+    # a strided index tensor (every other column) and an empty block table
+    assert torch.equal(to_physical(idx[:, ::2], bt, tr, 4, backend=backend), phys[:, ::2])
+    assert (to_physical(idx, bt[:, :0], tr, 4, backend=backend) == -1).all()
     with pytest.raises(ValueError, match="entries_per_page"):
-        to_physical(idx, bt, tr, 0)
+        to_physical(idx, bt, tr, 0, backend=backend)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_to_physical_random_and_visible_physical(device, backend):
+    """Random tables (pages -1 included), query rows mapped to block-table rows, widths not a power of two:
+    the Triton launch equals the reference, and visible_physical equals to_physical of visible_logical."""
+    g = torch.Generator().manual_seed(3)
+    bt = torch.randint(-1, 50, (5, 9), generator=g, dtype=torch.int32).to(device)
+    tr = torch.randint(0, 5, (7,), generator=g, dtype=torch.int32).to(device)
+    idx = torch.randint(-1, 9 * 16 + 20, (7, 37), generator=g, dtype=torch.int32).to(device)
+    want = to_physical_reference(idx, bt, tr, 16)
+    assert torch.equal(to_physical(idx, bt, tr, 16, backend=backend), want)
+    nv = torch.tensor([0, 1, 16, 17, 100, 144, 300], dtype=torch.int32, device=device)
+    for width in (0, 5, 150):
+        got = visible_physical(nv, width, bt, tr, 16, backend=backend)
+        assert torch.equal(got, to_physical_reference(visible_logical(nv, width), bt, tr, 16))
+        assert got.shape == (7, width)
 
 
 @gpu

@@ -9,7 +9,13 @@ from dsv4.kernels.indexer.scores import (
     indexer_scores_fp8keys_reference,
     indexer_scores_reference,
 )
-from dsv4.kernels.indexer.topk import to_physical, topk_indices, topk_indices_reference
+from dsv4.kernels.indexer.topk import (
+    to_physical,
+    topk_indices,
+    topk_indices_reference,
+    visible_logical,
+    visible_physical,
+)
 
 __all__ = [
     "FP8KeyPages",
@@ -22,4 +28,6 @@ __all__ = [
     "to_physical",
     "topk_indices",
     "topk_indices_reference",
+    "visible_logical",
+    "visible_physical",
 ]

@@ -115,7 +115,15 @@ import triton.language as tl
 from dsv4.errors import check_tensor
 from dsv4.kernels.dispatch import interpreter_enabled, use_triton
 
-__all__ = ["to_physical", "topk_indices", "topk_indices_reference", "topk_workspace"]
+__all__ = [
+    "to_physical",
+    "to_physical_reference",
+    "topk_indices",
+    "topk_indices_reference",
+    "topk_workspace",
+    "visible_logical",
+    "visible_physical",
+]
 
 _MAX_K = 4096  # largest k the Triton kernels sort in registers
 _BINS = 256  # histogram bins per 8-bit digit (the kernels hard-code 256)
@@ -850,19 +858,10 @@ def _launch_filter(scores, nv, out, ws, k, splits, has_nv, interp):
     )  # fmt: skip
 
 
-def to_physical(
+def to_physical_reference(
     idx: torch.Tensor, block_table: torch.Tensor, token_row: torch.Tensor, entries_per_page: int
 ) -> torch.Tensor:
-    """Logical entry indices [T, k] -> physical slots ``page * entries_per_page + row`` (int32).
-
-    -1 stays -1, and so does an index whose logical page is past the block table or maps to page -1.
-    ``block_table`` [B, max_blocks] int32, ``token_row`` [T] int32 (block-table row of each query row).
-    """
-    check_tensor("idx", idx, dtype=torch.int32, ndim=2)
-    check_tensor("block_table", block_table, dtype=torch.int32, ndim=2, device=idx.device)
-    check_tensor("token_row", token_row, dtype=torch.int32, shape=(idx.shape[0],), device=idx.device)
-    if not isinstance(entries_per_page, int) or entries_per_page < 1:
-        raise ValueError(f"entries_per_page: expected a host int >= 1, got {entries_per_page!r}")
+    """PyTorch definition of ``to_physical``."""
     max_blocks = block_table.shape[1]
     if max_blocks == 0:
         return torch.full_like(idx, -1)
@@ -872,3 +871,98 @@ def to_physical(
     ok = (i >= 0) & (col < max_blocks) & (page >= 0)
     phys = page * entries_per_page + i % entries_per_page
     return torch.where(ok, phys, torch.full_like(phys, -1)).to(torch.int32)
+
+
+def visible_logical(n_visible: torch.Tensor, width: int) -> torch.Tensor:
+    """[T, width] int32: ``j`` where ``j < n_visible[t]``, else -1 (an HCA query's list: every visible entry)."""
+    ids = torch.arange(width, device=n_visible.device, dtype=torch.int32)
+    return torch.where(ids[None, :] < n_visible[:, None], ids[None, :], -1)
+
+
+@triton.jit
+def _to_physical_kernel(
+    idx_ptr, s_idx, nv_ptr, bt_ptr, s_bt, row_ptr, out_ptr, s_out, K, max_blocks,
+    EPP: tl.constexpr, ALL: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Program (row t, column block c): columns [c*BLOCK, ...) of row t.  ALL: the logical indices are
+    ``j if j < n_visible[t] else -1`` (no index tensor is read)."""
+    t = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    jm = j < K
+    if ALL:
+        nv = tl.load(nv_ptr + t)
+        i = tl.where(j < nv, j, -1).to(tl.int64)
+    else:
+        i = tl.load(idx_ptr + t * s_idx + j, mask=jm, other=-1).to(tl.int64)
+    row = tl.load(row_ptr + t).to(tl.int64)
+    col = tl.maximum(i, 0) // EPP
+    ok = jm & (i >= 0) & (col < max_blocks)
+    page = tl.load(bt_ptr + row * s_bt + col, mask=ok, other=-1).to(tl.int64)
+    ok = ok & (page >= 0)
+    phys = page * EPP + i % EPP
+    tl.store(out_ptr + t * s_out + j, tl.where(ok, phys, -1).to(tl.int32), mask=jm)
+
+
+def _launch_to_physical(idx, n_visible, width, block_table, token_row, entries_per_page) -> torch.Tensor:
+    T = token_row.shape[0]
+    out = torch.empty(T, width, dtype=torch.int32, device=token_row.device)
+    if T == 0 or width == 0:
+        return out
+    if block_table.shape[1] == 0:
+        return out.fill_(-1)
+    bt = block_table if block_table.stride(1) == 1 else block_table.contiguous()
+    src = idx if idx is not None else out  # (unread when ALL)
+    block = min(1024, triton.next_power_of_2(width))
+    _to_physical_kernel[(T, triton.cdiv(width, block))](
+        src, src.stride(0), n_visible if n_visible is not None else token_row, bt, bt.stride(0),
+        token_row.contiguous(), out, out.stride(0), width, bt.shape[1],
+        EPP=entries_per_page, ALL=idx is None, BLOCK=block, num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+def _check_physical_args(block_table, token_row, n_rows, device, entries_per_page) -> None:
+    check_tensor("block_table", block_table, dtype=torch.int32, ndim=2, device=device)
+    check_tensor("token_row", token_row, dtype=torch.int32, shape=(n_rows,), device=device)
+    if not isinstance(entries_per_page, int) or entries_per_page < 1:
+        raise ValueError(f"entries_per_page: expected a host int >= 1, got {entries_per_page!r}")
+
+
+def to_physical(
+    idx: torch.Tensor,
+    block_table: torch.Tensor,
+    token_row: torch.Tensor,
+    entries_per_page: int,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Logical entry indices [T, k] -> physical slots ``page * entries_per_page + row`` (int32).
+
+    -1 stays -1, and so does an index whose logical page is past the block table or maps to page -1.
+    ``block_table`` [B, max_blocks] int32, ``token_row`` [T] int32 (block-table row of each query row).
+    Triton path: one launch (a decode step does this once per CSA layer; the reference is ~12 kernels).
+    """
+    check_tensor("idx", idx, dtype=torch.int32, ndim=2)
+    _check_physical_args(block_table, token_row, idx.shape[0], idx.device, entries_per_page)
+    if not use_triton(backend, idx, block_table, token_row):
+        return to_physical_reference(idx, block_table, token_row, entries_per_page)
+    idx = idx if idx.stride(1) == 1 else idx.contiguous()
+    return _launch_to_physical(idx, None, idx.shape[1], block_table, token_row, entries_per_page)
+
+
+def visible_physical(
+    n_visible: torch.Tensor,
+    width: int,
+    block_table: torch.Tensor,
+    token_row: torch.Tensor,
+    entries_per_page: int,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """``to_physical(visible_logical(n_visible, width), ...)`` in one launch: the physical slots [T, width] of
+    every entry a query row sees (HCA), -1 past ``n_visible[t]`` (int32/int64 [T])."""
+    check_tensor("n_visible", n_visible, dtype=(torch.int32, torch.int64), ndim=1)
+    if not isinstance(width, int) or width < 0:
+        raise ValueError(f"width: expected a host int >= 0, got {width!r}")
+    _check_physical_args(block_table, token_row, n_visible.shape[0], n_visible.device, entries_per_page)
+    if not use_triton(backend, n_visible, block_table, token_row):
+        return to_physical_reference(visible_logical(n_visible, width), block_table, token_row, entries_per_page)
+    return _launch_to_physical(None, n_visible.contiguous(), width, block_table, token_row, entries_per_page)

@@ -1,0 +1,133 @@
+"""Per-step index bookkeeping of the window ring, one launch each (a decode step runs these once per layer).
+
+In a CUDA-graph decode step every tiny PyTorch op is a kernel of its own (~2 us each on the H200, launch
+plus the dependent-read latency), so the few lines of torch that build the window index or move the ring
+head cost tens of microseconds per layer.  Each function here has its PyTorch reference beside it and
+one Triton launch on the GPU path:
+
+- ``ring_window_slots``: the physical ring slots a decode query reads (its own and its 127 predecessors).
+- ``advance_ring_head``: ``ring_head[slot] = seq_len mod ring`` for the step's requests.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from dsv4.errors import check_tensor
+from dsv4.kernels.dispatch import use_triton
+
+__all__ = [
+    "advance_ring_head",
+    "advance_ring_head_reference",
+    "ring_window_slots",
+    "ring_window_slots_reference",
+]
+
+_INT = (torch.int32, torch.int64)
+_ROWS_PER_PROGRAM = 8  # ring_window_slots: query rows a program writes (8 x 128 int32 = 4 KiB)
+
+
+def _check_ring(ring: int) -> None:
+    if not isinstance(ring, int) or ring <= 0:
+        raise ValueError(f"ring: expected a positive int, got {ring!r}")
+
+
+# ============================================================================ window slots
+def ring_window_slots_reference(positions: torch.Tensor, token_slots: torch.Tensor, ring: int) -> torch.Tensor:
+    """PyTorch definition of ``ring_window_slots``."""
+    kp = positions.long()[:, None] - (ring - 1) + torch.arange(ring, device=positions.device)
+    slot = token_slots.long()[:, None] * ring + kp.remainder(ring)
+    return torch.where(kp >= 0, slot, -1).to(torch.int32)
+
+
+@triton.jit
+def _ring_window_kernel(pos_ptr, tslot_ptr, out_ptr, T, RING: tl.constexpr, ROWS: tl.constexpr):
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    rm = r < T
+    p = tl.load(pos_ptr + r, mask=rm, other=0).to(tl.int64)
+    s = tl.load(tslot_ptr + r, mask=rm, other=0).to(tl.int64)
+    kp = p[:, None] - (RING - 1) + tl.arange(0, RING)[None, :]
+    # kp mod RING for kp >= 0 (the only slots kept); RING is a power of two or any positive int
+    slot = s[:, None] * RING + kp % RING
+    out = tl.where(kp >= 0, slot, -1).to(tl.int32)
+    tl.store(out_ptr + r[:, None].to(tl.int64) * RING + tl.arange(0, RING)[None, :], out, mask=rm[:, None])
+
+
+def ring_window_slots(
+    positions: torch.Tensor, token_slots: torch.Tensor, ring: int, backend: str = "auto"
+) -> torch.Tensor:
+    """Physical ring slots [T, ring] int32 a decode query at position t reads: positions t-ring+1 .. t
+    (oldest first) live in ring page ``token_slots[t]`` at row ``pos mod ring``, i.e. slot
+    ``token_slot * ring + pos mod ring``; positions < 0 give -1 (skipped by attention).
+
+    positions, token_slots: [T] int32/int64 (a padded token's slot -1 gives negative slots, also skipped).
+    ``ring`` (entries a ring page holds, host int) must be a power of two on the Triton path (tl.arange).
+    """
+    check_tensor("positions", positions, dtype=_INT, ndim=1)
+    t = positions.shape[0]
+    check_tensor("token_slots", token_slots, dtype=_INT, shape=[t], device=positions.device)
+    _check_ring(ring)
+    if not use_triton(backend, positions, token_slots, has_kernel=ring & (ring - 1) == 0):
+        return ring_window_slots_reference(positions, token_slots, ring)
+    out = torch.empty(t, ring, dtype=torch.int32, device=positions.device)
+    if t:
+        _ring_window_kernel[(triton.cdiv(t, _ROWS_PER_PROGRAM),)](
+            positions.contiguous(), token_slots.contiguous(), out, t, RING=ring, ROWS=_ROWS_PER_PROGRAM, num_warps=4
+        )
+    return out
+
+
+# ============================================================================ ring head
+def advance_ring_head_reference(
+    seq_lens: torch.Tensor, request_slots: torch.Tensor, ring_head_flat: torch.Tensor, ring: int
+) -> None:
+    """PyTorch definition of ``advance_ring_head``."""
+    head = (seq_lens.long() % ring).to(ring_head_flat.dtype)
+    slots = request_slots.long()
+    scratch = ring_head_flat.numel() - 1
+    idx = torch.where(slots >= 0, slots, torch.full_like(slots, scratch))
+    ring_head_flat.scatter_(0, idx, head)
+
+
+@triton.jit
+def _ring_head_kernel(len_ptr, rslot_ptr, head_ptr, B, scratch, ring, BLOCK: tl.constexpr):
+    b = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    bm = b < B
+    n = tl.load(len_ptr + b, mask=bm, other=0).to(tl.int64)
+    s = tl.load(rslot_ptr + b, mask=bm, other=-1).to(tl.int64)
+    dst = tl.where((s >= 0) & (s < scratch), s, scratch)
+    tl.store(head_ptr + dst, (n % ring).to(tl.int32), mask=bm & (s >= 0) & (s < scratch))
+
+
+def advance_ring_head(
+    seq_lens: torch.Tensor,
+    request_slots: torch.Tensor,
+    ring_head_flat: torch.Tensor,
+    ring: int,
+    backend: str = "auto",
+) -> None:
+    """``ring_head_flat[request_slots[b]] = seq_lens[b] mod ring`` for the step's requests, in place.
+
+    seq_lens (tokens after the step), request_slots: [B] int32/int64; ring_head_flat: int32 [num_slots + 1],
+    the last element a scratch that the reference writes for padded requests (slot -1; the kernel skips
+    them).  Slots are distinct among the step's real requests (the plan's contract), so no order matters.
+    """
+    check_tensor("seq_lens", seq_lens, dtype=_INT, ndim=1)
+    b = seq_lens.shape[0]
+    dev = seq_lens.device
+    check_tensor("request_slots", request_slots, dtype=_INT, shape=[b], device=dev)
+    check_tensor("ring_head_flat", ring_head_flat, dtype=torch.int32, ndim=1, device=dev)
+    _check_ring(ring)
+    if not ring_head_flat.is_contiguous():
+        raise ValueError("ring_head_flat: expected a contiguous tensor")
+    if not use_triton(backend, seq_lens, request_slots, ring_head_flat):
+        advance_ring_head_reference(seq_lens, request_slots, ring_head_flat, ring)
+        return
+    if b:
+        block = max(16, min(1024, triton.next_power_of_2(b)))
+        _ring_head_kernel[(triton.cdiv(b, block),)](
+            seq_lens.contiguous(), request_slots.contiguous(), ring_head_flat, b, ring_head_flat.numel() - 1, ring,
+            BLOCK=block, num_warps=4,
+        )  # fmt: skip
