@@ -239,10 +239,7 @@ class LayerCacheHandle:
 
         rp = self._need_ratio("emit_compressed")
         self._compressor(which)
-        if which == "main":
-            pages, fmt = self.paged.entries, self.schema.entry_fmt
-        else:
-            pages, fmt = self.paged.keys, self.schema.key_fmt
+        pages, fmt = self._emit_target(which)
         emit_entries(
             pooled, emits, self.plan.positions, norm_weight, self.schema.config.norm_eps, inv_freq,
             rp.emit_slots, pages, fmt, rp.ratio, kind=which, backend=backend,
@@ -256,11 +253,16 @@ class LayerCacheHandle:
         inv_freq: torch.Tensor,
         which: str = "main",
         backend: str = "auto",
+        ape: torch.Tensor | None = None,
     ) -> None:
         """``update_compressor`` then ``emit_compressed`` (same arguments, same effect).  A decode step
         (``plan.is_decode``) runs them as ONE fused launch (``compress_decode``); otherwise as those two
-        calls (pool + state write, then emit: 3 launches on the Triton path)."""
+        calls (pool + state write, then emit: 3 launches on the Triton path).  With ``ape`` (fp32
+        [m, c*d]) ``score`` is ``wgate(x)`` alone and ``ape[pos mod m]`` is added here (inside the fused
+        decode launch)."""
         if not self.plan.is_decode:
+            if ape is not None:
+                score = score + ape[self.plan.positions.long() % ape.shape[0]]
             pooled, emits = self.update_compressor(kv, score, which, backend=backend)
             self.emit_compressed(pooled, emits, norm_weight, inv_freq, which, backend=backend)
             return
@@ -268,15 +270,18 @@ class LayerCacheHandle:
 
         rp = self._need_ratio("compress")
         st = self._compressor(which)
-        if which == "main":
-            pages, fmt = self.paged.entries, self.schema.entry_fmt
-        else:
-            pages, fmt = self.paged.keys, self.schema.key_fmt
+        pages, fmt = self._emit_target(which)
         compress_decode(
             kv, score, self.plan.positions, self.plan.token_slots, st.kv, st.score, st.counters, st.shape.ratio,
             st.shape.overlap, norm_weight, self.schema.config.norm_eps, inv_freq, rp.emit_slots, pages, fmt,
-            kind=which, backend=backend,
+            kind=which, backend=backend, ape=ape,
         )  # fmt: skip
+
+    def _emit_target(self, which: str):
+        """(pages, format) the ``which`` compressor's entries go to: FP8 entries (main) or MXFP4 keys."""
+        if which == "main":
+            return self.paged.entries, self.schema.entry_fmt
+        return self.paged.keys, self.schema.key_fmt
 
     def _compressor(self, which: str) -> CompressorState:
         self._need_ratio("compressor")

@@ -335,9 +335,10 @@ def _parts(blk: AttentionSubBlock, handle, x: torch.Tensor) -> dict[str, Callabl
 
     def compress():
         comps = [(w.compressor, "main")] + ([(w.indexer.compressor, "indexer")] if blk.kind.value == "csa" else [])
+        xf = x.float()  # once for both compressors, as the layer does
         for cw, which in comps:
-            kv, score = F.compressor_project(x, cw.wkv, cw.wgate, cw.ape, plan.positions, blk.ratio)
-            handle.compress(kv, score, cw.norm, inv, which, backend=be)
+            kv, gate = F.compressor_project(xf, cw.wkv, cw.wgate, None, plan.positions, blk.ratio)
+            handle.compress(kv, gate, cw.norm, inv, which, backend=be, ape=cw.ape)
 
     caches = [(handle.read_swa_view().pages, blk._ring_window_index(handle))]
     if blk.ratio:

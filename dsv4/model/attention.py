@@ -83,10 +83,11 @@ class AttentionSubBlock:
         caches = [window]
 
         if self.ratio:
-            comp = self._compress(x, handle, w.compressor, "main")
+            xf = x.float()  # the compressors' fp32 input, cast once for both
+            comp = self._compress(xf, handle, w.compressor, "main")
             rp = handle.ratio_plan
             if self.kind is LayerKind.CSA:
-                self._compress(x, handle, w.indexer.compressor, "indexer")
+                self._compress(xf, handle, w.indexer.compressor, "indexer")
             if rp.max_entries > 0:
                 if self.kind is LayerKind.CSA:
                     logical = self._indexer_topk(x, qr, handle)
@@ -102,8 +103,9 @@ class AttentionSubBlock:
 
     # ------------------------------------------------------------------ pieces
     def _compress(self, x: torch.Tensor, handle: LayerCacheHandle, cw, which: str) -> EntryPages:
-        kv, score = F.compressor_project(x, cw.wkv, cw.wgate, cw.ape, handle.positions, self.ratio)
-        handle.compress(kv, score, cw.norm, self.inv_freq, which, backend=self.backend)
+        # (ape is added inside handle.compress: in the fused kernel on a decode step)
+        kv, gate = F.compressor_project(x, cw.wkv, cw.wgate, None, handle.positions, self.ratio)
+        handle.compress(kv, gate, cw.norm, self.inv_freq, which, backend=self.backend, ape=cw.ape)
         return handle.paged.entries
 
     def _indexer_topk(self, x: torch.Tensor, qr: torch.Tensor, handle: LayerCacheHandle) -> torch.Tensor:

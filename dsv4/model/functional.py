@@ -213,25 +213,28 @@ def compressor_project(
     x: torch.Tensor,
     wkv: torch.Tensor,
     wgate: torch.Tensor,
-    ape: torch.Tensor,
+    ape: torch.Tensor | None,
     positions: torch.Tensor,
     ratio: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token compressor projections in fp32 (spec §3): ``kv = x·wkvᵀ``, ``score = x·wgateᵀ + ape[pos mod m]``.
 
-    x [..., dim] (cast to fp32); wkv, wgate [c·d, dim] (cast to fp32); ape [m, c·d] fp32;
+    x [..., dim] (cast to fp32); wkv, wgate [c·d, dim] (cast to fp32); ape [m, c·d] fp32, or None to leave
+    it out (``score = x·wgateᵀ``: for a consumer that adds it itself, as ``LayerCacheHandle.compress``);
     positions (int) broadcastable to ``x.shape[:-1]`` (absolute positions).  Returns
     (kv, score), both fp32 [..., c·d].  These are the rows the compressor state keeps (§3.1).
     """
     check_tensor("x", x, dtype=_FLOATS)
     check_tensor("wkv", wkv, ndim=2)
     check_tensor("wgate", wgate, shape=tuple(wkv.shape))
-    check_tensor("ape", ape, shape=(ratio, wkv.shape[0]))
+    if ape is not None:
+        check_tensor("ape", ape, shape=(ratio, wkv.shape[0]))
     check_tensor("positions", positions, dtype=_INTS)
     xf = x.float()
     kv = torch.nn.functional.linear(xf, wkv.float())
     score = torch.nn.functional.linear(xf, wgate.float())
-    score = score + ape.float()[torch.remainder(positions, ratio).long()]
+    if ape is not None:
+        score = score + ape.float()[torch.remainder(positions, ratio).long()]
     return kv, score
 
 

@@ -176,15 +176,22 @@ def _pages(fmt, ekind, flat):
     return fmt.entry_pages(flat, 3, 4) if ekind == "main" else fmt.key_pages(flat, 3, 4)
 
 
+@pytest.mark.parametrize("with_ape", [False, True])
 @pytest.mark.parametrize("tuning", [{}, {"block_d": 16, "num_warps": 2}])
 @pytest.mark.parametrize("kind", list(FUSED_KINDS))
-def test_compress_decode_one_launch_equals_two_launches(device, kind, tuning):
+def test_compress_decode_one_launch_equals_two_launches(device, kind, tuning, with_ape):
     """compress_decode (Triton: pool + state row + emit in one launch, the last channel block of each entry
     emitting) writes the same state and the same entry / key bytes as compressor_step(decode=True) +
     emit_entries (same pooling and emit code: bit-equal), and leaves the counters at 0.  The torch backend
-    (the two references) agrees to the pooled values' fp32 rounding."""
+    (the two references) agrees to the pooled values' fp32 rounding.  ``with_ape``: compress_decode gets
+    wgate(x) and ape and adds ape[pos mod m] itself (one fp32 add, the same sum)."""
     (kv, sc, pos, tslot, st, w, inv, eslot, flat), fmt, ratio, overlap, ekind = _decode_setup(kind, device)
     counters = torch.zeros(st.shape[1], dtype=torch.int32, device=device)
+    fused_kw = {}
+    if with_ape:
+        ape = torch.randn(ratio, sc.shape[1], generator=torch.Generator().manual_seed(4)).to(device)
+        fused_kw = {"ape": ape}
+        gate, sc = sc, sc + ape[pos.long() % ratio]  # the two-launch path gets score = gate + ape
     f1, k1, s1 = flat.clone(), st[0].clone(), st[1].clone()
     pooled, emits = compressor_step(kv, sc, pos, tslot, k1, s1, ratio, overlap, decode=True, backend="triton")
     emits &= tslot >= 0  # (pooled rows of tokens without a state slot are unspecified; compress_decode skips them)
@@ -194,8 +201,9 @@ def test_compress_decode_one_launch_equals_two_launches(device, kind, tuning):
         f2, k2, s2 = flat.clone(), st[0].clone(), st[1].clone()
         for _ in range(2 if backend == "triton" else 1):  # twice: the counters must be back at 0 in between
             compress_decode(
-                kv, sc, pos, tslot, k2, s2, counters, ratio, overlap, w, 1e-6, inv, eslot, _pages(fmt, ekind, f2),
-                fmt, ekind, backend=backend, **(tuning if backend == "triton" else {}),
+                kv, gate if with_ape else sc, pos, tslot, k2, s2, counters, ratio, overlap, w, 1e-6, inv, eslot,
+                _pages(fmt, ekind, f2), fmt, ekind, backend=backend, **(tuning if backend == "triton" else {}),
+                **fused_kw,
             )  # fmt: skip
         outs.append((f2, k2, s2))
         assert not counters.any()
@@ -225,6 +233,8 @@ def test_compress_decode_validation(device):
         compress_decode(kv, sc, pos, tslot, k, s, ok.long(), ratio, overlap, w, 1e-6, inv, eslot, pages, fmt)
     with pytest.raises(ValueError, match="fmt"):
         compress_decode(kv, sc, pos, tslot, k, s, ok, ratio, overlap, w, 1e-6, inv, eslot, pages, fmt, "indexer")
+    with pytest.raises(ValueError, match="ape"):
+        compress_decode(kv, sc, pos, tslot, k, s, ok, ratio, overlap, w, 1e-6, inv, eslot, pages, fmt, ape=sc[:2])
     assert torch.equal(k, st[0]) and torch.equal(s, st[1]) and not ok.any()  # a failed call changes nothing
 
 

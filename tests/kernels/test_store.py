@@ -169,6 +169,35 @@ def test_store_window_matches_reference(device):
         assert torch.equal(flat_k, flat_r)
 
 
+@pytest.mark.parametrize("geometry", [{}, {"block_t": 4, "num_warps": 2, "iters": 2}])
+def test_store_window_records_ring_positions(device, geometry):
+    """``ring_positions``: the store launch also writes each stored row's position at its slot (the window
+    ring's table), exactly where the reference scatter writes; skipped rows (-1, out of range) write nothing
+    but the reference's scratch element.  record_ring_positions (append_swa's one launch) does the same."""
+    from dsv4.kernels.cache.append_swa import record_ring_positions
+    from dsv4.kernels.cache.store import record_ring_positions_reference
+
+    slots = _slots(device)
+    t = slots.numel()
+    kv, w, pos, inv_freq = _rope_inputs(t, device)
+    pos = pos + 1000  # positions distinct from the table's initial values
+    table0 = torch.arange(PAGES * BS + 1, dtype=torch.int32, device=device) - 50
+    want = table0.clone()
+    record_ring_positions_reference(slots, pos, want)
+    for backend in ("torch", "triton"):
+        table = table0.clone()
+        _, pages = _fp8_buffer(device)
+        kw = geometry if backend == "triton" else {}
+        store_window(kv, w, 1e-6, pos, inv_freq, slots, pages, FMT, backend=backend, ring_positions=table, **kw)
+        assert torch.equal(table[:-1], want[:-1])
+        table = table0.clone()
+        record_ring_positions(slots, pos, table, backend=backend)
+        assert torch.equal(table[:-1], want[:-1])
+    assert not torch.equal(want[:-1], table0[:-1])
+    with pytest.raises(ValueError, match="ring_positions"):
+        store_window(kv, w, 1e-6, pos, inv_freq, slots, pages, FMT, ring_positions=table0[:-1])
+
+
 @pytest.mark.parametrize(
     "geometry",
     [

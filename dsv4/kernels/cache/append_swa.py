@@ -3,17 +3,20 @@
 One row per token: FP8-quantise into ring slot ``swa_slots[i]`` (= request_slot * ring_size +
 pos mod ring_size; -1 skipped) and record the token's absolute position for that row.  The quantise +
 store is ``store_fp8_entries`` (PyTorch reference or Triton kernel, chosen by ``backend``); the position
-write is a scatter into a table whose last element absorbs skipped rows, so no data-dependent branch
-and no host sync is needed.
+write is one more launch (``record_ring_positions``), or part of the store launch in ``append_window``.
+No data-dependent branch and no host sync.
 """
 
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
 from dsv4.errors import check_tensor
 from dsv4.formats import EntryPages, FP8EntryFormat
-from dsv4.kernels.cache.store import store_fp8_entries, store_window
+from dsv4.kernels.cache.store import record_ring_positions_reference, store_fp8_entries, store_window
+from dsv4.kernels.dispatch import use_triton
 
 
 def append_swa(
@@ -35,16 +38,33 @@ def append_swa(
     check_tensor("positions", positions, dtype=torch.int32, shape=(t,))
     check_tensor("ring_positions_flat", ring_positions_flat, dtype=torch.int32, shape=(ring.num_slots + 1,))
     store_fp8_entries(kv, swa_slots, ring, fmt, backend=backend)
-    record_ring_positions(swa_slots, positions, ring_positions_flat)
+    record_ring_positions(swa_slots, positions, ring_positions_flat, backend=backend)
 
 
-def record_ring_positions(swa_slots: torch.Tensor, positions: torch.Tensor, ring_positions_flat: torch.Tensor) -> None:
-    """Set ``ring_positions_flat[swa_slots[i]] = positions[i]``; slots outside the table go to its last
-    (scratch) element, so there is no data-dependent branch and no host sync."""
-    scratch = ring_positions_flat.numel() - 1
-    valid = (swa_slots >= 0) & (swa_slots < scratch)
-    idx = torch.where(valid, swa_slots.long(), torch.full_like(swa_slots, scratch, dtype=torch.long))
-    ring_positions_flat.scatter_(0, idx, positions.to(ring_positions_flat.dtype))
+@triton.jit
+def _record_positions_kernel(slot_ptr, pos_ptr, rpos_ptr, T, scratch, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    im = i < T
+    s = tl.load(slot_ptr + i, mask=im, other=-1).to(tl.int64)
+    p = tl.load(pos_ptr + i, mask=im, other=0)
+    tl.store(rpos_ptr + s, p.to(tl.int32), mask=im & (s >= 0) & (s < scratch))
+
+
+def record_ring_positions(
+    swa_slots: torch.Tensor, positions: torch.Tensor, ring_positions_flat: torch.Tensor, backend: str = "auto"
+) -> None:
+    """Set ``ring_positions_flat[swa_slots[i]] = positions[i]`` (one launch on the Triton path).  Slots
+    outside [0, numel - 1) are skipped (the reference parks them in the last, scratch element)."""
+    if not use_triton(backend, swa_slots, positions, ring_positions_flat):
+        record_ring_positions_reference(swa_slots, positions, ring_positions_flat)
+        return
+    t = swa_slots.shape[0]
+    if t:
+        block = max(16, min(1024, triton.next_power_of_2(t)))
+        _record_positions_kernel[(triton.cdiv(t, block),)](
+            swa_slots.contiguous(), positions.contiguous(), ring_positions_flat, t, ring_positions_flat.numel() - 1,
+            BLOCK=block, num_warps=4,
+        )  # fmt: skip
 
 
 def append_window(
@@ -68,6 +88,8 @@ def append_window(
     check_tensor("swa_slots", swa_slots, dtype=(torch.int32, torch.int64), shape=(t,))
     check_tensor("ring_positions_flat", ring_positions_flat, dtype=torch.int32, shape=(ring.num_slots + 1,))
     out = torch.empty_like(kv_raw)
-    store_window(kv_raw, norm_weight, eps, positions, inv_freq, swa_slots, ring, fmt, out=out, backend=backend)
-    record_ring_positions(swa_slots, positions, ring_positions_flat)
+    store_window(
+        kv_raw, norm_weight, eps, positions, inv_freq, swa_slots, ring, fmt, out=out, backend=backend,
+        ring_positions=ring_positions_flat,
+    )  # fmt: skip
     return out

@@ -210,13 +210,16 @@ def _pool_token(
     DECODE: tl.constexpr,
     i0=0,
     ROW_LOADS: tl.constexpr = True,
+    ape_ptr=None,
+    HAS_APE: tl.constexpr = False,
 ):
     """Pool channels [b*BLOCK_D, ...) of the entry completed by token i (position t, state slot ``slot``).
 
     Which of the pooled rows come from this step (non-decode): with ``ROW_LOADS`` by loading the slots and
     positions of their candidate tokens (a dependent round trip before the bulk loads); otherwise from
     ``i0``, the batch index of the request's first token in the step, which the caller found in registers:
-    by the step contract row j is in the step iff j >= i0."""
+    by the step contract row j is in the step iff j >= i0.  ``HAS_APE`` (decode): the step's score row is
+    ``wgate(x)`` without ape; ``ape_ptr`` [M, C*D] fp32 row ``t mod M`` is added to it here."""
     k = tl.arange(0, BLOCK_R)
     rmask = k < CM
     p = t - CM + 1 + k  # positions of the pooled rows
@@ -247,6 +250,12 @@ def _pool_token(
     # depends on the row only, so the pointers stay contiguous along the channels: wide loads)
     kv_r = tl.load(tl.where(sel, kv_ptr + in_off, kvs_ptr + st_off), mask=m_any, other=0.0)
     sc_r = tl.load(tl.where(sel, sc_ptr + in_off, scs_ptr + st_off), mask=m_any, other=float("-inf"))
+    if HAS_APE:  # (ape rows are [c*d] wide, contiguous)
+        if OVERLAP:
+            ape_row = ape_ptr + (t % M) * (2 * D)
+        else:
+            ape_row = ape_ptr + (t % M) * D
+        sc_r += tl.load(ape_row + col, mask=sel & chm[None, :], other=0.0)
     mx = tl.max(sc_r, axis=0)
     mx = tl.where(mx == float("-inf"), 0.0, mx)  # all-absent (padding) channels: no inf - inf
     e = tl.exp(sc_r - mx[None, :])
@@ -260,9 +269,10 @@ def _pool_token(
 def _decode_pool_write(
     i, b, kv_ptr, sc_ptr, stride_in, pos_ptr, tslot_ptr, kvs_ptr, scs_ptr, st_ss, st_sr, num_state_slots, pooled_ptr,
     emits_ptr, T, M: tl.constexpr, CM: tl.constexpr, D: tl.constexpr, OVERLAP: tl.constexpr, C: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, ape_ptr=None, HAS_APE: tl.constexpr = False,
 ):  # fmt: skip
-    """decode=True, token i, channel block b: pool (if i emits) and write its own state row.  Returns
+    """decode=True, token i, channel block b: pool (if i emits) and write its own state row (``HAS_APE``:
+    ``sc_ptr`` rows are wgate(x) and ape row t mod M [C*D] is added, as ``_pool_token``).  Returns
     (pooled: whether this program pooled a channel block of an entry, the token's state slot).
 
     One launch is safe because every request has one token: its write (row t mod c*m, which held
@@ -277,7 +287,7 @@ def _decode_pool_write(
     if pooled:
         _pool_token(
             i, t, slot, b, kv_ptr, sc_ptr, stride_in, pos_ptr, tslot_ptr, kvs_ptr, scs_ptr, st_ss, st_sr,
-            pooled_ptr, T, M, CM, D, OVERLAP, BLOCK_R, BLOCK_D, True,
+            pooled_ptr, T, M, CM, D, OVERLAP, BLOCK_R, BLOCK_D, True, 0, True, ape_ptr, HAS_APE,
         )  # fmt: skip
     jn = i + CM
     later = jn < T
@@ -289,7 +299,10 @@ def _decode_pool_write(
         wm = wch < C * D
         dst = slot * st_ss + (t % CM) * st_sr + wch
         tl.store(kvs_ptr + dst, tl.load(kv_ptr + i * stride_in + wch, mask=wm), mask=wm)
-        tl.store(scs_ptr + dst, tl.load(sc_ptr + i * stride_in + wch, mask=wm), mask=wm)
+        sc_own = tl.load(sc_ptr + i * stride_in + wch, mask=wm)
+        if HAS_APE:
+            sc_own += tl.load(ape_ptr + (t % M) * (C * D) + wch, mask=wm)
+        tl.store(scs_ptr + dst, sc_own, mask=wm)
     return pooled, slot
 
 
@@ -331,12 +344,13 @@ def _last_arrival(pooled, cnt_ptr, slot, N_POOL: tl.constexpr):
 @triton.jit
 def _compressor_decode_emit_main_kernel(
     kv_ptr, sc_ptr, stride_in, pos_ptr, tslot_ptr, kvs_ptr, scs_ptr, st_ss, st_sr, num_state_slots, pooled_ptr,
-    emits_ptr, T, cnt_ptr, w_ptr, eps, inv_ptr, eslot_ptr, num_slots, bs, nope_ptr, nope_sp, nope_sr, rope_ptr,
-    rope_sp, rope_sr, scale_ptr, scale_sp, scale_sr,
+    emits_ptr, T, cnt_ptr, ape_ptr, w_ptr, eps, inv_ptr, eslot_ptr, num_slots, bs, nope_ptr, nope_sp, nope_sr,
+    rope_ptr, rope_sp, rope_sr, scale_ptr, scale_sp, scale_sr,
     M: tl.constexpr, CM: tl.constexpr, D: tl.constexpr, OVERLAP: tl.constexpr, C: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, N_POOL: tl.constexpr, INTERP: tl.constexpr, NOPE: tl.constexpr,
     NT: tl.constexpr, NT_PAD: tl.constexpr, TILE: tl.constexpr, HR: tl.constexpr, FLOOR: tl.constexpr,
     QMAX: tl.constexpr, Q_EXP: tl.constexpr, Q_MANT: tl.constexpr, VEC_RUNS: tl.constexpr,
+    HAS_APE: tl.constexpr = False,
 ):  # fmt: skip
     """Decode step of a main compressor in one launch: ``_decode_pool_write``, then the last channel-block
     program of each emitting token (``_last_arrival``) reads the token's pooled row back and emits its
@@ -344,7 +358,7 @@ def _compressor_decode_emit_main_kernel(
     i = tl.program_id(0).to(tl.int64)
     pooled, slot = _decode_pool_write(
         i, tl.program_id(1), kv_ptr, sc_ptr, stride_in, pos_ptr, tslot_ptr, kvs_ptr, scs_ptr, st_ss, st_sr,
-        num_state_slots, pooled_ptr, emits_ptr, T, M, CM, D, OVERLAP, C, BLOCK_R, BLOCK_D,
+        num_state_slots, pooled_ptr, emits_ptr, T, M, CM, D, OVERLAP, C, BLOCK_R, BLOCK_D, ape_ptr, HAS_APE,
     )  # fmt: skip
     if _last_arrival(pooled, cnt_ptr, slot, N_POOL):
         noff, tin, roff, rin = _fp8_row_offsets(D, NOPE, NT, NT_PAD, TILE, HR, VEC_RUNS)
@@ -363,19 +377,20 @@ def _compressor_decode_emit_main_kernel(
 @triton.jit
 def _compressor_decode_emit_indexer_kernel(
     kv_ptr, sc_ptr, stride_in, pos_ptr, tslot_ptr, kvs_ptr, scs_ptr, st_ss, st_sr, num_state_slots, pooled_ptr,
-    emits_ptr, T, cnt_ptr, w_ptr, eps, inv_ptr, eslot_ptr, num_slots, bs, data_ptr, data_sp, data_sr, scale_ptr,
-    scale_sp, scale_sr,
+    emits_ptr, T, cnt_ptr, ape_ptr, w_ptr, eps, inv_ptr, eslot_ptr, num_slots, bs, data_ptr, data_sp, data_sr,
+    scale_ptr, scale_sp, scale_sr,
     M: tl.constexpr, CM: tl.constexpr, D: tl.constexpr, OVERLAP: tl.constexpr, C: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, N_POOL: tl.constexpr, INTERP: tl.constexpr, NOPE: tl.constexpr,
     HR: tl.constexpr, HAD_SCALE: tl.constexpr, KB: tl.constexpr, NA: tl.constexpr, RA: tl.constexpr,
     NB: tl.constexpr, HB: tl.constexpr, FLOOR: tl.constexpr, Q_EXP: tl.constexpr, Q_MANT: tl.constexpr,
+    HAS_APE: tl.constexpr = False,
 ):  # fmt: skip
     """``_compressor_decode_emit_main_kernel`` for the CSA indexer's compressor: the emit is
     ``_emit_indexer_rows`` (RMSNorm -> RoPE -> Hadamard -> MXFP4 key)."""
     i = tl.program_id(0).to(tl.int64)
     pooled, slot = _decode_pool_write(
         i, tl.program_id(1), kv_ptr, sc_ptr, stride_in, pos_ptr, tslot_ptr, kvs_ptr, scs_ptr, st_ss, st_sr,
-        num_state_slots, pooled_ptr, emits_ptr, T, M, CM, D, OVERLAP, C, BLOCK_R, BLOCK_D,
+        num_state_slots, pooled_ptr, emits_ptr, T, M, CM, D, OVERLAP, C, BLOCK_R, BLOCK_D, ape_ptr, HAS_APE,
     )  # fmt: skip
     if _last_arrival(pooled, cnt_ptr, slot, N_POOL):
         ii = i + tl.arange(0, 1)
@@ -1018,6 +1033,7 @@ def compress_decode(
     kind: str = "main",
     backend: str = "auto",
     *,
+    ape: torch.Tensor | None = None,
     block_d: int | None = None,
     num_warps: int | None = None,
 ) -> None:
@@ -1032,6 +1048,9 @@ def compress_decode(
         token, -1 = skip; a token without a state slot emits nothing), plus ``counters`` int32
         [num_state_slots], all 0 (each launch leaves them 0;
         ``CompressorState.counters``).  Concurrent launches on one ``counters`` tensor are not allowed.
+        ``ape`` (fp32 [ratio, c*d], optional): then ``score`` is ``wgate(x)`` alone and the kernel adds
+        ``ape[pos mod ratio]`` to each token's row (spec §3: the state keeps score + ape), saving the
+        gather and add launches; the result is the same fp32 sum.
     Preconditions: decode (every request has exactly one token; the step contract of ``compressor_step``).
     Tuning (Triton path only): ``block_d``, ``num_warps`` as ``compressor_step``'s decode kernel.
     The torch backend runs ``compressor_step_reference`` + ``emit_entries_reference``.
@@ -1042,7 +1061,11 @@ def compress_decode(
     if d_emit != d:
         raise ValueError(f"fmt: expected a {kind} format of width {d} (the compressor's), got {d_emit}")
     check_tensor("counters", counters, dtype=torch.int32, shape=[kv_state.shape[0]], device=dev)
+    if ape is not None:
+        check_tensor("ape", ape, dtype=torch.float32, shape=[ratio, cd], device=dev)
     if not use_triton(backend, kv, score, positions, token_slot, kv_state, score_state, counters, slots):
+        if ape is not None:
+            score = score + ape[positions.long() % ratio]
         pooled, emits = compressor_step_reference(
             kv, score, positions, token_slot, kv_state, score_state, ratio, overlap
         )
@@ -1053,6 +1076,8 @@ def compress_decode(
         return
     if not counters.is_contiguous() or not norm_weight.is_contiguous() or not inv_freq.is_contiguous():
         raise ValueError("counters, norm_weight, inv_freq: expected contiguous tensors")
+    if ape is not None and not ape.is_contiguous():
+        raise ValueError("ape: expected a contiguous tensor")
     positions, token_slot, slots = positions.contiguous(), token_slot.contiguous(), slots.contiguous()
     pooled = torch.empty(t, d, dtype=torch.float32, device=dev)
     emits = torch.empty(t, dtype=torch.uint8, device=dev)
@@ -1060,8 +1085,9 @@ def compress_decode(
     bd = block_d or max(16, min(triton.next_power_of_2(cd), _DECODE_TILE // block_r))
     _check_pow2("block_d", bd)
     head = (kv, score, kv.stride(0), positions, token_slot, kv_state, score_state, kv_state.stride(0))
-    head = head + (kv_state.stride(1), kv_state.shape[0], pooled, emits, t, counters)
+    head = head + (kv_state.stride(1), kv_state.shape[0], pooled, emits, t, counters, ape if ape is not None else kv)
     geo = dict(M=ratio, CM=cm, D=d, OVERLAP=overlap, C=c, BLOCK_R=block_r, BLOCK_D=bd, N_POOL=triton.cdiv(d, bd))
+    geo["HAS_APE"] = ape is not None
     emit = (norm_weight, float(eps), inv_freq, slots)
     grid = (t, triton.cdiv(cd, bd))
     interp = interpreter_enabled()

@@ -310,8 +310,11 @@ def _norm_rope_rows(
     QMAX: tl.constexpr,
     Q_EXP: tl.constexpr,
     Q_MANT: tl.constexpr,
+    rpos_ptr=None,
+    HAS_RPOS: tl.constexpr = False,
 ):
-    """RMSNorm -> RoPE -> [out] -> FP8 entry of one block of loaded rows (see ``_norm_rope_fp8_kernel``)."""
+    """RMSNorm -> RoPE -> [out] -> FP8 entry of one block of loaded rows (see ``_norm_rope_fp8_kernel``);
+    ``HAS_RPOS``: also ``rpos_ptr[slot] = position`` for every stored row (the window ring's positions)."""
     slot = tl.load(slot_ptr + ii, mask=go, other=-1)
     ok = go & (slot >= 0) & (slot < num_slots)
     # page / row in int32 (a pool has < 2**31 slots; an int64 division is a ~100-instruction call), the byte
@@ -360,6 +363,8 @@ def _norm_rope_rows(
     tl.store((scale_ptr + page * scale_sp + row * scale_sr)[:, None] + tiles[None, :], sbyte.to(tl.uint8), mask=smask)
     rb = (rope_ptr + page * rope_sp + row * rope_sr)[:, None, None] + (roff - NOPE)
     tl.store(rb, bf16_bits(rot), mask=ok[:, None, None] & rin)
+    if HAS_RPOS:
+        tl.store(rpos_ptr + s32, p.to(tl.int32), mask=ok)
 
 
 @triton.jit
@@ -438,6 +443,8 @@ def _norm_rope_fp8_kernel(
     Q_MANT: tl.constexpr,
     VEC_RUNS: tl.constexpr,
     SCAN: tl.constexpr = 1,
+    rpos_ptr=None,
+    HAS_RPOS: tl.constexpr = False,
 ):
     """Rows [a*ITERS*BLOCK_T, ...): x -> bf16 -> RMSNorm (fp32, bf16 out) -> RoPE (fp32, bf16 out) -> [out] + FP8.
 
@@ -446,7 +453,8 @@ def _norm_rope_fp8_kernel(
     [BLOCK_T, HR, 2], split into its even / odd lanes in registers (``tl.split``), rotated, re-interleaved
     (``tl.join``).  cos/sin once per (row, pair) at ``RATIO * (pos // RATIO)``.  A program handles ITERS
     blocks one after the other, loading block i+1 before computing block i (its loads stay in flight during
-    the compute).  With ``HAS_EMIT`` only rows with ``emits`` != 0 are read and stored; a block without
+    the compute).  With ``HAS_RPOS`` every stored row also records its position at ``rpos_ptr[slot]`` (the
+    window ring's position table).  With ``HAS_EMIT`` only rows with ``emits`` != 0 are read and stored; a block without
     any is skipped after one vector load of its flags.  bf16 and e4m3 rounding: the hardware's
     round-to-nearest-even conversions on a GPU, the bit-exact integer emulation under the interpreter
     (``INTERP``); both give the reference's bytes.
@@ -471,7 +479,7 @@ def _norm_rope_fp8_kernel(
                 xn, xr, ii, go, w_ptr, eps, pos_ptr, inv_ptr, slot_ptr, num_slots, bs, out_ptr, stride_out,
                 nope_ptr, nope_sp, nope_sr, rope_ptr, rope_sp, rope_sr, scale_ptr, scale_sp, scale_sr,
                 noff, tin, roff, RATIO, HAS_OUT, INTERP, BLOCK_T, HEAD_DIM, NOPE, NT, NT_PAD, TILE, HR,
-                FLOOR, QMAX, Q_EXP, Q_MANT,
+                FLOOR, QMAX, Q_EXP, Q_MANT, rpos_ptr, HAS_RPOS,
             )  # fmt: skip
             k = tl.min(tl.where(fl & (kk > k), kk, SCAN), axis=0)
         return
@@ -493,7 +501,7 @@ def _norm_rope_fp8_kernel(
                 xn, xr, ii, go, w_ptr, eps, pos_ptr, inv_ptr, slot_ptr, num_slots, bs, out_ptr, stride_out,
                 nope_ptr, nope_sp, nope_sr, rope_ptr, rope_sp, rope_sr, scale_ptr, scale_sp, scale_sr,
                 noff, tin, roff, RATIO, HAS_OUT, INTERP, BLOCK_T, HEAD_DIM, NOPE, NT, NT_PAD, TILE, HR,
-                FLOOR, QMAX, Q_EXP, Q_MANT,
+                FLOOR, QMAX, Q_EXP, Q_MANT, rpos_ptr, HAS_RPOS,
             )  # fmt: skip
         if ITERS > 1:
             ii, go, xn, xr = ii_n, go_n, xn_n, xr_n
@@ -630,6 +638,7 @@ def _launch_norm_rope_fp8(
     num_warps: int | None = None,
     iters: int | None = None,
     scan: int | None = None,
+    ring_positions: torch.Tensor | None = None,
 ) -> None:
     """One launch, shared by ``store_window`` (ratio 1) and the main compressor's ``emit_entries``:
     RoPE at ``ratio * (positions // ratio)``, computed in the kernel (no cos/sin tensors).
@@ -672,6 +681,7 @@ def _launch_norm_rope_fp8(
         pages.entries_per_page, o, o.stride(0), *pargs,
         RATIO=ratio, HAS_EMIT=emits is not None, HAS_OUT=out is not None, INTERP=interpreter_enabled(), BLOCK_T=bt,
         ITERS=it, HEAD_DIM=fmt.head_dim, NOPE=fmt.nope_dim, VEC_RUNS=fmt.tile % _VEC_ELEMS == 0, SCAN=sc,
+        rpos_ptr=ring_positions if ring_positions is not None else slots, HAS_RPOS=ring_positions is not None,
         num_warps=nw, **kw,
     )  # fmt: skip
 
@@ -741,6 +751,7 @@ def store_window(
     out: torch.Tensor | None = None,
     backend: str = "auto",
     *,
+    ring_positions: torch.Tensor | None = None,
     block_t: int | None = None,
     num_warps: int | None = None,
     iters: int | None = None,
@@ -753,7 +764,9 @@ def store_window(
     ``slots`` [T] the physical ring slots (-1 / out of range: not stored).  RMSNorm in fp32, rounded
     to bf16; interleaved RoPE on the last rope_dim dims in fp32 at angle ``fp32(pos) * inv_freq``,
     rounded to bf16; then quantised as ``fmt.quantize``.  If ``out`` [T, head_dim] bf16 is given it
-    receives the normed + roped rows for every token (whatever its slot).
+    receives the normed + roped rows for every token (whatever its slot).  If ``ring_positions`` (int32
+    [pages.num_slots + 1], the ring's position table) is given, every stored row also records its position
+    there (``ring_positions[slot] = position``, as ``record_ring_positions``; in the same launch).
     Triton vs reference: the bf16 rows agree up to the fp32 sum order of RMSNorm (rarely one bf16
     ulp); the stored bytes always equal ``fmt.quantize`` of the kernel's own bf16 rows.
     Tuning (Triton path only; results do not depend on them): ``block_t`` rows per block (a power of
@@ -771,12 +784,28 @@ def store_window(
         check_tensor("out", out, dtype=torch.bfloat16, shape=[t, fmt.head_dim], device=dev)
         if out.stride(1) != 1:
             raise ValueError(f"out: expected unit inner stride, got strides {out.stride()}")
+    if ring_positions is not None:
+        check_tensor("ring_positions", ring_positions, dtype=torch.int32, shape=[pages.num_slots + 1], device=dev)
+        if not ring_positions.is_contiguous():
+            raise ValueError("ring_positions: expected a contiguous tensor")
     if not use_triton(backend, kv, slots, pages.nope):
         store_window_reference(kv, norm_weight, eps, positions, inv_freq, slots, pages, fmt, out)
+        if ring_positions is not None:
+            record_ring_positions_reference(slots, positions, ring_positions)
         return
     slots, positions = slots.contiguous(), positions.contiguous()
     if not norm_weight.is_contiguous() or not inv_freq.is_contiguous():
         raise ValueError("norm_weight, inv_freq: expected contiguous tensors")
     _launch_norm_rope_fp8(
-        kv, norm_weight, eps, positions, 1, inv_freq, slots, pages, fmt, out, None, block_t, num_warps, iters
-    )
+        kv, norm_weight, eps, positions, 1, inv_freq, slots, pages, fmt, out, None, block_t, num_warps, iters,
+        ring_positions=ring_positions,
+    )  # fmt: skip
+
+
+def record_ring_positions_reference(slots: torch.Tensor, positions: torch.Tensor, ring_positions: torch.Tensor) -> None:
+    """``ring_positions[slots[i]] = positions[i]`` for slots in [0, numel - 1); other rows go to the last
+    (scratch) element, so there is no data-dependent branch and no host sync."""
+    scratch = ring_positions.numel() - 1
+    valid = (slots >= 0) & (slots < scratch)
+    idx = torch.where(valid, slots.long(), torch.full_like(slots, scratch, dtype=torch.long))
+    ring_positions.scatter_(0, idx, positions.to(ring_positions.dtype))
