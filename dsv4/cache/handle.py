@@ -261,8 +261,10 @@ class LayerCacheHandle:
         [m, c*d]) ``score`` is ``wgate(x)`` alone and ``ape[pos mod m]`` is added here (inside the fused
         decode launch)."""
         if not self.plan.is_decode:
+            from dsv4.model.functional import ape_rows
+
             if ape is not None:
-                score = score + ape[self.plan.positions.long() % ape.shape[0]]
+                score = score + ape_rows(ape, self.plan.positions, ape.shape[0])
             pooled, emits = self.update_compressor(kv, score, which, backend=backend)
             self.emit_compressed(pooled, emits, norm_weight, inv_freq, which, backend=backend)
             return

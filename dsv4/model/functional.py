@@ -47,6 +47,7 @@ __all__ = [
     "hadamard",
     "fp8_simulate",
     "mxfp4_simulate",
+    "ape_rows",
     "compressor_project",
     "pool_entry",
     "compress_history",
@@ -234,8 +235,13 @@ def compressor_project(
     kv = torch.nn.functional.linear(xf, wkv.float())
     score = torch.nn.functional.linear(xf, wgate.float())
     if ape is not None:
-        score = score + ape.float()[torch.remainder(positions, ratio).long()]
+        score = score + ape_rows(ape, positions, ratio)
     return kv, score
+
+
+def ape_rows(ape: torch.Tensor, positions: torch.Tensor, ratio: int) -> torch.Tensor:
+    """The compressor's positional bias for each position: ``ape[pos mod m]`` fp32 [..., c·d] (ape [m, c·d])."""
+    return ape.float()[torch.remainder(positions, ratio).long()]
 
 
 def pool_entry(kv_rows: torch.Tensor, score_rows: torch.Tensor) -> torch.Tensor:

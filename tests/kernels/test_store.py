@@ -174,8 +174,7 @@ def test_store_window_records_ring_positions(device, geometry):
     """``ring_positions``: the store launch also writes each stored row's position at its slot (the window
     ring's table), exactly where the reference scatter writes; skipped rows (-1, out of range) write nothing
     but the reference's scratch element.  record_ring_positions (append_swa's one launch) does the same."""
-    from dsv4.kernels.cache.append_swa import record_ring_positions
-    from dsv4.kernels.cache.store import record_ring_positions_reference
+    from dsv4.kernels.cache.ring import record_ring_positions, record_ring_positions_reference
 
     slots = _slots(device)
     t = slots.numel()

@@ -10,13 +10,11 @@ No data-dependent branch and no host sync.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
 from dsv4.errors import check_tensor
 from dsv4.formats import EntryPages, FP8EntryFormat
-from dsv4.kernels.cache.store import record_ring_positions_reference, store_fp8_entries, store_window
-from dsv4.kernels.dispatch import use_triton
+from dsv4.kernels.cache.ring import record_ring_positions
+from dsv4.kernels.cache.store import store_fp8_entries, store_window
 
 
 def append_swa(
@@ -39,32 +37,6 @@ def append_swa(
     check_tensor("ring_positions_flat", ring_positions_flat, dtype=torch.int32, shape=(ring.num_slots + 1,))
     store_fp8_entries(kv, swa_slots, ring, fmt, backend=backend)
     record_ring_positions(swa_slots, positions, ring_positions_flat, backend=backend)
-
-
-@triton.jit
-def _record_positions_kernel(slot_ptr, pos_ptr, rpos_ptr, T, scratch, BLOCK: tl.constexpr):
-    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    im = i < T
-    s = tl.load(slot_ptr + i, mask=im, other=-1).to(tl.int64)
-    p = tl.load(pos_ptr + i, mask=im, other=0)
-    tl.store(rpos_ptr + s, p.to(tl.int32), mask=im & (s >= 0) & (s < scratch))
-
-
-def record_ring_positions(
-    swa_slots: torch.Tensor, positions: torch.Tensor, ring_positions_flat: torch.Tensor, backend: str = "auto"
-) -> None:
-    """Set ``ring_positions_flat[swa_slots[i]] = positions[i]`` (one launch on the Triton path).  Slots
-    outside [0, numel - 1) are skipped (the reference parks them in the last, scratch element)."""
-    if not use_triton(backend, swa_slots, positions, ring_positions_flat):
-        record_ring_positions_reference(swa_slots, positions, ring_positions_flat)
-        return
-    t = swa_slots.shape[0]
-    if t:
-        block = max(16, min(1024, triton.next_power_of_2(t)))
-        _record_positions_kernel[(triton.cdiv(t, block),)](
-            swa_slots.contiguous(), positions.contiguous(), ring_positions_flat, t, ring_positions_flat.numel() - 1,
-            BLOCK=block, num_warps=4,
-        )  # fmt: skip
 
 
 def append_window(

@@ -70,7 +70,7 @@ from dsv4.kernels.cache.store import (
     store_mxfp4_keys_reference,
 )
 from dsv4.kernels.dispatch import interpreter_enabled, use_triton
-from dsv4.model.functional import apply_rope, hadamard, rms_norm
+from dsv4.model.functional import ape_rows, apply_rope, hadamard, rms_norm
 
 __all__ = [
     "compress_decode",
@@ -1065,7 +1065,7 @@ def compress_decode(
         check_tensor("ape", ape, dtype=torch.float32, shape=[ratio, cd], device=dev)
     if not use_triton(backend, kv, score, positions, token_slot, kv_state, score_state, counters, slots):
         if ape is not None:
-            score = score + ape[positions.long() % ratio]
+            score = score + ape_rows(ape, positions, ratio)
         pooled, emits = compressor_step_reference(
             kv, score, positions, token_slot, kv_state, score_state, ratio, overlap
         )

@@ -7,6 +7,8 @@ one Triton launch on the GPU path:
 
 - ``ring_window_slots``: the physical ring slots a decode query reads (its own and its 127 predecessors).
 - ``advance_ring_head``: ``ring_head[slot] = seq_len mod ring`` for the step's requests.
+- ``record_ring_positions``: ``ring_positions[slot] = position`` for the rows a step stored (``append_swa``;
+  ``append_window`` does it inside its store launch).
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from dsv4.kernels.dispatch import use_triton
 __all__ = [
     "advance_ring_head",
     "advance_ring_head_reference",
+    "record_ring_positions",
+    "record_ring_positions_reference",
     "ring_window_slots",
     "ring_window_slots_reference",
 ]
@@ -49,7 +53,7 @@ def _ring_window_kernel(pos_ptr, tslot_ptr, out_ptr, T, RING: tl.constexpr, ROWS
     p = tl.load(pos_ptr + r, mask=rm, other=0).to(tl.int64)
     s = tl.load(tslot_ptr + r, mask=rm, other=0).to(tl.int64)
     kp = p[:, None] - (RING - 1) + tl.arange(0, RING)[None, :]
-    # kp mod RING for kp >= 0 (the only slots kept); RING is a power of two or any positive int
+    # kp mod RING for kp >= 0 (the only slots kept)
     slot = s[:, None] * RING + kp % RING
     out = tl.where(kp >= 0, slot, -1).to(tl.int32)
     tl.store(out_ptr + r[:, None].to(tl.int64) * RING + tl.arange(0, RING)[None, :], out, mask=rm[:, None])
@@ -79,26 +83,61 @@ def ring_window_slots(
     return out
 
 
-# ============================================================================ ring head
+# ============================================================================ table writes
+def _scatter_to_table_reference(slots: torch.Tensor, values: torch.Tensor, table: torch.Tensor) -> None:
+    """``table[slots[i]] = values[i]`` for slots in [0, numel - 1); other rows go to the last (scratch)
+    element, so there is no data-dependent branch and no host sync."""
+    scratch = table.numel() - 1
+    valid = (slots >= 0) & (slots < scratch)
+    idx = torch.where(valid, slots.long(), torch.full_like(slots, scratch, dtype=torch.long))
+    table.scatter_(0, idx, values.to(table.dtype))
+
+
+@triton.jit
+def _scatter_to_table_kernel(slot_ptr, val_ptr, table_ptr, n, scratch, mod, MOD: tl.constexpr, BLOCK: tl.constexpr):
+    """``table[slot] = value`` (``value mod mod`` with MOD) for slots in [0, scratch); the others are skipped."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    im = i < n
+    s = tl.load(slot_ptr + i, mask=im, other=-1).to(tl.int64)
+    v = tl.load(val_ptr + i, mask=im, other=0).to(tl.int64)
+    if MOD:
+        v = v % mod
+    tl.store(table_ptr + s, v.to(tl.int32), mask=im & (s >= 0) & (s < scratch))
+
+
+def _scatter_to_table(slots: torch.Tensor, values: torch.Tensor, table: torch.Tensor, mod: int = 0) -> None:
+    """The one launch of ``record_ring_positions`` / ``advance_ring_head`` (``mod``: 0 = values as they are)."""
+    n = slots.shape[0]
+    if n:
+        block = max(16, min(1024, triton.next_power_of_2(n)))
+        _scatter_to_table_kernel[(triton.cdiv(n, block),)](
+            slots.contiguous(), values.contiguous(), table, n, table.numel() - 1, mod, MOD=mod != 0, BLOCK=block,
+            num_warps=4,
+        )  # fmt: skip
+
+
+def record_ring_positions_reference(slots: torch.Tensor, positions: torch.Tensor, ring_positions: torch.Tensor) -> None:
+    """PyTorch definition of ``record_ring_positions``: ``ring_positions[slots[i]] = positions[i]``; slots outside
+    [0, numel - 1) go to the last (scratch) element."""
+    _scatter_to_table_reference(slots, positions, ring_positions)
+
+
+def record_ring_positions(
+    swa_slots: torch.Tensor, positions: torch.Tensor, ring_positions_flat: torch.Tensor, backend: str = "auto"
+) -> None:
+    """Set ``ring_positions_flat[swa_slots[i]] = positions[i]`` (one launch on the Triton path).  Slots
+    outside [0, numel - 1) are skipped (the reference parks them in the last, scratch element)."""
+    if not use_triton(backend, swa_slots, positions, ring_positions_flat):
+        record_ring_positions_reference(swa_slots, positions, ring_positions_flat)
+        return
+    _scatter_to_table(swa_slots, positions, ring_positions_flat)
+
+
 def advance_ring_head_reference(
     seq_lens: torch.Tensor, request_slots: torch.Tensor, ring_head_flat: torch.Tensor, ring: int
 ) -> None:
     """PyTorch definition of ``advance_ring_head``."""
-    head = (seq_lens.long() % ring).to(ring_head_flat.dtype)
-    slots = request_slots.long()
-    scratch = ring_head_flat.numel() - 1
-    idx = torch.where(slots >= 0, slots, torch.full_like(slots, scratch))
-    ring_head_flat.scatter_(0, idx, head)
-
-
-@triton.jit
-def _ring_head_kernel(len_ptr, rslot_ptr, head_ptr, B, scratch, ring, BLOCK: tl.constexpr):
-    b = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    bm = b < B
-    n = tl.load(len_ptr + b, mask=bm, other=0).to(tl.int64)
-    s = tl.load(rslot_ptr + b, mask=bm, other=-1).to(tl.int64)
-    dst = tl.where((s >= 0) & (s < scratch), s, scratch)
-    tl.store(head_ptr + dst, (n % ring).to(tl.int32), mask=bm & (s >= 0) & (s < scratch))
+    _scatter_to_table_reference(request_slots, seq_lens.long() % ring, ring_head_flat)
 
 
 def advance_ring_head(
@@ -125,9 +164,4 @@ def advance_ring_head(
     if not use_triton(backend, seq_lens, request_slots, ring_head_flat):
         advance_ring_head_reference(seq_lens, request_slots, ring_head_flat, ring)
         return
-    if b:
-        block = max(16, min(1024, triton.next_power_of_2(b)))
-        _ring_head_kernel[(triton.cdiv(b, block),)](
-            seq_lens.contiguous(), request_slots.contiguous(), ring_head_flat, b, ring_head_flat.numel() - 1, ring,
-            BLOCK=block, num_warps=4,
-        )  # fmt: skip
+    _scatter_to_table(request_slots, seq_lens, ring_head_flat, ring)

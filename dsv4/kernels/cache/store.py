@@ -55,6 +55,7 @@ from dsv4.kernels.cache._triton_quant import (
     qmax_split,
     rope_cos_sin_pos,
 )
+from dsv4.kernels.cache.ring import record_ring_positions_reference
 from dsv4.kernels.dispatch import interpreter_enabled, use_triton
 from dsv4.model.functional import apply_rope, rms_norm
 
@@ -800,12 +801,3 @@ def store_window(
         kv, norm_weight, eps, positions, 1, inv_freq, slots, pages, fmt, out, None, block_t, num_warps, iters,
         ring_positions=ring_positions,
     )  # fmt: skip
-
-
-def record_ring_positions_reference(slots: torch.Tensor, positions: torch.Tensor, ring_positions: torch.Tensor) -> None:
-    """``ring_positions[slots[i]] = positions[i]`` for slots in [0, numel - 1); other rows go to the last
-    (scratch) element, so there is no data-dependent branch and no host sync."""
-    scratch = ring_positions.numel() - 1
-    valid = (slots >= 0) & (slots < scratch)
-    idx = torch.where(valid, slots.long(), torch.full_like(slots, scratch, dtype=torch.long))
-    ring_positions.scatter_(0, idx, positions.to(ring_positions.dtype))
