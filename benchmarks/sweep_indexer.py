@@ -83,7 +83,7 @@ RTOL = ATOL = 1e-5
 def run_fn(variant: str, prob: dict, cfg: dict):
     """A no-argument callable running `variant` on `prob` with launch `cfg`."""
     kw = {"block_n": cfg["block_n"], "tiles_per_program": cfg["tiles"]}
-    kw.update(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    kw.update(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], maxnreg=cfg.get("maxnreg"))
     q, w, bt, tr, nv, n = prob["q"], prob["w"], prob["bt"], prob["tr"], prob["nv"], prob["n"]
     if variant == "fp8keys":
         return partial(indexer_scores_fp8keys, q, w, prob["fk"], bt, tr, nv, n, "triton", **kw)
@@ -173,7 +173,7 @@ def precompile(jobs, args) -> dict:
 
 def _key(job):
     v, c = job
-    return (v, c["block_n"], c["num_warps"], c["num_stages"])
+    return (v, c["block_n"], c["num_warps"], c["num_stages"], c.get("maxnreg"))
 
 
 # ------------------------------------------------------------------------------------------ timing
@@ -254,7 +254,7 @@ def sweep_shape(args, dev, info, B, configs, compile_errors, timer, rows, notes)
             notes.append(f"{variant} B={B}: default launch wrong or failed, variant skipped: {str(e)[:200]}")
             continue
         for cfg in configs:
-            k = (variant, cfg["block_n"], cfg["num_warps"], cfg["num_stages"])
+            k = _key((variant, cfg))
             if k in compile_errors:
                 continue
             fn = run_fn(variant, prob, cfg)
@@ -282,7 +282,13 @@ def _default_cfg(B, args, dev) -> dict:
     c = launch_config(B, args.heads, args.entries, dev)
     if args.smoke:
         c = c._replace(block_n=16, tiles=1)
-    return {"block_n": c.block_n, "tiles": c.tiles, "num_warps": c.num_warps, "num_stages": c.num_stages}
+    return {
+        "block_n": c.block_n,
+        "tiles": c.tiles,
+        "num_warps": c.num_warps,
+        "num_stages": c.num_stages,
+        "maxnreg": c.maxnreg,
+    }
 
 
 def _row(info, name, shape, cfg, t, nbytes, timer, err=None):
@@ -307,7 +313,7 @@ def print_table(rows, top: int):
         rs = sorted(rs, key=lambda r: r["time_s"])
         print(f"\n== entries={rs[0]['shape']['entries']} B={B} heads={rs[0]['shape']['heads']}  (fastest first)")
         print(
-            f"{'name':28} {'block_n':>7} {'tiles':>5} {'warps':>5} {'stages':>6} "
+            f"{'name':28} {'block_n':>7} {'tiles':>5} {'warps':>5} {'stages':>6} {'maxnreg':>7} "
             f"{'time_us':>9} {'roof_us':>8} {'x roof':>7}"
         )
         best: dict = {}
@@ -318,7 +324,8 @@ def print_table(rows, top: int):
             c = r["config"]
             print(
                 f"{r['name']:28} {c['block_n']:7} {c['tiles']:5} {c['num_warps']:5} {c['num_stages']:6} "
-                f"{r['time_s'] * 1e6:9.1f} {r['roofline_s'] * 1e6:8.1f} {r['time_s'] / r['roofline_s']:7.2f}"
+                f"{str(c.get('maxnreg')):>7} {r['time_s'] * 1e6:9.1f} {r['roofline_s'] * 1e6:8.1f} "
+                f"{r['time_s'] / r['roofline_s']:7.2f}"
             )
         f8 = best.get("indexer_fp8keys")
         print("best config per variant:")
@@ -327,7 +334,8 @@ def print_table(rows, top: int):
             vs = f", {f8['time_s'] / r['time_s']:.2f}x vs best fp8keys" if f8 else ""
             print(
                 f"  {name:28} {r['time_s'] * 1e6:7.1f} us ({r['time_s'] / r['roofline_s']:.2f}x roof{vs}): "
-                f"block_n={c['block_n']} tiles={c['tiles']} warps={c['num_warps']} stages={c['num_stages']}"
+                f"block_n={c['block_n']} tiles={c['tiles']} warps={c['num_warps']} stages={c['num_stages']} "
+                f"maxnreg={c.get('maxnreg')}"
             )
 
 
@@ -345,6 +353,11 @@ def main(argv=None):
     ap.add_argument("--no-flush", action="store_true", help="graph timer: keep L2 warm between calls")
     ap.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 1), help="parallel compile workers")
     ap.add_argument("--compile-timeout", type=float, default=120.0, help="seconds for the parallel compile")
+    ap.add_argument(
+        "--maxnreg", nargs="+", default=["none"], help="register caps to sweep (ints, or 'none' = ptxas's choice)"
+    )
+    ap.add_argument("--launches", nargs="+", default=None, help="fast grid: block_n,warps,stages triples")
+    ap.add_argument("--tiles", type=int, nargs="+", default=None, help="fast grid: tiles per program")
     ap.add_argument("--top", type=int, default=25, help="rows shown per shape (plus each variant's best)")
     args = ap.parse_args(argv)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -363,11 +376,14 @@ def main(argv=None):
     }
     configs = [dict(zip(grid, v, strict=True)) for v in itertools.product(*grid.values())]
     if args.grid == "fast" and not args.smoke:
+        launches = [tuple(int(x) for x in t.split(",")) for t in args.launches] if args.launches else FAST_LAUNCHES
         configs = [
             {"block_n": bn, "tiles": t, "num_warps": nw, "num_stages": ns}
-            for bn, nw, ns in FAST_LAUNCHES
-            for t in FAST_TILES
+            for bn, nw, ns in launches
+            for t in (args.tiles or FAST_TILES)
         ]
+    caps = [None if m == "none" else int(m) for m in args.maxnreg]
+    configs = [{**c, "maxnreg": m} for c in configs for m in caps]
     compile_cfgs = [c for c in configs if c["tiles"] == configs[0]["tiles"]]
     jobs = [(v, c) for v in args.variants for c in compile_cfgs]
     compile_errors = precompile(jobs, args)
@@ -389,7 +405,7 @@ def main(argv=None):
                 f.write(json.dumps(r) + "\n")
     print_table(rows, args.top)
     for k, e in sorted(compile_errors.items()):
-        print(f"skipped {k[0]} block_n={k[1]} warps={k[2]} stages={k[3]}: {e}")
+        print(f"skipped {k[0]} block_n={k[1]} warps={k[2]} stages={k[3]} maxnreg={k[4]}: {e}")
     for n in notes:
         print(n)
     print(f"total {time.perf_counter() - t_start:.1f} s, {len(rows)} timings")

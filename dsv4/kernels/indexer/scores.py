@@ -873,6 +873,7 @@ class LaunchConfig(NamedTuple):
     num_warps: int
     num_stages: int
     grid: tuple[int, int]
+    maxnreg: int | None = None
 
 
 def launch_config(
@@ -884,8 +885,10 @@ def launch_config(
     tiles_per_program: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    maxnreg: int | None = None,
 ) -> LaunchConfig:
-    """The scores kernels' launch; every None is chosen by the heuristic below.
+    """The scores kernels' launch; every None is chosen by the heuristic below (``maxnreg``: None = no
+    register cap, i.e. ptxas's choice; a cap trades spills for resident programs a SM).
 
     Heuristic (sm90; set from the H200 sweep of 2026-12-02, benchmarks/results/2026-12-02_h200_sweep_indexer.txt,
     where 128/4 warps/2 stages with 8 tiles at B=1 and 16 tiles at B=4 and 8 were fastest): 128-entry tiles (the
@@ -893,11 +896,13 @@ def launch_config(
     stages; tiles per program such that the grid holds ~2 programs per SM (one resident wave), a power of
     two capped at 16 and at the row's tiles: T x N = 1 x 262,144 -> 8 tiles; 4 x 262,144 -> 16; 8 x 262,144 -> 16.
     """
-    return _launch_config(T, H, N, device, block_n, tiles_per_program, num_warps, num_stages, interpreter_enabled())
+    return _launch_config(
+        T, H, N, device, block_n, tiles_per_program, num_warps, num_stages, maxnreg, interpreter_enabled()
+    )
 
 
 @functools.lru_cache(maxsize=4096)
-def _launch_config(T, H, N, device, block_n, tiles_per_program, num_warps, num_stages, interp) -> LaunchConfig:
+def _launch_config(T, H, N, device, block_n, tiles_per_program, num_warps, num_stages, maxnreg, interp) -> LaunchConfig:
     hp = max(16, 1 << max(H - 1, 0).bit_length())
     if block_n is None:
         block_n = 32 if interp else 128
@@ -919,8 +924,10 @@ def _launch_config(T, H, N, device, block_n, tiles_per_program, num_warps, num_s
         raise ValueError(f"block_n and num_warps: expected powers of two, got {block_n}, {num_warps}")
     if not isinstance(num_stages, int) or num_stages < 1:
         raise ValueError(f"num_stages: expected a positive int, got {num_stages!r}")
+    if maxnreg is not None and (not isinstance(maxnreg, int) or not 24 <= maxnreg <= 255):
+        raise ValueError(f"maxnreg: expected None or an int in [24, 255], got {maxnreg!r}")
     grid = (T, -(-n_tiles // tiles_per_program))
-    return LaunchConfig(hp, block_n, tiles_per_program, num_warps, num_stages, grid)
+    return LaunchConfig(hp, block_n, tiles_per_program, num_warps, num_stages, grid, None if interp else maxnreg)
 
 
 # impl="auto": the first of these that compiles on the device (checked once a device, at the first call)
@@ -929,6 +936,11 @@ _AUTO_IMPL: dict[int, str] = {}
 _GEN_N = 64  # entries a sub-tile of the fold impls' general path (keeps its registers below the fast loop's)
 _FOLD_ASM = True  # GPU: the fold impls' e2m1 -> scaled e4m3 table lookup by inline PTX ``prmt``; False: Triton ops
 _FP8MMA_ASM = True  # GPU: e2m1 -> e4m3 bytes by inline PTX (4 bytes a register); False: Triton integer ops
+
+
+def _reg_cap(cfg: LaunchConfig) -> dict:
+    """The launch's register cap as a Triton launch option (none when uncapped)."""
+    return {} if cfg.maxnreg is None else {"maxnreg": cfg.maxnreg}
 
 
 def _launch_mxfp4(impl, q, weights, data, scale32, block_table, token_row, n_visible, out, n, bs, cfg) -> None:
@@ -970,6 +982,7 @@ def _launch_mxfp4(impl, q, weights, data, scale32, block_table, token_row, n_vis
         GEN_N=min(cfg.block_n, _GEN_N),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        **_reg_cap(cfg),
     )
 
 
@@ -989,6 +1002,7 @@ def indexer_scores(
     impl: str = "auto",
     num_warps: int | None = None,
     num_stages: int | None = None,
+    maxnreg: int | None = None,
 ) -> torch.Tensor:
     """Indexer scores of every query row against its request's MXFP4 keys.
 
@@ -1004,8 +1018,9 @@ def indexer_scores(
             (causal rule ``j < (t + 1) // 4`` applied by the caller).
         max_entries: host int N, the static number of output columns.
         backend: "auto" | "torch" | "triton".
-        block_n, tiles_per_program, num_warps, num_stages: Triton launch (entries per tile, tiles per
-            program, warps, pipelining stages); None = ``launch_config``'s heuristic.
+        block_n, tiles_per_program, num_warps, num_stages, maxnreg: Triton launch (entries per tile,
+            tiles per program, warps, pipelining stages, register cap a thread); None = ``launch_config``'s
+            heuristic.
         impl: Triton inner product.
             "auto" (default): "fp8mma", or "convert" if that fails to compile on this device (decided
             at the first call on a device, with a warning; ``AUTO_IMPL_ORDER``).
@@ -1039,7 +1054,7 @@ def indexer_scores(
     # the kernels index these as ptr + i (block_table rows as ptr + row * stride + j)
     block_table, token_row, n_visible = block_table.contiguous(), token_row.contiguous(), n_visible.contiguous()
 
-    cfg = launch_config(T, H, max_entries, q.device, block_n, tiles_per_program, num_warps, num_stages)
+    cfg = launch_config(T, H, max_entries, q.device, block_n, tiles_per_program, num_warps, num_stages, maxnreg)
     out = torch.empty((T, max_entries), dtype=torch.float32, device=q.device)
     if T == 0 or max_entries == 0:
         return out
@@ -1084,6 +1099,7 @@ def indexer_scores_fp8keys(
     tiles_per_program: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    maxnreg: int | None = None,
 ) -> torch.Tensor:
     """``indexer_scores`` on 132-byte FP8 keys (``FP8KeyPages``: data [P, bs, 128] uint8 e4m3 bits,
     scale [P, bs] fp32, > 0).  Same arguments, result and launch knobs otherwise."""
@@ -1097,7 +1113,7 @@ def indexer_scores_fp8keys(
     # the kernels index these as ptr + i (block_table rows as ptr + row * stride + j)
     block_table, token_row, n_visible = block_table.contiguous(), token_row.contiguous(), n_visible.contiguous()
 
-    cfg = launch_config(T, H, max_entries, q.device, block_n, tiles_per_program, num_warps, num_stages)
+    cfg = launch_config(T, H, max_entries, q.device, block_n, tiles_per_program, num_warps, num_stages, maxnreg)
     out = torch.empty((T, max_entries), dtype=torch.float32, device=q.device)
     if T == 0 or max_entries == 0:
         return out
@@ -1135,5 +1151,6 @@ def indexer_scores_fp8keys(
         FP32_DOT=interpreter_enabled(),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        **_reg_cap(cfg),
     )
     return out
