@@ -18,7 +18,8 @@ Timings (GPU: ``triton.testing.do_bench`` medians; CPU: wall clock of one call):
   plan is not timed).  Both give the same output bit for bit (checked: ``graph_equal``).
 - parts, each on the step's own intermediate tensors, eager and inside a CUDA graph of
   ``GRAPH_CALLS`` back-to-back calls: ``window_store`` (handle.write_window), ``compressor``
-  (compressor_project + handle.compress, main and CSA indexer compressors),
+  (the layer's compressor projections -- one tf32x3 GEMM a compressor on the GPU -- + handle.compress,
+  main and CSA indexer compressors),
   ``indexer`` (indexer_query + indexer_scores), ``topk`` (topk_indices), ``attention``
   (sparse_attention over window + compressed entries), ``projections`` (query, wkv, output projection).
   ``cache_path`` = window_store + compressor + indexer + topk + attention.
@@ -327,7 +328,7 @@ def _parts(blk: AttentionSubBlock, handle, x: torch.Tensor) -> dict[str, Callabl
     cfg, w, be, inv = blk.cfg, blk.w, blk.backend, blk.inv_freq
     plan, rp = handle.plan, handle.ratio_plan
     hp = plan.positions[:, None]
-    q, qr = query(cfg, w, x, hp, inv)
+    q, qr = query(cfg, w, x, hp, inv, be)
     kv_raw = F.linear(x, w.wkv)
     out: dict[str, Callable[[], object]] = {}
 
@@ -337,7 +338,7 @@ def _parts(blk: AttentionSubBlock, handle, x: torch.Tensor) -> dict[str, Callabl
         comps = [(w.compressor, "main")] + ([(w.indexer.compressor, "indexer")] if blk.kind.value == "csa" else [])
         xf = x.float()  # once for both compressors, as the layer does
         for cw, which in comps:
-            kv, gate = F.compressor_project(xf, cw.wkv, cw.wgate, None, plan.positions, blk.ratio)
+            kv, gate = blk.compressor_projections(xf, cw, plan.positions)
             handle.compress(kv, gate, cw.norm, inv, which, backend=be, ape=cw.ape)
 
     caches = [(handle.read_swa_view().pages, blk._ring_window_index(handle))]
@@ -347,7 +348,7 @@ def _parts(blk: AttentionSubBlock, handle, x: torch.Tensor) -> dict[str, Callabl
         iv = handle.read_indexer_view()
 
         def index():
-            q_idx, wts = indexer_query(cfg, w, x, qr, hp, inv)
+            q_idx, wts = indexer_query(cfg, w, x, qr, hp, inv, be)
             return indexer_scores(q_idx, wts.float(), iv.pages, rp.block_table, plan.request_ids, rp.n_visible,
                                   rp.max_entries, backend=be)  # fmt: skip
 
@@ -365,9 +366,9 @@ def _parts(blk: AttentionSubBlock, handle, x: torch.Tensor) -> dict[str, Callabl
     o = out["attention"]()[0]
 
     def projections():
-        query(cfg, w, x, hp, inv)
+        query(cfg, w, x, hp, inv, be)
         F.linear(x, w.wkv)
-        return output_projection(cfg, w, o, hp, inv)
+        return output_projection(cfg, w, o, hp, inv, be)
 
     out["projections"] = projections
     return out

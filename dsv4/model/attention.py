@@ -35,7 +35,9 @@ from dsv4.formats import EntryPages
 from dsv4.kernels.attention import sparse_attention
 from dsv4.kernels.cache.ring import ring_window_slots
 from dsv4.kernels.cache.store import store_fp8_entries
+from dsv4.kernels.dispatch import use_triton
 from dsv4.kernels.indexer import indexer_scores, to_physical, topk_indices, visible_physical
+from dsv4.kernels.linear import linear_fp32_pair
 from dsv4.model import functional as F
 from dsv4.model.projections import indexer_query, output_projection, query
 from dsv4.model.weights import AttentionWeights
@@ -48,11 +50,24 @@ class AttentionSubBlock:
         cfg: the model config; ``layer_id`` picks the layer kind and RoPE table.
         w: the layer's weights (``dsv4.model.weights``), on the device the cache lives on.
         backend: "auto" (Triton on CUDA, PyTorch on the CPU), "torch" or "triton".
+        compressor_gemm: the compressor projections' fp32 GEMMs on the Triton path: "tf32x3" (default;
+            ``kernels.linear.linear_fp32_pair``, both projections of a compressor in one tensor-core GEMM,
+            error <= ~1e-5 of sum |x||w|, see its docstring) or "fp32" (``F.compressor_project``: cuBLAS fp32).
     """
 
-    def __init__(self, cfg: ModelConfig, layer_id: int, w: AttentionWeights, backend: str = "auto") -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        layer_id: int,
+        w: AttentionWeights,
+        backend: str = "auto",
+        compressor_gemm: str = "tf32x3",
+    ) -> None:
         w.check(cfg, layer_id)
+        if compressor_gemm not in ("tf32x3", "fp32"):
+            raise ValueError(f"compressor_gemm: expected 'tf32x3' or 'fp32', got {compressor_gemm!r}")
         self.cfg, self.layer_id, self.w, self.backend = cfg, layer_id, w, backend
+        self.compressor_gemm = compressor_gemm
         self.kind = cfg.layer_kind(layer_id)
         self.ratio = cfg.ratio(layer_id)
         self.inv_freq = F.rope_inv_freq(cfg, layer_id, w.device)
@@ -69,7 +84,7 @@ class AttentionSubBlock:
         if handle.layer_id != self.layer_id:
             raise ValueError(f"handle: expected layer {self.layer_id}, got a handle of layer {handle.layer_id}")
         pos = plan.positions
-        q, qr = query(cfg, w, x, pos[:, None], self.inv_freq)
+        q, qr = query(cfg, w, x, pos[:, None], self.inv_freq, be)
 
         kv_raw = F.linear(x, w.wkv)
         if plan.is_decode:
@@ -99,18 +114,24 @@ class AttentionSubBlock:
                 caches.append((comp, phys))
 
         o, _ = sparse_attention(q, caches, w.attn_sink, self.scale, backend=be)
-        return output_projection(cfg, w, o, pos[:, None], self.inv_freq)
+        return output_projection(cfg, w, o, pos[:, None], self.inv_freq, be)
 
     # ------------------------------------------------------------------ pieces
     def _compress(self, x: torch.Tensor, handle: LayerCacheHandle, cw, which: str) -> EntryPages:
         # (ape is added inside handle.compress: in the fused kernel on a decode step)
-        kv, gate = F.compressor_project(x, cw.wkv, cw.wgate, None, handle.positions, self.ratio)
+        kv, gate = self.compressor_projections(x, cw, handle.positions)
         handle.compress(kv, gate, cw.norm, self.inv_freq, which, backend=self.backend, ape=cw.ape)
         return handle.paged.entries
 
+    def compressor_projections(self, x: torch.Tensor, cw, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(kv, score without ape) fp32 [T, c*d] of one compressor (weights ``cw``) for x fp32 [T, dim]."""
+        if self.compressor_gemm == "tf32x3" and use_triton(self.backend, x, cw.wkv, cw.wgate):
+            return linear_fp32_pair(x, cw.wkv, cw.wgate, backend=self.backend)
+        return F.compressor_project(x, cw.wkv, cw.wgate, None, positions, self.ratio)
+
     def _indexer_topk(self, x: torch.Tensor, qr: torch.Tensor, handle: LayerCacheHandle) -> torch.Tensor:
         cfg, plan, rp = self.cfg, handle.plan, handle.ratio_plan
-        q_idx, wts = indexer_query(cfg, self.w, x, qr, plan.positions[:, None], self.inv_freq)
+        q_idx, wts = indexer_query(cfg, self.w, x, qr, plan.positions[:, None], self.inv_freq, self.backend)
         iv = handle.read_indexer_view()
         scores = indexer_scores(
             q_idx, wts.float(), iv.pages, rp.block_table, plan.request_ids, rp.n_visible, rp.max_entries,

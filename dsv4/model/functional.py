@@ -53,6 +53,7 @@ __all__ = [
     "compress_history",
     "finalize_entries",
     "indexer_head_weights",
+    "indexer_weight_scale",
     "sparse_attention_reference",
     "indexer_scores_reference",
     "topk_visible",
@@ -317,7 +318,12 @@ def indexer_head_weights(
     x: torch.Tensor, weights_proj: torch.Tensor, index_n_heads: int, index_head_dim: int
 ) -> torch.Tensor:
     """Indexer head weights ``w = weights_proj(x) · (Di^-½ · Hi^-½)`` in x's dtype (bf16), [..., Hi] (spec §4)."""
-    return linear(x, weights_proj) * (index_head_dim**-0.5 * index_n_heads**-0.5)
+    return linear(x, weights_proj) * indexer_weight_scale(index_n_heads, index_head_dim)
+
+
+def indexer_weight_scale(index_n_heads: int, index_head_dim: int) -> float:
+    """The constant of the indexer head weights, ``Di^-1/2 · Hi^-1/2`` (spec §4)."""
+    return index_head_dim**-0.5 * index_n_heads**-0.5
 
 
 # ---------------------------------------------------------------------------------------------- attention & indexer

@@ -10,18 +10,40 @@ from __future__ import annotations
 import torch
 
 from dsv4.config import ModelConfig
+from dsv4.kernels.indexer.query import indexer_query_tail
+from dsv4.kernels.rope import q_norm_rope, rope_inverse
 from dsv4.model import functional as F
 from dsv4.model.weights import AttentionWeights
 
 
 def query(
-    cfg: ModelConfig, w: AttentionWeights, x: torch.Tensor, head_positions: torch.Tensor, inv_freq: torch.Tensor
+    cfg: ModelConfig,
+    w: AttentionWeights,
+    x: torch.Tensor,
+    head_positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    backend: str = "torch",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Spec §2 step 1.  x [..., dim] bf16 -> (q [..., H, D] bf16 after per-head norm and RoPE(t),
-    qr [..., q_lora_rank] bf16: the normed latent the indexer's query also reads)."""
+    qr [..., q_lora_rank] bf16: the normed latent the indexer's query also reads).
+
+    ``backend`` "torch" (default; the dense reference) composes the model's functions; "auto" / "triton"
+    runs the per-head norm and RoPE as one launch (``kernels.rope.q_norm_rope``; x [T, dim] and
+    ``head_positions`` [T, 1] there)."""
     qr = F.rms_norm(F.linear(x, w.wq_a), w.q_norm, cfg.norm_eps)
     q = F.linear(qr, w.wq_b).unflatten(-1, (cfg.n_heads, cfg.head_dim))
+    pos = _token_positions(x.shape[:-1], head_positions, backend)
+    if pos is not None:
+        return q_norm_rope(q, pos, inv_freq, cfg.norm_eps, backend=backend), qr
     return F.apply_rope(F.head_rms_norm(q, cfg.norm_eps), head_positions, inv_freq), qr
+
+
+def _token_positions(tokens: torch.Size, head_positions: torch.Tensor, backend: str) -> torch.Tensor | None:
+    """[T] positions for the fused kernels (token dims ``tokens`` = [T], head_positions [T, 1]), or None for
+    the composed PyTorch path (backend "torch", or batched [B, T] token dims)."""
+    if backend == "torch" or len(tokens) != 1 or head_positions.numel() != tokens[0]:
+        return None
+    return head_positions.reshape(tokens[0])
 
 
 def indexer_query(
@@ -31,26 +53,47 @@ def indexer_query(
     qr: torch.Tensor,
     head_positions: torch.Tensor,
     inv_freq: torch.Tensor,
+    backend: str = "torch",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Spec §4 query side.  Returns (q_idx [..., Hi, Di] bf16 after RoPE, Hadamard and MXFP4 — exact
-    e2m1 x 2^k values; w [..., Hi] bf16 head weights already scaled by Di^-1/2 * Hi^-1/2)."""
+    e2m1 x 2^k values; w [..., Hi] head weights already scaled by Di^-1/2 * Hi^-1/2: bf16 values).
+
+    ``backend`` "torch" (default; the dense reference) composes the model's functions; "auto" / "triton"
+    runs the two GEMMs and then ``kernels.indexer.indexer_query_tail`` (one launch; x, qr [T, ...] and
+    ``head_positions`` [T, 1] there), whose head weights come back as fp32 holding the same bf16 values."""
     iw = w.indexer
     hi, di = cfg.index_n_heads, cfg.index_head_dim
-    q_idx = F.linear(qr, iw.wq_b).unflatten(-1, (hi, di))
+    q_lin = F.linear(qr, iw.wq_b)
+    pos = _token_positions(x.shape[:-1], head_positions, backend)
+    if pos is not None:
+        w_lin = F.linear(x, iw.weights_proj)
+        return indexer_query_tail(q_lin, w_lin, pos, inv_freq, F.key_format(cfg), backend=backend)
+    q_idx = q_lin.unflatten(-1, (hi, di))
     q_idx = F.mxfp4_simulate(F.hadamard(F.apply_rope(q_idx, head_positions, inv_freq)), F.key_format(cfg))
     return q_idx, F.indexer_head_weights(x, iw.weights_proj, hi, di)
 
 
 def output_projection(
-    cfg: ModelConfig, w: AttentionWeights, o: torch.Tensor, head_positions: torch.Tensor, inv_freq: torch.Tensor
+    cfg: ModelConfig,
+    w: AttentionWeights,
+    o: torch.Tensor,
+    head_positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    backend: str = "torch",
 ) -> torch.Tensor:
     """Spec §2 steps 5–6.  o [..., H, D] bf16 attention output -> inverse RoPE(t) on the rope dims ->
-    grouped ``wo_a`` (o_groups blocks of H/o_groups heads) -> ``wo_b`` -> y [..., dim] bf16."""
-    return project_groups(cfg, w, derotate(o, head_positions, inv_freq))
+    grouped ``wo_a`` (o_groups blocks of H/o_groups heads) -> ``wo_b`` -> y [..., dim] bf16.
+    ``backend``: as ``query`` (the inverse RoPE in one launch, ``kernels.rope.rope_inverse``)."""
+    return project_groups(cfg, w, derotate(o, head_positions, inv_freq, backend))
 
 
-def derotate(o: torch.Tensor, head_positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+def derotate(
+    o: torch.Tensor, head_positions: torch.Tensor, inv_freq: torch.Tensor, backend: str = "torch"
+) -> torch.Tensor:
     """Inverse RoPE at the query position on the rope dims of o [..., H, D] (values carry RoPE, spec §2)."""
+    pos = _token_positions(o.shape[:-2], head_positions, backend)
+    if pos is not None:
+        return rope_inverse(o, pos, inv_freq, backend=backend)
     return F.apply_rope(o, head_positions, inv_freq, inverse=True)
 
 

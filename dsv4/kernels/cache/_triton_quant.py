@@ -11,6 +11,8 @@ casts, fp32 division or fast-math:
 - ``rope_cos_sin_rows`` / ``rope_cos_sin_pos``: the same for a block of rows ([rows, rope_dim/2]);
 - ``bf16_rne``: ``bf16_round`` by the hardware conversion on a GPU (the same values);
 - ``e2m1_code``: fp32 -> e2m1 code with the format's tie-to-even-code thresholds;
+- ``parity_sign``: the signs of the Sylvester Hadamard matrix;
+- ``mul_rn``: an fp32 product that is never fused into an FMA (torch's rounding of ``a*c - b*s``);
 - ``rope_cos_sin_at``: cos/sin of the RoPE angle ``fp32(ratio * (pos // ratio)) * inv_freq`` (fp32),
   the reference's angle bit for bit, through libdevice's IEEE-accurate ``cosf``/``sinf`` (full range
   reduction; the same CUDA math-library functions ``torch.cos``/``torch.sin`` use on the GPU, so the
@@ -167,6 +169,28 @@ def rope_cos_sin_pos(p, RATIO: tl.constexpr, inv_ptrs, INTERP: tl.constexpr):
         c = libdevice.cos(ang)
         s = libdevice.sin(ang)
     return c, s
+
+
+@triton.jit
+def mul_rn(a, b, INTERP: tl.constexpr):
+    """fp32 ``a * b`` rounded on its own, as torch computes ``a * c - b * s``: on a GPU by ``mul.rn.f32`` (inline
+    PTX), which the compiler never contracts with a following add/sub into an FMA (one rounding instead of two)."""
+    if INTERP:
+        return a * b
+    else:
+        return tl.inline_asm_elementwise(
+            "mul.rn.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=tl.float32, is_pure=True, pack=1
+        )
+
+
+@triton.jit
+def parity_sign(v):
+    """(-1)^popcount(v) as fp32 for int32 v in [0, 2**16): the Sylvester Hadamard sign H[i, k] = parity_sign(i & k)."""
+    v = v ^ (v >> 8)
+    v = v ^ (v >> 4)
+    v = v ^ (v >> 2)
+    v = v ^ (v >> 1)
+    return 1.0 - 2.0 * (v & 1).to(tl.float32)
 
 
 @triton.jit

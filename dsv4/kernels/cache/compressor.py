@@ -51,6 +51,7 @@ from dsv4.kernels.cache._triton_quant import (
     bf16_round,
     ceil_log2_ratio,
     e2m1_code,
+    parity_sign,
     pow2_neg,
     rope_cos_sin_at,
     rope_cos_sin_rows,
@@ -653,16 +654,6 @@ def emit_entries_reference(
 
 
 @triton.jit
-def _parity_sign(v):
-    """(-1)^popcount(v) as fp32, for int32 v in [0, 2**16)."""
-    v = v ^ (v >> 8)
-    v = v ^ (v >> 4)
-    v = v ^ (v >> 2)
-    v = v ^ (v >> 1)
-    return 1.0 - 2.0 * (v & 1).to(tl.float32)
-
-
-@triton.jit
 def _emit_indexer_kernel(
     x_ptr,
     stride_x,
@@ -732,17 +723,17 @@ def _emit_indexer_rows(
     jj = tl.arange(0, HB)
     kb = tl.arange(0, KB)
     jb = tl.arange(0, HB)
-    s_e = _parity_sign((2 * jj)[:, None] & kb[None, :])  # [HB, KB]: even outputs x nope lanes
-    s_o = _parity_sign((2 * jj + 1)[:, None] & kb[None, :])
-    p_ee = _parity_sign((2 * jj)[:, None] & (2 * jb)[None, :])  # [HB, HB]: outputs x rope lanes
-    p_eo = _parity_sign((2 * jj)[:, None] & (2 * jb + 1)[None, :])
-    p_oe = _parity_sign((2 * jj + 1)[:, None] & (2 * jb)[None, :])
-    p_oo = _parity_sign((2 * jj + 1)[:, None] & (2 * jb + 1)[None, :])
+    s_e = parity_sign((2 * jj)[:, None] & kb[None, :])  # [HB, KB]: even outputs x nope lanes
+    s_o = parity_sign((2 * jj + 1)[:, None] & kb[None, :])
+    p_ee = parity_sign((2 * jj)[:, None] & (2 * jb)[None, :])  # [HB, HB]: outputs x rope lanes
+    p_eo = parity_sign((2 * jj)[:, None] & (2 * jb + 1)[None, :])
+    p_oe = parity_sign((2 * jj + 1)[:, None] & (2 * jb)[None, :])
+    p_oo = parity_sign((2 * jj + 1)[:, None] & (2 * jb + 1)[None, :])
     blk = tl.arange(0, NB)
     na = tl.arange(0, NA)
     ra = tl.arange(0, RA)
-    h_n = _parity_sign(blk[:, None] & na[None, :])  # [NB, NA]
-    h_r = _parity_sign(blk[:, None] & (NA + ra)[None, :])  # [NB, RA]
+    h_n = parity_sign(blk[:, None] & na[None, :])  # [NB, NA]
+    h_r = parity_sign(blk[:, None] & (NA + ra)[None, :])  # [NB, RA]
     noff = na[:, None] * KB + kb[None, :]  # [NA, KB]
     roff = NOPE + ra[:, None] * KB + 2 * jb[None, :]  # [RA, HB] even rope lanes
     wn = tl.load(w_ptr + noff).to(tl.float32)
@@ -873,7 +864,7 @@ def _emit_indexer_dot_kernel(
         # H_DIM = H_2 (x) H_NOPE (nope = rope = DIM / 2): z[:NOPE] = A + B, z[NOPE:] = A - B with
         # A = yn @ H_NOPE, B = rope @ H_NOPE; tf32 MMAs (the values are bf16, exact in tf32; the signs +-1: exact
         # products; bf16 operands would halve the shared memory but the interpreter's bf16 dot is wrong)
-        h = _parity_sign(cn[:, None] & cn[None, :])  # [NOPE, NOPE]
+        h = parity_sign(cn[:, None] & cn[None, :])  # [NOPE, NOPE]
         za = tl.dot(yn, h, input_precision="tf32")
         zb = tl.dot(rot, h, input_precision="tf32")
         s32 = tl.where(go, sl, 0).to(tl.int32)

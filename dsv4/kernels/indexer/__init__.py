@@ -1,5 +1,7 @@
-"""Lightning indexer read path: scores over paged FP4 (or FP8) keys, top-k selection, logical -> physical."""
+"""Lightning indexer read path: the query tail (RoPE, Hadamard, MXFP4), scores over paged FP4 (or FP8) keys,
+top-k selection, logical -> physical."""
 
+from dsv4.kernels.indexer.query import indexer_query_tail, indexer_query_tail_reference
 from dsv4.kernels.indexer.scores import (
     FP8KeyPages,
     fp8_key_pages,
@@ -25,6 +27,8 @@ __all__ = [
     "indexer_scores_fp8keys",
     "indexer_scores_fp8keys_reference",
     "indexer_scores_reference",
+    "indexer_query_tail",
+    "indexer_query_tail_reference",
     "to_physical",
     "topk_indices",
     "topk_indices_reference",

@@ -1,0 +1,287 @@
+"""fp32 linear for the compressor projections: ``(x·w1ᵀ, x·w2ᵀ)`` in one Triton GEMM, 3xTF32 tensor-core products.
+
+The compressor projections of DeepSeek-V4 are fp32 (spec §3): ``kv = x·wkvᵀ`` and ``score = x·wgateᵀ`` with
+x [T, 4096] and wkv, wgate [c·d, 4096] (c·d = 1024 CSA main, 512 HCA, 256 CSA indexer).  cuBLAS runs them as
+SIMT fp32 GEMMs.  ``linear_fp32_pair`` runs both projections of one compressor in one launch on the tensor
+cores with ``tl.dot(..., input_precision="tf32x3")``.
+
+Numerics of tf32x3.  tf32 keeps fp32's 8 exponent bits and 10 of its 23 mantissa bits.  Each fp32 operand is
+split into a tf32 "big" part and the tf32 rounding of the residual, ``a = a_big + a_small + δa`` with
+``|a_small| <= 2^-11·|a|`` and ``|δa| <= 2^-22·|a|``, and three tensor-core products are summed:
+``a_small·b_big + a_big·b_small + a_big·b_big`` (each exact in fp32: 11 x 11 significant bits).  What is dropped
+(``a_small·b_small``, ``δa·b``, ``a·δb``) is at most ~3·2^-22 ≈ 7e-7 of ``|a·b|`` per product.  The sum over K
+is fp32: Triton computes each BLOCK_K chunk's three products on the tensor cores (whose fp32 accumulation
+truncates) and adds the chunk into an fp32 accumulator (round to nearest).  So an output element's error is
+``|y - y_exact| <= (3·2^-22 + c·2^-24) · (|x|·|w|ᵀ)``, c counting the sequential roundings (a truncation
+counts 2): K/BLOCK_K chunk additions plus ~2 per tensor-core step within a chunk, c ≈ 100-150 at K = 4096
+and BLOCK_K 32-64, i.e. up to ~1e-5 if every rounding went the same way and orders of magnitude less on
+random-sign data, against c = K (2.4e-4) for a sequential fp32 dot.  The GPU tests check this kernel and
+cuBLAS fp32 against an fp64 product at K = 4096 on random-sign data with the bound 1e-5·(|x|·|w|ᵀ).  The split is
+relative to each operand, so the error does not depend on the scale of x or w.  ``precision="ieee"`` uses
+Triton's exact fp32 dot (FMA, no tensor cores; slow): for comparisons.
+
+Cost (fp32 everywhere, N = N1 + N2): bytes ``4·(M·K + N·K + M·N)`` (the weights dominate in decode:
+33.6 MB for a CSA main pair, 8.0 µs at 4.17 TB/s), FLOPs ``2·M·N·K`` as fp32, i.e. ``3·2·M·N·K`` on the tf32
+tensor cores (495 TFLOP/s dense on the H200): the kernel is memory-bound up to M ≈ 80 tokens and
+compute-bound above (a 65,536-token prefill of a CSA main pair: 1.1 TFLOP, 6.7 ms of tf32x3 tensor-core
+work at peak, against >= 16 ms at the H200's 67 TFLOP/s SIMT fp32 peak).
+
+Launch (``linear_launch``): grid (N tiles of w1 then of w2, M tiles, K splits); a program takes w1/out1 or
+w2/out2 by its N-tile index (N tiles vary fastest, so programs in flight share x tiles in L2).  Decode
+(M <= 128): BLOCK_M covers M (the weights are streamed once), 64-wide N tiles, the MMA computes w·xᵀ (the
+weight rows on the wgmma's M side), and K is split until there are ~2 programs per SM (so that enough
+loads are in flight to use HBM bandwidth).  With a K split each program writes its fp32 partial tile to a
+[split, M, N] buffer and a second launch sums the splits in a fixed order: deterministic (bit-identical
+from run to run), unlike fp32 atomics, at the cost of one small extra launch and 2·4·split·M·N bytes
+(<= 1/4 of the weight bytes by construction).  Prefill: 128 x 128 tiles, x·wᵀ, no split.  Nothing is read
+back to the host and the buffers come from the caching allocator: CUDA-graph capturable.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from dsv4.errors import check_tensor
+from dsv4.kernels.dispatch import use_triton
+
+__all__ = ["PRECISIONS", "LinearLaunch", "linear_fp32_pair", "linear_fp32_pair_reference", "linear_launch"]
+
+PRECISIONS = ("tf32x3", "ieee")
+DECODE_MAX_M = 128  # up to here a single M tile covers the tokens (decode regime of ``linear_launch``)
+_H200_SMS = 132  # the SM count assumed off-GPU (interpreter)
+_SUM_BLOCK = 1024  # elements a program of the split-sum launch adds up
+
+
+class LinearLaunch(NamedTuple):
+    """Launch of ``linear_fp32_pair``: tile sizes (powers of two >= 16, for ``tl.dot``), warps, software
+    pipelining stages, K splits (1 = no split, no second launch) and the MMA orientation (``swap_ab``:
+    compute w·xᵀ, the weight rows on the MMA's M side and the tokens on its N side)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    split_k: int
+    swap_ab: bool
+
+
+def _check_pow2(name: str, value: int, least: int, most: int) -> None:
+    ok = isinstance(value, int) and least <= value <= most and value & (value - 1) == 0
+    if not ok:
+        raise ValueError(f"{name}: expected a power of two in [{least}, {most}], got {value!r}")
+
+
+def linear_launch(
+    m: int,
+    n1: int,
+    n2: int,
+    k: int,
+    *,
+    num_sms: int = _H200_SMS,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    block_k: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    split_k: int | None = None,
+    swap_ab: bool | None = None,
+) -> LinearLaunch:
+    """The launch ``linear_fp32_pair`` uses for x [m, k], w1 [n1, k], w2 [n2, k]; given values override.
+
+    Decode (m <= DECODE_MAX_M): BLOCK_M = the next power of two >= m (>= 16, ``tl.dot``'s minimum) so one M
+    tile reads each weight once; BLOCK_N 64, BLOCK_K 32, 4 stages, 4 warps (8 at BLOCK_M 128); swapped
+    orientation, so that the MMA is a Hopper wgmma with the 64 weight rows as its M and the tokens as its N
+    (16..128) and the big operand, the weight tile, is split into its tf32 parts in registers rather than
+    written back to shared memory.  Small tiles keep 3 programs resident per SM at M = 64 (a 256-program
+    decode grid in one wave, more loads in flight than one big program).  Prefill: 128 x 128 x 32 tiles,
+    8 warps, 3 stages, x·wᵀ.  (sm_90a builds, Triton 3.9: 72 / 96 / 136 / 168 registers and 34 / 44 / 64 /
+    104 KiB of shared memory at BLOCK_M 16 / 32 / 64 / 128; prefill 204 registers, 96 KiB; no spills.)
+    ``split_k`` (unless given): doubled while there are fewer than 2 programs per SM, every split keeps at
+    least 4 K blocks for the pipeline, and the partials (written and read: 2·split·M·N·4 bytes) stay within
+    1/4 of the weight bytes (N·K·4), i.e. ``8·split·m <= k``.  Decode M = 64 at K = 4096 gives split 8 for a
+    CSA main pair (32 N tiles -> 256 programs), HCA (16 -> 128) and the CSA indexer (8 -> 64); M = 1 gives 16.
+    """
+    decode = m <= DECODE_MAX_M
+    bm = (max(16, triton.next_power_of_2(max(m, 1))) if decode else 128) if block_m is None else block_m
+    bn = (64 if decode else 128) if block_n is None else block_n
+    bk = 32 if block_k is None else block_k
+    warps = (4 if decode and bm <= 64 else 8) if num_warps is None else num_warps
+    stages = (4 if decode else 3) if num_stages is None else num_stages
+    swap = decode if swap_ab is None else swap_ab
+    for name, value in (("block_m", bm), ("block_n", bn), ("block_k", bk)):
+        _check_pow2(name, value, 16, 256)
+    _check_pow2("num_warps", warps, 1, 16)
+    if not isinstance(stages, int) or stages < 1:
+        raise ValueError(f"num_stages: expected an int >= 1, got {stages!r}")
+    if not isinstance(swap, bool):
+        raise ValueError(f"swap_ab: expected a bool, got {swap!r}")
+    if split_k is None:
+        tiles = triton.cdiv(m, bm) * (triton.cdiv(n1, bn) + triton.cdiv(n2, bn))
+        split_k = 1
+        while tiles * split_k < 2 * num_sms and k >= 2 * split_k * 4 * bk and 8 * 2 * split_k * m <= k:
+            split_k *= 2
+    elif not isinstance(split_k, int) or split_k < 1:
+        raise ValueError(f"split_k: expected an int >= 1, got {split_k!r}")
+    return LinearLaunch(bm, bn, bk, warps, stages, split_k, swap)
+
+
+def linear_fp32_pair_reference(
+    x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PyTorch definition of ``linear_fp32_pair``: two fp32 ``F.linear`` calls."""
+    return torch.nn.functional.linear(x, w1), torch.nn.functional.linear(x, w2)
+
+
+@triton.jit(do_not_specialize=["tiles_n1"])  # one binary for every weight width
+def _linear_pair_kernel(
+    x_ptr, w1_ptr, w2_ptr, out1_ptr, out2_ptr, part_ptr,
+    M, N1, N2, K, k_per_split, stride_xm, stride_w1, stride_w2, tiles_n1,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr, SWAP_AB: tl.constexpr, PARTIAL: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """One [BLOCK_M, BLOCK_N] tile of x·w1ᵀ or x·w2ᵀ over K range [pid_k·k_per_split, +k_per_split).
+
+    PARTIAL: store the fp32 tile at part[pid_k, rows, N1-offset columns] (a [split, M, N1 + N2] buffer)
+    instead of into out1 / out2.
+    """
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    first = pid_n < tiles_n1
+    w_ptr = tl.where(first, w1_ptr, w2_ptr)
+    out_ptr = tl.where(first, out1_ptr, out2_ptr)
+    n = tl.where(first, N1, N2)
+    stride_w = tl.where(first, stride_w1, stride_w2)
+    rn = tl.where(first, pid_n, pid_n - tiles_n1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rk = tl.arange(0, BLOCK_K)
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    # Rows past M / N are loaded from valid rows (wrapped) so that the loop needs no row masks; they are
+    # masked at the store.  Both tiles are read K-contiguous: x as [BLOCK_M, BLOCK_K], w as [BLOCK_N, BLOCK_K].
+    x_ptrs = x_ptr + (rm % M).to(tl.int64)[:, None] * stride_xm + (k_lo + rk)[None, :]
+    w_ptrs = w_ptr + (rn % n).to(tl.int64)[:, None] * stride_w + (k_lo + rk)[None, :]
+    if SWAP_AB:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(k_lo, k_hi, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(x_ptrs)
+            b = tl.load(w_ptrs)
+        else:
+            in_k = (k + rk < K)[None, :]
+            a = tl.load(x_ptrs, mask=in_k, other=0.0)
+            b = tl.load(w_ptrs, mask=in_k, other=0.0)
+        if SWAP_AB:  # w·xᵀ: the weight tile is the MMA's A operand (kept in registers), the tokens its N side
+            acc = tl.dot(b, tl.trans(a), acc, input_precision=PRECISION)
+        else:
+            acc = tl.dot(a, tl.trans(b), acc, input_precision=PRECISION)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    if SWAP_AB:
+        acc = tl.trans(acc)
+    mask = (rm < M)[:, None] & (rn < n)[None, :]
+    if PARTIAL:
+        col = tl.where(first, 0, N1) + rn
+        rows = (pid_k * M + rm).to(tl.int64)
+        tl.store(part_ptr + rows[:, None] * (N1 + N2) + col[None, :], acc, mask=mask)
+    else:
+        tl.store(out_ptr + rm.to(tl.int64)[:, None] * n + rn[None, :], acc, mask=mask)
+
+
+@triton.jit
+def _sum_splits_kernel(part_ptr, out1_ptr, out2_ptr, numel, N1, N2, split, BLOCK: tl.constexpr):
+    """out1 | out2 = Σ_s part[s] in the order s = 0, 1, ... (part [split, M, N1 + N2] fp32, numel = M·(N1 + N2))."""
+    e = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = e < numel
+    ptrs = part_ptr + e
+    acc = tl.load(ptrs, mask=ok, other=0.0)
+    for _ in range(1, split):
+        ptrs += numel
+        acc += tl.load(ptrs, mask=ok, other=0.0)
+    row = e // (N1 + N2)
+    col = e % (N1 + N2)
+    first = col < N1
+    tl.store(out1_ptr + row * N1 + col, acc, mask=ok & first)
+    tl.store(out2_ptr + row * N2 + (col - N1), acc, mask=ok & (col >= N1))
+
+
+@functools.lru_cache(maxsize=16)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return _H200_SMS
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(1) == 1 or t.shape[1] <= 1 else t.contiguous()
+
+
+def linear_fp32_pair(
+    x: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    backend: str = "auto",
+    *,
+    precision: str = "tf32x3",
+    block_m: int | None = None,
+    block_n: int | None = None,
+    block_k: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    split_k: int | None = None,
+    swap_ab: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x·w1ᵀ, x·w2ᵀ)`` in fp32: x [M, K] fp32, w1 [N1, K] fp32, w2 [N2, K] fp32 -> ([M, N1], [M, N2]) fp32.
+
+    M may be 0.  x and the weights may be strided views (any row stride; a last stride other than 1 costs
+    a copy).  The compressor passes (x, wkv, wgate).  Triton path: one launch (two with a K split, see the
+    module docstring), ``precision`` "tf32x3" (3xTF32 tensor-core products, ~fp32 accuracy) or "ieee"
+    (exact fp32 FMA dot); launch parameters default to ``linear_launch``.  Torch path (CPU, or
+    ``backend="torch"``): ``linear_fp32_pair_reference``.  Outputs are new contiguous tensors.
+    """
+    check_tensor("x", x, dtype=torch.float32, ndim=2)
+    k = x.shape[1]
+    check_tensor("w1", w1, dtype=torch.float32, shape=(None, k), device=x.device)
+    check_tensor("w2", w2, dtype=torch.float32, shape=(None, k), device=x.device)
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision: expected one of {PRECISIONS}, got {precision!r}")
+    m, n1, n2 = x.shape[0], w1.shape[0], w2.shape[0]
+    launch = linear_launch(
+        m, n1, n2, k, num_sms=_num_sms(x.device), block_m=block_m, block_n=block_n, block_k=block_k,
+        num_warps=num_warps, num_stages=num_stages, split_k=split_k, swap_ab=swap_ab,
+    )  # fmt: skip
+    if not use_triton(backend, x, w1, w2):
+        return linear_fp32_pair_reference(x, w1, w2)
+    out1 = torch.empty(m, n1, dtype=torch.float32, device=x.device)
+    out2 = torch.empty(m, n2, dtype=torch.float32, device=x.device)
+    if m == 0 or n1 + n2 == 0:
+        return out1, out2
+    x, w1, w2 = _unit_last_stride(x), _unit_last_stride(w1), _unit_last_stride(w2)
+    bm, bn, bk, warps, stages, split, swap = launch
+    k_per_split = triton.cdiv(triton.cdiv(k, split), bk) * bk  # whole K blocks per split
+    part = torch.empty(split, m, n1 + n2, dtype=torch.float32, device=x.device) if split > 1 else out1
+    tiles_n1 = triton.cdiv(n1, bn)
+    grid = (tiles_n1 + triton.cdiv(n2, bn), triton.cdiv(m, bm), split)
+    _linear_pair_kernel[grid](
+        x, w1, w2, out1, out2, part, m, n1, n2, k, k_per_split, x.stride(0), w1.stride(0), w2.stride(0), tiles_n1,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=k % bk == 0, SWAP_AB=swap, PARTIAL=split > 1, PRECISION=precision,
+        num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    if split > 1:
+        numel = m * (n1 + n2)
+        _sum_splits_kernel[(triton.cdiv(numel, _SUM_BLOCK),)](
+            part, out1, out2, numel, n1, n2, split, BLOCK=_SUM_BLOCK, num_warps=4
+        )
+    return out1, out2

@@ -1,0 +1,259 @@
+"""fp32 pair linear for the compressor projections (dsv4/kernels/linear.py) against its PyTorch reference.
+
+On the CPU the Triton kernel runs under the interpreter, where ``tl.dot`` computes in fp32 whatever the
+``input_precision``: those tests check the tiling, masking, K splits and the w1/w2 selection.  The tf32x3
+numerics are checked by the GPU tests at the real widths (K = 4096).
+"""
+
+import pytest
+import torch
+
+from dsv4.engine.graphs import capture_graph
+from dsv4.kernels.linear import linear_fp32_pair, linear_fp32_pair_reference, linear_launch
+
+U = 2.0**-24  # fp32 unit roundoff
+
+
+def _inputs(m, k, n1, n2, device, seed=0, integer=False):
+    g = torch.Generator().manual_seed(seed)
+    if integer:  # small integers: every product and partial sum is exact in fp32 and in tf32 parts
+        x, w1, w2 = (torch.randint(-4, 5, shape, generator=g).float() for shape in ((m, k), (n1, k), (n2, k)))
+    else:
+        x = torch.randn(m, k, generator=g)
+        w1, w2 = torch.randn(n1, k, generator=g) * 0.05, torch.randn(n2, k, generator=g) * 0.05
+    return x.to(device), w1.to(device), w2.to(device)
+
+
+def _scale(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """|x|·|w|ᵀ in fp64: the sum of the magnitudes of the terms of each output, which rounding errors scale with."""
+    return x.double().abs() @ w.double().abs().T
+
+
+def _assert_close_fp32(got: torch.Tensor, want: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rel: float) -> None:
+    """|got - want| <= rel · (|x|·|w|ᵀ) elementwise (plus a subnormal-sized floor for all-zero rows)."""
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    err = (got.double() - want.double()).abs()
+    bound = rel * _scale(x, w) + 1e-30
+    worst = (err / bound).max().item() if err.numel() else 0.0
+    assert worst <= 1.0, f"error {worst:.3g} x the bound rel={rel:.3g}·(|x|·|w|ᵀ)"
+
+
+# Interpreter / small shapes: two fp32 sums of the same K terms in different orders (the kernel's tiles and
+# splits, torch's blocking) each differ from the exact sum by at most γ_K·Σ|terms| ≈ K·2^-24·(|x|·|w|ᵀ)
+# (the standard worst-case bound), so they differ from each other by at most twice that.  On a GPU the
+# tf32x3 products add their own <= 3·2^-22 per product.  Any tiling bug (a missed or doubled K block, a
+# wrong row or column) moves an output by O(1)·(|x|·|w|ᵀ), far outside this bound.
+def _small_shape_rel(k: int) -> float:
+    return 2 * k * U + 3 * 2.0**-22
+
+
+# The default K block is 32; the other launches take 64 so that K = 96 (and 160) ends in a masked partial block.
+LAUNCHES = {
+    "default": {},
+    "split3": {"split_k": 3, "block_k": 64},  # at K = 96 the second split is a partial block, the third empty
+    "tiles16": {"block_m": 16, "block_n": 16, "block_k": 64, "split_k": 2, "swap_ab": False},
+}
+
+
+@pytest.mark.parametrize("launch", list(LAUNCHES))
+@pytest.mark.parametrize("n1,n2", [(16, 16), (48, 100), (100, 48)])
+@pytest.mark.parametrize("k", [64, 96, 256])
+@pytest.mark.parametrize("m", [0, 1, 5, 33])
+def test_linear_pair_matches_reference(device, m, k, n1, n2, launch):
+    """Both outputs against two F.linear calls: M = 0, M below / above a 16-row tile, K not a multiple of
+    the K block (masked tail), N1 != N2 (the program's weight is picked by its N tile), with and without K
+    splits, both MMA orientations."""
+    x, w1, w2 = _inputs(m, k, n1, n2, device, seed=m * 1000 + k + n1)
+    y1, y2 = linear_fp32_pair(x, w1, w2, backend="triton", **LAUNCHES[launch])
+    r1, r2 = linear_fp32_pair_reference(x, w1, w2)
+    assert y1.shape == (m, n1) and y2.shape == (m, n2)
+    _assert_close_fp32(y1, r1, x, w1, _small_shape_rel(k))
+    _assert_close_fp32(y2, r2, x, w2, _small_shape_rel(k))
+
+
+@pytest.mark.parametrize("launch", list(LAUNCHES))
+def test_linear_pair_exact_on_integers(device, launch):
+    """With small integer inputs every product and partial sum is exact (in fp32 and in tf32 parts), so the
+    kernel must return exactly the reference whatever its tiling, split or summation order."""
+    x, w1, w2 = _inputs(37, 160, 72, 24, device, seed=5, integer=True)
+    y1, y2 = linear_fp32_pair(x, w1, w2, backend="triton", **LAUNCHES[launch])
+    r1, r2 = linear_fp32_pair_reference(x, w1, w2)
+    assert torch.equal(y1, r1) and torch.equal(y2, r2)
+
+
+def test_linear_pair_strided_inputs(device):
+    """x a column slice of a wider tensor (row stride 200, unit last stride), w1 a column slice, w2 rows of a
+    fused [N1 + N2, K] weight; and x with a non-unit last stride (a transposed view: copied)."""
+    m, k, n1, n2 = 9, 96, 40, 24
+    g = torch.Generator().manual_seed(7)
+    wide = torch.randn(m, 200, generator=g).to(device)
+    x = wide[:, 8 : 8 + k]
+    assert x.stride() == (200, 1)
+    w1 = (torch.randn(n1, k + 32, generator=g) * 0.05).to(device)[:, 32:]
+    fused = (torch.randn(n1 + n2, k, generator=g) * 0.05).to(device)
+    w2 = fused[n1:]
+    xt = x.contiguous().T.contiguous().T
+    assert xt.stride(1) != 1
+    for xx in (x, xt):
+        y1, y2 = linear_fp32_pair(xx, w1, w2, backend="triton", split_k=2)
+        r1, r2 = linear_fp32_pair_reference(x, w1, w2)
+        _assert_close_fp32(y1, r1, x, w1, _small_shape_rel(k))
+        _assert_close_fp32(y2, r2, x, w2, _small_shape_rel(k))
+
+
+def test_linear_pair_one_empty_weight(device):
+    """N2 = 0: no program takes w2; out2 is [M, 0]."""
+    x, w1, w2 = _inputs(5, 64, 48, 0, device, integer=True)
+    y1, y2 = linear_fp32_pair(x, w1, w2, backend="triton", split_k=2)
+    assert y2.shape == (5, 0)
+    assert torch.equal(y1, torch.nn.functional.linear(x, w1))
+
+
+def test_linear_pair_torch_and_auto_backends():
+    """backend="torch" and "auto" on CPU tensors are the reference: two F.linear calls, bit for bit."""
+    x, w1, w2 = _inputs(5, 96, 48, 100, "cpu")
+    for backend in ("torch", "auto"):
+        y1, y2 = linear_fp32_pair(x, w1, w2, backend=backend)
+        assert torch.equal(y1, torch.nn.functional.linear(x, w1))
+        assert torch.equal(y2, torch.nn.functional.linear(x, w2))
+
+
+def test_linear_launch_defaults():
+    """The documented launch defaults: decode tiles cover M, K split for ~2 programs per SM within the partial
+    budget (8·split·M <= K); prefill 128 x 128 x 32 without a split."""
+    assert linear_launch(64, 1024, 1024, 4096) == (64, 64, 32, 4, 4, 8, True)  # 32 N tiles x 8 = 256 programs
+    assert linear_launch(64, 256, 256, 4096).split_k == 8  # capped by the partial budget: 64 programs
+    assert linear_launch(1, 1024, 1024, 4096) == (16, 64, 32, 4, 4, 16, True)  # 512 programs
+    assert linear_launch(8, 512, 512, 4096)[:2] == (16, 64)
+    assert linear_launch(100, 1024, 1024, 4096) == (128, 64, 32, 8, 4, 4, True)  # partial budget: 8·4·100 <= 4096
+    assert linear_launch(65536, 1024, 1024, 4096) == (128, 128, 32, 8, 3, 1, False)
+    assert linear_launch(64, 1024, 1024, 4096, split_k=1, block_n=128, swap_ab=False)[1:] == (128, 32, 4, 4, 1, False)
+
+
+_GOOD = {"x": torch.zeros(4, 32), "w1": torch.zeros(8, 32), "w2": torch.zeros(16, 32)}
+
+
+@pytest.mark.parametrize(
+    "change,name",
+    [
+        ({"x": torch.zeros(4, 32, dtype=torch.bfloat16)}, "x"),
+        ({"x": torch.zeros(32)}, "x"),
+        ({"x": torch.zeros(2, 4, 32)}, "x"),
+        ({"w1": torch.zeros(8, 32, dtype=torch.float16)}, "w1"),
+        ({"w1": torch.zeros(8, 31)}, "w1"),
+        ({"w2": torch.zeros(16, 64)}, "w2"),
+        ({"w2": torch.zeros(16 * 32)}, "w2"),
+        ({"precision": "tf32"}, "precision"),
+        ({"backend": "cuda"}, "backend"),
+        ({"block_m": 8}, "block_m"),
+        ({"block_n": 0}, "block_n"),
+        ({"block_k": 48}, "block_k"),
+        ({"num_warps": 3}, "num_warps"),
+        ({"num_stages": 0}, "num_stages"),
+        ({"split_k": 0}, "split_k"),
+        ({"swap_ab": 1}, "swap_ab"),
+    ],
+)
+def test_linear_pair_validation(change, name):
+    """Bad arguments raise ValueError naming the argument (on every backend, before dispatch)."""
+    kw = {**_GOOD, **change}
+    with pytest.raises(ValueError, match=f"^{name}"):
+        linear_fp32_pair(kw.pop("x"), kw.pop("w1"), kw.pop("w2"), **kw)
+
+
+def test_linear_pair_validation_message_names_expected_and_got():
+    with pytest.raises(ValueError, match=r"w2: expected shape \[\*, 32\], got \[16, 64\]"):
+        linear_fp32_pair(_GOOD["x"], _GOOD["w1"], torch.zeros(16, 64))
+    with pytest.raises(ValueError, match="x: expected dtype torch.float32, got torch.bfloat16"):
+        linear_fp32_pair(_GOOD["x"].bfloat16(), _GOOD["w1"], _GOOD["w2"])
+
+
+# ---------------------------------------------------------------------------------------------- GPU
+# Real widths, K = 4096, against an fp64 product.  Bound 1e-5·(|x|·|w|ᵀ) (see the module docstring): the
+# tf32x3 products lose <= 3·2^-22 ≈ 7e-7 each; the fp32 accumulation sees ~100-150 sequential roundings
+# (K/BLOCK_K chunk additions and the tensor-core steps within a chunk), <= ~1e-5 even if all went the same
+# way, ~1e-7 on random-sign data.  cuBLAS fp32 (SIMT, TF32 off) is held to the same bound as a check of it.
+GPU_REL = 1e-5
+
+
+def _gpu_inputs(m, n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    k = 4096
+    x = torch.randn(m, k, generator=g) * torch.logspace(-3, 3, m).unsqueeze(1)  # the bound is scale-free
+    w1 = torch.randn(n, k, generator=g) * 0.02
+    w2 = torch.randn(n, k, generator=g) * 0.02
+    return x.cuda(), w1.cuda(), w2.cuda()
+
+
+def _fp64(x, w):
+    return x.double() @ w.double().T
+
+
+@pytest.fixture
+def no_tf32():
+    """The torch fp32 baseline in IEEE fp32 (cuBLAS SIMT), whatever the process default."""
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = old
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("n", [1024, 256])
+@pytest.mark.parametrize("m", [1, 64, 4096])
+def test_linear_pair_tf32x3_real_shapes_on_gpu(m, n, no_tf32):
+    """tf32x3 at the compressor widths (decode 1 / 64 tokens, prefill 4,096): within 1e-5·(|x|·|w|ᵀ) of fp64,
+    like torch fp32; deterministic (bit-identical on a second call)."""
+    x, w1, w2 = _gpu_inputs(m, n, seed=m + n)
+    y1, y2 = linear_fp32_pair(x, w1, w2)
+    t1, t2 = linear_fp32_pair_reference(x, w1, w2)
+    for y, t, w in ((y1, t1, w1), (y2, t2, w2)):
+        ref = _fp64(x, w)
+        _assert_close_fp32(y, ref, x, w, GPU_REL)
+        _assert_close_fp32(t, ref, x, w, GPU_REL)
+    z1, z2 = linear_fp32_pair(x, w1, w2)
+    assert torch.equal(z1, y1) and torch.equal(z2, y2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize(
+    "launch",
+    [
+        {"split_k": 1},
+        {"split_k": 2},
+        {"split_k": 16},
+        {"swap_ab": False},
+        {"block_m": 16, "block_n": 128, "num_warps": 8},
+        {"block_m": 128, "block_n": 128, "block_k": 32, "num_warps": 8, "num_stages": 3, "split_k": 1},
+        {"precision": "ieee"},
+    ],
+)
+def test_linear_pair_launch_variants_on_gpu(launch):
+    """Decode M = 64 with other splits, orientations and tiles, and the exact-fp32 "ieee" dot: same bound."""
+    x, w1, w2 = _gpu_inputs(64, 1024, seed=3)
+    y1, y2 = linear_fp32_pair(x, w1, w2, **launch)
+    _assert_close_fp32(y1, _fp64(x, w1), x, w1, GPU_REL)
+    _assert_close_fp32(y2, _fp64(x, w2), x, w2, GPU_REL)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("m", [1, 64, 300])
+def test_linear_pair_sync_free_and_capturable(m):
+    """No host synchronisation, and a CUDA graph replay gives the eager result bit for bit (split and not)."""
+    x, w1, w2 = _gpu_inputs(m, 512, seed=9)
+    want = linear_fp32_pair(x, w1, w2)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        linear_fp32_pair(x, w1, w2)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    g, out = capture_graph(lambda: linear_fp32_pair(x, w1, w2))
+    out[0].zero_()
+    out[1].zero_()
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out[0], want[0]) and torch.equal(out[1], want[1])
