@@ -14,10 +14,10 @@ RoPE rotates the last ``rd = 2 * len(inv_freq)`` channels as interleaved pairs (
 Numerics (the kernel repeats the reference's operations and roundings one by one):
 
 - ``head_rms_norm`` in bf16: ``q²`` rounded to bf16 per element, their sum in fp32 times ``1/D`` (exact:
-  D is a power of two) rounded to bf16 (the mean), ``+ eps`` rounded to bf16 (eps narrowed to bf16 first,
-  as torch does with a Python scalar added to a bf16 tensor: measured on the CPU; on CUDA its binary
-  kernels read the scalar after TensorIterator's type promotion), ``rsqrt`` rounded to
-  bf16, ``q * r`` rounded to bf16.  The one difference is the **order of the fp32 sum** (the kernel's
+  D is a power of two) rounded to bf16 (the mean), ``+ eps`` rounded to bf16 (eps as torch adds a Python
+  scalar to a bf16 tensor: narrowed to bf16 first on the CPU, measured; kept in fp32 on CUDA, whose binary
+  kernels compute in fp32 op-math: see ``_eps_as_added``), ``rsqrt`` rounded to bf16,
+  ``q * r`` rounded to bf16.  The one difference is the **order of the fp32 sum** (the kernel's
   reduction tree over the nope channels plus the one over the rope pairs; torch: its own order).  Two
   orders give fp32 sums a few ulps apart, which round to a different bf16 mean only when they straddle a
   bf16 rounding boundary (0 of 20,000 random head rows of 512 on the CPU, 0 of 4,096 in the interpreter);
@@ -124,7 +124,7 @@ def _rope_heads_kernel(
     int16 view (bf16 bit patterns: no float conversion of the interpreter is relied on).  The row is read
     as two tiles: the D - 2*HR nope channels [BLOCK_H, NOPE_PAD] (lanes >= D - 2*HR masked) and the rope
     pairs [BLOCK_H, HR, 2], split into their even / odd lanes in registers.  ``eps``: the norm's epsilon
-    already narrowed to bf16 (as torch adds it).
+    as torch adds it on the tensor's device (``_eps_as_added``).
     """
     NOPE: tl.constexpr = D - 2 * HR
     t = tl.program_id(0).to(tl.int64)
@@ -172,8 +172,15 @@ def _default_block_h(t: int, h: int) -> int:
 
 @functools.lru_cache(maxsize=16)
 def _bf16_scalar(v: float) -> float:
-    """``v`` as torch adds it to a bf16 tensor: narrowed to the tensor's dtype first (bf16, from double)."""
+    """``v`` as torch's CPU kernels add it to a bf16 tensor: narrowed to the tensor's dtype first (bf16)."""
     return torch.tensor(v, dtype=torch.float64).to(torch.bfloat16).item()
+
+
+def _eps_as_added(eps: float, device: torch.device) -> float:
+    """The norm's epsilon as torch adds it to the bf16 mean on ``device``: narrowed to bf16 on the CPU; in fp32
+    on CUDA (its binary kernels take a Python scalar in the op-math type, fp32: H200, 2026-12-03, narrowing
+    there moved 278 of 8,192 head rows whose mean of squares is near eps)."""
+    return _bf16_scalar(eps) if device.type == "cpu" else eps
 
 
 def _launch(
@@ -198,7 +205,7 @@ def _launch(
     o16 = out.view(torch.int16)
     _rope_heads_kernel[(t, triton.cdiv(h, bh))](
         x, x.stride(0), x.stride(1), o16, positions, positions.stride(0), inv_freq, inv_freq.stride(0), h,
-        _bf16_scalar(float(eps)), NORM=norm, INVERSE=inverse, INTERP=interpreter_enabled(), BLOCK_H=bh, D=d,
+        _eps_as_added(float(eps), x.device), NORM=norm, INVERSE=inverse, INTERP=interpreter_enabled(), BLOCK_H=bh, D=d,
         NOPE_PAD=triton.next_power_of_2(max(1, d - 2 * hr)), HR=hr, num_warps=nw,
     )  # fmt: skip
     return out

@@ -11,7 +11,7 @@ V4-Flash widths, B = 64, on the H200).  ``indexer_query_tail`` does all of it in
 The reference (``indexer_query_tail_reference``) is the composition of the model's own functions
 (``apply_rope``, ``hadamard``, ``mxfp4_simulate``), which the dense reference layer uses too.
 
-Kernel: the [T*Hi, Di] rows of q_lin in blocks of ``BLOCK_R`` rows (a row = one head of one token).  The
+Kernel: one program per (token, block of 16 heads); the token's cos/sin are computed once for its heads.  The
 Hadamard uses H_Di = H_2 (x) H_{Di/2} with the nope and rope halves as the two factors' operands:
 z[:Di/2] = A + B, z[Di/2:] = A - B, A = nope @ H, B = rope @ H, two tf32 MMAs with one [Di/2, Di/2] sign
 matrix built in registers.  The operands are bf16 values and +-1, so every product is exact in tf32 and
@@ -51,7 +51,7 @@ from dsv4.model import functional as F
 __all__ = ["indexer_query_tail", "indexer_query_tail_reference"]
 
 _INTS = (torch.int32, torch.int64)
-_BLOCK_R = 64  # query rows (heads x tokens) a program: the MMA's M
+_BLOCK_H = 16  # heads of one token a program: the MMA's M (>= 16); V4: 64 heads -> 4 programs a token
 _WARPS = 4
 
 
@@ -78,15 +78,15 @@ def _e2m1_value(code):
 
 
 @triton.jit
-def _mxfp4_roundtrip(z, BLOCK_R: tl.constexpr, NBH: tl.constexpr, QB: tl.constexpr, FLOOR: tl.constexpr,
+def _mxfp4_roundtrip(z, ROWS: tl.constexpr, NBH: tl.constexpr, QB: tl.constexpr, FLOOR: tl.constexpr,
                      Q_EXP: tl.constexpr, Q_MANT: tl.constexpr):  # fmt: skip
-    """Rows z [BLOCK_R, NBH * QB] fp32 (bf16 values) -> MXFP4 blocks of QB -> dequantised fp32 values."""
-    zb = tl.reshape(z, [BLOCK_R, NBH, QB])
+    """Rows z [ROWS, NBH * QB] fp32 (bf16 values) -> MXFP4 blocks of QB -> dequantised fp32 values."""
+    zb = tl.reshape(z, [ROWS, NBH, QB])
     amax = tl.max(tl.abs(zb), axis=2)
     e = ceil_log2_ratio(amax, FLOOR, Q_EXP, Q_MANT)  # in [-126, 126]: amax >= FLOOR, finite bf16 input
     code = e2m1_code(zb * pow2_neg(e)[:, :, None])
     v = _e2m1_value(code) * pow2_neg(-e)[:, :, None]
-    return tl.reshape(v, [BLOCK_R, NBH * QB])
+    return tl.reshape(v, [ROWS, NBH * QB])
 
 
 @triton.jit
@@ -99,7 +99,6 @@ def _indexer_query_kernel(
     inv_ptr,
     out_ptr,
     wout_ptr,
-    n_rows,
     w_scale,
     HI: tl.constexpr,
     DI: tl.constexpr,
@@ -109,38 +108,36 @@ def _indexer_query_kernel(
     FLOOR: tl.constexpr,
     Q_EXP: tl.constexpr,
     Q_MANT: tl.constexpr,
-    BLOCK_R: tl.constexpr,
+    BLOCK_H: tl.constexpr,
     INTERP: tl.constexpr,
 ):
-    """Rows [pid*BLOCK_R, ...) of the [T*HI, DI] query (row = token * HI + head); see the module docstring.
-    Requires DI = 2 * (2 * HR): nope and rope halves of equal width (128 = 64 + 64)."""
+    """Token ``program_id(0)``, heads [program_id(1) * BLOCK_H, ...); see the module docstring.  The token's
+    cos/sin are computed once for its heads.  Requires DI = 2 * (2 * HR): nope and rope halves of equal width."""
     NOPE: tl.constexpr = DI // 2
-    r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    ok = r < n_rows
-    t = r // HI
-    h = r % HI
-    row = q_ptr + t * stride_qt + h * DI
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    ok = h < HI
+    row = q_ptr + t * stride_qt + h * DI  # [BLOCK_H]
     cn = tl.arange(0, NOPE)
     j = tl.arange(0, HR)
     xn = tl.load(row[:, None] + cn[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
     roff = NOPE + 2 * j[:, None] + tl.arange(0, 2)[None, :]  # [HR, 2] (even, odd) lanes of each rope pair
     xr = tl.load(row[:, None, None] + roff[None, :, :], mask=ok[:, None, None], other=0.0).to(tl.float32)
     xe, xo = tl.split(xr)
-    p = tl.load(pos_ptr + t, mask=ok, other=0)
-    c, s = rope_cos_sin_pos(p, 1, inv_ptr + j, INTERP)
+    c, s = rope_cos_sin_pos(tl.load(pos_ptr + t + tl.arange(0, 1)), 1, inv_ptr + j, INTERP)  # [1, HR]
     ye = bf16_rne(mul_rn(xe, c, INTERP) - mul_rn(xo, s, INTERP), INTERP)  # torch's roundings (no FMA)
     yo = bf16_rne(mul_rn(xe, s, INTERP) + mul_rn(xo, c, INTERP), INTERP)
-    rot = tl.reshape(tl.join(ye, yo), [BLOCK_R, NOPE])
+    rot = tl.reshape(tl.join(ye, yo), [BLOCK_H, NOPE])
     hm = parity_sign(cn[:, None] & cn[None, :])  # [NOPE, NOPE] Sylvester signs
     za = tl.dot(xn, hm, input_precision="tf32")
     zb = tl.dot(rot, hm, input_precision="tf32")
-    lo = _mxfp4_roundtrip(bf16_rne((za + zb) * HAD_SCALE, INTERP), BLOCK_R, NOPE // QB, QB, FLOOR, Q_EXP, Q_MANT)
-    hi = _mxfp4_roundtrip(bf16_rne((za - zb) * HAD_SCALE, INTERP), BLOCK_R, NOPE // QB, QB, FLOOR, Q_EXP, Q_MANT)
-    orow = out_ptr + r * DI
+    lo = _mxfp4_roundtrip(bf16_rne((za + zb) * HAD_SCALE, INTERP), BLOCK_H, NOPE // QB, QB, FLOOR, Q_EXP, Q_MANT)
+    hi = _mxfp4_roundtrip(bf16_rne((za - zb) * HAD_SCALE, INTERP), BLOCK_H, NOPE // QB, QB, FLOOR, Q_EXP, Q_MANT)
+    orow = out_ptr + (t * HI + h) * DI
     tl.store(orow[:, None] + cn[None, :], lo.to(tl.bfloat16), mask=ok[:, None])
     tl.store(orow[:, None] + NOPE + cn[None, :], hi.to(tl.bfloat16), mask=ok[:, None])
     wv = tl.load(w_ptr + t * stride_wt + h, mask=ok, other=0.0).to(tl.float32)
-    tl.store(wout_ptr + r, bf16_rne(wv * w_scale, INTERP), mask=ok)
+    tl.store(wout_ptr + t * HI + h, bf16_rne(wv * w_scale, INTERP), mask=ok)
 
 
 def indexer_query_tail(
@@ -184,14 +181,13 @@ def indexer_query_tail(
         return indexer_query_tail_reference(q_lin, w_lin, positions, inv_freq, fmt)
     q_out = torch.empty((t, hi, di), dtype=torch.bfloat16, device=dev)
     w_out = torch.empty((t, hi), dtype=torch.float32, device=dev)
-    n = t * hi
-    if n == 0:
+    if t * hi == 0:
         return q_out, w_out
     q_exp, q_mant = qmax_split(fmt.fp4_max)
-    _indexer_query_kernel[(triton.cdiv(n, _BLOCK_R),)](
-        q_lin, q_lin.stride(0), w_lin, w_lin.stride(0), positions, inv_freq, q_out, w_out, n,
+    _indexer_query_kernel[(t, triton.cdiv(hi, _BLOCK_H))](
+        q_lin, q_lin.stride(0), w_lin, w_lin.stride(0), positions, inv_freq, q_out, w_out,
         F.indexer_weight_scale(hi, di), HI=hi, DI=di, HR=rd // 2, HAD_SCALE=di**-0.5, QB=fmt.block,
-        FLOOR=fmt.amax_floor, Q_EXP=q_exp, Q_MANT=q_mant, BLOCK_R=_BLOCK_R, INTERP=interpreter_enabled(),
+        FLOOR=fmt.amax_floor, Q_EXP=q_exp, Q_MANT=q_mant, BLOCK_H=_BLOCK_H, INTERP=interpreter_enabled(),
         num_warps=_WARPS,
     )  # fmt: skip
     return q_out, w_out
