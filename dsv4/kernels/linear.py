@@ -95,24 +95,25 @@ def linear_launch(
     """The launch ``linear_fp32_pair`` uses for x [m, k], w1 [n1, k], w2 [n2, k]; given values override.
 
     Decode (m <= DECODE_MAX_M): BLOCK_M = the next power of two >= m (>= 16, ``tl.dot``'s minimum) so one M
-    tile reads each weight once; BLOCK_N 64, BLOCK_K 32, 4 stages, 4 warps (8 at BLOCK_M 128); swapped
+    tile reads each weight once; BLOCK_N 64, BLOCK_K 64, 3 stages, 4 warps (8 at BLOCK_M 128); swapped
     orientation, so that the MMA is a Hopper wgmma with the 64 weight rows as its M and the tokens as its N
     (16..128) and the big operand, the weight tile, is split into its tf32 parts in registers rather than
-    written back to shared memory.  Small tiles keep 3 programs resident per SM at M = 64 (a 256-program
-    decode grid in one wave, more loads in flight than one big program).  Prefill: 128 x 128 x 32 tiles,
-    8 warps, 3 stages, x·wᵀ.  (sm_90a builds, Triton 3.9: 72 / 96 / 136 / 168 registers and 34 / 44 / 64 /
-    104 KiB of shared memory at BLOCK_M 16 / 32 / 64 / 128; prefill 204 registers, 96 KiB; no spills.)
-    ``split_k`` (unless given): doubled while there are fewer than 2 programs per SM, every split keeps at
-    least 4 K blocks for the pipeline, and the partials (written and read: 2·split·M·N·4 bytes) stay within
-    1/4 of the weight bytes (N·K·4), i.e. ``8·split·m <= k``.  Decode M = 64 at K = 4096 gives split 8 for a
-    CSA main pair (32 N tiles -> 256 programs), HCA (16 -> 128) and the CSA indexer (8 -> 64); M = 1 gives 16.
+    written back to shared memory.  Prefill: 128 x 128 x 32 tiles, 8 warps, 3 stages, x·wᵀ.
+    ``split_k`` (unless given): doubled while the grid has fewer than ~2 programs per SM (1.9 x num_sms),
+    every split keeps at least 4 K blocks for the pipeline, and the partials (written and read:
+    2·split·M·N·4 bytes, mostly in L2) stay within 1/2 of the weight bytes (N·K·4), i.e. ``4·split·m <= k``.
+    Decode M = 64 at K = 4096: split 8 for a CSA main pair (32 N tiles -> 256 programs), 16 for HCA
+    (16 -> 256) and the CSA indexer (8 -> 128).  H200 sweep, 2026-12-03 (benchmarks/results/
+    2026-12-03_h200_linear_sweep_s5.jsonl, graph-timed with an L2 flush): these launches were the fastest
+    of 25 per width, 23.2 / 17.0 / 13.5 us vs 24.4 / 19.3 / 18.1 us for the first defaults (BLOCK_K 32,
+    4 stages, split 8 everywhere); other M were not swept.
     """
     decode = m <= DECODE_MAX_M
     bm = (max(16, triton.next_power_of_2(max(m, 1))) if decode else 128) if block_m is None else block_m
     bn = (64 if decode else 128) if block_n is None else block_n
-    bk = 32 if block_k is None else block_k
+    bk = (64 if decode else 32) if block_k is None else block_k
     warps = (4 if decode and bm <= 64 else 8) if num_warps is None else num_warps
-    stages = (4 if decode else 3) if num_stages is None else num_stages
+    stages = 3 if num_stages is None else num_stages
     swap = decode if swap_ab is None else swap_ab
     for name, value in (("block_m", bm), ("block_n", bn), ("block_k", bk)):
         _check_pow2(name, value, 16, 256)
@@ -124,7 +125,7 @@ def linear_launch(
     if split_k is None:
         tiles = triton.cdiv(m, bm) * (triton.cdiv(n1, bn) + triton.cdiv(n2, bn))
         split_k = 1
-        while tiles * split_k < 2 * num_sms and k >= 2 * split_k * 4 * bk and 8 * 2 * split_k * m <= k:
+        while tiles * split_k < 1.9 * num_sms and k >= 2 * split_k * 4 * bk and 4 * 2 * split_k * m <= k:
             split_k *= 2
     elif not isinstance(split_k, int) or split_k < 1:
         raise ValueError(f"split_k: expected an int >= 1, got {split_k!r}")

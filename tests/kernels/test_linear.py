@@ -119,15 +119,16 @@ def test_linear_pair_torch_and_auto_backends():
 
 
 def test_linear_launch_defaults():
-    """The documented launch defaults: decode tiles cover M, K split for ~2 programs per SM within the partial
-    budget (8·split·M <= K); prefill 128 x 128 x 32 without a split."""
-    assert linear_launch(64, 1024, 1024, 4096) == (64, 64, 32, 4, 4, 8, True)  # 32 N tiles x 8 = 256 programs
-    assert linear_launch(64, 256, 256, 4096).split_k == 8  # capped by the partial budget: 64 programs
-    assert linear_launch(1, 1024, 1024, 4096) == (16, 64, 32, 4, 4, 16, True)  # 512 programs
+    """The documented launch defaults: decode tiles cover M, K split for ~2 programs per SM (1.9 x SMs) within
+    the partial budget (4·split·M <= K) and >= 4 K blocks a split; prefill 128 x 128 x 32 without a split."""
+    assert linear_launch(64, 1024, 1024, 4096) == (64, 64, 64, 4, 3, 8, True)  # 32 N tiles x 8 = 256 programs
+    assert linear_launch(64, 512, 512, 4096).split_k == 16  # 16 N tiles x 16 = 256 programs
+    assert linear_launch(64, 256, 256, 4096).split_k == 16  # 4 K blocks a split at most 16: 128 programs
+    assert linear_launch(1, 1024, 1024, 4096) == (16, 64, 64, 4, 3, 8, True)  # 256 programs
     assert linear_launch(8, 512, 512, 4096)[:2] == (16, 64)
-    assert linear_launch(100, 1024, 1024, 4096) == (128, 64, 32, 8, 4, 4, True)  # partial budget: 8·4·100 <= 4096
+    assert linear_launch(100, 1024, 1024, 4096) == (128, 64, 64, 8, 3, 8, True)  # partial budget: 4·8·100 <= 4096
     assert linear_launch(65536, 1024, 1024, 4096) == (128, 128, 32, 8, 3, 1, False)
-    assert linear_launch(64, 1024, 1024, 4096, split_k=1, block_n=128, swap_ab=False)[1:] == (128, 32, 4, 4, 1, False)
+    assert linear_launch(64, 1024, 1024, 4096, split_k=1, block_n=128, swap_ab=False)[1:] == (128, 64, 4, 3, 1, False)
 
 
 _GOOD = {"x": torch.zeros(4, 32), "w1": torch.zeros(8, 32), "w2": torch.zeros(16, 32)}
