@@ -11,11 +11,25 @@ Every operation has a public function that validates its arguments and then call
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
 
 BACKENDS = ("auto", "torch", "triton")
+DEFAULT_NUM_SMS = 132  # the H200's SM count, assumed by launch heuristics when no CUDA device is present
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (for grid sizing); ``DEFAULT_NUM_SMS`` off CUDA (interpreter)."""
+    if device.type != "cuda":
+        return DEFAULT_NUM_SMS
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=16)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def interpreter_enabled() -> bool:

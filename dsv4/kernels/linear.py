@@ -39,7 +39,6 @@ back to the host and the buffers come from the caching allocator: CUDA-graph cap
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
@@ -47,13 +46,12 @@ import triton
 import triton.language as tl
 
 from dsv4.errors import check_tensor
-from dsv4.kernels.dispatch import use_triton
+from dsv4.kernels.dispatch import DEFAULT_NUM_SMS, num_sms, use_triton
 
 __all__ = ["PRECISIONS", "LinearLaunch", "linear_fp32_pair", "linear_fp32_pair_reference", "linear_launch"]
 
 PRECISIONS = ("tf32x3", "ieee")
 DECODE_MAX_M = 128  # up to here a single M tile covers the tokens (decode regime of ``linear_launch``)
-_H200_SMS = 132  # the SM count assumed off-GPU (interpreter)
 _SUM_BLOCK = 1024  # elements a program of the split-sum launch adds up
 
 
@@ -83,7 +81,7 @@ def linear_launch(
     n2: int,
     k: int,
     *,
-    num_sms: int = _H200_SMS,
+    num_sms: int = DEFAULT_NUM_SMS,
     block_m: int | None = None,
     block_n: int | None = None,
     block_k: int | None = None,
@@ -214,17 +212,6 @@ def _sum_splits_kernel(part_ptr, out1_ptr, out2_ptr, numel, N1, N2, split, BLOCK
     tl.store(out2_ptr + row * N2 + (col - N1), acc, mask=ok & (col >= N1))
 
 
-@functools.lru_cache(maxsize=16)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return _H200_SMS
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-
-
 def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(1) == 1 or t.shape[1] <= 1 else t.contiguous()
 
@@ -260,7 +247,7 @@ def linear_fp32_pair(
         raise ValueError(f"precision: expected one of {PRECISIONS}, got {precision!r}")
     m, n1, n2 = x.shape[0], w1.shape[0], w2.shape[0]
     launch = linear_launch(
-        m, n1, n2, k, num_sms=_num_sms(x.device), block_m=block_m, block_n=block_n, block_k=block_k,
+        m, n1, n2, k, num_sms=num_sms(x.device), block_m=block_m, block_n=block_n, block_k=block_k,
         num_warps=num_warps, num_stages=num_stages, split_k=split_k, swap_ab=swap_ab,
     )  # fmt: skip
     if not use_triton(backend, x, w1, w2):

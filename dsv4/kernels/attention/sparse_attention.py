@@ -78,7 +78,7 @@ import triton
 
 from dsv4.errors import check_tensor
 from dsv4.formats.fp8_entry import FP8_DTYPE, ROPE_DTYPE, EntryPages, FP8EntryFormat
-from dsv4.kernels.dispatch import interpreter_enabled, use_triton
+from dsv4.kernels.dispatch import DEFAULT_NUM_SMS, interpreter_enabled, num_sms, use_triton
 
 __all__ = [
     "MIN_KEYS_PER_SPLIT",
@@ -98,7 +98,6 @@ DEFAULT_BLOCK_N = 64
 DEFAULT_NUM_WARPS = 8
 DEFAULT_NUM_STAGES = 1
 MIN_KEYS_PER_SPLIT = 128  # below this a split's fixed cost (q load, partial write) dominates
-DEFAULT_NUM_SMS = 132  # H200; used when no CUDA device is present (interpreter)
 # Gathered path (decode): keys per dense block, entries per gather program, software-pipeline depth, and the
 # largest bf16 workspace it may allocate per call (bytes; bigger steps, i.e. prefill chunks, run fused).
 GATHERED_BLOCK_N = 64
@@ -272,12 +271,6 @@ def choose_num_splits(
     return max(1, min(want, most, total_blocks))
 
 
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return DEFAULT_NUM_SMS
-
-
 def _cache_args(pages: EntryPages, idx: torch.Tensor, block_n: int) -> list:
     keys = idx.shape[1]
     return [
@@ -377,7 +370,7 @@ def _gathered_rows(q, caches, widths, sink, scale, out, lse, fmt, block_h, block
     n_blocks = cols // block_n
     head_blocks = -(-H // block_h)
     if num_splits is None:
-        ns = choose_num_splits(T, head_blocks, n_blocks, block_n, _num_sms(q.device), fill=GATHERED_FILL)
+        ns = choose_num_splits(T, head_blocks, n_blocks, block_n, num_sms(q.device), fill=GATHERED_FILL)
     else:
         ns = num_splits
     ns = max(1, min(int(ns), n_blocks))
@@ -484,7 +477,7 @@ def sparse_attention_triton(
     groups = [caches[i : i + 2] for i in range(0, len(caches), 2)]
     group_blocks = [sum(-(-idx.shape[1] // block_n) for _, idx in g) for g in groups]
     if num_splits is None:
-        sms = _num_sms(q.device)
+        sms = num_sms(q.device)
         splits = [choose_num_splits(T, head_blocks, nb, block_n, sms) for nb in group_blocks]
     else:
         splits = [max(1, int(num_splits))] * len(groups)

@@ -76,7 +76,7 @@ import triton.language as tl
 from dsv4.errors import check_tensor
 from dsv4.formats import FP8_DTYPE, KeyPages, MXFP4KeyFormat, e2m1_decode
 from dsv4.formats.ue8m0 import ceil_log2_ratio
-from dsv4.kernels.dispatch import interpreter_enabled, use_triton
+from dsv4.kernels.dispatch import interpreter_enabled, num_sms, use_triton
 
 __all__ = [
     "FP8KeyPages",
@@ -843,24 +843,8 @@ def _scale_words(scale: torch.Tensor) -> torch.Tensor:
         return scale.contiguous().view(torch.int32).squeeze(-1)
 
 
-_H200_SMS = 132
 _PROGRAMS_PER_SM = 2  # H200 sweep 2026-12-02: fewer, longer programs won (see launch_config)
 _MAX_TILES = 16
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-    return _H200_SMS
-
-
-_SM_CACHE: dict[int, int] = {}
-
-
-def _sm_count(index: int) -> int:
-    if index not in _SM_CACHE:
-        _SM_CACHE[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SM_CACHE[index]
 
 
 class LaunchConfig(NamedTuple):
@@ -910,7 +894,7 @@ def _launch_config(T, H, N, device, block_n, tiles_per_program, num_warps, num_s
         raise ValueError(f"block_n: expected a positive int, got {block_n!r}")
     n_tiles = -(-N // block_n)
     if tiles_per_program is None:
-        target = _PROGRAMS_PER_SM * _num_sms(device)
+        target = _PROGRAMS_PER_SM * num_sms(device)
         per_program = max(1.0, min(float(_MAX_TILES), n_tiles * T / target, float(n_tiles)))
         tiles_per_program = 1 << round(math.log2(per_program))  # the nearest power of two
     if num_warps is None:
