@@ -12,7 +12,7 @@ and 65,536 (prefill).  Baseline, measured in the same run on the same data: two 
 Timings (GPU):
 - ``time_s`` / ``baseline_time_s``: ``triton.testing.do_bench`` median of one eager call (it clears L2 between
   calls, so the weights come from HBM; the Python launch path is included when it is slower than the GPU).
-- ``graph_time_s`` / ``baseline_graph_time_s``: GPU time per call from a CUDA graph (``capture_graph``) of
+- ``graph_time_s`` / ``baseline_graph_time_s``: GPU time per call from a CUDA graph (``sweep_indexer.GraphTimer``) of
   GRAPH_CALLS (L2 flush, call) pairs, minus the time of a graph of the flushes alone (median of replays):
   what a captured decode step pays when the other layers' weights have evicted these from L2.
 Bytes: x + both weights + both outputs, fp32 (the split-K partials, <= 1/4 of the weight bytes, are not
@@ -36,7 +36,6 @@ import functools
 import itertools
 import json
 import os
-import statistics
 import sys
 
 import torch
@@ -48,7 +47,7 @@ import triton  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from dsv4.engine.graphs import capture_graph  # noqa: E402
+from benchmarks.sweep_indexer import GraphTimer, bench_time  # noqa: E402
 from dsv4.kernels.linear import (  # noqa: E402
     linear_fp32_pair,
     linear_fp32_pair_reference,
@@ -61,7 +60,6 @@ K = 4096
 WIDTHS = {"csa_main": 1024, "hca": 512, "csa_indexer": 256}
 TOKENS = (1, 8, 64, 65536)
 GRAPH_CALLS = 20
-L2_FLUSH_BYTES = 128 * 1024 * 1024  # > 2x the H200's L2
 DEFAULT_SWEEP_GRID = "block_n=32,64,128;block_k=32,64;num_warps=4,8;num_stages=3,4,5;split_k=1,2,4,8,16;swap_ab=1"
 MAX_REL_ERR = 1e-5  # vs torch fp32 and vs fp64, normalised by |x|·|w|ᵀ (tests/kernels/test_linear.py)
 SMOKE_REL = 2 * 128 * 2.0**-24 + 3 * 2.0**-22  # two fp32 orders at K <= 128, plus tf32x3 (tests/kernels/test_linear.py)
@@ -82,42 +80,6 @@ def rel_err(got: torch.Tensor, want: torch.Tensor, x: torch.Tensor, w: torch.Ten
         return 0.0
     scale = x.double().abs() @ w.double().abs().T
     return ((got.double() - want.double()).abs() / scale.clamp_min(1e-300)).max().item()
-
-
-# ---------------------------------------------------------------------------- timing
-def bench_time(fn) -> float:
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e-3
-
-
-class GraphTimer:
-    """Per-call GPU time of ``fn`` from a CUDA graph of GRAPH_CALLS (L2 flush, fn) pairs minus a graph of the
-    flushes alone (medians of ``reps`` replays)."""
-
-    def __init__(self, reps: int = 5):
-        self.reps = reps
-        self.buf = torch.empty(L2_FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
-        self.base = self._replay_time(lambda: None)
-
-    def _replay_time(self, fn) -> float:
-        def step():
-            self.buf.zero_()
-            return fn()
-
-        g, _ = capture_graph(step, warmup=2, calls=GRAPH_CALLS)
-        g.replay()
-        ts = []
-        for _ in range(self.reps):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            g.replay()
-            b.record()
-            b.synchronize()
-            ts.append(a.elapsed_time(b) * 1e-3)
-        del g
-        return statistics.median(ts)
-
-    def __call__(self, fn) -> float:
-        return max(self._replay_time(fn) - self.base, 0.0) / GRAPH_CALLS
 
 
 # ---------------------------------------------------------------------------- benchmark
@@ -265,10 +227,10 @@ def main() -> None:
     elif not cuda:
         sys.exit("needs a CUDA device (or --smoke)")
     elif args.sweep:
-        rows = sweep(args.sweep_m, parse_grid(args.sweep_grid), GraphTimer(), meta)
+        rows = sweep(args.sweep_m, parse_grid(args.sweep_grid), GraphTimer(n=GRAPH_CALLS), meta)
         ok = True
     else:
-        timer = GraphTimer()
+        timer = GraphTimer(n=GRAPH_CALLS)
         rows = []
         for op in args.ops.split(","):
             for m in map(int, args.tokens.split(",")):

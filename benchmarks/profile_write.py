@@ -24,6 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import bench_write as bw  # noqa: E402  (sets TRITON_INTERPRET=1 without CUDA, before triton is imported)
+from profile_decode import kernel_times  # noqa: E402
 
 from dsv4.config import get_preset  # noqa: E402
 from dsv4.formats import FP8EntryFormat, MXFP4KeyFormat  # noqa: E402
@@ -71,20 +72,7 @@ def kernel_bytes(op: str, cfg, mode: str, n: int) -> dict[str, int]:
 
 def device_times(fn, reps: int) -> dict[str, float]:
     """Average device seconds per call of ``fn`` for each CUDA kernel name (torch.profiler, CUDA activity)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            fn()
-        torch.cuda.synchronize()
-    acc: dict[str, float] = {}
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA:
-            acc[ev.name] = acc.get(ev.name, 0.0) + ev.device_time * 1e-6  # device_time: us
-    return {k: v / reps for k, v in acc.items()}
+    return {name: t for name, (t, _) in kernel_times(fn, reps, cuda=True).items()}
 
 
 def short(name: str) -> str:
