@@ -141,6 +141,28 @@ def test_workspace_passed_in_and_candidate_heavy_rows(splits):
         topk_indices(s, 40, backend="triton", workspace=ws[:, :100], splits=splits)
 
 
+@pytest.mark.parametrize("method, splits", [("filter", 3), ("radix", 3), ("radix", 1)])
+def test_allocated_workspace_is_not_zeroed(monkeypatch, method, splits):
+    """Without a workspace argument the scratch comes uninitialised (only the radix split path's histogram
+    columns are zeroed): the result must not depend on what the memory held.  torch.empty is made to return
+    garbage so that a path relying on zeros would fail here."""
+    g = torch.Generator().manual_seed(9)
+    s = torch.randn(3, 1500, generator=g)
+    s[1, 200:900] = 0.5  # ties at the boundary
+    real_empty = torch.empty
+
+    def garbage_empty(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        if t.dtype == torch.int32:
+            t.copy_(torch.randint(-(2**31), 2**31 - 1, t.shape, generator=g, dtype=torch.int32))
+        return t
+
+    monkeypatch.setattr(torch, "empty", garbage_empty)
+    a = topk_indices(s, 40, backend="triton", splits=splits, method=method)
+    monkeypatch.undo()
+    assert torch.equal(a, topk_indices_reference(s, 40))
+
+
 def test_split_workspace_size_and_helper():
     g = torch.Generator().manual_seed(6)
     s = torch.randn(2, 300, generator=g)
