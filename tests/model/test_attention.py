@@ -18,6 +18,9 @@ import torch
 from dsv4.cache import KVCacheManager
 from dsv4.config import get_preset
 from dsv4.conformance import replay
+from dsv4.model import attention as attention_mod
+from dsv4.model import functional as F
+from dsv4.model import projections as P
 from dsv4.model.attention import AttentionSubBlock
 from dsv4.model.weights import random_attention_weights
 from dsv4.reference.dense import dense_attention
@@ -138,6 +141,34 @@ def test_subblock_rejects_bad_input():
         blk(torch.zeros(4, TINY.dim, dtype=torch.bfloat16), m.acquire(2, plan))
     with pytest.raises(ValueError):
         AttentionSubBlock(TINY, 2, w)  # CSA weights for an HCA layer
+    with pytest.raises(ValueError, match="compressor_gemm"):
+        AttentionSubBlock(TINY, 1, w, compressor_gemm="tf32")
+
+
+def test_compressor_projections_choice(monkeypatch):
+    """Triton path: "tf32x3" runs the tensor-core pair GEMM (interpreted here: fp32 products, so close to the
+    reference up to summation order), "fp32" the reference itself; the torch backend always the reference."""
+    layer = LAYERS["csa"]
+    w = random_attention_weights(TINY, layer, seed=6)
+    x = torch.randn(5, TINY.dim, generator=torch.Generator().manual_seed(6))
+    pos = torch.arange(5)
+    cw = w.compressor
+
+    def proj(backend, gemm="tf32x3"):
+        blk = AttentionSubBlock(TINY, layer, w, backend=backend, compressor_gemm=gemm)
+        return blk.compressor_projections(x, cw, pos)
+
+    calls = []
+    real = attention_mod.linear_fp32_pair
+    monkeypatch.setattr(attention_mod, "linear_fp32_pair", lambda *a, **k: calls.append(1) or real(*a, **k))
+    want, exact = proj("torch"), proj("triton", "fp32")
+    assert not calls
+    fused = proj("triton")
+    assert len(calls) == 1  # one pair GEMM per compressor
+    for a, b, f, wt in zip(want, exact, fused, (cw.wkv, cw.wgate), strict=True):
+        assert torch.equal(a, b)
+        bound = 1e-5 * (x.abs() @ wt.abs().T)  # fp32 summation order over K = dim (tests/kernels/test_linear.py)
+        assert ((f - a).abs() <= bound).all()
 
 
 @pytest.mark.gpu
@@ -188,3 +219,29 @@ def test_padded_decode_step_equals_unpadded_and_writes_nothing_for_padding(backe
         assert torch.equal(outs[0][i], outs[1][i])
     for a, b in zip(caches[0], caches[1], strict=True):
         assert torch.equal(a, b)
+
+
+def test_projections_take_the_fused_kernels(monkeypatch):
+    """With a kernel backend, query / indexer_query / output_projection run the one-launch kernels (and give the
+    composed functions' values: tests/kernels/test_rope.py, test_indexer_query.py); with "torch", never."""
+    layer = LAYERS["csa"]
+    w = random_attention_weights(TINY, layer, seed=7)
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(3, TINY.dim, generator=g).to(torch.bfloat16)
+    o = torch.randn(3, TINY.n_heads, TINY.head_dim, generator=g).to(torch.bfloat16)
+    hp = torch.tensor([0, 5, 300])[:, None]
+    inv = F.rope_inv_freq(TINY, layer)
+    calls: list[str] = []
+    for name in ("q_norm_rope", "rope_inverse", "indexer_query_tail"):
+        real = getattr(P, name)
+        monkeypatch.setattr(P, name, lambda *a, _n=name, _f=real, **k: calls.append(_n) or _f(*a, **k))
+
+    def run(backend):
+        _, qr = P.query(TINY, w, x, hp, inv, backend)
+        P.indexer_query(TINY, w, x, qr, hp, inv, backend)
+        P.output_projection(TINY, w, o, hp, inv, backend)
+
+    run("torch")
+    assert calls == []
+    run("triton")
+    assert calls == ["q_norm_rope", "indexer_query_tail", "rope_inverse"]
