@@ -46,6 +46,7 @@ import triton.language as tl
 from dsv4.errors import check_tensor
 from dsv4.formats.fp8_entry import EntryPages, FP8EntryFormat
 from dsv4.formats.mxfp4_key import KeyPages, MXFP4KeyFormat
+from dsv4.kernels._triton_sync import last_arrival
 from dsv4.kernels.cache._triton_quant import (
     bf16_rne,
     bf16_round,
@@ -323,22 +324,15 @@ def _compressor_decode_kernel(
 @triton.jit
 def _last_arrival(pooled, cnt_ptr, slot, N_POOL: tl.constexpr):
     """Whether this program is the last of the N_POOL channel-block programs of its entry to finish pooling
-    (``pooled``: this program pooled one).  Each of them adds 1 to the entry's counter ``cnt_ptr[slot]``
-    (int32, the state slot's: one token per slot in a decode step) after a CTA barrier, with acquire-release
-    semantics at GPU scope, so the one that sees N_POOL - 1 observes every other program's pooled values; it
-    sets the counter back to 0 for the next launch (the counters start and end each launch at 0).  N_POOL = 1:
-    no atomics."""
+    (``pooled``: this program pooled one): ``last_arrival`` on the entry's counter ``cnt_ptr[slot]`` (int32,
+    the state slot's: one token per slot in a decode step), so the last one observes every other program's
+    pooled values; the counters start and end each launch at 0.  N_POOL = 1: no atomics."""
     if N_POOL == 1:
         last = pooled
     else:
         last = pooled & False
         if pooled:
-            tl.debug_barrier()  # every thread's pooled stores precede the release
-            old = tl.atomic_add(cnt_ptr + slot, 1, sem="acq_rel")
-            last = old == N_POOL - 1
-            if last:
-                tl.store(cnt_ptr + slot, 0)
-            tl.debug_barrier()  # the acquire precedes every thread's loads of the pooled row
+            last = last_arrival(cnt_ptr + slot, N_POOL)
     return last
 
 

@@ -1,0 +1,34 @@
+"""Triton device helper shared by kernels whose programs hand work to one another inside a launch.
+
+``last_arrival(cnt_ptr, n)``: the "last block done" pattern.  Each of n programs calls it once after
+storing its share of some data; exactly one of them (the last to arrive) gets True and may then read
+every other program's stores.  Nothing waits, so it needs neither co-resident programs nor a GPU (under
+``TRITON_INTERPRET=1`` programs run one after another and the last one in order is the last arrival).
+
+Ordering: a CTA barrier (every thread's stores precede the arrival), then one acquire-release atomic add
+at GPU scope on the shared int32 counter, then a CTA barrier (the acquire precedes every thread's later
+loads).  Release/acquire is cumulative over the barrier, so the last program observes all the stores
+that the others made before they arrived.  The counter must be 0 when the launch starts; the last
+arrival sets it back to 0, so one counter serves every launch (and every replay of a CUDA graph) as
+long as launches using it do not overlap.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+__all__ = ["last_arrival"]
+
+
+@triton.jit
+def last_arrival(cnt_ptr, n):
+    """True in exactly one of the n programs that call this on the int32 counter ``cnt_ptr`` (0 on entry):
+    the last to arrive, which then sees every other caller's earlier stores and resets the counter to 0."""
+    tl.debug_barrier()  # every thread's stores precede the release
+    old = tl.atomic_add(cnt_ptr, 1, sem="acq_rel")
+    last = old == n - 1
+    if last:
+        tl.store(cnt_ptr, 0)
+    tl.debug_barrier()  # the acquire precedes every thread's loads
+    return last
