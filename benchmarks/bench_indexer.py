@@ -22,7 +22,10 @@ bytes = B x entries x (68 | 132) + q + weights + scores written; roofline_s = by
 Top-k: k = 1024 and 512 over R x 262,144 fp32 scores (R = 1, 4, 8, 64), checked against the reference
 (and its set against ``torch.topk``; ours returns ascending indices).  bytes = one read of the scores.
 ``topk_filter`` = the default (group-max filter) path eager, ``topk_<method>_graph`` = replayed from a CUDA
-graph: ``filter``, ``radix`` (4-launch radix split path), ``radix_s1`` (one program per row);
+graph: ``filter``, ``radix`` (4-launch radix split path), ``radix_s1`` (one program per row).  Their
+``time_s`` is one replay of a one-call graph (L2 flushed, the replay's launch included: comparable with the
+earlier result files); ``in_graph_time_s`` is the time per call inside a graph of 20 calls, each after an L2
+flush (``sweep_indexer.GraphTimer``): what a captured decode step pays, with the scores read from HBM;
 ``--topk-splits S ...`` adds ``topk_filter_s<S>_graph``; ``topk_filter_graph_sorted_rows`` = sorted rows
 (the filter's whole-row fallback), R = 4, k = 1024.
 Also the whole step (FP4 scores + top-1024) vs PyTorch eager (scores + torch.topk) at 1M.
@@ -220,7 +223,11 @@ def bench_topk(args, dev, info, rows, gen):
     radix split path and the single-program kernel from a graph, torch.topk eager; ``--topk-splits`` adds
     graph-timed split counts of the filter path.  One adversarial case (sorted rows: the filter's whole-row
     fallback) at R = 4."""
+
+    from benchmarks.sweep_indexer import GraphTimer  # (sweep_indexer imports this module)
+
     n = 2048 if args.smoke else 262144
+    in_graph = None if args.smoke else GraphTimer(n=20, flush=True)
     for k in [64] if args.smoke else [1024, 512]:
         for R in [2] if args.smoke else [1, 4, 8, 64]:
             s = torch.randn(R, n, device=dev, generator=gen)
@@ -247,9 +254,12 @@ def bench_topk(args, dev, info, rows, gen):
             for tag, kw in variants:
                 run_k = partial(topk_indices, s, k, nv, "triton", workspace=ws, **kw)
                 t = graph_timer(run_k)
+                t_in = in_graph(run_k)
                 if not torch.equal(run_k(), want):  # after the replays: the workspace contract held
                     raise SystemExit(f"topk {tag} R={R} k={k}: differs from the reference after replays")
-                record(rows, info, f"topk_{tag}_graph", shape, t, nbytes, "torch_topk", t_base, **kw)
+                record(
+                    rows, info, f"topk_{tag}_graph", shape, t, nbytes, "torch_topk", t_base, in_graph_time_s=t_in, **kw
+                )
             if R == 4 and k == 1024:  # adversarial rows: many candidates -> the filter's whole-row fallback
                 srt = torch.sort(s, dim=1).values
                 run_f = partial(topk_indices, srt, k, nv, "triton", workspace=ws)
@@ -269,12 +279,16 @@ def graph_timer(fn) -> float:
 
 
 def print_table(rows):
-    print(f"{'name':24} {'shape':52} {'time_us':>10} {'roofline_us':>12} {'%roof':>6} {'vs baseline':>12}")
+    head = f"{'name':24} {'shape':52} {'time_us':>10} {'roofline_us':>12} {'%roof':>6} {'vs baseline':>12}"
+    print(head + f" {'in_graph_us':>12}")
     for r in rows:
         sh = ",".join(f"{k}={v}" for k, v in r["shape"].items() if k not in ("head_dim", "page"))
         pct = 100 * r["roofline_s"] / r["time_s"]
         vs = f"{r['baseline_time_s'] / r['time_s']:.2f}x" if r["baseline_time_s"] else ""
-        print(f"{r['name']:24} {sh:52} {r['time_s'] * 1e6:10.1f} {r['roofline_s'] * 1e6:12.1f} {pct:6.1f} {vs:>12}")
+        t_in = f"{r['in_graph_time_s'] * 1e6:12.1f}" if r.get("in_graph_time_s") else ""
+        print(
+            f"{r['name']:24} {sh:52} {r['time_s'] * 1e6:10.1f} {r['roofline_s'] * 1e6:12.1f} {pct:6.1f} {vs:>12} {t_in}"
+        )
 
 
 def main(argv=None):

@@ -1,16 +1,19 @@
 """Top-k of indexer scores (Triton kernels vs stable-sort reference) and to_physical.
 
 Every Triton case of ``run_both`` runs the three paths: ``splits=1`` (one program per row), the default
-group-max filter path (several programs per row in launches A and C, candidate list filled in any order,
-in-register exact selection or the whole-row fallback) and the 4-launch radix split path (atomics into
-per-row histograms, zero-on-exit workspace) at small sizes, so chunk boundaries, the tie rule across
-chunks and the workspace contracts are exercised under the interpreter.  The ``filter`` tests pin which
-tier of launch D a row takes (from the candidate counter).  The output is the chosen set in ascending
-index order.
+group-max filter path (several programs per row in launches A and C, candidates listed per chunk in index
+order, copied to one dense list, in-register exact selection or the whole-row fallback) and the 4-launch
+radix split path (atomics into per-row histograms, zero-on-exit workspace) at small sizes, so chunk
+boundaries, the tie rule across chunks and the workspace contracts are exercised under the interpreter.
+The ``filter`` tests pin which tier of launch D a row takes (from the per-chunk candidate counts).  The
+output is the chosen set in ascending index order.  ``_kth_largest`` (the radix search of launches B and
+D) is tested on its own against a sort.
 """
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from dsv4.kernels.indexer import to_physical, topk_indices, topk_indices_reference, visible_logical, visible_physical
 from dsv4.kernels.indexer import topk as topk_mod
@@ -130,7 +133,7 @@ def test_workspace_passed_in_and_candidate_heavy_rows(splits):
     s = torch.rand(3, 1500, generator=g) * 1e-3 + 1.0
     s[1, 700:] = 1.0  # many exact ties inside the candidate bucket, spread over two splits
     s[2, ::2] = 1.0005  # ties among the largest values too
-    ws = torch.randint(-(2**31), 2**31 - 1, (4, 4600), generator=g, dtype=torch.int32)  # garbage scratch
+    ws = torch.randint(-(2**31), 2**31 - 1, (4, topk_mod._workspace_cols(1500, False)), generator=g, dtype=torch.int32)
     ws[:, :256] = 0  # except the row histograms: zero on entry (as from topk_workspace)
     for _ in range(2):  # the call leaves them zero: a second call on the same buffer is right too
         a = topk_indices(s, 40, backend="triton", workspace=ws, splits=splits, method="radix")
@@ -167,16 +170,16 @@ def test_split_workspace_size_and_helper():
     g = torch.Generator().manual_seed(6)
     s = torch.randn(2, 300, generator=g)
     want = topk_indices_reference(s, 16)
-    need = 640 + 2 * 300  # split path: histograms, counts, candidate indices + keys
+    need = 704 + 2 * 8192 + 2 * 300 + 150  # split paths: counters, dense list, candidate regions, group maxima
     ws = torch.zeros((2, need), dtype=torch.int32)
     assert torch.equal(topk_indices(s, 16, backend="triton", workspace=ws, splits=4), want)
     with pytest.raises(ValueError, match="workspace"):
         topk_indices(s, 16, backend="triton", workspace=ws[:, : need - 1], splits=4)
-    assert torch.equal(topk_indices(s, 16, backend="triton", workspace=ws[:, : 640 + 300], splits=1), want)
-    with pytest.raises(ValueError, match="workspace"):  # the single-program path needs 640 + N columns
-        topk_indices(s, 16, backend="triton", workspace=ws[:, : 640 + 299], splits=1)
+    assert torch.equal(topk_indices(s, 16, backend="triton", workspace=ws[:, : 704 + 300], splits=1), want)
+    with pytest.raises(ValueError, match="workspace"):  # the single-program path needs 704 + N columns
+        topk_indices(s, 16, backend="triton", workspace=ws[:, : 704 + 299], splits=1)
     big = topk_workspace(2, 300)
-    assert big.dtype == torch.int32 and big.shape == (2, 640 + 2 * 300) and (big == 0).all()
+    assert big.dtype == torch.int32 and big.shape == (2, need) and (big == 0).all()
     for sp in (1, 2, 64):
         assert torch.equal(topk_indices(s, 16, backend="triton", workspace=big, splits=sp), want)
 
@@ -398,14 +401,15 @@ def test_strided_n_visible_is_read_by_element():
 
 # ---------------------------------------------------------------------------------------- filter path
 def filter_run(s, k, nv=None, splits=3, ws=None):
-    """The filter path on s; returns (result, candidate count per row, the plan) after checking the result
-    against the reference.  The counter is read from the workspace (column _WS_CNT)."""
+    """The filter path on s; returns (result, listed candidates per row, the plan) after checking the result
+    against the reference.  The count is the sum of the per-chunk counts C[t, :splits] in the workspace."""
     T, N = s.shape
     if ws is None:  # garbage scratch: the filter path needs no zeroing
-        ws = torch.randint(-(2**31), 2**31 - 1, (T, 640 + 2 * max(N, 1)), dtype=torch.int32)
+        ws = torch.randint(-(2**31), 2**31 - 1, (T, topk_mod._workspace_cols(N, False)), dtype=torch.int32)
     got = topk_indices(s, k, nv, backend="triton", workspace=ws, splits=splits, method="filter")
     assert torch.equal(got, topk_indices_reference(s, k, nv)), (k, splits)
-    return got, ws[:T, topk_mod._WS_CNT].tolist(), topk_mod._filter_plan(N, k, splits, True)
+    cnt = ws[:T, topk_mod._WS_C : topk_mod._WS_C + splits].sum(1).tolist()
+    return got, cnt, topk_mod._filter_plan(N, k, splits, True)
 
 
 @pytest.mark.parametrize("splits", [1, 3, 8])
@@ -419,8 +423,8 @@ def test_filter_random_rows_few_candidates(k, splits):
 
 
 def test_filter_boundary_ties_and_fallback_rows():
-    """Ties at the boundary (lower index wins), an all-equal row, sorted rows (every group max is near L: many
-    candidates -> the whole-row fallback) and a row for the second in-register tier."""
+    """Ties at the boundary (lower index wins), an all-equal row, sorted rows (every group max is near L: more
+    candidates than SB2 slots -> the whole-row fallback) and a row for the second in-register tier."""
     g = torch.Generator().manual_seed(21)
     N, k = 2048, 16
     s = torch.randn(6, N, generator=g)
@@ -428,12 +432,12 @@ def test_filter_boundary_ties_and_fallback_rows():
     s[1] = 0.25  # all equal
     s[2] = torch.linspace(-1, 1, N)  # ascending
     s[3] = torch.linspace(1, -1, N)  # descending
-    s[4, :60] = 10 + torch.rand(60, generator=g)  # one group full of large values: SB1 < candidates <= CAP
+    s[4, :60] = 10 + torch.rand(60, generator=g)  # two groups full of large values: SB1 < candidates <= SB2
     s[5, 100:700:3] = 7.0  # many ties at the top value, spread over several groups and chunks
     got, cnt, plan = filter_run(s, k, splits=4)
-    assert plan["SB1"] < plan["CAP"]
-    assert cnt[1] == N and cnt[2] > plan["CAP"] and cnt[3] > plan["CAP"]  # fallback rows
-    assert plan["SB1"] < cnt[4] <= plan["CAP"]  # second tier
+    assert plan["SB1"] < plan["SB2"]
+    assert cnt[1] == N and cnt[2] > plan["SB2"] and cnt[3] > plan["SB2"]  # fallback rows
+    assert plan["SB1"] < cnt[4] <= plan["SB2"]  # second tier
     assert got[1].tolist() == list(range(k)) and got[5].tolist() == list(range(100, 148, 3))
     assert got[2].tolist() == list(range(N - k, N)) and got[3].tolist() == list(range(k))
 
@@ -469,7 +473,7 @@ def test_filter_reuses_workspace_without_zeroing():
     """Every scratch value is written before it is read in the same call: the same (garbage) buffer serves
     consecutive calls of different shapes; the radix path's histograms (columns [0, 256)) are not touched."""
     g = torch.Generator().manual_seed(24)
-    ws = torch.randint(-(2**31), 2**31 - 1, (4, 640 + 2 * 1500), generator=g, dtype=torch.int32)
+    ws = torch.randint(-(2**31), 2**31 - 1, (4, topk_mod._workspace_cols(1500, False)), generator=g, dtype=torch.int32)
     ws[:, :256] = 0
     for T, N, k, sp in [(4, 1500, 32, 6), (2, 700, 5, 2), (4, 1500, 32, 6)]:
         s = torch.randn(T, N, generator=g)
@@ -493,7 +497,7 @@ def test_gpu_filter_real_shapes(rows, k):
     ws = topk_workspace(rows, 262144, s.device)
     for _ in range(2):
         assert torch.equal(topk_indices(s, k, backend="triton", workspace=ws, method="filter"), want)
-    cnt = ws[:, topk_mod._WS_CNT]
+    cnt = ws[:, topk_mod._WS_C : topk_mod._WS_C + topk_mod._auto_splits_filter(rows, 262144)].sum(1)
     assert (cnt >= k).all() and (cnt <= 2 * k).all(), cnt  # few candidates: the fast in-register tier
     assert torch.equal(topk_indices(s, k, backend="triton", workspace=ws, method="radix"), want)
     assert torch.equal(topk_indices(s, k, backend="triton", workspace=ws), want)
@@ -530,3 +534,47 @@ def test_gpu_filter_adversarial_rows_and_graph():
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, topk_indices_reference(x, 1024))
+
+
+# ------------------------------------------------------------------------------ the radix search helper
+@triton.jit
+def _kth_kernel(v_ptr, valid_ptr, kk_ptr, out_ptr, BITS: tl.constexpr, R: tl.constexpr, NP: tl.constexpr):
+    i = tl.arange(0, NP)
+    v = tl.load(v_ptr + i)
+    valid = tl.load(valid_ptr + i) != 0
+    tl.store(out_ptr, topk_mod._kth_largest(v, valid, tl.load(kk_ptr), BITS, R))
+
+
+def kth_reference(v, valid, kk, bits=32):
+    """The kk-th largest of v[valid] (INT32_MIN if kk > #valid, INT32_MAX if kk <= 0), rounded down to a
+    multiple of 2^(32 - bits) in the unsigned order (v + 2^31)."""
+    x = v[valid].long()
+    if kk <= 0:
+        exact = 2**31 - 1
+    elif kk > x.numel():
+        exact = -(2**31)
+    else:
+        exact = int(x.sort(descending=True).values[kk - 1])
+    u = exact + 2**31
+    return (u >> (32 - bits) << (32 - bits)) - 2**31
+
+
+@pytest.mark.parametrize("bits, r", [(32, 4), (16, 4), (32, 2), (16, 2)])
+def test_kth_largest_radix_search(bits, r):
+    """``_kth_largest`` (launches B and D of the filter path) against a sort: duplicates, extreme values,
+    masked slots, kk = 0, kk above the valid count; BITS = 16 gives the lower edge of the 16-bit bucket."""
+    g = torch.Generator().manual_seed(31)
+    n = 64
+    cases = [torch.randint(-(2**31), 2**31 - 1, (n,), generator=g, dtype=torch.int32)]
+    cases.append(torch.randint(-3, 3, (n,), generator=g, dtype=torch.int32))  # many duplicates
+    ext = torch.randint(-5, 5, (n,), generator=g, dtype=torch.int32)
+    ext[:4] = torch.tensor([2**31 - 1, -(2**31), 2**31 - 1, 65536], dtype=torch.int32)
+    cases.append(ext)
+    for v in cases:
+        valid = torch.rand(n, generator=g) < 0.8
+        for kk in (0, 1, 2, 7, int(valid.sum()), int(valid.sum()) + 1, n + 5):
+            dev = "cuda" if torch.cuda.is_available() else "cpu"  # (the interpreter on a CPU-only machine)
+            out = torch.empty(1, dtype=torch.int32, device=dev)
+            kk_t = torch.tensor([kk], dtype=torch.int32, device=dev)
+            _kth_kernel[(1,)](v.to(dev), valid.to(dev, torch.int32), kk_t, out, BITS=bits, R=r, NP=n)
+            assert int(out) == kth_reference(v, valid, kk, bits), (kk, bits, r)

@@ -24,29 +24,31 @@ atomics that serialise when the top digit of real scores falls into a few bins):
 
 A. ``_filter_max``, grid (T, S): reads the chunk once; GM[t, g] = max key of group g over its
    selectable entries (INT32_MIN for a group without any); W[t, s] = the chunk's selectable count.
-   Program s == 0 zeroes the row's candidate counter.
-B. ``_filter_level``, grid (T,): kk = min(k, sum of W[t, :]) and L = the kk-th largest group max
-   (bitwise search over the NG maxima: 32 block-wide counts).  At least kk selectable entries have
-   key >= L (one per group), so every chosen entry has key >= L.
-C. ``_filter_cand``, grid (T, S): re-reads only the groups of the chunk whose max is >= L and appends
-   the selectable entries with key >= L (index, key) to the row's candidate list, at a range reserved
-   with one atomic on the row's counter per tile; nothing is written at positions >= CAP (the counter
-   still counts).  The list order depends on timing; D only uses order-free functions of it.  For
-   i.i.d. scores the list holds about 1.2-1.4 kk candidates (k = 1,024, N = 262,144: ~1,400).
-D. ``_filter_write``, grid (T,): if count <= CAP, the candidates are loaded into registers (SB1 =
-   next_pow2(2 k) slots, or SB2 = min(8,192, 4 SB1) when more), the exact threshold key thr = the kk-th
-   largest is found by a bitwise search, ties at thr keep the lowest indices (a second bitwise search
-   over the tied indices, only when some tie must be left out), the kk chosen indices are compacted
-   into the output row and sorted ascending (``tl.sort`` of next_pow2(k)), -1 padded.  If count > CAP
-   (adversarial rows: many equal scores, sorted rows), the program runs the single-program radix select
-   over the whole row instead (exact for any row; slow: one program for the row).
+B. ``_filter_level``, grid (T,): kk = min(k, sum of W[t, :]) and the level L = the kk-th largest group
+   max rounded down to its 16-bit key prefix (a radix search of the top 16 key bits over the NG maxima,
+   ``_kth_largest``; ~1 % below the exact value for scores near 1, a few more candidates, half the
+   steps).  At least kk selectable entries have key >= L (one per group), so every chosen entry has
+   key >= L.
+C. ``_filter_cand``, grid (T, S): re-reads only the groups of the chunk whose max is >= L and lists the
+   selectable entries with key >= L (index, key) in the program's own region of the workspace, which
+   starts at the chunk's first column (it cannot overflow), in index order (a cumsum over the tile, no
+   atomics), and their count in C[t, s].  For i.i.d. scores there are about 1.3-1.5 kk candidates
+   (k = 1,024, N = 262,144: ~1,500).
+D. ``_filter_write``, grid (T,): if the total count fits SB2 register slots (SB1 = next_pow2(2 k), or
+   SB2 = min(8,192, 4 SB1) when more), the regions are copied into one dense list in region order,
+   which is index order ([64, CPB] tiles of (region, position)), loaded into registers, the exact
+   threshold key thr = the kk-th largest is found by a radix search (``_kth_largest``), and the chosen
+   candidates (key > thr, then the first ties at thr in list order: the lowest indices) are compacted
+   into the output row with a cumsum: already ascending, no sort; -1 padded.  Otherwise (adversarial
+   rows: many equal scores, sorted rows) the program runs the single-program radix select over the
+   whole row (exact for any row; slow: one program for the row).
 
 Workspace contract (filter path): every scratch value is written before it is read within the same
-call (the counter by A, W and GM by A, L and kk by B, the list by C), so the buffer needs no zeroing
-and may hold garbage; columns [0, 256) are never touched.  Layout per row: counter at 512, kk / L at
-513 / 514, W at 520 + s, candidate indices at [640, 640 + CAP), keys at [640 + CAP, 640 + 2 CAP),
-group maxima at [640 + 2 CAP, 640 + 2 CAP + NG) (CAP <= (2 N - NG) / 2: all within 640 + 2 N); the
-fallback uses [640, 640 + N).
+call (W and GM by A, kk and L by B, C and the regions by C, the dense list by D), so the buffer needs
+no zeroing and may hold garbage; columns [0, 256) are never touched.  Layout per row: kk / L at 513 /
+514, W at 520 + s, C at 584 + s, the dense list at [704, 704 + 8,192) (indices) and [8,896, 17,088)
+(keys), group maxima at [17,088, 17,088 + NG), then the regions: indices at [R, R + N), keys at
+[R + N, R + 2 N) with R = 17,088 + NG (NG <= N / 2); the fallback uses [R, R + N).
 
 Radix split path (``method="radix"``, splits >= 2: S = ``splits`` programs per row, each owning a contiguous chunk of
 CH = ``ceil(N / S)`` entries rounded up to a multiple of 16; four launches of grid (T, S)):
@@ -76,7 +78,7 @@ Workspace contract (split path): columns [0, 256) of each row (H1) must be zero 
 ``topk_workspace`` returns zeros, every call leaves them zero again (launch 4), so one buffer serves
 every call of a CUDA graph -- as long as only this function writes it, one call at a time (one
 stream).  H2, the counter, W and the list are scratch, reset or overwritten inside each call.  The
-single-program path uses only columns >= 640 (never touches H1).
+single-program path uses only columns >= 704 (never touches H1).
 
 Race freedom (the interpreter runs programs one after another and cannot show races, so none may
 exist): within a launch, programs exchange data only through atomics whose result is
@@ -134,26 +136,32 @@ _MAX_BLOCK = 8192  # split path: entries per loop iteration of a (T, S) program 
 _CBLOCK = 256  # split path, launch 4: candidates per iteration of the threshold search
 _PBLOCK = 128  # split path, launch 4: -1 padding stripe per program
 _SINGLE_MAX_N = 4096  # method "auto", splits None: one program per row up to this row length
-# method "auto": the radix split path for few rows and large k, the filter path otherwise.  H200 2026-12-02
-# (2026-12-02_h200_topk_filter.jsonl, graph, rows x 262,144): k = 1,024: radix 28.3 / 43.7 us at 1 / 4 rows vs
-# filter 39.5 / 46.0, but filter 54.0 vs 69.8 at 8 rows and 175 vs 436 at 64; k = 512: filter 28.6 / 32.6 / 40.7
-# / 161 vs radix 29.9 / 43.6 / 69.5 / 428 at 1 / 4 / 8 / 64 rows.
-_RADIX_MAX_ROWS = 4
-_RADIX_MIN_K = 1024
+# method "auto": the filter path for every multi-program case.  H200 2026-12-03 (2026-12-03_h200_topk_s6.jsonl,
+# in_graph_time_s, rows x 262,144, k = 1,024): filter 24.1 / 39.9 / 53.1 / 169.0 us vs radix 25.8 / 40.2 / 65.8 /
+# 430.4 at 1 / 4 / 8 / 64 rows; k = 512: filter 23.4 / 27.1 / 34.4 / 149.1 vs radix 26.2 / 40.2 / 65.5 / 422.0.
 _FILTER_PROGRAMS = 256  # filter path, auto splits: programs of launches A and C in all (about 2 per SM)
 _G_MIN, _G_MAX = 2, 256  # filter path: group size range (then raised so that NG <= _MAX_GROUPS)
 _MAX_GROUPS = 8192  # filter path: group maxima sorted by launch B at most
 _MAX_LIST = 8192  # filter path: candidates held in registers by launch D at most (SB2)
+_LEVEL_BITS = 16  # filter path, launch B: key bits of the level searched (the rest is 0: a lower bound)
+# filter path, launches B and D: key bits resolved per step of _kth_largest.  H200 2026-12-03
+# (2026-12-03_h200_topk_kth_s6.txt, 4 x 262,144, k = 1,024, graph): 2 bits 28.4 us, 4 bits 35.2 us (a 16-wide
+# compare tile a step costs more than the halved step count saves), 2 bits as three counts packed in one
+# int64 sum 28.3 us.
+_RADIX_STEP_BITS = 2
+_COPY_COLS = 64  # filter path, launch D: positions per region copied to the dense list per iteration
 _FILTER_TILE = 4096  # filter path, launches A and C: entries per tile (loop iteration) at most
 _FILTER_TILE_INTERP = 512  # the same under the interpreter (more tiles per chunk in small tests)
 # Workspace layout of a row (int32 columns); the kernels see the offsets as constexpr globals.
 _WS_H2, _WS_CNT, _WS_META, _WS_W = _BINS, 2 * _BINS, 2 * _BINS + 1, 2 * _BINS + 8
-_WS_LIST = 640  # >= _WS_W + _MAX_SPLITS, a multiple of 16: candidate indices, then their keys
+_WS_C = _WS_W + _MAX_SPLITS
+_WS_LIST = 704  # >= _WS_C + _MAX_SPLITS, a multiple of 16: candidate lists, group maxima
 _H1 = tl.constexpr(0)  # [256] row histogram of d1: zero between calls
 _H2 = tl.constexpr(_WS_H2)  # [256] row histogram of d2 (within bucket b1)
 _CNT = tl.constexpr(_WS_CNT)  # candidate counter
 _META = tl.constexpr(_WS_META)  # kk, P, candidates to take
-_W = tl.constexpr(_WS_W)  # [S] winners per chunk
+_W = tl.constexpr(_WS_W)  # [S] winners (radix) / selectable entries (filter) per chunk
+_C = tl.constexpr(_WS_C)  # [S] listed candidates per chunk (filter)
 
 
 # ---------------------------------------------------------------------------------------- reference
@@ -562,7 +570,18 @@ def _filter_max(
 
 
 @triton.jit
-def _filter_level(ws_ptr, stride_w, K, NG, S, GM_OFF, NGP: tl.constexpr, SP: tl.constexpr):
+def _filter_level(
+    ws_ptr,
+    stride_w,
+    K,
+    NG,
+    S,
+    GM_OFF,
+    NGP: tl.constexpr,
+    SP: tl.constexpr,
+    BITS: tl.constexpr = 32,
+    R: tl.constexpr = 2,
+):
     """B, grid (T,): kk = min(K, selectable entries of the row) and L = the kk-th largest group max
     (INT32_MIN when fewer than kk groups hold a selectable entry) into META.  At least kk selectable
     entries have key >= L (one per such group), so every chosen entry has key >= L."""
@@ -572,42 +591,34 @@ def _filter_level(ws_ptr, stride_w, K, NG, S, GM_OFF, NGP: tl.constexpr, SP: tl.
     kk = tl.minimum(tl.sum(tl.load(ws_row + _W + sidx, mask=sidx < S, other=0), axis=0), K)
     g = tl.arange(0, NGP)
     gm = tl.load(ws_row + GM_OFF + g, mask=g < NG, other=-2147483648)
-    level = _kth_largest(gm, g < NG, kk)
+    level = _kth_largest(gm, g < NG, kk, BITS, R)
     tl.store(ws_row + _META, kk)
     tl.store(ws_row + _META + 1, level)
 
 
 @triton.jit
-def _filter_cand(
-    s_ptr, nv_ptr, ws_ptr, stride_s, stride_w, N, NG, CH, GM_OFF, CAP, LIST_OFF, KEY_OFF,
-    HAS_NV: tl.constexpr, G: tl.constexpr, NGB: tl.constexpr,
-):  # fmt: skip
-    """C, grid (T, S): appends the chunk's selectable entries with key >= L (index, key) to the row's
-    candidate list, one atomic on the row's counter per tile that has any; only groups whose max is
-    >= L are read.  Positions >= CAP are not written (the counter still counts them).  The list order
-    depends on timing; launch D only uses order-free functions of it."""
-    r = tl.program_id(0).to(tl.int64)
-    sp = tl.program_id(1)
-    row = s_ptr + r * stride_s
-    ws_row = ws_ptr + r * stride_w
-    level = tl.load(ws_row + _META + 1)
-    lo, hi = _chunk_bounds(nv_ptr, r, sp, N, CH, HAS_NV)
-    gi = tl.arange(0, NGB)
-    tile = gi[:, None] * G + tl.arange(0, G)[None, :]
-    n_full = (hi - lo) // (NGB * G)  # tiles with every entry visible: group-uniform load masks
-    for t in range(0, n_full):
-        start = lo + t * (NGB * G)
-        _cand_tile(row, ws_row, start, tile, gi, hi, level, GM_OFF, CAP, LIST_OFF, KEY_OFF, G, False)
-    for start in range(lo + n_full * (NGB * G), hi, NGB * G):
-        _cand_tile(row, ws_row, start, tile, gi, hi, level, GM_OFF, CAP, LIST_OFF, KEY_OFF, G, True)
+def _kth_largest(v, valid, kk, BITS: tl.constexpr = 32, R: tl.constexpr = 2):
+    """The kk-th largest of the int32 values v[valid] (duplicates counted): the largest x with
+    #(v >= x) >= kk, found from the top bit down R bits a step (BITS / R steps; the 2^R - 1 counts of a
+    step are one reduction of a [n, 2^R] compare tile; R = 2 measured fastest, see ``_RADIX_STEP_BITS``).
+    INT32_MIN when kk > #valid, INT32_MAX when kk <= 0 (BITS = 32).  BITS < 32: only the top BITS bits are
+    searched and the result is the lower edge of the kk-th largest value's bucket of 2^(32 - BITS) keys
+    (<= the exact one)."""
+    d = tl.arange(0, 2**R).to(tl.int64)
+    ans = tl.zeros((), tl.int64)  # the answer + 2^31 (unsigned order), built from the top bit down
+    for b in tl.static_range(32 - R, 31 - BITS, -R):
+        thr = ((ans | (d << b)) - 2147483648).to(tl.int32)
+        cnt = tl.sum(((v[:, None] >= thr[None, :]) & valid[:, None]).to(tl.int32), axis=0)
+        digit = tl.sum(((cnt >= kk) & (d > 0)).to(tl.int64), axis=0)
+        ans = ans | (digit << b)
+    return (ans - 2147483648).to(tl.int32)
 
 
 @triton.jit
-def _cand_tile(
-    row, ws_row, start, tile, gi, hi, level, GM_OFF, CAP, LIST_OFF, KEY_OFF, G: tl.constexpr, MASKED: tl.constexpr
-):
-    """Launch C on one [NGB, G] tile at start: reads the groups whose max is >= level and appends their
-    selectable entries with key >= level to the list.  MASKED False: every entry of the tile is < hi."""
+def _cand_tile(row, ws_row, start, tile, gi, hi, level, n_c, GM_OFF, ridx, rkey, G: tl.constexpr, MASKED: tl.constexpr):
+    """Launch 2 on one [NGB, G] tile at start: reads the groups whose max is >= level and appends their
+    selectable entries with key >= level (index, key) to the program's region (ridx, rkey) after the n_c
+    already there, in index order.  Returns the new count.  MASKED False: every entry of the tile is < hi."""
     g = start // G + gi
     offs = start + tile
     if MASKED:
@@ -620,74 +631,98 @@ def _cand_tile(
     key = _order_key(x)
     cand = (m & (x > float("-inf")) & (key >= level)).to(tl.int32)
     per_g = tl.sum(cand, axis=1)
-    n_c = tl.sum(per_g, axis=0)
-    if n_c > 0:
-        base = tl.atomic_add(ws_row + _CNT, n_c, sem="relaxed")
-        pos = base + (tl.cumsum(per_g, axis=0) - per_g)[:, None] + tl.cumsum(cand, axis=1) - 1
-        keep = (cand != 0) & (pos < CAP)
-        tl.store(ws_row + LIST_OFF + pos, offs.to(tl.int32), mask=keep)
-        tl.store(ws_row + KEY_OFF + pos, key, mask=keep)
+    pos = n_c + (tl.cumsum(per_g, axis=0) - per_g)[:, None] + tl.cumsum(cand, axis=1) - 1  # row-major = index order
+    tl.store(ridx + pos, offs.to(tl.int32), mask=cand != 0)
+    tl.store(rkey + pos, key, mask=cand != 0)
+    return n_c + tl.sum(per_g, axis=0)
 
 
 @triton.jit
-def _kth_largest(v, valid, kk):
-    """The kk-th largest of the int32 values v[valid] (duplicates counted), by a bitwise search from the
-    top bit: the largest x with #(v >= x) >= kk.  INT32_MIN when kk > #valid, INT32_MAX when kk <= 0."""
-    u = v.to(tl.int64) + 2147483648  # order-preserving map to [0, 2^32)
-    ans = tl.zeros((), tl.int64)
-    for b in tl.static_range(31, -1, -1):
-        trial = ans | (1 << b)
-        cnt = tl.sum((valid & (u >= trial)).to(tl.int32), axis=0)
-        ans = tl.where(cnt >= kk, trial, ans)
-    return (ans - 2147483648).to(tl.int32)
-
-
-@triton.jit
-def _take_listed(ws_row, out_row, n_c, kk, K, LIST_OFF, KEY_OFF, SB: tl.constexpr, KP: tl.constexpr):
-    """The exact top kk of the n_c (<= SB) listed candidates, written to out_row in ascending index
-    order, -1 padded to K.  Threshold key = the kk-th largest key; of the candidates equal to it, those
-    with the lowest indices are taken (the tie index bound is searched only when some must be left)."""
-    c = tl.arange(0, SB)
-    m = c < n_c
-    idx = tl.load(ws_row + LIST_OFF + c, mask=m, other=0)
-    key = tl.load(ws_row + KEY_OFF + c, mask=m, other=0)
-    thr = _kth_largest(key, m, kk)
-    gt = m & (key > thr)
-    eq = m & (key == thr)
+def _take_dense(ws_row, out_row, total, kk, K, DIDX, DKEY, SB: tl.constexpr, KP: tl.constexpr, R: tl.constexpr):
+    """The exact top kk of the ``total`` (<= SB) candidates of the dense list (DIDX / DKEY, in index order),
+    held in SB register slots, written to out_row in ascending index order, -1 padded to K.  Threshold key =
+    the kk-th largest; ties at it are taken in list order (lowest indices first)."""
+    j = tl.arange(0, SB)
+    valid = j < total
+    idx = tl.load(ws_row + DIDX + j, mask=valid, other=0)
+    key = tl.load(ws_row + DKEY + j, mask=valid, other=0)
+    thr = _kth_largest(key, valid, kk, 32, R)
+    gt = valid & (key > thr)
+    eq = valid & (key == thr)
     need_eq = kk - tl.sum(gt.to(tl.int32), axis=0)
-    idx_max = 2147483647
-    if need_eq < tl.sum(eq.to(tl.int32), axis=0):  # the need_eq-th smallest index among the ties
-        idx_max = 2147483647 - _kth_largest(2147483647 - idx, eq, need_eq)
-    take = gt | (eq & (idx <= idx_max))  # exactly kk candidates (indices are distinct)
+    take = gt | (eq & (tl.cumsum(eq.to(tl.int32), axis=0) <= need_eq))
     pos = tl.cumsum(take.to(tl.int32), axis=0) - 1
     tl.store(out_row + pos, idx, mask=take)
-    tl.debug_barrier()
-    _sort_winners(out_row, kk, K, KP)
+    offs_k = tl.arange(0, KP)
+    tl.store(out_row + offs_k, tl.full((KP,), -1, tl.int32), mask=(offs_k >= kk) & (offs_k < K))
+
+
+@triton.jit
+def _filter_cand(
+    s_ptr, nv_ptr, ws_ptr, stride_s, stride_w, N, CH, GM_OFF, RIDX, RKEY,
+    HAS_NV: tl.constexpr, G: tl.constexpr, NGB: tl.constexpr,
+):  # fmt: skip
+    """C, grid (T, S): lists the chunk's selectable entries with key >= L (index, key; only groups whose max
+    is >= L are read) in its own region of the workspace (region s starts at the chunk start: it cannot
+    overflow), in index order, and their count into C[t, s]."""
+    r = tl.program_id(0).to(tl.int64)
+    sp = tl.program_id(1)
+    row = s_ptr + r * stride_s
+    ws_row = ws_ptr + r * stride_w
+    level = tl.load(ws_row + _META + 1)
+    lo, hi = _chunk_bounds(nv_ptr, r, sp, N, CH, HAS_NV)
+    gi = tl.arange(0, NGB)
+    tile = gi[:, None] * G + tl.arange(0, G)[None, :]
+    ridx = ws_row + RIDX + lo
+    rkey = ws_row + RKEY + lo
+    n_c = 0
+    n_full = (hi - lo) // (NGB * G)  # tiles with every entry visible: group-uniform load masks
+    for t in range(0, n_full):
+        start = lo + t * (NGB * G)
+        n_c = _cand_tile(row, ws_row, start, tile, gi, hi, level, n_c, GM_OFF, ridx, rkey, G, False)
+    for start in range(lo + n_full * (NGB * G), hi, NGB * G):
+        n_c = _cand_tile(row, ws_row, start, tile, gi, hi, level, n_c, GM_OFF, ridx, rkey, G, True)
+    tl.store(ws_row + _C + sp, n_c)
 
 
 @triton.jit
 def _filter_write(
-    s_ptr, nv_ptr, out_ptr, ws_ptr, stride_s, stride_o, stride_w, N, K, CAP, LIST_OFF, KEY_OFF,
-    HAS_NV: tl.constexpr, SB1: tl.constexpr, SB2: tl.constexpr, BLOCK: tl.constexpr, KP: tl.constexpr,
+    s_ptr, nv_ptr, out_ptr, ws_ptr, stride_s, stride_o, stride_w, N, K, S, CH, RIDX, RKEY, DIDX, DKEY,
+    HAS_NV: tl.constexpr, SB1: tl.constexpr, SB2: tl.constexpr, CPB: tl.constexpr,
+    BLOCK: tl.constexpr, KP: tl.constexpr, SP: tl.constexpr, R: tl.constexpr,
 ):  # fmt: skip
-    """D, grid (T,): exact selection among the candidates (held in registers: SB1 or SB2 slots) when
-    the list holds all of them (count <= CAP), else the single-program radix select over the whole row
-    (adversarial rows: slow but exact).  Writes the whole output row."""
+    """D, grid (T,): when the listed candidates fit SB2 register slots, copies the S regions into one dense
+    list in region order (= index order; [SP, CPB] tiles of (region, position)), then takes the exact top kk
+    of it (``_take_dense``); else runs the single-program radix select over the whole row (adversarial rows:
+    many equal scores; exact, slow).  Writes the whole output row."""
     r = tl.program_id(0).to(tl.int64)
     ws_row = ws_ptr + r * stride_w
     out_row = out_ptr + r * stride_o
     kk = tl.load(ws_row + _META)
-    n_c = tl.load(ws_row + _CNT)
-    if n_c <= tl.minimum(CAP, SB1):
-        _take_listed(ws_row, out_row, n_c, kk, K, LIST_OFF, KEY_OFF, SB1, KP)
-    elif n_c <= CAP:  # CAP <= SB2
-        _take_listed(ws_row, out_row, n_c, kk, K, LIST_OFF, KEY_OFF, SB2, KP)
+    sidx = tl.arange(0, SP)
+    c = tl.load(ws_row + _C + sidx, mask=sidx < S, other=0)
+    total = tl.sum(c, axis=0)
+    if total <= SB2:
+        starts = tl.cumsum(c, axis=0) - c
+        src0 = sidx.to(tl.int64)[:, None] * CH
+        for p0 in range(0, tl.max(c, axis=0), CPB):
+            pcol = p0 + tl.arange(0, CPB)
+            m = pcol[None, :] < c[:, None]
+            src = src0 + pcol[None, :]
+            dst = starts[:, None] + pcol[None, :]
+            tl.store(ws_row + DIDX + dst, tl.load(ws_row + RIDX + src, mask=m), mask=m)
+            tl.store(ws_row + DKEY + dst, tl.load(ws_row + RKEY + src, mask=m), mask=m)
+        tl.debug_barrier()  # the dense list is complete before any thread reads it
+        if total <= SB1:
+            _take_dense(ws_row, out_row, total, kk, K, DIDX, DKEY, SB1, KP, R)
+        else:
+            _take_dense(ws_row, out_row, total, kk, K, DIDX, DKEY, SB2, KP, R)
     else:
         if HAS_NV:
             nv = tl.minimum(tl.maximum(tl.load(nv_ptr + r), 0), N)
         else:
             nv = N
-        _select_row(s_ptr + r * stride_s, nv, out_row, ws_row + LIST_OFF, K, BLOCK, KP)
+        _select_row(s_ptr + r * stride_s, nv, out_row, ws_row + RIDX, K, BLOCK, KP)
 
 
 # ---------------------------------------------------------------------------------------- public ops
@@ -703,20 +738,23 @@ def _auto_splits_filter(T: int, N: int) -> int:
     return max(1, min(_MAX_SPLITS, triton.cdiv(_FILTER_PROGRAMS, max(T, 1)), triton.cdiv(N, _MIN_CHUNK)))
 
 
-def _workspace_cols(N: int, splits: int) -> int:
-    return _WS_LIST + max(N, 1) * (1 if splits == 1 else 2)
+def _workspace_cols(N: int, single: bool) -> int:
+    """Columns a row of the workspace needs: the single-program path N of scratch, the others two lists of
+    N (indices, keys) and up to N / 2 group maxima (the filter path; G >= 2)."""
+    n = max(N, 1)
+    return _WS_LIST + (n if single else 2 * _MAX_LIST + 2 * n + triton.cdiv(n, 2))
 
 
 def topk_workspace(T: int, N: int, device: torch.device | str | None = None) -> torch.Tensor:
-    """A zeroed [T, 640 + 2 N] int32 workspace that fits ``topk_indices`` on [T, N] scores for any ``splits``
-    and method.
+    """A zeroed [T, 17,088 + 2 N + ceil(N / 2)] int32 workspace that fits ``topk_indices`` on [T, N] scores for
+    any ``splits`` and method (about 10 MiB for 4 x 262,144).
 
     Columns: [0, 256) the row histogram H1 of the radix split path, which must be zero when a call starts
     and which every call leaves zero (the other paths never touch it); then scratch (counters, per-split
     counts, candidate lists, group maxima), written before it is read in every call.  Only
     ``topk_indices`` may write it, one call at a time; then one buffer serves every call of a CUDA graph.
     """
-    return torch.zeros((T, _workspace_cols(N, 2)), dtype=torch.int32, device=device)
+    return torch.zeros((T, _workspace_cols(N, False)), dtype=torch.int32, device=device)
 
 
 def topk_indices(
@@ -741,14 +779,14 @@ def topk_indices(
             entry and leaves them zero, the other paths never touch them and need nothing zeroed; pass it
             in to keep allocations out of a captured CUDA graph).  Allocated per call if None (only the columns
             the radix split path needs zeroed: a 2 N-column zero fill cost 4.6 us at T = 64, N = 32,768).
-            cols = 640 + N on the single-program path, else 640 + 2 N.
+            cols = 704 + N on the single-program path, else 17,088 + 2 N + ceil(N / 2).
         splits: Triton only, host int in [1, 64]: programs per row of the launches over the row (A and
             C of the filter path, all four of the radix split path).  None picks from T, N and the
             method.  The result never depends on it.
         method: Triton only: "filter" (group-max filter, any splits), "radix" (splits == 1: the
             single-program kernel; else the 4-launch radix split path), or "auto": the single-program
-            kernel when splits == 1 or (splits is None and N <= 4096), the radix split path for
-            T <= 4 rows and k >= 1024, else "filter" (measured, see ``_RADIX_MAX_ROWS``).
+            kernel when splits == 1 or (splits is None and N <= 4096), else "filter" (measured faster than
+            the radix split path at every shape of ``benchmarks/bench_indexer.py``).
 
     Returns:
         [T, k] int32: the chosen indices in ascending order (chosen = the top kk = min(k, #selectable)
@@ -764,13 +802,12 @@ def topk_indices(
         raise ValueError(f"method: expected 'auto', 'filter' or 'radix', got {method!r}")
     if method == "auto":
         single = splits == 1 or (splits is None and N <= _SINGLE_MAX_N)
-        few_rows_big_k = T <= _RADIX_MAX_ROWS and k >= _RADIX_MIN_K  # H200: radix 43.7 vs filter 46.0 us (4 rows)
-        method = "radix" if single or few_rows_big_k else "filter"
+        method = "radix" if single else "filter"
     if splits is None:
         splits = _auto_splits_filter(T, N) if method == "filter" else _auto_splits(T, N)
     elif not isinstance(splits, int) or isinstance(splits, bool) or not 1 <= splits <= _MAX_SPLITS:
         raise ValueError(f"splits: expected None or a host int in [1, {_MAX_SPLITS}], got {splits!r}")
-    cols = _workspace_cols(N, 2 if method == "filter" else splits)
+    cols = _workspace_cols(N, method == "radix" and splits == 1)
     if workspace is not None:
         check_tensor("workspace", workspace, dtype=torch.int32, ndim=2, device=scores.device)
         if workspace.shape[0] < T or workspace.shape[1] < cols or workspace.stride(1) != 1:
@@ -825,7 +862,7 @@ def topk_indices(
 
 def _filter_plan(N: int, k: int, splits: int, interp: bool) -> dict:
     """Host ints of the filter path (see the module docstring): group size G, groups NG, chunk CH, tile,
-    sort sizes SB1 <= SB2 and list capacity CAP, and the workspace offsets."""
+    register slot counts SB1 <= SB2 of launch D, and the workspace offsets (see the module docstring)."""
     g = _G_MIN
     while g < _G_MAX and triton.cdiv(N, 2 * g) >= 2 * k:  # the largest G with >= 2 k groups
         g *= 2
@@ -837,9 +874,9 @@ def _filter_plan(N: int, k: int, splits: int, interp: bool) -> dict:
     kp = max(16, triton.next_power_of_2(k))
     sb1 = max(kp, triton.next_power_of_2(2 * k))
     sb2 = max(sb1, min(_MAX_LIST, 4 * sb1))
-    cap = min(sb2, (2 * N - ng) // 2)  # list (2 CAP) + group maxima (NG) fit in 2 N columns
+    gm = _WS_LIST + 2 * _MAX_LIST  # after the dense list (indices, keys)
     return dict(G=g, NG=ng, NGP=triton.next_power_of_2(ng), CH=ch, NGB=tile // g, KP=kp, SB1=sb1, SB2=sb2,
-                CAP=cap, LIST=_WS_LIST, KEYS=_WS_LIST + cap, GM=_WS_LIST + 2 * cap)  # fmt: skip
+                DIDX=_WS_LIST, DKEY=_WS_LIST + _MAX_LIST, GM=gm, RIDX=gm + ng, RKEY=gm + ng + N)  # fmt: skip
 
 
 def _launch_filter(scores, nv, out, ws, k, splits, has_nv, interp):
@@ -847,17 +884,17 @@ def _launch_filter(scores, nv, out, ws, k, splits, has_nv, interp):
     ss, so, sw = scores.stride(0), out.stride(0), ws.stride(0)
     p = _filter_plan(N, k, splits, interp)
     grid = (T, splits)
-    _filter_max[grid](
-        scores, nv, ws, ss, sw, N, p["NG"], p["CH"], p["GM"], HAS_NV=has_nv, G=p["G"], NGB=p["NGB"], num_warps=8
-    )
-    _filter_level[(T,)](ws, sw, k, p["NG"], splits, p["GM"], NGP=p["NGP"], SP=_MAX_SPLITS, num_warps=8)
-    _filter_cand[grid](
-        scores, nv, ws, ss, sw, N, p["NG"], p["CH"], p["GM"], p["CAP"], p["LIST"], p["KEYS"],
-        HAS_NV=has_nv, G=p["G"], NGB=p["NGB"], num_warps=8,
+    geo = dict(HAS_NV=has_nv, G=p["G"], NGB=p["NGB"], num_warps=8)
+    _filter_max[grid](scores, nv, ws, ss, sw, N, p["NG"], p["CH"], p["GM"], **geo)
+    _filter_level[(T,)](
+        ws, sw, k, p["NG"], splits, p["GM"], NGP=p["NGP"], SP=_MAX_SPLITS, BITS=_LEVEL_BITS, R=_RADIX_STEP_BITS,
+        num_warps=8,
     )  # fmt: skip
+    _filter_cand[grid](scores, nv, ws, ss, sw, N, p["CH"], p["GM"], p["RIDX"], p["RKEY"], **geo)
     _filter_write[(T,)](
-        scores, nv, out, ws, ss, so, sw, N, k, p["CAP"], p["LIST"], p["KEYS"],
-        HAS_NV=has_nv, SB1=p["SB1"], SB2=p["SB2"], BLOCK=1024 if interp else 4096, KP=p["KP"], num_warps=8,
+        scores, nv, out, ws, ss, so, sw, N, k, splits, p["CH"], p["RIDX"], p["RKEY"], p["DIDX"], p["DKEY"],
+        HAS_NV=has_nv, SB1=p["SB1"], SB2=p["SB2"], CPB=_COPY_COLS, BLOCK=1024 if interp else 4096, KP=p["KP"],
+        SP=_MAX_SPLITS, R=_RADIX_STEP_BITS, num_warps=8,
     )  # fmt: skip
 
 
