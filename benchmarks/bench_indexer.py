@@ -26,6 +26,7 @@ graph: ``filter``, ``radix`` (4-launch radix split path), ``radix_s1`` (one prog
 ``time_s`` is one replay of a one-call graph (L2 flushed, the replay's launch included: comparable with the
 earlier result files); ``in_graph_time_s`` is the time per call inside a graph of 20 calls, each after an L2
 flush (``sweep_indexer.GraphTimer``): what a captured decode step pays, with the scores read from HBM;
+``in_graph_clean_flush_time_s`` the same with a flush that only reads (no dirty lines left to write back);
 ``--topk-splits S ...`` adds ``topk_filter_s<S>_graph``; ``topk_filter_graph_sorted_rows`` = sorted rows
 (the filter's whole-row fallback), R = 4, k = 1024.
 Also the whole step (FP4 scores + top-1024) vs PyTorch eager (scores + torch.topk) at 1M.
@@ -228,6 +229,7 @@ def bench_topk(args, dev, info, rows, gen):
 
     n = 2048 if args.smoke else 262144
     in_graph = None if args.smoke else GraphTimer(n=20, flush=True)
+    in_graph_clean = None if args.smoke else GraphTimer(n=20, flush=True, flush_mode="read")
     for k in [64] if args.smoke else [1024, 512]:
         for R in [2] if args.smoke else [1, 4, 8, 64]:
             s = torch.randn(R, n, device=dev, generator=gen)
@@ -254,12 +256,10 @@ def bench_topk(args, dev, info, rows, gen):
             for tag, kw in variants:
                 run_k = partial(topk_indices, s, k, nv, "triton", workspace=ws, **kw)
                 t = graph_timer(run_k)
-                t_in = in_graph(run_k)
+                extra = dict(in_graph_time_s=in_graph(run_k), in_graph_clean_flush_time_s=in_graph_clean(run_k))
                 if not torch.equal(run_k(), want):  # after the replays: the workspace contract held
                     raise SystemExit(f"topk {tag} R={R} k={k}: differs from the reference after replays")
-                record(
-                    rows, info, f"topk_{tag}_graph", shape, t, nbytes, "torch_topk", t_base, in_graph_time_s=t_in, **kw
-                )
+                record(rows, info, f"topk_{tag}_graph", shape, t, nbytes, "torch_topk", t_base, **extra, **kw)
             if R == 4 and k == 1024:  # adversarial rows: many candidates -> the filter's whole-row fallback
                 srt = torch.sort(s, dim=1).values
                 run_f = partial(topk_indices, srt, k, nv, "triton", workspace=ws)

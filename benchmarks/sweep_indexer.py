@@ -178,19 +178,27 @@ def _key(job):
 
 # ------------------------------------------------------------------------------------------ timing
 class GraphTimer:
-    """GPU time of fn from CUDA graphs of n (L2 flush, fn) pairs minus a graph of n flushes."""
+    """GPU time of fn from CUDA graphs of n (L2 flush, fn) pairs minus a graph of n flushes.
 
-    def __init__(self, n: int = 20, reps: int = 5, flush: bool = True):
-        self.n, self.reps = n, reps
-        self.buf = torch.empty(L2_FLUSH_BYTES // 4, dtype=torch.int32, device="cuda") if flush else None
+    ``flush_mode``: "write" zero-fills a buffer larger than the L2 (the L2 is then full of dirty lines, whose
+    write-back the next kernel may pay for), "read" sums it (clean lines: only the eviction of fn's data)."""
+
+    def __init__(self, n: int = 20, reps: int = 5, flush: bool = True, flush_mode: str = "write"):
+        if flush_mode not in ("write", "read"):
+            raise ValueError(f"flush_mode: expected 'write' or 'read', got {flush_mode!r}")
+        self.n, self.reps, self.mode = n, reps, flush_mode
+        self.buf = torch.zeros(L2_FLUSH_BYTES // 4, dtype=torch.int32, device="cuda") if flush else None
+        self.sink = torch.zeros((), dtype=torch.int64, device="cuda")
         self.base = self._replay_time(self._capture(None)) if flush else 0.0
 
     def _capture(self, fn):
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
             for _ in range(self.n):
-                if self.buf is not None:
+                if self.buf is not None and self.mode == "write":
                     self.buf.zero_()
+                elif self.buf is not None:
+                    torch.sum(self.buf, dtype=torch.int64, out=self.sink)
                 if fn is not None:
                     fn()
         return g

@@ -459,6 +459,22 @@ def test_filter_nan_inf_n_visible_and_k_above_selectable():
         assert (got[3, :k] < 40).all() and 500 in got[1].tolist()  # +inf: the largest
 
 
+def test_filter_dense_copy_of_a_crowded_chunk():
+    """One chunk lists more candidates than a copy tile has positions (_COPY_COLS): launch D copies its region
+    in several iterations; the dense list stays in index order across the regions (the winners straddle the
+    chunk edge and ties are cut by index)."""
+    g = torch.Generator().manual_seed(26)
+    N, k, sp = 2048, 16, 2
+    plan = topk_mod._filter_plan(N, k, sp, True)
+    s = torch.randn(2, N, generator=g)
+    s[0, :100] = 5.0 + torch.rand(100, generator=g)  # chunk 0: > 64 candidates, all above the level
+    s[1, 900:1100] = 9.0  # 200 ties at the top over both chunks (chunk edge 1024): the lowest 16 indices win
+    got, cnt, _ = filter_run(s, k, splits=sp)
+    assert cnt[0] > topk_mod._COPY_COLS and plan["SB1"] < cnt[0] <= plan["SB2"], (cnt, plan)
+    assert got[0].tolist() == sorted(s[0, :100].topk(k).indices.tolist())
+    assert got[1].tolist() == list(range(900, 916))
+
+
 def test_filter_small_rows_k_above_groups_and_many_rows():
     """Fewer groups than k (level = INT32_MIN: every selectable entry is a candidate), k > N, T > 1."""
     g = torch.Generator().manual_seed(23)
