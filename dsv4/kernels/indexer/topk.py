@@ -19,8 +19,8 @@ Three Triton paths (``method``; the result never depends on the path or on ``spl
 Filter path (default for long rows; S = ``splits`` programs per row in launches A and C, each owning a
 contiguous chunk of CH = ceil(N / S) entries rounded up to whole groups of G entries).  G = the largest
 power of two in [2, 256] leaving >= 2 k groups (G = 128 for N = 262,144, k = 1,024), raised if needed so
-that NG = ceil(N / G) <= 8,192.  No histogram over the row (``tl.histogram`` lowers to shared-memory
-atomics that serialise when the top digit of real scores falls into a few bins):
+that NG = ceil(N / G) <= 8,192.  No histogram over the row (on the H200 the radix split path's two
+256-bin ``tl.histogram`` passes over 4 x 262,144 scores take 7.2 and 7.7 us; the group maxima 2.4 us):
 
 A. ``_filter_max``, grid (T, S): reads the chunk once; GM[t, g] = max key of group g over its
    selectable entries (INT32_MIN for a group without any); W[t, s] = the chunk's selectable count.
@@ -548,7 +548,7 @@ def _filter_max(
 ):  # fmt: skip
     """A, grid (T, S): the max key of every group of G entries of the chunk (selectable entries only;
     INT32_MIN for a group without any) into GM[t, g], the chunk's selectable count into W[t, s] (own
-    slots).  Program s == 0 zeroes the row's candidate counter (first used by launch C)."""
+    slots)."""
     r = tl.program_id(0).to(tl.int64)
     sp = tl.program_id(1)
     row = s_ptr + r * stride_s
@@ -565,8 +565,6 @@ def _filter_max(
     for start in range(lo + n_full * (NGB * G), end, NGB * G):
         n_ok += _group_max_tile(row, ws_row + GM_OFF, start, tile, gi, hi, end, G, True)
     tl.store(ws_row + _W + sp, n_ok)
-    if sp == 0:
-        tl.store(ws_row + _CNT, 0)
 
 
 @triton.jit
