@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from benchmarks.profile_decode import kernel_times  # noqa: E402
 from benchmarks.sweep_indexer import GraphTimer  # noqa: E402
+from dsv4.kernels.indexer import topk as topk_mod  # noqa: E402
 from dsv4.kernels.indexer import topk_indices, topk_indices_reference  # noqa: E402
 from dsv4.kernels.indexer.topk import topk_workspace  # noqa: E402
 
@@ -39,6 +40,9 @@ def main(argv=None) -> None:
     ap.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {sorted(METHODS)}")
     ap.add_argument("--splits", type=int, nargs="*", default=[None], help="splits per row (None = auto)")
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument(
+        "--rank-slots", type=int, nargs="*", default=[None], help="filter path: topk._RANK_SLOTS values to try"
+    )
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args(argv)
     cuda = torch.cuda.is_available() and not args.smoke
@@ -51,7 +55,9 @@ def main(argv=None) -> None:
         nv = torch.full((r,), n, dtype=torch.int32, device=dev)
         ws = topk_workspace(r, n, dev)
         want = topk_indices_reference(s, k, nv)
-        for name in args.methods.split(","):
+        for name, rank in [(m, r) for m in args.methods.split(",") for r in args.rank_slots]:
+            if rank is not None:
+                topk_mod._RANK_SLOTS = rank
             for sp in args.splits:
                 kw = dict(METHODS[name], splits=sp) if sp is not None else METHODS[name]
                 run = partial(topk_indices, s, k, nv, "triton", workspace=ws, **kw)
@@ -60,7 +66,8 @@ def main(argv=None) -> None:
                 times = kernel_times(run, 1 if args.smoke else args.reps, cuda)
                 total = sum(t for t, _ in times.values())
                 g = f"graph {timer(run) * 1e6:.1f} us, " if timer else ""
-                print(f"== rows {r} n {n} k {k} {name} splits {sp}: {g}device {total * 1e6:.1f} us")
+                tag = f" rank_slots {topk_mod._RANK_SLOTS}" if name != "radix" else ""
+                print(f"== rows {r} n {n} k {k} {name}{tag} splits {sp}: {g}device {total * 1e6:.1f} us")
                 for kname, (t, c) in sorted(times.items(), key=lambda x: -x[1][0]):
                     print(f"   {t * 1e6:8.1f} us  x{c:g}  {kname[:90]}")
 

@@ -2,7 +2,8 @@
 # One H200 session: environment, GPU tests, then the kernel benchmarks. Results go to $OUT (or ./out).
 # Usage (on the device machine, repo root): bash benchmarks/run_h200.sh [tests|bench|all|pending]
 # "pending": what session 6 could not run for lack of device time (the norm kernel's and the top-k
-# adversarial GPU tests, top-k with both flush kinds, the decode step), in about 5 minutes.
+# adversarial GPU tests, launch D's rank threshold on/off, top-k with both flush kinds, the decode step),
+# in about 5 minutes.
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -26,6 +27,9 @@ fi
 if [ "$what" = pending ]; then
   timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_norm.py tests/kernels/test_topk.py \
     2>&1 | tee "$OUT/${stamp}_h200_gpu_tests_pending.txt" | tail -5
+  { python3 benchmarks/profile_topk.py --rows 4 --methods filter --rank-slots 0 64
+    python3 benchmarks/profile_topk.py --rows 64 --n 32768 --k 512 --methods filter --rank-slots 0 64; } \
+    2>&1 | grep -v -i "usdt\|warn" | tee "$OUT/${stamp}_h200_profile_topk_rank.txt"
   timeout 150 python3 benchmarks/bench_indexer.py --only topk --no-compile --out "$OUT/${stamp}_h200_topk.jsonl" \
     2>&1 | tee "$OUT/${stamp}_h200_topk.txt" | tail -30
   timeout 200 python3 -m dsv4.cli bench --models v4-flash --kinds csa,hca --contexts 131072 --batches 1,8,64 \

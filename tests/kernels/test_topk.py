@@ -594,3 +594,38 @@ def test_kth_largest_radix_search(bits, r):
             kk_t = torch.tensor([kk], dtype=torch.int32, device=dev)
             _kth_kernel[(1,)](v.to(dev), valid.to(dev, torch.int32), kk_t, out, BITS=bits, R=r, NP=n)
             assert int(out) == kth_reference(v, valid, kk, bits), (kk, bits, r)
+
+
+@pytest.mark.parametrize("rank_slots", [0, 64])
+def test_filter_threshold_by_rank_in_the_bucket(monkeypatch, rank_slots):
+    """Launch D's threshold through ``_kth_by_rank`` (the 16-bit bucket's keys ranked by comparison; the radix
+    search over the low bits when the bucket holds more than RANK_SLOTS keys) gives the same rows as the plain
+    search: normal scores, many ties in the threshold's bucket, duplicates at the threshold, k > #selectable."""
+    monkeypatch.setattr(topk_mod, "_RANK_SLOTS", rank_slots)
+    g = torch.Generator().manual_seed(27)
+    s = torch.randn(5, 3000, generator=g)
+    s[1, ::3] = 1.5  # 1,000 equal keys: the bucket exceeds the rank slots (search fallback)
+    s[2] = (s[2] * 8).round() / 8  # few distinct values: duplicates at the threshold
+    s[3, 7:] = NEG_INF  # k > #selectable
+    s[4] = 1.0 + torch.rand(3000, generator=g) * 1e-3  # every key in one or two 16-bit buckets
+    for k in (1, 40, 300):
+        for sp in (1, 3, 8):
+            filter_run(s, k, splits=sp)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("rows, n, k", [(4, 262144, 1024), (64, 32768, 512)])
+def test_gpu_filter_threshold_by_rank(monkeypatch, rows, n, k):
+    """Launch D with ``_kth_by_rank`` at the benchmark shapes (its workspace round trip between two CTA
+    barriers is what the interpreter cannot check), and with ties filling the threshold's bucket."""
+    monkeypatch.setattr(topk_mod, "_RANK_SLOTS", 64)
+    g = torch.Generator().manual_seed(rows)
+    s = torch.randn(rows, n, generator=g)
+    s[0] = (s[0] * 16).round() / 16
+    s = s.cuda()
+    ws = topk_workspace(rows, n, s.device)
+    for _ in range(2):
+        assert torch.equal(
+            topk_indices(s, k, backend="triton", workspace=ws, method="filter"), topk_indices_reference(s, k)
+        )
