@@ -170,7 +170,7 @@ def test_split_workspace_size_and_helper():
     g = torch.Generator().manual_seed(6)
     s = torch.randn(2, 300, generator=g)
     want = topk_indices_reference(s, 16)
-    need = 704 + 2 * 8192 + 2 * 300 + 150  # split paths: counters, dense list, candidate regions, group maxima
+    need = 704 + 2 * 300 + 2 * 300 + 150  # split paths: counters, dense list (min(8192, N)), regions, group maxima
     ws = torch.zeros((2, need), dtype=torch.int32)
     assert torch.equal(topk_indices(s, 16, backend="triton", workspace=ws, splits=4), want)
     with pytest.raises(ValueError, match="workspace"):

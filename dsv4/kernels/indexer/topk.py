@@ -46,9 +46,10 @@ D. ``_filter_write``, grid (T,): if the total count fits SB2 register slots (SB1
 Workspace contract (filter path): every scratch value is written before it is read within the same
 call (W and GM by A, kk and L by B, C and the regions by C, the dense list by D), so the buffer needs
 no zeroing and may hold garbage; columns [0, 256) are never touched.  Layout per row: kk / L at 513 /
-514, W at 520 + s, C at 584 + s, the dense list at [704, 704 + 8,192) (indices) and [8,896, 17,088)
-(keys), group maxima at [17,088, 17,088 + NG), then the regions: indices at [R, R + N), keys at
-[R + N, R + 2 N) with R = 17,088 + NG (NG <= N / 2); the fallback uses [R, R + N).
+514, W at 520 + s, C at 584 + s, the dense list at [704, 704 + M) (indices) and [704 + M, 704 + 2 M)
+(keys) with M = min(8,192, N) (it never holds more than SB2 <= 8,192 candidates, nor more than N),
+group maxima at [704 + 2 M, 704 + 2 M + NG), then the regions: indices at [R, R + N), keys at
+[R + N, R + 2 N) with R = 704 + 2 M + NG (NG <= N / 2); the fallback uses [R, R + N).
 
 Radix split path (``method="radix"``, splits >= 2: S = ``splits`` programs per row, each owning a contiguous chunk of
 CH = ``ceil(N / S)`` entries rounded up to a multiple of 16; four launches of grid (T, S)):
@@ -223,6 +224,16 @@ def _sort_winners(out_row, kk, K, KP: tl.constexpr):
 
 
 @triton.jit
+def _visible(nv_ptr, r, N, HAS_NV: tl.constexpr):
+    """Visible entries of row r: n_visible[r] clamped to [0, N] (N without n_visible)."""
+    if HAS_NV:
+        nv = tl.minimum(tl.maximum(tl.load(nv_ptr + r), 0), N)
+    else:
+        nv = N
+    return nv
+
+
+@triton.jit
 def _topk_kernel(
     s_ptr,
     nv_ptr,
@@ -239,10 +250,7 @@ def _topk_kernel(
 ):
     """Grid (T,): the single-program path, one program per row (scratch: N int32 at ws_ptr's row)."""
     r = tl.program_id(0).to(tl.int64)
-    if HAS_NV:
-        nv = tl.minimum(tl.maximum(tl.load(nv_ptr + r), 0), N)
-    else:
-        nv = N
+    nv = _visible(nv_ptr, r, N, HAS_NV)
     _select_row(s_ptr + r * stride_s, nv, out_ptr + r * stride_o, ws_ptr + r * stride_w, K, BLOCK, KP)
 
 
@@ -331,10 +339,7 @@ def _select_row(row, nv, out_row, ws_row, K, BLOCK: tl.constexpr, KP: tl.constex
 @triton.jit
 def _chunk_bounds(nv_ptr, r, sp, N, CH, HAS_NV: tl.constexpr):
     """[lo, hi) of split sp of row r: its chunk of CH entries, clipped to the visible prefix."""
-    if HAS_NV:
-        nv = tl.minimum(tl.maximum(tl.load(nv_ptr + r), 0), N)
-    else:
-        nv = N
+    nv = _visible(nv_ptr, r, N, HAS_NV)
     lo = sp * CH
     hi = tl.minimum(lo + CH, nv)
     return lo, hi
@@ -583,9 +588,10 @@ def _filter_level(
     BITS: tl.constexpr = 32,
     R: tl.constexpr = 2,
 ):
-    """B, grid (T,): kk = min(K, selectable entries of the row) and L = the kk-th largest group max
-    (INT32_MIN when fewer than kk groups hold a selectable entry) into META.  At least kk selectable
-    entries have key >= L (one per such group), so every chosen entry has key >= L."""
+    """B, grid (T,): kk = min(K, selectable entries of the row) and L = the kk-th largest group max, its
+    low 32 - BITS key bits cleared (``_kth_largest``; INT32_MIN when fewer than kk groups hold a selectable
+    entry) into META.  At least kk selectable entries have key >= L (one per such group), so every chosen
+    entry has key >= L."""
     r = tl.program_id(0).to(tl.int64)
     ws_row = ws_ptr + r * stride_w
     sidx = tl.arange(0, SP)
@@ -617,7 +623,7 @@ def _kth_largest(v, valid, kk, BITS: tl.constexpr = 32, R: tl.constexpr = 2):
 
 @triton.jit
 def _cand_tile(row, ws_row, start, tile, gi, hi, level, n_c, GM_OFF, ridx, rkey, G: tl.constexpr, MASKED: tl.constexpr):
-    """Launch 2 on one [NGB, G] tile at start: reads the groups whose max is >= level and appends their
+    """Launch C on one [NGB, G] tile at start: reads the groups whose max is >= level and appends their
     selectable entries with key >= level (index, key) to the program's region (ridx, rkey) after the n_c
     already there, in index order.  Returns the new count.  MASKED False: every entry of the tile is < hi."""
     g = start // G + gi
@@ -754,11 +760,7 @@ def _filter_write(
         else:
             _take_dense(ws_row, out_row, total, kk, K, DIDX, DKEY, SB2, KP, R, RANK_SLOTS)
     else:
-        if HAS_NV:
-            nv = tl.minimum(tl.maximum(tl.load(nv_ptr + r), 0), N)
-        else:
-            nv = N
-        _select_row(s_ptr + r * stride_s, nv, out_row, ws_row + RIDX, K, BLOCK, KP)
+        _select_row(s_ptr + r * stride_s, _visible(nv_ptr, r, N, HAS_NV), out_row, ws_row + RIDX, K, BLOCK, KP)
 
 
 # ---------------------------------------------------------------------------------------- public ops
@@ -774,16 +776,21 @@ def _auto_splits_filter(T: int, N: int) -> int:
     return max(1, min(_MAX_SPLITS, triton.cdiv(_FILTER_PROGRAMS, max(T, 1)), triton.cdiv(N, _MIN_CHUNK)))
 
 
+def _dense_slots(N: int) -> int:
+    """Slots of the filter path's dense candidate list: at most SB2 <= _MAX_LIST candidates, and at most N."""
+    return min(_MAX_LIST, max(N, 1))
+
+
 def _workspace_cols(N: int, single: bool) -> int:
     """Columns a row of the workspace needs: the single-program path N of scratch, the others two lists of
     N (indices, keys) and up to N / 2 group maxima (the filter path; G >= 2)."""
     n = max(N, 1)
-    return _WS_LIST + (n if single else 2 * _MAX_LIST + 2 * n + triton.cdiv(n, 2))
+    return _WS_LIST + (n if single else 2 * _dense_slots(n) + 2 * n + triton.cdiv(n, 2))
 
 
 def topk_workspace(T: int, N: int, device: torch.device | str | None = None) -> torch.Tensor:
-    """A zeroed [T, 17,088 + 2 N + ceil(N / 2)] int32 workspace that fits ``topk_indices`` on [T, N] scores for
-    any ``splits`` and method (about 10 MiB for 4 x 262,144).
+    """A zeroed [T, 704 + 2 min(8,192, N) + 2 N + ceil(N / 2)] int32 workspace that fits ``topk_indices`` on
+    [T, N] scores for any ``splits`` and method (about 10 MiB for 4 x 262,144).
 
     Columns: [0, 256) the row histogram H1 of the radix split path, which must be zero when a call starts
     and which every call leaves zero (the other paths never touch it); then scratch (counters, per-split
@@ -815,7 +822,7 @@ def topk_indices(
             entry and leaves them zero, the other paths never touch them and need nothing zeroed; pass it
             in to keep allocations out of a captured CUDA graph).  Allocated per call if None (only the columns
             the radix split path needs zeroed: a 2 N-column zero fill cost 4.6 us at T = 64, N = 32,768).
-            cols = 704 + N on the single-program path, else 17,088 + 2 N + ceil(N / 2).
+            cols = 704 + N on the single-program path, else 704 + 2 min(8,192, N) + 2 N + ceil(N / 2).
         splits: Triton only, host int in [1, 64]: programs per row of the launches over the row (A and
             C of the filter path, all four of the radix split path).  None picks from T, N and the
             method.  The result never depends on it.
@@ -910,9 +917,10 @@ def _filter_plan(N: int, k: int, splits: int, interp: bool) -> dict:
     kp = max(16, triton.next_power_of_2(k))
     sb1 = max(kp, triton.next_power_of_2(2 * k))
     sb2 = max(sb1, min(_MAX_LIST, 4 * sb1))
-    gm = _WS_LIST + 2 * _MAX_LIST  # after the dense list (indices, keys)
+    dn = _dense_slots(N)
+    gm = _WS_LIST + 2 * dn  # after the dense list (indices, keys)
     return dict(G=g, NG=ng, NGP=triton.next_power_of_2(ng), CH=ch, NGB=tile // g, KP=kp, SB1=sb1, SB2=sb2,
-                DIDX=_WS_LIST, DKEY=_WS_LIST + _MAX_LIST, GM=gm, RIDX=gm + ng, RKEY=gm + ng + N)  # fmt: skip
+                DIDX=_WS_LIST, DKEY=_WS_LIST + dn, GM=gm, RIDX=gm + ng, RKEY=gm + ng + N)  # fmt: skip
 
 
 def _launch_filter(scores, nv, out, ws, k, splits, has_nv, interp):
