@@ -55,7 +55,7 @@ def main(argv=None) -> None:
         nv = torch.full((r,), n, dtype=torch.int32, device=dev)
         ws = topk_workspace(r, n, dev)
         want = topk_indices_reference(s, k, nv)
-        for name, rank in [(m, r) for m in args.methods.split(",") for r in args.rank_slots]:
+        for name, rank in [(m, slots) for m in args.methods.split(",") for slots in args.rank_slots]:
             if rank is not None:
                 topk_mod._RANK_SLOTS = rank
             for sp in args.splits:
