@@ -11,6 +11,7 @@ import torch
 
 from dsv4.config import ModelConfig
 from dsv4.kernels.indexer.query import indexer_query_tail
+from dsv4.kernels.norm import rms_norm
 from dsv4.kernels.rope import q_norm_rope, rope_inverse
 from dsv4.model import functional as F
 from dsv4.model.weights import AttentionWeights
@@ -28,13 +29,15 @@ def query(
     qr [..., q_lora_rank] bf16: the normed latent the indexer's query also reads).
 
     ``backend`` "torch" (default; the dense reference) composes the model's functions; "auto" / "triton"
-    runs the per-head norm and RoPE as one launch (``kernels.rope.q_norm_rope``; x [T, dim] and
-    ``head_positions`` [T, 1] there)."""
-    qr = F.rms_norm(F.linear(x, w.wq_a), w.q_norm, cfg.norm_eps)
-    q = F.linear(qr, w.wq_b).unflatten(-1, (cfg.n_heads, cfg.head_dim))
+    runs the latent's RMSNorm as one launch (``kernels.norm.rms_norm``) and the per-head norm and RoPE as
+    another (``kernels.rope.q_norm_rope``; x [T, dim] and ``head_positions`` [T, 1] there)."""
     pos = _token_positions(x.shape[:-1], head_positions, backend)
     if pos is not None:
+        qr = rms_norm(F.linear(x, w.wq_a), w.q_norm, cfg.norm_eps, backend=backend)
+        q = F.linear(qr, w.wq_b).unflatten(-1, (cfg.n_heads, cfg.head_dim))
         return q_norm_rope(q, pos, inv_freq, cfg.norm_eps, backend=backend), qr
+    qr = F.rms_norm(F.linear(x, w.wq_a), w.q_norm, cfg.norm_eps)
+    q = F.linear(qr, w.wq_b).unflatten(-1, (cfg.n_heads, cfg.head_dim))
     return F.apply_rope(F.head_rms_norm(q, cfg.norm_eps), head_positions, inv_freq), qr
 
 

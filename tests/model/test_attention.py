@@ -232,7 +232,7 @@ def test_projections_take_the_fused_kernels(monkeypatch):
     hp = torch.tensor([0, 5, 300])[:, None]
     inv = F.rope_inv_freq(TINY, layer)
     calls: list[str] = []
-    for name in ("q_norm_rope", "rope_inverse", "indexer_query_tail"):
+    for name in ("rms_norm", "q_norm_rope", "rope_inverse", "indexer_query_tail"):
         real = getattr(P, name)
         monkeypatch.setattr(P, name, lambda *a, _n=name, _f=real, **k: calls.append(_n) or _f(*a, **k))
 
@@ -244,4 +244,4 @@ def test_projections_take_the_fused_kernels(monkeypatch):
     run("torch")
     assert calls == []
     run("triton")
-    assert calls == ["q_norm_rope", "indexer_query_tail", "rope_inverse"]
+    assert calls == ["rms_norm", "q_norm_rope", "indexer_query_tail", "rope_inverse"]

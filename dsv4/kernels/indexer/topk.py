@@ -613,7 +613,8 @@ def _kth_largest(v, valid, kk, BITS: tl.constexpr = 32, R: tl.constexpr = 2):
     (<= the exact one)."""
     d = tl.arange(0, 2**R).to(tl.int64)
     ans = tl.zeros((), tl.int64)  # the answer + 2^31 (unsigned order), built from the top bit down
-    for b in tl.static_range(32 - R, 31 - BITS, -R):
+    for step in range(0, BITS // R):  # a loop, not unrolled: the compare tile is large and compiles slowly
+        b = 32 - R - step * R
         thr = ((ans | (d << b)) - 2147483648).to(tl.int32)
         cnt = tl.sum(((v[:, None] >= thr[None, :]) & valid[:, None]).to(tl.int32), axis=0)
         digit = tl.sum(((cnt >= kk) & (d > 0)).to(tl.int64), axis=0)
