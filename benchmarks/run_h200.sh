@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One H200 session: environment, GPU tests, then the kernel benchmarks. Results go to $OUT (or ./out).
-# Usage (on the device machine, repo root): bash benchmarks/run_h200.sh [tests|bench|all|pending]
+# Usage (on the device machine, repo root): bash benchmarks/run_h200.sh [tests|bench|all|pending|ncu]
 # "pending": what session 6 could not run for lack of device time (the norm kernel's and the top-k
 # adversarial GPU tests, launch D's rank threshold on/off, top-k with both flush kinds, the decode step),
 # in about 5 minutes.
@@ -23,6 +23,15 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
     timeout ${BENCH_TIMEOUT:-200} python3 benchmarks/bench_$b.py --out "$OUT/${stamp}_h200_$b.jsonl" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_$b.txt" | tail -40
   done
   timeout 80 python3 benchmarks/profile_write.py 2>&1 | tee "$OUT/profile_write.txt" | tail -30
+fi
+if [ "$what" = ncu ]; then
+  # Nsight Compute on one call of each heavy read-path kernel (benchmarks/ncu_cases.py)
+  secs="--section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+    --section SchedulerStats --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis"
+  for c in "indexer:_mxfp4_scores" "attention:_dense_attn_fwd" "attention:_gather_dequant"; do
+    timeout 150 ncu -k "regex:${c#*:}" --launch-skip 2 --launch-count 1 $secs python3 benchmarks/ncu_cases.py "${c%%:*}" \
+      2>&1 | grep -v "^==PROF==" | tee "$OUT/${stamp}_h200_ncu_${c#*:}.txt" | grep -E "Duration|Throughput|Occupancy|Registers|Stall|Issued" | head -20
+  done
 fi
 if [ "$what" = pending ]; then
   timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_norm.py tests/kernels/test_topk.py \

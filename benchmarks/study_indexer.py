@@ -27,6 +27,7 @@ import argparse
 import json
 import os
 import sys
+from functools import partial
 
 import torch
 
@@ -125,18 +126,22 @@ def _study_kernel(
         if ONE_DOT:
             acc = _study_block_dot(kptr, offs_n, ok, q8_a, 0, 4 * QB, LOAD, CONVERT, FP32_DOT, ASM)
         elif SCALE:
-            acc = _study_block_dot(kptr, offs_n, ok, q8_0, 0, QB, LOAD, CONVERT, FP32_DOT, ASM) * S._rel_scale(
-                S._sbyte(s4, 0), s0
-            )[:, None]
-            acc += _study_block_dot(kptr, offs_n, ok, q8_1, 1, QB, LOAD, CONVERT, FP32_DOT, ASM) * S._rel_scale(
-                S._sbyte(s4, 1), s0
-            )[:, None]
-            acc += _study_block_dot(kptr, offs_n, ok, q8_2, 2, QB, LOAD, CONVERT, FP32_DOT, ASM) * S._rel_scale(
-                S._sbyte(s4, 2), s0
-            )[:, None]
-            acc += _study_block_dot(kptr, offs_n, ok, q8_3, 3, QB, LOAD, CONVERT, FP32_DOT, ASM) * S._rel_scale(
-                S._sbyte(s4, 3), s0
-            )[:, None]
+            acc = (
+                _study_block_dot(kptr, offs_n, ok, q8_0, 0, QB, LOAD, CONVERT, FP32_DOT, ASM)
+                * S._rel_scale(S._sbyte(s4, 0), s0)[:, None]
+            )
+            acc += (
+                _study_block_dot(kptr, offs_n, ok, q8_1, 1, QB, LOAD, CONVERT, FP32_DOT, ASM)
+                * S._rel_scale(S._sbyte(s4, 1), s0)[:, None]
+            )
+            acc += (
+                _study_block_dot(kptr, offs_n, ok, q8_2, 2, QB, LOAD, CONVERT, FP32_DOT, ASM)
+                * S._rel_scale(S._sbyte(s4, 2), s0)[:, None]
+            )
+            acc += (
+                _study_block_dot(kptr, offs_n, ok, q8_3, 3, QB, LOAD, CONVERT, FP32_DOT, ASM)
+                * S._rel_scale(S._sbyte(s4, 3), s0)[:, None]
+            )
         else:
             acc = _study_block_dot(kptr, offs_n, ok, q8_0, 0, QB, LOAD, CONVERT, FP32_DOT, ASM)
             acc += _study_block_dot(kptr, offs_n, ok, q8_1, 1, QB, LOAD, CONVERT, FP32_DOT, ASM)
@@ -190,7 +195,7 @@ def main() -> None:
         keys, bt, q, w, tr, nv = make_problem(B, entries, heads, page, dev, gen)
         cfg = S.launch_config(B, heads, entries, dev)
         want = indexer_scores_reference(q, w, keys, bt, tr, nv, entries)
-        prod = lambda: S.indexer_scores(q, w, keys, bt, tr, nv, entries, "triton")  # noqa: E731
+        prod = partial(S.indexer_scores, q, w, keys, bt, tr, nv, entries, "triton")
         timer = None if args.smoke else GraphTimer(n=20, flush=True)
         cases = [("production", prod)]
         for name in args.variants:
@@ -201,9 +206,9 @@ def main() -> None:
             if name in ("production", "full"):
                 torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
             t = None if timer is None else timer(fn)
+            flags = dict(zip(("LOAD", "CONVERT", "SCALE", "EPI", "ONE_DOT"), VARIANTS.get(name, (1,) * 5), strict=True))
             row = {"name": f"indexer_study_{name}", **info, "shape": {"B": B, "entries": entries, "heads": heads},
-                   "flags": dict(zip(("LOAD", "CONVERT", "SCALE", "EPI", "ONE_DOT"), VARIANTS.get(name, (1,) * 5))),
-                   "time_s": t, "launch": cfg._asdict()}  # fmt: skip
+                   "flags": flags, "time_s": t, "launch": cfg._asdict()}  # fmt: skip
             rows.append(row)
             print(f"B={B} {name:18s} {'-' if t is None else f'{t * 1e6:8.1f} us'}", flush=True)
     if args.out:

@@ -1,0 +1,49 @@
+"""One kernel case, called a few times, for Nsight Compute (``ncu``) to profile on the H200.
+
+    ncu -k regex:_mxfp4_scores --launch-skip 2 --launch-count 1 --section SpeedOfLight ... \
+        python3 benchmarks/ncu_cases.py indexer
+    ncu -k regex:_dense_attn_fwd --launch-skip 2 --launch-count 1 ... python3 benchmarks/ncu_cases.py attention
+
+Cases (the benchmark shapes): ``indexer`` = MXFP4 scores at 1M context (262,144 keys), B = 4, 64 heads
+(``bench_indexer.make_problem``); ``attention`` = V4-Pro sparse decode attention, B = 64, 128 window + 1,024
+top-k entries (``bench_attention.make_case``).  ``run_h200.sh ncu`` runs both with the sections below.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from benchmarks.bench_attention import make_case  # noqa: E402
+from benchmarks.bench_indexer import make_problem  # noqa: E402
+from dsv4.config import get_preset  # noqa: E402
+from dsv4.kernels.attention import sparse_attention  # noqa: E402
+from dsv4.kernels.indexer import indexer_scores  # noqa: E402
+
+CALLS = 4
+
+
+def main() -> None:
+    case = sys.argv[1] if len(sys.argv) > 1 else "indexer"
+    dev = torch.device("cuda")
+    if case == "indexer":
+        B, n = 4, 262144
+        keys, bt, q, w, tr, nv = make_problem(B, n, 64, 64, dev, torch.Generator(device=dev).manual_seed(0))
+        for _ in range(CALLS):
+            indexer_scores(q, w, keys, bt, tr, nv, n, "triton")
+    elif case == "attention":
+        pro = get_preset("v4-pro")
+        q, caches, sink = make_case(64, pro.n_heads, pro.window_size, 4 * pro.index_topk, pro.index_topk, dev)
+        for _ in range(CALLS):
+            sparse_attention(q, caches, sink, pro.head_dim**-0.5, backend="triton")
+    else:
+        raise SystemExit(f"case: expected 'indexer' or 'attention', got {case!r}")
+    torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    main()
