@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # One H200 session: environment, GPU tests, then the kernel benchmarks. Results go to $OUT (or ./out).
 # Usage (on the device machine, repo root): bash benchmarks/run_h200.sh [tests|bench|all|pending|ncu]
-# "pending": what session 6 could not run for lack of device time (the norm kernel's and the top-k
-# adversarial GPU tests, launch D's rank threshold on/off, top-k with both flush kinds, the decode step),
-# in about 5 minutes.
+# "pending": the norm and top-k GPU tests (~4 min, most of it compiling the top-k kernels), launch D's rank
+# threshold on/off, top-k with both flush kinds, the decode step; about 8 minutes.  "ncu": Nsight Compute
+# sections of the indexer scores, dense attention and gather kernels (benchmarks/ncu_cases.py).
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -34,7 +34,7 @@ if [ "$what" = ncu ]; then
   done
 fi
 if [ "$what" = pending ]; then
-  timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_norm.py tests/kernels/test_topk.py \
+  timeout 420 python3 -m pytest -q -p no:cacheprovider -m gpu --durations=8 tests/kernels/test_norm.py tests/kernels/test_topk.py \
     2>&1 | tee "$OUT/${stamp}_h200_gpu_tests_pending.txt" | tail -5
   { python3 benchmarks/profile_topk.py --rows 4 --methods filter --rank-slots 0 64
     python3 benchmarks/profile_topk.py --rows 64 --n 32768 --k 512 --methods filter --rank-slots 0 64; } \

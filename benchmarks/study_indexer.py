@@ -183,6 +183,7 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[4])
     ap.add_argument("--entries", type=int, default=262144)
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS))
+    ap.add_argument("--launches", nargs="+", default=["default"], help="block_n,warps,stages,tiles each, or 'default'")
     ap.add_argument("--smoke", action="store_true", help="tiny shape under the interpreter (CPU)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -193,15 +194,20 @@ def main() -> None:
     for B in args.batches:
         gen = torch.Generator(device=dev).manual_seed(B)
         keys, bt, q, w, tr, nv = make_problem(B, entries, heads, page, dev, gen)
-        cfg = S.launch_config(B, heads, entries, dev)
         want = indexer_scores_reference(q, w, keys, bt, tr, nv, entries)
         prod = partial(S.indexer_scores, q, w, keys, bt, tr, nv, entries, "triton")
         timer = None if args.smoke else GraphTimer(n=20, flush=True)
-        cases = [("production", prod)]
-        for name in args.variants:
-            out = torch.empty((B, entries), dtype=torch.float32, device=dev)
-            cases.append((name, study_fn(VARIANTS[name], q, w, keys, bt, tr, nv, entries, cfg, out)))
-        for name, fn in cases:
+        cases = [("production", prod, S.launch_config(B, heads, entries, dev))]
+        for launch in args.launches:
+            if launch == "default":
+                cfg = S.launch_config(B, heads, entries, dev)
+            else:
+                bn, nw, ns, tiles = (int(x) for x in launch.split(","))
+                cfg = S.launch_config(B, heads, entries, dev, bn, tiles, nw, ns)
+            for name in args.variants:
+                out = torch.empty((B, entries), dtype=torch.float32, device=dev)
+                cases.append((name, study_fn(VARIANTS[name], q, w, keys, bt, tr, nv, entries, cfg, out), cfg))
+        for name, fn, cfg in cases:
             got = fn()
             if name in ("production", "full"):
                 torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -210,7 +216,8 @@ def main() -> None:
             row = {"name": f"indexer_study_{name}", **info, "shape": {"B": B, "entries": entries, "heads": heads},
                    "flags": flags, "time_s": t, "launch": cfg._asdict()}  # fmt: skip
             rows.append(row)
-            print(f"B={B} {name:18s} {'-' if t is None else f'{t * 1e6:8.1f} us'}", flush=True)
+            la = f"{cfg.block_n},{cfg.num_warps},{cfg.num_stages},{cfg.tiles}"
+            print(f"B={B} {la:12s} {name:18s} {'-' if t is None else f'{t * 1e6:8.1f} us'}", flush=True)
     if args.out:
         with open(args.out, "a") as f:
             for r in rows:

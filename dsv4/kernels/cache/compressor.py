@@ -105,7 +105,8 @@ _EMIT_BLOCK_T = 8  # indexer emit: tokens scanned per program (m = 4: 2 emitting
 # indexer emit warps: H200, 2026-12-02 (write_v5), CSA indexer prefill T = 65,536: 193.4 us with 1 warp vs 224.7
 # with 4 and 206.9 with 2 (T = 8,192: 31.0 vs 34.6 / 32.7)
 _EMIT_INDEXER_WARPS = 1
-# indexer emit, MMA variant (``_emit_indexer_dot_kernel``): off by default until measured; tokens per program, warps
+# indexer emit, MMA variant (``_emit_indexer_dot_kernel``; tokens per program, warps): off, no faster on the H200
+# (2026-12-03_h200_profile_write_s7.txt, CSA indexer prefill T = 65,536: emit 58.0 us vs 55.3 us; it spills)
 _EMIT_INDEXER_DOT = False
 _EMIT_DOT_BLOCK_T = 64
 _EMIT_DOT_WARPS = 4

@@ -151,9 +151,11 @@ _LEVEL_BITS = 16  # filter path, launch B: key bits of the level searched (the r
 # int64 sum 28.3 us.
 _RADIX_STEP_BITS = 2
 _COPY_COLS = 64  # filter path, launch D: positions per region copied to the dense list per iteration
-# filter path, launch D: 0 = the threshold by the 32-bit radix search (measured); > 0 = ``_kth_by_rank`` with this
-# many slots for the threshold's 16-bit bucket (8 search steps fewer; interpreter-tested, not yet measured).
-_RANK_SLOTS = 0
+# filter path, launch D: 0 = the threshold by the 32-bit radix search; > 0 = ``_kth_by_rank`` with this many slots
+# for the threshold's 16-bit bucket (8 search steps fewer).  H200 2026-12-03 (2026-12-03_h200_profile_topk_rank_loop_s7
+# .txt, device time 0 / 64 slots): 4 x 262,144 k = 1,024 26.1 / 24.7 us; 1 x 262,144 22.1 / 20.8; 64 x 32,768 k = 512
+# 28.4 / 27.7 (graph 28.9 / 27.1, 23.5 / 22.2, 29.4 / 29.9).
+_RANK_SLOTS = 64
 _FILTER_TILE = 4096  # filter path, launches A and C: entries per tile (loop iteration) at most
 _FILTER_TILE_INTERP = 512  # the same under the interpreter (more tiles per chunk in small tests)
 # Workspace layout of a row (int32 columns); the kernels see the offsets as constexpr globals.
