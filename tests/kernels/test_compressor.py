@@ -300,6 +300,8 @@ TUNE_EMIT = [
     {"scan": 32},
     {"dot": 1, "block_t": 16},
     {"dot": 1, "block_t": 32, "num_warps": 1},
+    {"dot": 1, "block_t": 64, "rows": 16},
+    {"dot": 1, "block_t": 32, "rows": 32},
 ]
 
 
@@ -369,6 +371,59 @@ def test_emit_main_scan_sparse_emitters(device, scan):
                 *args[:4], 1e-6, inv.to(device), slots.to(device), fmt.entry_pages(bufs[0], n_pages, bs), fmt,
                 ratio, "main", backend="triton", scan=4, block_t=2,
             )  # fmt: skip
+
+
+def test_emit_indexer_auto_takes_the_mma_kernel_on_long_prefills():
+    """dot=None: the MMA emit from _EMIT_DOT_MIN_PROGRAMS programs a SM (T = 65,536 on 132 SMs: 512 programs), the
+    factored one-warp kernel below (T = 8,192: 64 programs), whatever the SM count."""
+    from dsv4.kernels.cache import compressor as comp
+
+    assert comp._emit_indexer_uses_dot(65536, 132) and not comp._emit_indexer_uses_dot(8192, 132)
+    for n_sms in (1, 78, 132):
+        edge = comp._EMIT_DOT_MIN_PROGRAMS * n_sms * comp._EMIT_DOT_BLOCK_T
+        assert comp._emit_indexer_uses_dot(edge, n_sms) and not comp._emit_indexer_uses_dot(
+            edge - comp._EMIT_DOT_BLOCK_T, n_sms
+        )
+
+
+@pytest.mark.parametrize("block_t, rows", [(16, 16), (64, 16), (32, 32), (128, 16)])
+def test_emit_indexer_dot_compacts_sparse_emitters(device, block_t, rows):
+    """The indexer's MMA emit numbers a program's emitting tokens and feeds them ``rows`` at a time: sparse,
+    irregular emitters (m = 4 positions of three requests, one dense run of m = 1-like emits, skipped slots, a
+    partial last program, groups that straddle nothing and groups that are partly empty) give the reference's
+    bytes; rows of non-emitting tokens (NaN) are never read.  Bad ``rows`` are refused before any write."""
+    fmt, ratio, bs, n_pages = MXFP4KeyFormat(), 4, 4, 32
+    g = torch.Generator().manual_seed(8)
+    pos = torch.cat([torch.arange(6, 39), torch.arange(100, 110), torch.arange(203, 260)]).to(torch.int32)
+    t = pos.numel()
+    emits = (pos + 1) % ratio == 0
+    emits[60:80] = True  # a run of emitting rows: more than 16 in one program at block_t = 64
+    pooled = torch.randn(t, fmt.dim, generator=g)
+    pooled[~emits] = float("nan")
+    slots = torch.randperm(n_pages * bs, generator=g)[:t].to(torch.int32)
+    slots[emits.nonzero()[[1, 7], 0]] = torch.tensor([-1, n_pages * bs], dtype=torch.int32)
+    w = torch.rand(fmt.dim, generator=g) + 0.5
+    inv = 1.0 / (160000.0 ** (torch.arange(0, 64, 2).float() / 64))
+    args = [x.to(device) for x in (pooled, emits, pos, w)]
+    bufs = []
+    for backend in ("triton", "torch"):
+        flat = torch.randint(0, 256, (fmt.page_bytes(bs) * n_pages,), generator=torch.Generator().manual_seed(3))
+        flat = flat.to(torch.uint8).to(device)
+        kw = {"dot": 1, "block_t": block_t, "rows": rows} if backend == "triton" else {}
+        emit_entries(
+            *args[:4], 1e-6, inv.to(device), slots.to(device), fmt.key_pages(flat, n_pages, bs), fmt, ratio,
+            "indexer", backend=backend, **kw,
+        )  # fmt: skip
+        bufs.append(flat)
+    assert torch.equal(bufs[0], bufs[1])
+    before = bufs[0].clone()
+    for bad in ({"dot": 1, "block_t": 16, "rows": 32}, {"dot": 1, "rows": 8}, {"dot": 0, "rows": 16}, {"rows": 16}):
+        with pytest.raises(ValueError, match="rows"):
+            emit_entries(
+                *args[:4], 1e-6, inv.to(device), slots.to(device), fmt.key_pages(bufs[0], n_pages, bs), fmt,
+                ratio, "indexer", backend="triton", **bad,
+            )  # fmt: skip
+    assert torch.equal(bufs[0], before)
 
 
 def test_compressor_then_emit_main_matches_oracle_entries(device):

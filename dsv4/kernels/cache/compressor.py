@@ -71,7 +71,7 @@ from dsv4.kernels.cache.store import (
     store_fp8_entries_reference,
     store_mxfp4_keys_reference,
 )
-from dsv4.kernels.dispatch import interpreter_enabled, use_triton
+from dsv4.kernels.dispatch import interpreter_enabled, num_sms, use_triton
 from dsv4.model.functional import ape_rows, apply_rope, hadamard, rms_norm
 
 __all__ = [
@@ -105,11 +105,16 @@ _EMIT_BLOCK_T = 8  # indexer emit: tokens scanned per program (m = 4: 2 emitting
 # indexer emit warps: H200, 2026-12-02 (write_v5), CSA indexer prefill T = 65,536: 193.4 us with 1 warp vs 224.7
 # with 4 and 206.9 with 2 (T = 8,192: 31.0 vs 34.6 / 32.7)
 _EMIT_INDEXER_WARPS = 1
-# indexer emit, MMA variant (``_emit_indexer_dot_kernel``; tokens per program, warps): off, no faster on the H200
-# (2026-12-03_h200_profile_write_s7.txt, CSA indexer prefill T = 65,536: emit 58.0 us vs 55.3 us; it spills)
-_EMIT_INDEXER_DOT = False
-_EMIT_DOT_BLOCK_T = 64
+# indexer emit, MMA variant (``_emit_indexer_dot_kernel``): tokens a program, emitting rows a group (MMA M), warps.
+# H200, CSA indexer prefill T = 65,536 (2026-12-03_h200_profile_write_emit_dot*_s7.txt; emit kernel device time):
+# the one-warp factored kernel 54.8 us; MMA kernel with the emitting rows compacted, (block_t, rows) = (64, 16)
+# 51.1, (128, 16) 41.5, (128, 32) 51.4, (256, 16) 48.7, (256, 32) 75.1, (512, 16) 84.0 (before the compaction,
+# (64, all 64 rows) 58.0).  ``dot=None`` takes it only where the grid still has _EMIT_DOT_MIN_PROGRAMS per SM
+# (T >= 33,792 on 132 SMs); shorter prefills (e.g. 8,192: 64 programs) keep the factored kernel (not measured).
+_EMIT_DOT_BLOCK_T = 128
+_EMIT_DOT_ROWS = 16
 _EMIT_DOT_WARPS = 4
+_EMIT_DOT_MIN_PROGRAMS = 2
 # pool kernel: which pooled rows are in the step, from per-row index loads (True: a dependent round trip) or
 # from the registers of the program's first load (False; ``_compressor_pool_kernel``)
 _POOL_ROW_LOADS = False
@@ -813,6 +818,7 @@ def _emit_indexer_dot_kernel(
     scale_sr,
     INTERP: tl.constexpr,
     BLOCK_T: tl.constexpr,
+    ROWS: tl.constexpr,
     DIM: tl.constexpr,
     NOPE: tl.constexpr,
     HR: tl.constexpr,
@@ -823,55 +829,87 @@ def _emit_indexer_dot_kernel(
     Q_EXP: tl.constexpr,
     Q_MANT: tl.constexpr,
 ):
-    """``_emit_indexer_kernel`` for a block of BLOCK_T (>= 16) tokens at once, the Hadamard as two MMAs.
+    """``_emit_indexer_kernel`` for BLOCK_T tokens a program, the Hadamard as two MMAs over ROWS (>= 16)
+    emitting rows at a time.
 
-    The emitting rows of the block are loaded together ([BLOCK_T, NOPE] nope values and [BLOCK_T, HR, 2]
-    rope pairs, the others masked to 0), normed and roped as in the window store, then the Hadamard as
-    H_2 (x) H_NOPE (needs NOPE = 2*HR = DIM / 2): two tf32 MMAs with one [NOPE, NOPE] sign matrix (built in
-    registers once per program) and a sum / difference.  The operands are bf16 values and +-1, so every
-    product is exact and only the fp32 accumulation order differs from the reference's matmul (as with
-    the factorised kernel).  The two halves are quantised to MXFP4 blocks and stored separately."""
+    The program's emitting tokens (flag set, slot in range) are numbered in token order by a cumsum; group g
+    takes numbers [g * ROWS, (g + 1) * ROWS): each lane finds its token by one [ROWS, BLOCK_T] comparison, so
+    every MMA row is an emitting token (a prefill with m = 4 has BLOCK_T / 4 of them; without the compaction
+    3 of 4 rows were masked work).  Each group: rows loaded ([ROWS, NOPE] nope values, [ROWS, HR, 2] rope
+    pairs), normed and roped as in the window store, then the Hadamard as H_2 (x) H_NOPE (needs NOPE = 2*HR =
+    DIM / 2): two tf32 MMAs with one [NOPE, NOPE] sign matrix (built in registers once per program) and a sum /
+    difference.  The operands are bf16 values and +-1, so every product is exact and only the fp32
+    accumulation order differs from the reference's matmul (as with the factorised kernel).  The two halves
+    are quantised to MXFP4 blocks and stored separately."""
     a = tl.program_id(0).to(tl.int64)
     ii = a * BLOCK_T + tl.arange(0, BLOCK_T)
     im = ii < n_rows
     ee = tl.load(emit_ptr + ii, mask=im, other=0) != 0
     sl = tl.load(slot_ptr + ii, mask=im & ee, other=-1)
     go = im & ee & (sl >= 0) & (sl < num_slots)
-    if tl.sum(go.to(tl.int32), axis=0) > 0:
+    n_go = tl.sum(go.to(tl.int32), axis=0)
+    if n_go > 0:
+        rank = tl.where(go, tl.cumsum(go.to(tl.int32), axis=0) - 1, -1)  # [BLOCK_T]: number of each emitting token
         cn = tl.arange(0, NOPE)
-        j = tl.arange(0, HR)
-        roff = NOPE + 2 * j[:, None] + tl.arange(0, 2)[None, :]  # [HR, 2]
-        xrow = x_ptr + ii * stride_x
-        xn = bf16_rne(tl.load(xrow[:, None] + cn[None, :], mask=go[:, None], other=0.0), INTERP)
-        xr = bf16_rne(tl.load(xrow[:, None, None] + roff[None, :, :], mask=go[:, None, None], other=0.0), INTERP)
-        xe, xo = tl.split(xr)
-        ss = tl.sum(xn * xn, axis=1) + tl.sum(xe * xe + xo * xo, axis=1)
-        r = tl.div_rn(tl.zeros([BLOCK_T], tl.float32) + 1.0, tl.sqrt_rn(tl.div_rn(ss, DIM) + eps))
-        wn = tl.load(w_ptr + cn).to(tl.float32)
-        we, wo = tl.split(tl.load(w_ptr + roff).to(tl.float32))
-        yn = bf16_rne(wn[None, :] * (xn * r[:, None]), INTERP)
-        ye = bf16_rne(we[None, :] * (xe * r[:, None]), INTERP)
-        yo = bf16_rne(wo[None, :] * (xo * r[:, None]), INTERP)
-        c, s = rope_cos_sin_rows(pos_ptr + ii, go, ratio, inv_ptr + j, INTERP)
-        rot = tl.reshape(
-            tl.join(bf16_rne(ye * c - yo * s, INTERP), bf16_rne(ye * s + yo * c, INTERP)), [BLOCK_T, 2 * HR]
-        )
-        # H_DIM = H_2 (x) H_NOPE (nope = rope = DIM / 2): z[:NOPE] = A + B, z[NOPE:] = A - B with
-        # A = yn @ H_NOPE, B = rope @ H_NOPE; tf32 MMAs (the values are bf16, exact in tf32; the signs +-1: exact
-        # products; bf16 operands would halve the shared memory but the interpreter's bf16 dot is wrong)
         h = parity_sign(cn[:, None] & cn[None, :])  # [NOPE, NOPE]
-        za = tl.dot(yn, h, input_precision="tf32")
-        zb = tl.dot(rot, h, input_precision="tf32")
-        s32 = tl.where(go, sl, 0).to(tl.int32)
-        page = (s32 // bs).to(tl.int64)
-        row = (s32 % bs).to(tl.int64)
-        dbase = data_ptr + page * data_sp + row * data_sr
-        sbase = scale_ptr + page * scale_sp + row * scale_sr
-        _mxfp4_store_rows(za + zb, go, dbase, sbase, HAD_SCALE, INTERP, BLOCK_T, NB // 2, HB, FLOOR, Q_EXP, Q_MANT)
-        _mxfp4_store_rows(
-            za - zb, go, dbase + (NB // 2) * HB, sbase + NB // 2, HAD_SCALE, INTERP, BLOCK_T, NB // 2, HB, FLOOR,
-            Q_EXP, Q_MANT,
-        )  # fmt: skip
+        for g0 in range(0, n_go, ROWS):
+            jj = g0 + tl.arange(0, ROWS)
+            hit = rank[None, :] == jj[:, None]  # [ROWS, BLOCK_T]: at most one token a lane
+            rows = tl.sum(tl.where(hit, ii[None, :], 0), axis=1)
+            slot = tl.sum(tl.where(hit, sl[None, :], 0), axis=1)
+            _emit_indexer_dot_rows(
+                x_ptr, stride_x, rows, jj < n_go, slot, w_ptr, eps, pos_ptr, inv_ptr, ratio, bs, h, data_ptr, data_sp,
+                data_sr, scale_ptr, scale_sp, scale_sr, INTERP, ROWS, DIM, NOPE, HR, HAD_SCALE, NB, HB, FLOOR, Q_EXP,
+                Q_MANT,
+            )  # fmt: skip
+
+
+@triton.jit
+def _emit_indexer_dot_rows(
+    x_ptr, stride_x, ii, go, sl, w_ptr, eps, pos_ptr, inv_ptr, ratio, bs, h, data_ptr, data_sp, data_sr, scale_ptr,
+    scale_sp, scale_sr, INTERP: tl.constexpr, ROWS: tl.constexpr, DIM: tl.constexpr, NOPE: tl.constexpr,
+    HR: tl.constexpr, HAD_SCALE: tl.constexpr, NB: tl.constexpr, HB: tl.constexpr, FLOOR: tl.constexpr,
+    Q_EXP: tl.constexpr, Q_MANT: tl.constexpr,
+):  # fmt: skip
+    """Rows ``ii`` [ROWS] where ``go`` to key slots ``sl``: the body of ``_emit_indexer_dot_kernel`` (h: the
+    [NOPE, NOPE] Sylvester signs)."""
+    cn = tl.arange(0, NOPE)
+    j = tl.arange(0, HR)
+    roff = NOPE + 2 * j[:, None] + tl.arange(0, 2)[None, :]  # [HR, 2]
+    xrow = x_ptr + ii.to(tl.int64) * stride_x
+    xn = bf16_rne(tl.load(xrow[:, None] + cn[None, :], mask=go[:, None], other=0.0), INTERP)
+    xr = bf16_rne(tl.load(xrow[:, None, None] + roff[None, :, :], mask=go[:, None, None], other=0.0), INTERP)
+    xe, xo = tl.split(xr)
+    ss = tl.sum(xn * xn, axis=1) + tl.sum(xe * xe + xo * xo, axis=1)
+    r = tl.div_rn(tl.zeros([ROWS], tl.float32) + 1.0, tl.sqrt_rn(tl.div_rn(ss, DIM) + eps))
+    wn = tl.load(w_ptr + cn).to(tl.float32)
+    we, wo = tl.split(tl.load(w_ptr + roff).to(tl.float32))
+    yn = bf16_rne(wn[None, :] * (xn * r[:, None]), INTERP)
+    ye = bf16_rne(we[None, :] * (xe * r[:, None]), INTERP)
+    yo = bf16_rne(wo[None, :] * (xo * r[:, None]), INTERP)
+    c, s = rope_cos_sin_rows(pos_ptr + ii, go, ratio, inv_ptr + j, INTERP)
+    rot = tl.reshape(tl.join(bf16_rne(ye * c - yo * s, INTERP), bf16_rne(ye * s + yo * c, INTERP)), [ROWS, 2 * HR])
+    # H_DIM = H_2 (x) H_NOPE (nope = rope = DIM / 2): z[:NOPE] = A + B, z[NOPE:] = A - B with
+    # A = yn @ H_NOPE, B = rope @ H_NOPE; tf32 MMAs (the values are bf16, exact in tf32; the signs +-1: exact
+    # products; bf16 operands would halve the shared memory but the interpreter's bf16 dot is wrong)
+    za = tl.dot(yn, h, input_precision="tf32")
+    zb = tl.dot(rot, h, input_precision="tf32")
+    s32 = tl.where(go, sl, 0).to(tl.int32)
+    page = (s32 // bs).to(tl.int64)
+    row = (s32 % bs).to(tl.int64)
+    dbase = data_ptr + page * data_sp + row * data_sr
+    sbase = scale_ptr + page * scale_sp + row * scale_sr
+    _mxfp4_store_rows(za + zb, go, dbase, sbase, HAD_SCALE, INTERP, ROWS, NB // 2, HB, FLOOR, Q_EXP, Q_MANT)
+    _mxfp4_store_rows(
+        za - zb, go, dbase + (NB // 2) * HB, sbase + NB // 2, HAD_SCALE, INTERP, ROWS, NB // 2, HB, FLOOR, Q_EXP,
+        Q_MANT,
+    )  # fmt: skip
+
+
+def _emit_indexer_uses_dot(t: int, n_sms: int) -> bool:
+    """Whether ``emit_entries(kind="indexer", dot=None)`` runs the MMA kernel for T = ``t`` tokens: when its grid
+    (``_EMIT_DOT_BLOCK_T`` tokens a program) has at least ``_EMIT_DOT_MIN_PROGRAMS`` programs per SM."""
+    return triton.cdiv(t, _EMIT_DOT_BLOCK_T) >= _EMIT_DOT_MIN_PROGRAMS * n_sms
 
 
 def _check_emit(t, positions, norm_weight, inv_freq, slots, pages, fmt, ratio, kind) -> tuple[int, int]:
@@ -931,6 +969,7 @@ def emit_entries(
     iters: int | None = None,
     scan: int | None = None,
     dot: int | None = None,
+    rows: int | None = None,
 ) -> None:
     """Finish and store the entries pooled by ``compressor_step`` (spec §3 "after pooling").
 
@@ -949,7 +988,9 @@ def emit_entries(
     flags are read at once, the emitting ones stored in turn by one warp; power of two, default
     min(next_pow2(m), 128, T / 512 rounded down to a power of two); 1 = one-row programs), ``dot``
     (indexer, 0/1: the Hadamard as tf32 MMAs over ``block_t`` >= 16 tokens per program, default
-    _EMIT_DOT_BLOCK_T; default ``_EMIT_INDEXER_DOT``).
+    _EMIT_DOT_BLOCK_T; None: the MMA kernel when ``block_t`` is None and T fills the GPU, see
+    ``_emit_indexer_uses_dot``), ``rows`` (indexer, dot=1 only: emitting rows a group of MMAs, power of two in
+    [16, block_t], default min(_EMIT_DOT_ROWS, block_t)).
     The indexer kernel needs nope and rope widths that are power-of-two multiples of the MXFP4 block
     (128 = 64 + 64, blocks of 32 in the released model).
     """
@@ -966,6 +1007,8 @@ def emit_entries(
         return
     if pooled.stride(1) != 1 or not norm_weight.is_contiguous() or not inv_freq.is_contiguous():
         raise ValueError("pooled (unit inner stride), norm_weight, inv_freq (contiguous): bad layout")
+    if rows is not None and (kind == "main" or dot != 1):
+        raise ValueError(f"rows: the indexer's MMA emit only (kind='indexer', dot=1), got rows={rows!r}, dot={dot!r}")
     if kind == "main":
         _launch_norm_rope_fp8(
             pooled, norm_weight, eps, positions, ratio, inv_freq, slots, pages, fmt, None, emits, block_t, num_warps,
@@ -977,16 +1020,24 @@ def emit_entries(
     geo = _indexer_emit_geometry(fmt, d, rd)
     pargs, kw = _mxfp4_args(pages, fmt)
     bs = pages.entries_per_page
-    use_dot = _EMIT_INDEXER_DOT if dot is None else bool(dot)
+    if dot is None:
+        fits = d - rd == rd and fmt.n_blocks % 2 == 0
+        use_dot = block_t is None and fits and _emit_indexer_uses_dot(t, num_sms(pooled.device))
+    else:
+        use_dot = bool(dot)
     if use_dot:
         bt = block_t or _EMIT_DOT_BLOCK_T
+        nr = rows or min(_EMIT_DOT_ROWS, bt)
         _check_pow2("block_t", bt)
-        if bt < 16 or d - rd != rd or fmt.n_blocks % 2:
-            raise ValueError(f"dot=1: needs block_t >= 16 (got {bt}), nope = rope (got {d - rd}, {rd}), even blocks")
+        _check_pow2("rows", nr)
+        if bt < 16 or not 16 <= nr <= bt or d - rd != rd or fmt.n_blocks % 2:
+            raise ValueError(
+                f"dot=1: needs 16 <= rows <= block_t (got {nr}, {bt}), nope = rope (got {d - rd}, {rd}), even blocks"
+            )
         _emit_indexer_dot_kernel[(triton.cdiv(t, bt),)](
             pooled, pooled.stride(0), t, norm_weight, float(eps), positions, inv_freq, ratio, emits.view(torch.uint8),
             slots, pages.data.shape[0] * bs, bs, *pargs,
-            INTERP=interpreter_enabled(), BLOCK_T=bt, DIM=d, NOPE=geo["NOPE"], HR=geo["HR"],
+            INTERP=interpreter_enabled(), BLOCK_T=bt, ROWS=nr, DIM=d, NOPE=geo["NOPE"], HR=geo["HR"],
             HAD_SCALE=geo["HAD_SCALE"], num_warps=num_warps or _EMIT_DOT_WARPS, **kw,
         )  # fmt: skip
         return
