@@ -31,6 +31,13 @@ conversion + dots for ``tl.dot_scaled`` (performance.md "Leads"; for measurement
 (bench_indexer) and 6 of 1,048,576 scores off by up to 5e-5 absolute, i.e. the tensor core's truncated
 accumulation over K = 128, so it is also not exact; fewer SASS instructions did not make it faster).
 
+Where the fp8mma time goes (H200 2026-12-03, ``benchmarks/study_indexer.py`` and Nsight Compute, 1M entries,
+B = 4): the kernel is latency-bound, not issue- or bandwidth-bound -- 255 registers a thread (2 programs = 8 warps a
+SM), 0.45 instructions issued per scheduler-cycle, DRAM 17 % busy.  With the key loads switched off it takes 55 us
+of 71, with loads, re-encoding, block scales and epilogue all off 33 us; one K = 128 MMA (139 registers, 44 % fewer
+instructions) is no faster.  A program pays ~4 us of set-up and ~2.2 us a 128-entry tile (the serial chain loads ->
+re-encode -> shared memory -> barrier -> MMA -> wait -> epilogue); overlapping consecutive tiles is the lever.
+
 ``impl="fold"``: each key's block scales are folded into the FP8 re-encoding, so one K=128
 FP8 MMA a tile does the whole dot product.  With d = smax - s_blk (binades below the key's largest block),
 element e2m1 v is stored as the e4m3 byte of v * 2**(6 - d) (6 -> 384 fits; every code stays an exact e4m3
