@@ -15,9 +15,12 @@ by constexpr flags, at the benchmark shape (1M-token context = 262,144 keys a re
 - ``SCALE=0``: the four block products are added without their scales;
 - ``EPI=0``: the output is the plain sum of the logits over heads (no ReLU, no head weights);
 - ``ONE_DOT=1``: one K=128 MMA of the whole key instead of four K=32 (the block scales ignored): the
-  bound for any exact one-MMA encoding (``impl="fold"``).
+  bound for any exact one-MMA encoding (``impl="fold"``);
+- ``PAIR=1`` (full math): two tiles an iteration, both tiles' MMAs issued before either epilogue, so that
+  the chains of consecutive tiles can overlap (session 7 found the per-tile chain to be the limit); try it
+  with 64-entry tiles (``--launches 64,4,2,32``: 128 entries an iteration, as the default).
 
-Only ``full`` computes the real scores (checked against the reference); the others time an incomplete
+Only ``full`` and ``pair`` compute the real scores (checked against the reference); the others time an incomplete
 computation on purpose.  Time = CUDA-graph GPU time per call after an L2 flush (``GraphTimer``).
 """
 
@@ -46,18 +49,21 @@ from dsv4.kernels.indexer import indexer_scores_reference  # noqa: E402
 from dsv4.kernels.indexer import scores as S  # noqa: E402
 
 FMT = MXFP4KeyFormat()
-# name -> (LOAD, CONVERT, SCALE, EPI, ONE_DOT)
+# name -> (LOAD, CONVERT, SCALE, EPI, ONE_DOT, PAIR)
 VARIANTS = {
-    "full": (1, 1, 1, 1, 0),
-    "noscale": (1, 1, 0, 1, 0),
-    "noepi": (1, 1, 1, 0, 0),
-    "noscale_noepi": (1, 1, 0, 0, 0),
-    "noconvert": (1, 0, 1, 1, 0),
-    "noload": (0, 1, 1, 1, 0),
-    "skeleton": (0, 0, 0, 0, 0),
-    "onedot": (1, 1, 0, 1, 1),
-    "onedot_skeleton": (0, 0, 0, 0, 1),
+    "full": (1, 1, 1, 1, 0, 0),
+    "noscale": (1, 1, 0, 1, 0, 0),
+    "noepi": (1, 1, 1, 0, 0, 0),
+    "noscale_noepi": (1, 1, 0, 0, 0, 0),
+    "noconvert": (1, 0, 1, 1, 0, 0),
+    "noload": (0, 1, 1, 1, 0, 0),
+    "skeleton": (0, 0, 0, 0, 0, 0),
+    "onedot": (1, 1, 0, 1, 1, 0),
+    "onedot_skeleton": (0, 0, 0, 0, 1, 0),
+    "pair": (1, 1, 1, 1, 0, 1),
+    "pair_noload": (0, 1, 1, 1, 0, 1),
 }
+FLAG_NAMES = ("LOAD", "CONVERT", "SCALE", "EPI", "ONE_DOT", "PAIR")
 
 
 @triton.jit
@@ -82,6 +88,58 @@ def _study_block_dot(kptr, offs_n, ok, q8, c: tl.constexpr, QB: tl.constexpr, LO
     return S._dot(k8, q8, tl.zeros((lo.shape[0], q8.shape[1]), tl.float32), FP32_DOT)
 
 
+@triton.jit
+def _study_logits(
+    offs_n, left, nv, row, bt_ptr, stride_bt, MAX_BLOCKS, NUM_PAGES, BS, data_ptr, stride_dp, stride_dr, scale_ptr,
+    stride_sp, stride_sr, q8_0, q8_1, q8_2, q8_3, q8_a, QB: tl.constexpr, FP32_DOT: tl.constexpr, ASM: tl.constexpr,
+    LOAD: tl.constexpr, CONVERT: tl.constexpr, SCALE: tl.constexpr, ONE_DOT: tl.constexpr,
+):  # fmt: skip
+    """One tile's [BLOCK_N, HP] logits (block products, scaled relative to the key's largest block when SCALE),
+    its valid mask (only if ``left``, the program's live tiles from this one on, is > 0) and the keys' largest
+    scale bytes."""
+    ok, kptr, s4 = S._tile_keys(
+        offs_n, nv, row, bt_ptr, stride_bt, MAX_BLOCKS, NUM_PAGES, BS, data_ptr, stride_dp, stride_dr, scale_ptr,
+        stride_sp, stride_sr,
+    )  # fmt: skip
+    ok = ok & ((offs_n * 0 + left) > 0)
+    s0 = tl.maximum(tl.maximum(S._sbyte(s4, 0), S._sbyte(s4, 1)), tl.maximum(S._sbyte(s4, 2), S._sbyte(s4, 3)))
+    if ONE_DOT:
+        acc = _study_block_dot(kptr, offs_n, ok, q8_a, 0, 4 * QB, LOAD, CONVERT, FP32_DOT, ASM)
+    elif SCALE:
+        acc = (
+            _study_block_dot(kptr, offs_n, ok, q8_0, 0, QB, LOAD, CONVERT, FP32_DOT, ASM)
+            * S._rel_scale(S._sbyte(s4, 0), s0)[:, None]
+        )
+        acc += (
+            _study_block_dot(kptr, offs_n, ok, q8_1, 1, QB, LOAD, CONVERT, FP32_DOT, ASM)
+            * S._rel_scale(S._sbyte(s4, 1), s0)[:, None]
+        )
+        acc += (
+            _study_block_dot(kptr, offs_n, ok, q8_2, 2, QB, LOAD, CONVERT, FP32_DOT, ASM)
+            * S._rel_scale(S._sbyte(s4, 2), s0)[:, None]
+        )
+        acc += (
+            _study_block_dot(kptr, offs_n, ok, q8_3, 3, QB, LOAD, CONVERT, FP32_DOT, ASM)
+            * S._rel_scale(S._sbyte(s4, 3), s0)[:, None]
+        )
+    else:
+        acc = _study_block_dot(kptr, offs_n, ok, q8_0, 0, QB, LOAD, CONVERT, FP32_DOT, ASM)
+        acc += _study_block_dot(kptr, offs_n, ok, q8_1, 1, QB, LOAD, CONVERT, FP32_DOT, ASM)
+        acc += _study_block_dot(kptr, offs_n, ok, q8_2, 2, QB, LOAD, CONVERT, FP32_DOT, ASM)
+        acc += _study_block_dot(kptr, offs_n, ok, q8_3, 3, QB, LOAD, CONVERT, FP32_DOT, ASM)
+    return acc, ok, s0
+
+
+@triton.jit
+def _study_finish(acc, ok, s0, offs_n, left, wq, out_row, N, EPI: tl.constexpr):
+    """Epilogue of one tile: ReLU x head weights summed over heads (EPI; else the plain sum), stored if left > 0."""
+    if EPI:
+        s = tl.sum(tl.maximum(acc, 0.0) * wq[None, :], axis=1) * S._pow2(s0)
+    else:
+        s = tl.sum(acc, axis=1)
+    tl.store(out_row + offs_n, tl.where(ok, s, float("-inf")), mask=(offs_n < N) & ((offs_n * 0 + left) > 0))
+
+
 @triton.jit(do_not_specialize=["tiles"])
 def _study_kernel(
     q_ptr, w_ptr, data_ptr, scale_ptr, bt_ptr, row_ptr, nv_ptr, out_ptr,
@@ -89,7 +147,7 @@ def _study_kernel(
     H, N, MAX_BLOCKS, NUM_PAGES, tiles,
     BS: tl.constexpr, HP: tl.constexpr, QB: tl.constexpr, BLOCK_N: tl.constexpr, FP32_DOT: tl.constexpr,
     ASM: tl.constexpr, LOAD: tl.constexpr, CONVERT: tl.constexpr, SCALE: tl.constexpr, EPI: tl.constexpr,
-    ONE_DOT: tl.constexpr,
+    ONE_DOT: tl.constexpr, PAIR: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0)
     chunk = tl.program_id(1)
@@ -116,50 +174,41 @@ def _study_kernel(
     qa, ba = S._q_block(q_base, 0, h_ok, 4 * QB)  # the whole query, even elements then odd (ONE_DOT)
     q8_a, _ = S._to_fp8(qa, tl.where(ba == 0, 127, ba))
     wq = w * S._pow2(bmax)
-    for i in range(0, n_live):
-        offs_n = tile0 + i * BLOCK_N
-        ok, kptr, s4 = S._tile_keys(
-            offs_n, nv, row, bt_ptr, stride_bt, MAX_BLOCKS, NUM_PAGES, BS, data_ptr, stride_dp, stride_dr,
-            scale_ptr, stride_sp, stride_sr,
-        )  # fmt: skip
-        s0 = tl.maximum(tl.maximum(S._sbyte(s4, 0), S._sbyte(s4, 1)), tl.maximum(S._sbyte(s4, 2), S._sbyte(s4, 3)))
-        if ONE_DOT:
-            acc = _study_block_dot(kptr, offs_n, ok, q8_a, 0, 4 * QB, LOAD, CONVERT, FP32_DOT, ASM)
-        elif SCALE:
-            acc = (
-                _study_block_dot(kptr, offs_n, ok, q8_0, 0, QB, LOAD, CONVERT, FP32_DOT, ASM)
-                * S._rel_scale(S._sbyte(s4, 0), s0)[:, None]
-            )
-            acc += (
-                _study_block_dot(kptr, offs_n, ok, q8_1, 1, QB, LOAD, CONVERT, FP32_DOT, ASM)
-                * S._rel_scale(S._sbyte(s4, 1), s0)[:, None]
-            )
-            acc += (
-                _study_block_dot(kptr, offs_n, ok, q8_2, 2, QB, LOAD, CONVERT, FP32_DOT, ASM)
-                * S._rel_scale(S._sbyte(s4, 2), s0)[:, None]
-            )
-            acc += (
-                _study_block_dot(kptr, offs_n, ok, q8_3, 3, QB, LOAD, CONVERT, FP32_DOT, ASM)
-                * S._rel_scale(S._sbyte(s4, 3), s0)[:, None]
-            )
-        else:
-            acc = _study_block_dot(kptr, offs_n, ok, q8_0, 0, QB, LOAD, CONVERT, FP32_DOT, ASM)
-            acc += _study_block_dot(kptr, offs_n, ok, q8_1, 1, QB, LOAD, CONVERT, FP32_DOT, ASM)
-            acc += _study_block_dot(kptr, offs_n, ok, q8_2, 2, QB, LOAD, CONVERT, FP32_DOT, ASM)
-            acc += _study_block_dot(kptr, offs_n, ok, q8_3, 3, QB, LOAD, CONVERT, FP32_DOT, ASM)
-        if EPI:
-            s = tl.sum(tl.maximum(acc, 0.0) * wq[None, :], axis=1) * S._pow2(s0)
-        else:
-            s = tl.sum(acc, axis=1)
-        tl.store(out_row + offs_n, tl.where(ok, s, float("-inf")), mask=offs_n < N)
+    if PAIR:
+        # two tiles an iteration, both tiles' MMAs issued before either epilogue (independent chains the
+        # scheduler can overlap); the second tile of an odd count is masked off (it may be the next chunk's)
+        for i in range(0, n_live, 2):
+            offs_a = tile0 + i * BLOCK_N
+            offs_b = offs_a + BLOCK_N
+            acc_a, ok_a, s0_a = _study_logits(
+                offs_a, n_live - i, nv, row, bt_ptr, stride_bt, MAX_BLOCKS, NUM_PAGES, BS, data_ptr, stride_dp,
+                stride_dr, scale_ptr, stride_sp, stride_sr, q8_0, q8_1, q8_2, q8_3, q8_a, QB, FP32_DOT, ASM, LOAD,
+                CONVERT, SCALE, ONE_DOT,
+            )  # fmt: skip
+            acc_b, ok_b, s0_b = _study_logits(
+                offs_b, n_live - i - 1, nv, row, bt_ptr, stride_bt, MAX_BLOCKS, NUM_PAGES, BS, data_ptr,
+                stride_dp, stride_dr, scale_ptr, stride_sp, stride_sr, q8_0, q8_1, q8_2, q8_3, q8_a, QB, FP32_DOT,
+                ASM, LOAD, CONVERT, SCALE, ONE_DOT,
+            )  # fmt: skip
+            _study_finish(acc_a, ok_a, s0_a, offs_a, n_live - i, wq, out_row, N, EPI)
+            _study_finish(acc_b, ok_b, s0_b, offs_b, n_live - i - 1, wq, out_row, N, EPI)
+    else:
+        for i in range(0, n_live):
+            offs_n = tile0 + i * BLOCK_N
+            acc, ok, s0 = _study_logits(
+                offs_n, n_live - i, nv, row, bt_ptr, stride_bt, MAX_BLOCKS, NUM_PAGES, BS, data_ptr, stride_dp,
+                stride_dr, scale_ptr, stride_sp, stride_sr, q8_0, q8_1, q8_2, q8_3, q8_a, QB, FP32_DOT, ASM, LOAD,
+                CONVERT, SCALE, ONE_DOT,
+            )  # fmt: skip
+            _study_finish(acc, ok, s0, offs_n, n_live - i, wq, out_row, N, EPI)
     for i in range(n_live, tiles):
         offs_n = tile0 + i * BLOCK_N
         tl.store(out_row + offs_n, tl.full((BLOCK_N,), float("-inf"), tl.float32), mask=offs_n < N)
 
 
 def study_fn(flags, q, w, keys, bt, tr, nv, n, cfg, out):
-    """A no-argument callable launching the study kernel with ``flags`` (LOAD, CONVERT, SCALE, EPI, ONE_DOT)."""
-    load, convert, scale, epi, one_dot = flags
+    """A no-argument callable launching the study kernel with ``flags`` (see FLAG_NAMES)."""
+    load, convert, scale, epi, one_dot, pair = flags
     scale32 = S._scale_words(keys.scale)
     interp = S.interpreter_enabled()
 
@@ -170,7 +219,7 @@ def study_fn(flags, q, w, keys, bt, tr, nv, n, cfg, out):
             scale32.stride(0), scale32.stride(1), bt.stride(0), out.stride(0),
             q.shape[1], n, bt.shape[1], keys.data.shape[0], cfg.tiles,
             BS=keys.entries_per_page, HP=cfg.hp, QB=FMT.block, BLOCK_N=cfg.block_n, FP32_DOT=interp,
-            ASM=not interp, LOAD=load, CONVERT=convert, SCALE=scale, EPI=epi, ONE_DOT=one_dot,
+            ASM=not interp, LOAD=load, CONVERT=convert, SCALE=scale, EPI=epi, ONE_DOT=one_dot, PAIR=pair,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
         return out
@@ -209,10 +258,10 @@ def main() -> None:
                 cases.append((name, study_fn(VARIANTS[name], q, w, keys, bt, tr, nv, entries, cfg, out), cfg))
         for name, fn, cfg in cases:
             got = fn()
-            if name in ("production", "full"):
+            if name in ("production", "full", "pair"):
                 torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
             t = None if timer is None else timer(fn)
-            flags = dict(zip(("LOAD", "CONVERT", "SCALE", "EPI", "ONE_DOT"), VARIANTS.get(name, (1,) * 5), strict=True))
+            flags = dict(zip(FLAG_NAMES, VARIANTS.get(name, (1, 1, 1, 1, 0, 0)), strict=True))
             row = {"name": f"indexer_study_{name}", **info, "shape": {"B": B, "entries": entries, "heads": heads},
                    "flags": flags, "time_s": t, "launch": cfg._asdict()}  # fmt: skip
             rows.append(row)
