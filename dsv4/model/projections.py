@@ -32,12 +32,14 @@ def query(
     runs the latent's RMSNorm as one launch (``kernels.norm.rms_norm``) and the per-head norm and RoPE as
     another (``kernels.rope.q_norm_rope``; x [T, dim] and ``head_positions`` [T, 1] there)."""
     pos = _token_positions(x.shape[:-1], head_positions, backend)
-    if pos is not None:
-        qr = rms_norm(F.linear(x, w.wq_a), w.q_norm, cfg.norm_eps, backend=backend)
-        q = F.linear(qr, w.wq_b).unflatten(-1, (cfg.n_heads, cfg.head_dim))
-        return q_norm_rope(q, pos, inv_freq, cfg.norm_eps, backend=backend), qr
-    qr = F.rms_norm(F.linear(x, w.wq_a), w.q_norm, cfg.norm_eps)
+    latent = F.linear(x, w.wq_a)
+    if pos is None:
+        qr = F.rms_norm(latent, w.q_norm, cfg.norm_eps)
+    else:
+        qr = rms_norm(latent, w.q_norm, cfg.norm_eps, backend=backend)
     q = F.linear(qr, w.wq_b).unflatten(-1, (cfg.n_heads, cfg.head_dim))
+    if pos is not None:
+        return q_norm_rope(q, pos, inv_freq, cfg.norm_eps, backend=backend), qr
     return F.apply_rope(F.head_rms_norm(q, cfg.norm_eps), head_positions, inv_freq), qr
 
 

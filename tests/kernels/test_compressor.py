@@ -290,6 +290,20 @@ def test_emit_entries_triton_equals_reference(device, kind):
         assert torch.equal(views["pad"], views_b["pad"])
 
 
+def _emit_with_both_backends(kind, fmt, pooled, emits, pos, w, inv, slots, ratio, n_pages, bs, triton_kw):
+    """``emit_entries`` with the Triton backend (``triton_kw``) and the reference, each into its own copy of the
+    same random pool of ``n_pages`` pages of ``bs`` entries; returns the two pools' bytes (triton, torch)."""
+    bufs = []
+    for backend in ("triton", "torch"):
+        flat = torch.randint(0, 256, (fmt.page_bytes(bs) * n_pages,), generator=torch.Generator().manual_seed(3))
+        flat = flat.to(torch.uint8).to(pooled.device)
+        pages = fmt.entry_pages(flat, n_pages, bs) if kind == "main" else fmt.key_pages(flat, n_pages, bs)
+        kw = triton_kw if backend == "triton" else {}
+        emit_entries(pooled, emits, pos, w, 1e-6, inv, slots, pages, fmt, ratio, kind, backend=backend, **kw)
+        bufs.append(flat)
+    return bufs
+
+
 TUNE_EMIT = [
     {},
     {"block_t": 1},
@@ -322,18 +336,12 @@ def test_emit_entries_many_emitters_per_block(device, kind, tuning):
     slots = slots.to(device)
     w = (torch.rand(d, generator=g) + 0.5).to(device)
     inv = (1.0 / (160000.0 ** (torch.arange(0, 64, 2).float() / 64))).to(device)
-    bufs = []
-    for backend in ("triton", "torch"):
-        flat = torch.randint(0, 256, (fmt.page_bytes(bs) * n_pages,), generator=torch.Generator().manual_seed(3))
-        flat = flat.to(torch.uint8).to(device)
-        pages = fmt.entry_pages(flat, n_pages, bs) if kind == "main" else fmt.key_pages(flat, n_pages, bs)
-        kw = tuning if backend == "triton" else {}
-        if kind == "indexer":  # ``iters`` / ``scan`` are the main kernel's
-            kw = {k: v for k, v in kw.items() if k not in ("iters", "scan")}
-        elif "dot" in kw:  # the indexer's
-            kw = {}
-        emit_entries(pooled, emits, pos, w, 1e-6, inv, slots, pages, fmt, ratio, kind, backend=backend, **kw)
-        bufs.append(flat)
+    kw = tuning
+    if kind == "indexer":  # ``iters`` / ``scan`` are the main kernel's
+        kw = {k: v for k, v in kw.items() if k not in ("iters", "scan")}
+    elif "dot" in kw:  # the indexer's
+        kw = {}
+    bufs = _emit_with_both_backends(kind, fmt, pooled, emits, pos, w, inv, slots, ratio, n_pages, bs, kw)
     assert torch.equal(bufs[0], bufs[1])
 
 
@@ -354,16 +362,8 @@ def test_emit_main_scan_sparse_emitters(device, scan):
     w = torch.rand(fmt.head_dim, generator=g) + 0.5
     inv = 1.0 / (160000.0 ** (torch.arange(0, 64, 2).float() / 64))
     args = [x.to(device) for x in (pooled, emits, pos, w)]
-    bufs = []
-    for backend in ("triton", "torch"):
-        flat = torch.randint(0, 256, (fmt.page_bytes(bs) * n_pages,), generator=torch.Generator().manual_seed(3))
-        flat = flat.to(torch.uint8).to(device)
-        kw = {"scan": scan} if backend == "triton" else {}
-        emit_entries(
-            *args[:4], 1e-6, inv.to(device), slots.to(device), fmt.entry_pages(flat, n_pages, bs), fmt, ratio,
-            "main", backend=backend, **kw,
-        )  # fmt: skip
-        bufs.append(flat)
+    kw = {} if scan is None else {"scan": scan}
+    bufs = _emit_with_both_backends("main", fmt, *args, inv.to(device), slots.to(device), ratio, n_pages, bs, kw)
     assert torch.equal(bufs[0], bufs[1])
     if scan is None:  # and the scan needs emits-only geometry
         with pytest.raises(ValueError, match="scan"):
@@ -405,16 +405,8 @@ def test_emit_indexer_dot_compacts_sparse_emitters(device, block_t, rows):
     w = torch.rand(fmt.dim, generator=g) + 0.5
     inv = 1.0 / (160000.0 ** (torch.arange(0, 64, 2).float() / 64))
     args = [x.to(device) for x in (pooled, emits, pos, w)]
-    bufs = []
-    for backend in ("triton", "torch"):
-        flat = torch.randint(0, 256, (fmt.page_bytes(bs) * n_pages,), generator=torch.Generator().manual_seed(3))
-        flat = flat.to(torch.uint8).to(device)
-        kw = {"dot": 1, "block_t": block_t, "rows": rows} if backend == "triton" else {}
-        emit_entries(
-            *args[:4], 1e-6, inv.to(device), slots.to(device), fmt.key_pages(flat, n_pages, bs), fmt, ratio,
-            "indexer", backend=backend, **kw,
-        )  # fmt: skip
-        bufs.append(flat)
+    kw = {"dot": 1, "block_t": block_t, "rows": rows}
+    bufs = _emit_with_both_backends("indexer", fmt, *args, inv.to(device), slots.to(device), ratio, n_pages, bs, kw)
     assert torch.equal(bufs[0], bufs[1])
     before = bufs[0].clone()
     for bad in ({"dot": 1, "block_t": 16, "rows": 32}, {"dot": 1, "rows": 8}, {"dot": 0, "rows": 16}, {"rows": 16}):

@@ -1020,9 +1020,9 @@ def emit_entries(
     geo = _indexer_emit_geometry(fmt, d, rd)
     pargs, kw = _mxfp4_args(pages, fmt)
     bs = pages.entries_per_page
+    mma_geometry = d - rd == rd and fmt.n_blocks % 2 == 0  # the MMA kernel's H_2 (x) H_NOPE split
     if dot is None:
-        fits = d - rd == rd and fmt.n_blocks % 2 == 0
-        use_dot = block_t is None and fits and _emit_indexer_uses_dot(t, num_sms(pooled.device))
+        use_dot = block_t is None and mma_geometry and _emit_indexer_uses_dot(t, num_sms(pooled.device))
     else:
         use_dot = bool(dot)
     if use_dot:
@@ -1030,7 +1030,7 @@ def emit_entries(
         nr = rows or min(_EMIT_DOT_ROWS, bt)
         _check_pow2("block_t", bt)
         _check_pow2("rows", nr)
-        if bt < 16 or not 16 <= nr <= bt or d - rd != rd or fmt.n_blocks % 2:
+        if bt < 16 or not 16 <= nr <= bt or not mma_geometry:
             raise ValueError(
                 f"dot=1: needs 16 <= rows <= block_t (got {nr}, {bt}), nope = rope (got {d - rd}, {rd}), even blocks"
             )
