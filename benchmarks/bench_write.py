@@ -168,8 +168,8 @@ def mxfp4_written_bytes(fmt: MXFP4KeyFormat) -> int:
 
 
 # ---------------------------------------------------------------------------- cases
-def parse_tune(items: list[str]) -> dict[str, list[dict[str, int]]]:
-    """``["op:k=v,k=v", ...]`` -> {op: [{k: int(v)}, ...]}: each item is one variant of its op (an op given
+def parse_tune(items: list[str]) -> dict[str, list[dict[str, int | str]]]:
+    """``["op:k=v,k=v", ...]`` -> {op: [{k: int(v) or v}, ...]}: each item is one variant of its op (an op given
     several times is measured once per variant, in order; ``op:`` alone is the default geometry)."""
     out: dict[str, list[dict[str, int]]] = {}
     for item in items:
@@ -177,7 +177,7 @@ def parse_tune(items: list[str]) -> dict[str, list[dict[str, int]]]:
         variant = {}
         for kv in filter(None, kvs.split(",")):
             k, _, v = kv.partition("=")
-            variant[k] = int(v)
+            variant[k] = int(v) if v.lstrip("-").isdigit() else v  # e.g. impl=fp8pf (sass_report's indexer)
         out.setdefault(op, []).append(variant)
     return out
 

@@ -6,7 +6,9 @@
 
 Cases (the benchmark shapes): ``indexer`` = MXFP4 scores at 1M context (262,144 keys), B = 4, 64 heads
 (``bench_indexer.make_problem``); ``attention`` = V4-Pro sparse decode attention, B = 64, 128 window + 1,024
-top-k entries (``bench_attention.make_case``).  ``run_h200.sh ncu`` runs both with the sections below.
+top-k entries (``bench_attention.make_case``); ``write:OP:MODE:N`` = ``bench_write``'s case of a cache write
+op (e.g. ``write:csa_indexer:prefill:65536``, ``write:hca:decode:64``), its Triton path; ``indexer:IMPL`` = the
+indexer case with that ``impl``.  ``run_h200.sh ncu`` runs the read-path cases with the sections below.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import sys
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from benchmarks.bench_attention import make_case  # noqa: E402
@@ -30,18 +33,27 @@ CALLS = 4
 def main() -> None:
     case = sys.argv[1] if len(sys.argv) > 1 else "indexer"
     dev = torch.device("cuda")
-    if case == "indexer":
+    if case.startswith("indexer"):
         B, n = 4, 262144
+        impl = case.partition(":")[2] or "auto"
         keys, bt, q, w, tr, nv = make_problem(B, n, 64, 64, dev, torch.Generator(device=dev).manual_seed(0))
         for _ in range(CALLS):
-            indexer_scores(q, w, keys, bt, tr, nv, n, "triton")
+            indexer_scores(q, w, keys, bt, tr, nv, n, "triton", impl=impl)
+    elif case.startswith("write:"):
+        import bench_write as bw
+
+        _, op, mode, n = case.split(":")
+        tri, _, ok, note, _ = bw.case_compressor(op, get_preset("v4-flash"), mode, int(n), dev, torch.Generator())
+        print(f"{case}: {'ok' if ok else 'MISMATCH'} ({note})")
+        for _ in range(CALLS):
+            tri()
     elif case == "attention":
         pro = get_preset("v4-pro")
         q, caches, sink = make_case(64, pro.n_heads, pro.window_size, 4 * pro.index_topk, pro.index_topk, dev)
         for _ in range(CALLS):
             sparse_attention(q, caches, sink, pro.head_dim**-0.5, backend="triton")
     else:
-        raise SystemExit(f"case: expected 'indexer' or 'attention', got {case!r}")
+        raise SystemExit(f"case: expected 'indexer[:IMPL]', 'attention' or 'write:OP:MODE:N', got {case!r}")
     torch.cuda.synchronize()
 
 

@@ -1,0 +1,164 @@
+"""Compile the Triton kernels an operation launches for sm_90 on a machine without a GPU, and report what
+ptxas made of each: registers, spill / local-memory bytes, shared memory, SASS instruction mix.
+
+    python benchmarks/sass_report.py csa_indexer:prefill:8192           # any bench_write op:mode:n
+    python benchmarks/sass_report.py hca:decode:64 --sass /tmp/sass      # also write each kernel's SASS
+
+The operation is built by ``bench_write``'s case builders on CPU tensors; every Triton launch is replaced by
+a compile-only ``warmup`` against a stand-in driver that reports an H100/H200 (``GPUTarget("cuda", 90, 32)``),
+so nothing runs and the results of the call are meaningless; only the compiled binaries are kept.  The
+figures are ptxas's (``cuobjdump -res-usage``) and the instruction counts are static (SASS lines of the
+binary, not executed instructions).  Use it to see register pressure, spills and libdevice calls before
+spending device time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+os.environ["TRITON_INTERPRET"] = "0"  # before bench_write, which turns the interpreter on without CUDA
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.runtime import driver as _driver  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+TARGET = GPUTarget("cuda", 90, 32)
+BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+
+
+class _StandInDriver:
+    """Just enough of a Triton driver for ``JITFunction.run(warmup=True)``: one sm_90 device, stream 0."""
+
+    def get_current_device(self) -> int:
+        return 0
+
+    def get_current_stream(self, device: int | None = None) -> int:
+        return 0
+
+    def get_current_target(self) -> GPUTarget:
+        return TARGET
+
+    def get_active_torch_device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def is_active(self) -> bool:
+        return True
+
+
+COMPILED: list = []
+
+
+def _install() -> None:
+    """Stand-in driver, every launch a compile-only warmup, and the dsv4 dispatch forced onto Triton."""
+    _driver.set_active(_StandInDriver())
+    run = JITFunction.run
+
+    def compile_only(self, *args, grid, warmup, **kwargs):
+        k = run(self, *args, grid=grid, warmup=True, **kwargs)
+        if k is not None and all(k is not c for _, c in COMPILED):
+            COMPILED.append((self.fn.__name__, k))
+        return k
+
+    JITFunction.run = compile_only
+    import dsv4.kernels.dispatch as dispatch
+
+    orig = dispatch.use_triton
+
+    def forced(backend, *tensors, has_kernel=True):
+        if backend == "torch":
+            return orig(backend, *tensors, has_kernel=has_kernel)
+        return has_kernel
+
+    dispatch.use_triton = forced
+    for mod in list(sys.modules.values()):  # modules that imported the name before the patch
+        if getattr(mod, "__name__", "").startswith("dsv4") and getattr(mod, "use_triton", None) is orig:
+            mod.use_triton = forced
+
+
+def res_usage(cubin: bytes) -> str:
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([os.path.join(BIN, "cuobjdump"), "-res-usage", f.name], capture_output=True, text=True)
+    m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", out.stdout)
+    return f"regs {m[1]:>3}  stack {m[2]:>4} B  shared {m[3]:>6} B  local {m[4]:>4} B" if m else out.stdout.strip()
+
+
+def sass_of(cubin: bytes) -> str:
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([os.path.join(BIN, "cuobjdump"), "-sass", f.name], capture_output=True, text=True).stdout
+
+
+def mix(sass: str, top: int = 12) -> str:
+    ops = collections.Counter()
+    for line in sass.splitlines():
+        m = re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)(\.[A-Z0-9_.]+)?", line)
+        if m:
+            ops[m[1]] += 1
+    total = sum(ops.values())
+    return f"{total} instructions: " + ", ".join(f"{k} {v}" for k, v in ops.most_common(top))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument(
+        "cases", nargs="+", help="bench_write op:mode:n (csa_indexer:prefill:8192, hca:decode:64) or indexer:B:entries"
+    )
+    ap.add_argument("--model", default="v4-flash")
+    ap.add_argument("--tune", action="append", default=[], metavar="OP:KEY=VAL[,KEY=VAL]", help="as bench_write")
+    ap.add_argument("--sass", help="write each kernel's SASS into this folder")
+    args = ap.parse_args()
+    _install()
+    import bench_write as bw
+    from bench_indexer import make_problem
+
+    from dsv4.config import get_preset
+    from dsv4.formats import FP8EntryFormat
+    from dsv4.kernels.indexer import indexer_scores
+
+    cfg = get_preset(args.model)
+    tune = bw.parse_tune(args.tune)
+    for case in args.cases:
+        op, mode, n = case.split(":")
+        for variant in tune.get(op, [{}]):
+            COMPILED.clear()
+            gen = torch.Generator().manual_seed(0)
+            if op == "indexer":  # indexer:B:entries (MXFP4 scores, 64 heads, the bench_indexer problem)
+                keys, bt, q, w, tr, nv = make_problem(int(mode), int(n), 64, 64, torch.device("cpu"), gen)
+
+                def tri(keys=keys, bt=bt, q=q, w=w, tr=tr, nv=nv, n=int(n), kw=variant):
+                    indexer_scores(q, w, keys, bt, tr, nv, n, "triton", **kw)
+            elif op == "store_window":
+                fmt = FP8EntryFormat(cfg.head_dim, cfg.rope_head_dim)
+                tri, *_ = bw.case_store_window(fmt, mode, int(n), torch.device("cpu"), gen, variant)
+            else:
+                tri, *_ = bw.case_compressor(op, cfg, mode, int(n), torch.device("cpu"), gen, variant)
+            tri()
+            print(f"== {args.model} {case}" + (f" tune {variant}" if variant else ""))
+            for name, k in COMPILED:
+                cubin = k.asm["cubin"]
+                sass = sass_of(cubin)
+                calls = sorted(set(re.findall(r"CALL\.\w+\s+(?:\S+\s+)?`?\(?([\w.$]+)", sass)))
+                print(f"   {name:40s} {res_usage(cubin)}  warps {k.metadata.num_warps}")
+                print(f"      {mix(sass)}" + (f"; calls {', '.join(calls)}" if calls else ""))
+                if args.sass:
+                    os.makedirs(args.sass, exist_ok=True)
+                    with open(os.path.join(args.sass, f"{name}.sass"), "w") as f:
+                        f.write(sass)
+
+
+if __name__ == "__main__":
+    main()
