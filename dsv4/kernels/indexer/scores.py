@@ -37,6 +37,12 @@ SM), 0.45 instructions issued per scheduler-cycle, DRAM 17 % busy.  With the key
 of 71, with loads, re-encoding, block scales and epilogue all off 33 us; one K = 128 MMA (139 registers, 44 % fewer
 instructions) is no faster.  A program pays ~4 us of set-up and ~2.2 us a 128-entry tile (the serial chain loads ->
 re-encode -> shared memory -> barrier -> MMA -> wait -> epilogue); overlapping consecutive tiles is the lever.
+In the compiled loop (sm_90 SASS, ``benchmarks/sass_report.py``) every tile waits for its block-table entries and then
+its scale words; only the key bytes are pipelined (cp.async, one tile ahead).  The loop therefore prefetches tile
+i + 2's key bytes and scale words into L2 (``prefetch.global.L2``; its block-table entries are read an iteration
+earlier): 1M, B = 4 76.3 -> 71.4 us (H200 2026-12-04, ``2026-12-04_h200_sweep_indexer_*_s8.jsonl``; the same file
+records two dropped variants: the loads carried a tile early in registers, 104 us, and one accumulator with the block
+scales applied between the MMAs, 128 registers, 74.8 us and not exact).
 
 ``impl="fold"``: each key's block scales are folded into the FP8 re-encoding, so one K=128
 FP8 MMA a tile does the whole dot product.  With d = smax - s_blk (binades below the key's largest block),
@@ -331,8 +337,19 @@ def _e2m1_bytes_to_e4m3_asm(pc):
 def _fp8_block_dot(kptr, ok, q8, c: tl.constexpr, QBLOCK: tl.constexpr, FP32_DOT: tl.constexpr, ASM: tl.constexpr):
     """Keys' block c . q8 [BN, HP] in fp32, unscaled: the keys' packed e2m1 bytes re-encoded as e4m3
     bytes (value * 2**-6, see _FP8_CODE_SCALE) by 4 integer ops a byte, one K=QBLOCK FP8 MMA."""
+    return _fp8_bytes_dot(_key_block(kptr, ok, c, QBLOCK), q8, QBLOCK, FP32_DOT, ASM)
+
+
+@triton.jit
+def _key_block(kptr, ok, c: tl.constexpr, QBLOCK: tl.constexpr):
+    """The packed bytes of block c of the keys at ``kptr`` [BN] (0 where not ``ok``): [BN, QBLOCK/2] uint8."""
     offs_b = c * (QBLOCK // 2) + tl.arange(0, QBLOCK // 2)
-    pc = tl.load(kptr[:, None] + offs_b[None, :], mask=ok[:, None], other=0)  # [BN, QBLOCK/2] uint8
+    return tl.load(kptr[:, None] + offs_b[None, :], mask=ok[:, None], other=0)
+
+
+@triton.jit
+def _fp8_bytes_dot(pc, q8, QBLOCK: tl.constexpr, FP32_DOT: tl.constexpr, ASM: tl.constexpr):
+    """Packed e2m1 bytes pc [BN, QBLOCK/2] of one block . q8 [QBLOCK, HP] in fp32, unscaled (see _fp8_block_dot)."""
     if ASM:
         lo, hi = _e2m1_bytes_to_e4m3_asm(pc)
     else:
@@ -341,6 +358,31 @@ def _fp8_block_dot(kptr, ok, q8, c: tl.constexpr, QBLOCK: tl.constexpr, FP32_DOT
     k8 = tl.reshape(tl.permute(tl.join(lo, hi), (0, 2, 1)), (lo.shape[0], QBLOCK))
     k8 = k8.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
     return _dot(k8, q8, tl.zeros((lo.shape[0], q8.shape[1]), tl.float32), FP32_DOT)
+
+
+@triton.jit
+def _prefetch_l2(ptrs, mask):
+    """``prefetch.global.L2`` of each address where ``mask`` (GPU only: inline PTX; nothing is returned)."""
+    tl.inline_asm_elementwise(
+        asm="{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
+        constraints="=r,l,r",
+        args=[ptrs, mask.to(tl.int32)],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+@triton.jit
+def _convert_scores(kptr, ok, s4, q_even, q_odd, w, offs_i, sidx, FP32_DOT: tl.constexpr):
+    """Scores of the keys at ``kptr`` [BN] by the "convert" math (exact bf16 keys, two K=64 bf16 MMAs into one
+    accumulator, ReLU x w, head sum): the general path of the fold impls."""
+    packed = tl.load(kptr[:, None] + offs_i[None, :], mask=ok[:, None], other=0)  # [BN, 64]
+    sadd = (((s4[:, None] >> (8 * sidx[None, :])) & 255) - 1) << 7  # [BN, 64]
+    p32 = packed.to(tl.int32)
+    acc = _dot(_e2m1_to_bf16(p32 & 15, sadd), q_even, tl.zeros((kptr.shape[0], q_even.shape[1]), tl.float32), FP32_DOT)
+    acc = _dot(_e2m1_to_bf16(p32 >> 4, sadd), q_odd, acc, FP32_DOT)
+    return tl.sum(tl.maximum(acc, 0.0) * w[None, :], axis=1)
 
 
 @triton.jit
@@ -367,15 +409,27 @@ def _tile_keys(
 ):
     """Entries offs_n of a row: (valid mask, pointer to each key's packed bytes, its 4 UE8M0 bytes as one
     little-endian int32 word; 127s where invalid)."""
+    ok, page = _tile_pages(offs_n, nv, row, bt_ptr, stride_bt, MAX_BLOCKS, NUM_PAGES, BS)
+    kptr, sptr = _tile_ptrs(offs_n, page, BS, data_ptr, stride_dp, stride_dr, scale_ptr, stride_sp, stride_sr)
+    return ok, kptr, tl.load(sptr, mask=ok, other=0x7F7F7F7F)
+
+
+@triton.jit
+def _tile_pages(offs_n, nv, row, bt_ptr, stride_bt, MAX_BLOCKS, NUM_PAGES, BS):
+    """Entries offs_n of a row: (valid mask, physical page of each; 0 where invalid) -- the block-table load."""
     blk = offs_n // BS
     vis = (offs_n < nv) & (blk < MAX_BLOCKS)
     page = tl.load(bt_ptr + row * stride_bt + blk, mask=vis, other=-1)
     ok = vis & (page >= 0) & (page < NUM_PAGES)  # a page outside the pool is skipped, never read
-    page = tl.where(ok, page, 0).to(tl.int64)
+    return ok, tl.where(ok, page, 0)
+
+
+@triton.jit
+def _tile_ptrs(offs_n, page, BS, data_ptr, stride_dp, stride_dr, scale_ptr, stride_sp, stride_sr):
+    """Pointers to the packed bytes and to the scale word of entries offs_n on their pages."""
+    page = page.to(tl.int64)
     prow = (offs_n % BS).to(tl.int64)
-    kptr = data_ptr + page * stride_dp + prow * stride_dr
-    s4 = tl.load(scale_ptr + page * stride_sp + prow * stride_sr, mask=ok, other=0x7F7F7F7F)
-    return ok, kptr, s4
+    return data_ptr + page * stride_dp + prow * stride_dr, scale_ptr + page * stride_sp + prow * stride_sr
 
 
 @triton.jit
@@ -557,8 +611,22 @@ def _mxfp4_scores_kernel(
         q8_3, x3 = _to_fp8(qc3, bmax)
         if (x0 & x1 & x2 & x3) != 0:
             wq = w * _pow2(bmax)
+            # L2 prefetch of tile i + 2 (its block-table entries read an iteration earlier): the loop below waits for
+            # tile i's block-table entries, then its scale words and key bytes, every tile (the compiler pipelines
+            # the key bytes one tile ahead only); from L2 rather than HBM those waits are shorter
+            if ASM:
+                ok_p, pg_p = _tile_pages(tile0 + 2 * BLOCK_N, nv, row, bt_ptr, stride_bt, MAX_BLOCKS, NUM_PAGES, BS)
             for i in range(0, n_live):
                 offs_n = tile0 + i * BLOCK_N
+                if ASM:  # (inline PTX: not under the interpreter)
+                    kp_p, sp_p = _tile_ptrs(
+                        offs_n + 2 * BLOCK_N, pg_p, BS, data_ptr, stride_dp, stride_dr, scale_ptr, stride_sp, stride_sr
+                    )
+                    _prefetch_l2(kp_p, ok_p)
+                    _prefetch_l2(sp_p, ok_p)
+                    ok_p, pg_p = _tile_pages(
+                        offs_n + 3 * BLOCK_N, nv, row, bt_ptr, stride_bt, MAX_BLOCKS, NUM_PAGES, BS
+                    )
                 ok, kptr, s4 = _tile_keys(
                     offs_n,
                     nv,
@@ -700,12 +768,7 @@ def _mxfp4_scores_kernel(
                 )
                 smax = tl.maximum(tl.maximum(_sbyte(s4, 0), _sbyte(s4, 1)), tl.maximum(_sbyte(s4, 2), _sbyte(s4, 3)))
                 redo = (ok & _fold_far(s4, smax)) | (offs_n < N * (1 - q_exact))  # every entry if q is not exact
-                packed = tl.load(kptr[:, None] + offs_i[None, :], mask=ok[:, None], other=0)  # [BN, 64]
-                sadd = (((s4[:, None] >> (8 * sidx[None, :])) & 255) - 1) << 7  # [BN, 64]
-                p32 = packed.to(tl.int32)
-                acc = _dot(_e2m1_to_bf16(p32 & 15, sadd), q_even, tl.zeros((GEN_N, HP), tl.float32), FP32_DOT)
-                acc = _dot(_e2m1_to_bf16(p32 >> 4, sadd), q_odd, acc, FP32_DOT)
-                s = tl.sum(tl.maximum(acc, 0.0) * w[None, :], axis=1)
+                s = _convert_scores(kptr, ok, s4, q_even, q_odd, w, offs_i, sidx, FP32_DOT)
                 tl.store(out_row + offs_n, tl.where(ok, s, float("-inf")), mask=(offs_n < N) & redo)
     elif IMPL == 1:
         q_full = tl.load(q_base + tl.arange(0, 2 * HALF_D)[:, None], mask=h_ok[None, :], other=0.0)  # [128, HP]
