@@ -49,6 +49,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from benchmarks.sweep_indexer import GraphTimer, bench_time  # noqa: E402
 from dsv4.kernels.linear import (  # noqa: E402
+    linear_counters,
     linear_fp32_pair,
     linear_fp32_pair_reference,
     linear_launch,
@@ -95,6 +96,9 @@ def run_case(op: str, m: int, n: int, timer: GraphTimer, meta: dict) -> dict:
     """One (width, M) row on the GPU: errors vs torch fp32 and fp64, then timings of both."""
     x, w1, w2 = make_inputs(m, n, K, "cuda")
     tri = lambda: linear_fp32_pair(x, w1, w2)
+    cnt, xb = linear_counters("cuda"), x.bfloat16()
+    # the layer's call: bf16 x widened in the kernel, the K-split sum inside the launch (``counters``)
+    layer_call = lambda: linear_fp32_pair(xb, w1, w2, counters=cnt)  # noqa: E731
     base = lambda: linear_fp32_pair_reference(x, w1, w2)  # TF32 is off (main)
     y, t = tri(), base()
     err = max(rel_err(y[i], t[i], x, w) for i, w in enumerate((w1, w2)))
@@ -113,6 +117,7 @@ def run_case(op: str, m: int, n: int, timer: GraphTimer, meta: dict) -> dict:
         "flops": flops,
         "roofline_s": roof,
         "roofline_tf32x3_s": roof3,
+        "graph_time_fused_s": timer(layer_call),
         "baseline": "torch fp32: two F.linear (cuBLAS, TF32 off)",
         "baseline_time_s": bench_time(base),
         "baseline_graph_time_s": timer(base),
@@ -133,7 +138,9 @@ def print_row(r: dict) -> None:
     g = r["graph_time_s"]
     pct = f"{100 * r['roofline_tf32x3_s'] / g:5.1f}%" if g else "   n/a"
     print(
-        f"{r['name']:20s} M {s['M']:6d} N {s['N1']:5d}  graph {us(g)} us  eager {us(r['time_s'])} us"
+        f"{r['name']:20s} M {s['M']:6d} N {s['N1']:5d}  graph {us(g)} us"
+        f" (bf16 x, fused sum {us(r['graph_time_fused_s'])})"
+        f"  eager {us(r['time_s'])} us"
         f"  torch graph {us(r['baseline_graph_time_s'])} us  eager {us(r['baseline_time_s'])} us"
         f"  roofline {us(r['roofline_s'])} / x3 {us(r['roofline_tf32x3_s'])} us ({pct})"
         f"  err vs torch {r['max_rel_err']:.2e}  vs fp64 {r['max_rel_err_fp64']:.2e}"

@@ -336,9 +336,8 @@ def _parts(blk: AttentionSubBlock, handle, x: torch.Tensor) -> dict[str, Callabl
 
     def compress():
         comps = [(w.compressor, "main")] + ([(w.indexer.compressor, "indexer")] if blk.kind.value == "csa" else [])
-        xf = x.float()  # once for both compressors, as the layer does
-        for cw, which in comps:
-            kv, gate = blk.compressor_projections(xf, cw, plan.positions)
+        for cw, which in comps:  # x bf16, as the layer passes it
+            kv, gate = blk.compressor_projections(x, cw, plan.positions)
             handle.compress(kv, gate, cw.norm, inv, which, backend=be, ape=cw.ape)
 
     caches = [(handle.read_swa_view().pages, blk._ring_window_index(handle))]

@@ -31,9 +31,12 @@ w2/out2 by its N-tile index (N tiles vary fastest, so programs in flight share x
 (M <= 128): BLOCK_M covers M (the weights are streamed once), 64-wide N tiles, the MMA computes w·xᵀ (the
 weight rows on the wgmma's M side), and K is split until there are ~2 programs per SM (so that enough
 loads are in flight to use HBM bandwidth).  With a K split each program writes its fp32 partial tile to a
-[split, M, N] buffer and a second launch sums the splits in a fixed order: deterministic (bit-identical
-from run to run), unlike fp32 atomics, at the cost of one small extra launch and 2·4·split·M·N bytes
-(<= 1/4 of the weight bytes by construction).  Prefill: 128 x 128 tiles, x·wᵀ, no split.  Nothing is read
+[split, M, N] buffer and the splits are summed in a fixed order: deterministic (bit-identical from run to
+run), unlike fp32 atomics, at the cost of 2·4·split·M·N bytes (<= 1/4 of the weight bytes by construction).
+The sum is a second small launch, or, given ``counters`` (the layer passes them), done by the last program of
+each output tile to finish (an acquire-release counter, ``_triton_sync.last_arrival``) in the same launch and
+order.  x may be bf16 (the layer's activations): it is widened to fp32 as it is loaded, which is exact, so no
+cast launch precedes the GEMM.  Prefill: 128 x 128 tiles, x·wᵀ, no split.  Nothing is read
 back to the host and the buffers come from the caching allocator: CUDA-graph capturable.
 """
 
@@ -46,13 +49,26 @@ import triton
 import triton.language as tl
 
 from dsv4.errors import check_tensor
+from dsv4.kernels._triton_sync import last_arrival
 from dsv4.kernels.dispatch import DEFAULT_NUM_SMS, num_sms, use_triton
 
-__all__ = ["PRECISIONS", "LinearLaunch", "linear_fp32_pair", "linear_fp32_pair_reference", "linear_launch"]
+__all__ = [
+    "PRECISIONS",
+    "LinearLaunch",
+    "linear_counters",
+    "linear_fp32_pair",
+    "linear_fp32_pair_reference",
+    "linear_launch",
+]
 
 PRECISIONS = ("tf32x3", "ieee")
 DECODE_MAX_M = 128  # up to here a single M tile covers the tokens (decode regime of ``linear_launch``)
 _SUM_BLOCK = 1024  # elements a program of the split-sum launch adds up
+# ``counters`` fuse the split sum into the GEMM's launch up to this M.  H200 2026-12-04 (bench_linear, graph time with
+# an L2 flush, bf16 x; two launches -> fused): CSA main pair M = 1 / 16 / 32 / 64: 17.2 -> 15.8, 18.2 -> 16.5,
+# 18.9 -> 19.6, 23.6 -> 26.5 us (the last program of a tile then reads split x 16 KB alone); HCA and CSA indexer
+# pairs likewise (-2.6 us at M <= 16, +3 us at 64).
+FUSED_SUM_MAX_M = 16
 
 
 class LinearLaunch(NamedTuple):
@@ -130,6 +146,12 @@ def linear_launch(
     return LinearLaunch(bm, bn, bk, warps, stages, split_k, swap)
 
 
+def linear_counters(device: torch.device | str, tiles: int = 4096) -> torch.Tensor:
+    """Zeroed int32 tile counters for ``linear_fp32_pair(counters=...)`` (``tiles`` >= the output tiles of any
+    call that uses them: (N1 + N2) / BLOCK_N x M / BLOCK_M, e.g. 32 for a CSA main pair in decode)."""
+    return torch.zeros(tiles, dtype=torch.int32, device=device)
+
+
 def linear_fp32_pair_reference(
     x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -139,15 +161,20 @@ def linear_fp32_pair_reference(
 
 @triton.jit(do_not_specialize=["tiles_n1"])  # one binary for every weight width
 def _linear_pair_kernel(
-    x_ptr, w1_ptr, w2_ptr, out1_ptr, out2_ptr, part_ptr,
-    M, N1, N2, K, k_per_split, stride_xm, stride_w1, stride_w2, tiles_n1,
+    x_ptr, w1_ptr, w2_ptr, out1_ptr, out2_ptr, part_ptr, cnt_ptr,
+    M, N1, N2, K, k_per_split, stride_xm, stride_w1, stride_w2, tiles_n1, split,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, SWAP_AB: tl.constexpr, PARTIAL: tl.constexpr, PRECISION: tl.constexpr,
+    FUSED_SUM: tl.constexpr = False, SPLIT: tl.constexpr = 1,
 ):  # fmt: skip
-    """One [BLOCK_M, BLOCK_N] tile of x·w1ᵀ or x·w2ᵀ over K range [pid_k·k_per_split, +k_per_split).
+    """One [BLOCK_M, BLOCK_N] tile of x·w1ᵀ or x·w2ᵀ over K range [pid_k·k_per_split, +k_per_split).  x is fp32
+    or bf16 (widened to fp32 as loaded: exact).
 
     PARTIAL: store the fp32 tile at part[pid_k, rows, N1-offset columns] (a [split, M, N1 + N2] buffer)
-    instead of into out1 / out2.
+    instead of into out1 / out2.  FUSED_SUM (with PARTIAL): the last of the tile's ``split`` programs to finish
+    (``last_arrival`` on the tile's counter ``cnt_ptr[pid_m * tiles_n + pid_n]``) adds the partials in the order
+    s = 0, 1, ... and stores the tile into out1 / out2 -- the sum, order and bits of ``_sum_splits_kernel``,
+    without its launch (SPLIT = split, a compile-time count so that the partials' loads are all issued at once).
     """
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -172,11 +199,11 @@ def _linear_pair_kernel(
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(k_lo, k_hi, BLOCK_K):
         if EVEN_K:
-            a = tl.load(x_ptrs)
+            a = tl.load(x_ptrs).to(tl.float32)
             b = tl.load(w_ptrs)
         else:
             in_k = (k + rk < K)[None, :]
-            a = tl.load(x_ptrs, mask=in_k, other=0.0)
+            a = tl.load(x_ptrs, mask=in_k, other=0.0).to(tl.float32)
             b = tl.load(w_ptrs, mask=in_k, other=0.0)
         if SWAP_AB:  # w·xᵀ: the weight tile is the MMA's A operand (kept in registers), the tokens its N side
             acc = tl.dot(b, tl.trans(a), acc, input_precision=PRECISION)
@@ -191,6 +218,13 @@ def _linear_pair_kernel(
         col = tl.where(first, 0, N1) + rn
         rows = (pid_k * M + rm).to(tl.int64)
         tl.store(part_ptr + rows[:, None] * (N1 + N2) + col[None, :], acc, mask=mask)
+        if FUSED_SUM:
+            if last_arrival(cnt_ptr + pid_m * tl.num_programs(0) + pid_n, split):
+                ptrs = part_ptr + rm.to(tl.int64)[:, None] * (N1 + N2) + col[None, :]
+                total = tl.load(ptrs, mask=mask, other=0.0)
+                for s in tl.static_range(1, SPLIT):
+                    total += tl.load(ptrs + s * M * (N1 + N2), mask=mask, other=0.0)
+                tl.store(out_ptr + rm.to(tl.int64)[:, None] * n + rn[None, :], total, mask=mask)
     else:
         tl.store(out_ptr + rm.to(tl.int64)[:, None] * n + rn[None, :], acc, mask=mask)
 
@@ -230,16 +264,21 @@ def linear_fp32_pair(
     num_stages: int | None = None,
     split_k: int | None = None,
     swap_ab: bool | None = None,
+    counters: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(x·w1ᵀ, x·w2ᵀ)`` in fp32: x [M, K] fp32, w1 [N1, K] fp32, w2 [N2, K] fp32 -> ([M, N1], [M, N2]) fp32.
+    """``(x·w1ᵀ, x·w2ᵀ)`` in fp32: x [M, K] fp32 or bf16 (taken as its exact fp32 value), w1 [N1, K] fp32,
+    w2 [N2, K] fp32 -> ([M, N1], [M, N2]) fp32.
 
     M may be 0.  x and the weights may be strided views (any row stride; a last stride other than 1 costs
     a copy).  The compressor passes (x, wkv, wgate).  Triton path: one launch (two with a K split, see the
-    module docstring), ``precision`` "tf32x3" (3xTF32 tensor-core products, ~fp32 accuracy) or "ieee"
-    (exact fp32 FMA dot); launch parameters default to ``linear_launch``.  Torch path (CPU, or
-    ``backend="torch"``): ``linear_fp32_pair_reference``.  Outputs are new contiguous tensors.
+    module docstring, unless ``counters`` is given), ``precision`` "tf32x3" (3xTF32 tensor-core products, ~fp32
+    accuracy) or "ieee" (exact fp32 FMA dot); launch parameters default to ``linear_launch``.  ``counters``:
+    int32 [>= output tiles] of zeros (``linear_counters``): with a K split and M <= FUSED_SUM_MAX_M the last
+    program of each output tile adds the partials (same order, same bits as the second launch) in the one
+    launch, and leaves its counter 0 again; launches sharing ``counters`` must not overlap (one stream).
+    Torch path (CPU, or ``backend="torch"``): ``linear_fp32_pair_reference``.  Outputs are new contiguous tensors.
     """
-    check_tensor("x", x, dtype=torch.float32, ndim=2)
+    check_tensor("x", x, dtype=(torch.float32, torch.bfloat16), ndim=2)
     k = x.shape[1]
     check_tensor("w1", w1, dtype=torch.float32, shape=(None, k), device=x.device)
     check_tensor("w2", w2, dtype=torch.float32, shape=(None, k), device=x.device)
@@ -250,8 +289,8 @@ def linear_fp32_pair(
         m, n1, n2, k, num_sms=num_sms(x.device), block_m=block_m, block_n=block_n, block_k=block_k,
         num_warps=num_warps, num_stages=num_stages, split_k=split_k, swap_ab=swap_ab,
     )  # fmt: skip
-    if not use_triton(backend, x, w1, w2):
-        return linear_fp32_pair_reference(x, w1, w2)
+    if not use_triton(backend, x, w1, w2, counters):
+        return linear_fp32_pair_reference(x.float(), w1, w2)
     out1 = torch.empty(m, n1, dtype=torch.float32, device=x.device)
     out2 = torch.empty(m, n2, dtype=torch.float32, device=x.device)
     if m == 0 or n1 + n2 == 0:
@@ -262,12 +301,21 @@ def linear_fp32_pair(
     part = torch.empty(split, m, n1 + n2, dtype=torch.float32, device=x.device) if split > 1 else out1
     tiles_n1 = triton.cdiv(n1, bn)
     grid = (tiles_n1 + triton.cdiv(n2, bn), triton.cdiv(m, bm), split)
+    fused = counters is not None and split > 1 and m <= FUSED_SUM_MAX_M
+    if counters is not None:
+        check_tensor("counters", counters, dtype=torch.int32, ndim=1, device=x.device)
+        if counters.shape[0] < grid[0] * grid[1] or not counters.is_contiguous():
+            raise ValueError(
+                f"counters: expected a contiguous int32 tensor of >= {grid[0] * grid[1]} (output tiles), got "
+                f"shape {tuple(counters.shape)}"
+            )
     _linear_pair_kernel[grid](
-        x, w1, w2, out1, out2, part, m, n1, n2, k, k_per_split, x.stride(0), w1.stride(0), w2.stride(0), tiles_n1,
+        x, w1, w2, out1, out2, part, counters if fused else out1, m, n1, n2, k, k_per_split, x.stride(0),
+        w1.stride(0), w2.stride(0), tiles_n1, split,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=k % bk == 0, SWAP_AB=swap, PARTIAL=split > 1, PRECISION=precision,
-        num_warps=warps, num_stages=stages,
+        FUSED_SUM=fused, SPLIT=split if fused else 1, num_warps=warps, num_stages=stages,
     )  # fmt: skip
-    if split > 1:
+    if split > 1 and not fused:
         numel = m * (n1 + n2)
         _sum_splits_kernel[(triton.cdiv(numel, _SUM_BLOCK),)](
             part, out1, out2, numel, n1, n2, split, BLOCK=_SUM_BLOCK, num_warps=4

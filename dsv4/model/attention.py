@@ -37,7 +37,7 @@ from dsv4.kernels.cache.ring import ring_window_slots
 from dsv4.kernels.cache.store import store_fp8_entries
 from dsv4.kernels.dispatch import use_triton
 from dsv4.kernels.indexer import indexer_scores, to_physical, topk_indices, visible_physical
-from dsv4.kernels.linear import linear_fp32_pair
+from dsv4.kernels.linear import linear_counters, linear_fp32_pair
 from dsv4.model import functional as F
 from dsv4.model.projections import indexer_query, output_projection, query
 from dsv4.model.weights import AttentionWeights
@@ -68,6 +68,8 @@ class AttentionSubBlock:
             raise ValueError(f"compressor_gemm: expected 'tf32x3' or 'fp32', got {compressor_gemm!r}")
         self.cfg, self.layer_id, self.w, self.backend = cfg, layer_id, w, backend
         self.compressor_gemm = compressor_gemm
+        # tile counters of the compressor GEMMs' in-launch split sum (both compressors' calls run one after another)
+        self._linear_counters = linear_counters(w.device)
         self.kind = cfg.layer_kind(layer_id)
         self.ratio = cfg.ratio(layer_id)
         self.inv_freq = F.rope_inv_freq(cfg, layer_id, w.device)
@@ -98,11 +100,10 @@ class AttentionSubBlock:
         caches = [window]
 
         if self.ratio:
-            xf = x.float()  # the compressors' fp32 input, cast once for both
-            comp = self._compress(xf, handle, w.compressor, "main")
+            comp = self._compress(x, handle, w.compressor, "main")
             rp = handle.ratio_plan
             if self.kind is LayerKind.CSA:
-                self._compress(xf, handle, w.indexer.compressor, "indexer")
+                self._compress(x, handle, w.indexer.compressor, "indexer")
             if rp.max_entries > 0:
                 if self.kind is LayerKind.CSA:
                     logical = self._indexer_topk(x, qr, handle)
@@ -124,9 +125,10 @@ class AttentionSubBlock:
         return handle.paged.entries
 
     def compressor_projections(self, x: torch.Tensor, cw, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(kv, score without ape) fp32 [T, c*d] of one compressor (weights ``cw``) for x fp32 [T, dim]."""
+        """(kv, score without ape) fp32 [T, c*d] of one compressor (weights ``cw``) for x [T, dim] (bf16: the fp32
+        projections of its exact fp32 value, widened inside the GEMM)."""
         if self.compressor_gemm == "tf32x3" and use_triton(self.backend, x, cw.wkv, cw.wgate):
-            return linear_fp32_pair(x, cw.wkv, cw.wgate, backend=self.backend)
+            return linear_fp32_pair(x, cw.wkv, cw.wgate, backend=self.backend, counters=self._linear_counters)
         return F.compressor_project(x, cw.wkv, cw.wgate, None, positions, self.ratio)
 
     def _indexer_topk(self, x: torch.Tensor, qr: torch.Tensor, handle: LayerCacheHandle) -> torch.Tensor:

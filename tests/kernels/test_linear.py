@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from dsv4.engine.graphs import capture_graph
-from dsv4.kernels.linear import linear_fp32_pair, linear_fp32_pair_reference, linear_launch
+from dsv4.kernels import linear as linear_mod
+from dsv4.kernels.linear import linear_counters, linear_fp32_pair, linear_fp32_pair_reference, linear_launch
 
 U = 2.0**-24  # fp32 unit roundoff
 
@@ -101,6 +102,53 @@ def test_linear_pair_strided_inputs(device):
         _assert_close_fp32(y2, r2, x, w2, _small_shape_rel(k))
 
 
+@pytest.mark.parametrize("launch", ["split3", "tiles16", "split2_m33"])
+def test_linear_pair_fused_split_sum_is_bit_identical(device, launch, monkeypatch):
+    """``counters``: the last program of each output tile adds the K-split partials inside the one launch.  Same
+    order as the second launch, so the outputs are bit-identical to it; every counter is back at 0 afterwards
+    (a second call with the same counters gives the same bits).  Random data, so the order matters: a fused sum
+    in another order would differ in the last bits.  The M limit of the fused sum is lifted so that M = 33 in
+    16-row tiles exercises one counter per (M tile, N tile)."""
+    monkeypatch.setattr(linear_mod, "FUSED_SUM_MAX_M", 1 << 30)
+    extra = {"split2_m33": {"split_k": 2, "block_m": 16, "block_k": 32}}  # 3 M tiles: counters per (m, n) tile
+    kw = extra[launch] if launch in extra else LAUNCHES[launch]
+    x, w1, w2 = _inputs(33, 160, 72, 40, device, seed=11)
+    two = linear_fp32_pair(x, w1, w2, backend="triton", **kw)
+    cnt = torch.zeros(64, dtype=torch.int32, device=device)
+    for _ in range(2):
+        one = linear_fp32_pair(x, w1, w2, backend="triton", counters=cnt, **kw)
+        assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
+        assert int(cnt.abs().sum()) == 0
+
+
+def test_linear_pair_counters_above_the_fused_limit(device):
+    """Above FUSED_SUM_MAX_M tokens ``counters`` are not used: the split sum is the second launch (same bits)."""
+    m = linear_mod.FUSED_SUM_MAX_M + 1
+    x, w1, w2 = _inputs(m, 128, 64, 64, device, seed=4)
+    cnt = torch.full((64,), 7, dtype=torch.int32, device=device)  # would break a fused sum: must stay untouched
+    got = linear_fp32_pair(x, w1, w2, backend="triton", split_k=2, counters=cnt)
+    want = linear_fp32_pair(x, w1, w2, backend="triton", split_k=2)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert bool((cnt == 7).all())
+
+
+def test_linear_pair_bf16_input_is_its_fp32_value(device):
+    """x in bf16 is widened in the kernel: the same bits as passing x.float()."""
+    x, w1, w2 = _inputs(6, 96, 48, 32, device, seed=3)
+    xb = x.to(torch.bfloat16)
+    got = linear_fp32_pair(xb, w1, w2, backend="triton", split_k=2)
+    want = linear_fp32_pair(xb.float(), w1, w2, backend="triton", split_k=2)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    ref = linear_fp32_pair(xb, w1, w2, backend="torch")
+    _assert_close_fp32(ref[0], got[0], xb.float(), w1, _small_shape_rel(96))
+
+
+def test_linear_pair_counters_too_small(device):
+    x, w1, w2 = _inputs(4, 64, 64, 64, device)
+    with pytest.raises(ValueError, match="counters: expected a contiguous int32 tensor of >= 2"):
+        linear_fp32_pair(x, w1, w2, backend="triton", split_k=2, block_n=64, counters=torch.zeros(1, dtype=torch.int32))
+
+
 def test_linear_pair_one_empty_weight(device):
     """N2 = 0: no program takes w2; out2 is [M, 0]."""
     x, w1, w2 = _inputs(5, 64, 48, 0, device, integer=True)
@@ -137,7 +185,7 @@ _GOOD = {"x": torch.zeros(4, 32), "w1": torch.zeros(8, 32), "w2": torch.zeros(16
 @pytest.mark.parametrize(
     "change,name",
     [
-        ({"x": torch.zeros(4, 32, dtype=torch.bfloat16)}, "x"),
+        ({"x": torch.zeros(4, 32, dtype=torch.float16)}, "x"),
         ({"x": torch.zeros(32)}, "x"),
         ({"x": torch.zeros(2, 4, 32)}, "x"),
         ({"w1": torch.zeros(8, 32, dtype=torch.float16)}, "w1"),
@@ -165,8 +213,8 @@ def test_linear_pair_validation(change, name):
 def test_linear_pair_validation_message_names_expected_and_got():
     with pytest.raises(ValueError, match=r"w2: expected shape \[\*, 32\], got \[16, 64\]"):
         linear_fp32_pair(_GOOD["x"], _GOOD["w1"], torch.zeros(16, 64))
-    with pytest.raises(ValueError, match="x: expected dtype torch.float32, got torch.bfloat16"):
-        linear_fp32_pair(_GOOD["x"].bfloat16(), _GOOD["w1"], _GOOD["w2"])
+    with pytest.raises(ValueError, match=r"x: expected dtype .*torch.float32.*, got torch.float16"):
+        linear_fp32_pair(_GOOD["x"].half(), _GOOD["w1"], _GOOD["w2"])
 
 
 # ---------------------------------------------------------------------------------------------- GPU
@@ -237,6 +285,30 @@ def test_linear_pair_launch_variants_on_gpu(launch):
     y1, y2 = linear_fp32_pair(x, w1, w2, **launch)
     _assert_close_fp32(y1, _fp64(x, w1), x, w1, GPU_REL)
     _assert_close_fp32(y2, _fp64(x, w2), x, w2, GPU_REL)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("n", [1024, 256])
+@pytest.mark.parametrize("m", [1, 8, 64])
+def test_linear_pair_fused_split_sum_on_gpu(m, n):
+    """Decode widths with ``counters`` (the split sum inside the launch, programs running concurrently): the same
+    bits as the two-launch sum, bf16 x the same as its fp32 value, counters back to 0, and the same again in a
+    CUDA graph replay."""
+    x, w1, w2 = _gpu_inputs(m, n, seed=21 + m)
+    xb = x.bfloat16()
+    want = linear_fp32_pair(xb.float(), w1, w2)
+    cnt = linear_counters(x.device)
+    got = linear_fp32_pair(xb, w1, w2, counters=cnt)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert int(cnt.abs().sum()) == 0
+    g, out = capture_graph(lambda: linear_fp32_pair(xb, w1, w2, counters=cnt))
+    for _ in range(3):
+        out[0].zero_()
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out[0], want[0]) and torch.equal(out[1], want[1])
+    assert int(cnt.abs().sum()) == 0
 
 
 @pytest.mark.gpu
