@@ -336,8 +336,8 @@ def _parts(blk: AttentionSubBlock, handle, x: torch.Tensor) -> dict[str, Callabl
 
     def compress():
         comps = [(w.compressor, "main")] + ([(w.indexer.compressor, "indexer")] if blk.kind.value == "csa" else [])
-        for cw, which in comps:  # x bf16, as the layer passes it
-            kv, gate = blk.compressor_projections(x, cw, plan.positions)
+        projections = blk.compressor_projections_all(x, [cw for cw, _ in comps], plan.positions)  # as the layer
+        for (cw, which), (kv, gate) in zip(comps, projections, strict=True):
             handle.compress(kv, gate, cw.norm, inv, which, backend=be, ape=cw.ape)
 
     caches = [(handle.read_swa_view().pages, blk._ring_window_index(handle))]

@@ -53,9 +53,11 @@ from dsv4.kernels._triton_sync import last_arrival
 from dsv4.kernels.dispatch import DEFAULT_NUM_SMS, num_sms, use_triton
 
 __all__ = [
+    "MAX_GROUP",
     "PRECISIONS",
     "LinearLaunch",
     "linear_counters",
+    "linear_fp32_group",
     "linear_fp32_pair",
     "linear_fp32_pair_reference",
     "linear_launch",
@@ -159,32 +161,38 @@ def linear_fp32_pair_reference(
     return torch.nn.functional.linear(x, w1), torch.nn.functional.linear(x, w2)
 
 
-@triton.jit(do_not_specialize=["tiles_n1"])  # one binary for every weight width
-def _linear_pair_kernel(
-    x_ptr, w1_ptr, w2_ptr, out1_ptr, out2_ptr, part_ptr, cnt_ptr,
-    M, N1, N2, K, k_per_split, stride_xm, stride_w1, stride_w2, tiles_n1, split,
+@triton.jit(do_not_specialize=["t1", "t2", "t3"])  # one binary for every set of weight widths
+def _linear_group_kernel(
+    x_ptr, w1_ptr, w2_ptr, w3_ptr, w4_ptr, out_ptr, part_ptr, cnt_ptr,
+    M, N1, N2, N3, N4, K, k_per_split, stride_xm, stride_w1, stride_w2, stride_w3, stride_w4, t1, t2, t3, split,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, SWAP_AB: tl.constexpr, PARTIAL: tl.constexpr, PRECISION: tl.constexpr,
     FUSED_SUM: tl.constexpr = False, SPLIT: tl.constexpr = 1,
 ):  # fmt: skip
-    """One [BLOCK_M, BLOCK_N] tile of x·w1ᵀ or x·w2ᵀ over K range [pid_k·k_per_split, +k_per_split).  x is fp32
-    or bf16 (widened to fp32 as loaded: exact).
+    """One [BLOCK_M, BLOCK_N] tile of x·w_iᵀ over K range [pid_k·k_per_split, +k_per_split), into columns
+    N1 + ... + N_(i-1) + [0, N_i) of out [M, N1 + N2 + N3 + N4] (row stride the total).  The program's weight is
+    picked by its N tile: tiles [0, t1) are w1's, [t1, t2) w2's, [t2, t3) w3's, the rest w4's (an unused weight
+    has N 0 and no tiles).  x is fp32 or bf16 (widened to fp32 as loaded: exact).
 
-    PARTIAL: store the fp32 tile at part[pid_k, rows, N1-offset columns] (a [split, M, N1 + N2] buffer)
-    instead of into out1 / out2.  FUSED_SUM (with PARTIAL): the last of the tile's ``split`` programs to finish
-    (``last_arrival`` on the tile's counter ``cnt_ptr[pid_m * tiles_n + pid_n]``) adds the partials in the order
-    s = 0, 1, ... and stores the tile into out1 / out2 -- the sum, order and bits of ``_sum_splits_kernel``,
-    without its launch (SPLIT = split, a compile-time count so that the partials' loads are all issued at once).
+    PARTIAL: store the fp32 tile at part[pid_k, rows, columns] (a [split, M, NT] buffer) instead of into out.
+    FUSED_SUM (with PARTIAL): the last of the tile's ``split`` programs to finish (``last_arrival`` on the tile's
+    counter ``cnt_ptr[pid_m * tiles_n + pid_n]``) adds the partials in the order s = 0, 1, ... and stores the tile
+    into out -- the sum, order and bits of ``_sum_splits_kernel``, without its launch (SPLIT = split, a
+    compile-time count so that the partials' loads are all issued at once).
     """
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
-    first = pid_n < tiles_n1
-    w_ptr = tl.where(first, w1_ptr, w2_ptr)
-    out_ptr = tl.where(first, out1_ptr, out2_ptr)
-    n = tl.where(first, N1, N2)
-    stride_w = tl.where(first, stride_w1, stride_w2)
-    rn = tl.where(first, pid_n, pid_n - tiles_n1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    s1 = pid_n >= t1
+    s2 = pid_n >= t2
+    s3 = pid_n >= t3
+    w_ptr = tl.where(s3, w4_ptr, tl.where(s2, w3_ptr, tl.where(s1, w2_ptr, w1_ptr)))
+    n = tl.where(s3, N4, tl.where(s2, N3, tl.where(s1, N2, N1)))
+    stride_w = tl.where(s3, stride_w4, tl.where(s2, stride_w3, tl.where(s1, stride_w2, stride_w1)))
+    first_tile = tl.where(s3, t3, tl.where(s2, t2, tl.where(s1, t1, 0)))
+    col0 = tl.where(s3, N1 + N2 + N3, tl.where(s2, N1 + N2, tl.where(s1, N1, 0)))
+    nt = N1 + N2 + N3 + N4
+    rn = (pid_n - first_tile) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rk = tl.arange(0, BLOCK_K)
     k_lo = pid_k * k_per_split
@@ -214,24 +222,22 @@ def _linear_pair_kernel(
     if SWAP_AB:
         acc = tl.trans(acc)
     mask = (rm < M)[:, None] & (rn < n)[None, :]
+    offs = rm.to(tl.int64)[:, None] * nt + (col0 + rn)[None, :]
     if PARTIAL:
-        col = tl.where(first, 0, N1) + rn
-        rows = (pid_k * M + rm).to(tl.int64)
-        tl.store(part_ptr + rows[:, None] * (N1 + N2) + col[None, :], acc, mask=mask)
+        tl.store(part_ptr + pid_k * M * nt + offs, acc, mask=mask)
         if FUSED_SUM:
             if last_arrival(cnt_ptr + pid_m * tl.num_programs(0) + pid_n, split):
-                ptrs = part_ptr + rm.to(tl.int64)[:, None] * (N1 + N2) + col[None, :]
-                total = tl.load(ptrs, mask=mask, other=0.0)
+                total = tl.load(part_ptr + offs, mask=mask, other=0.0)
                 for s in tl.static_range(1, SPLIT):
-                    total += tl.load(ptrs + s * M * (N1 + N2), mask=mask, other=0.0)
-                tl.store(out_ptr + rm.to(tl.int64)[:, None] * n + rn[None, :], total, mask=mask)
+                    total += tl.load(part_ptr + s * M * nt + offs, mask=mask, other=0.0)
+                tl.store(out_ptr + offs, total, mask=mask)
     else:
-        tl.store(out_ptr + rm.to(tl.int64)[:, None] * n + rn[None, :], acc, mask=mask)
+        tl.store(out_ptr + offs, acc, mask=mask)
 
 
 @triton.jit
-def _sum_splits_kernel(part_ptr, out1_ptr, out2_ptr, numel, N1, N2, split, BLOCK: tl.constexpr):
-    """out1 | out2 = Σ_s part[s] in the order s = 0, 1, ... (part [split, M, N1 + N2] fp32, numel = M·(N1 + N2))."""
+def _sum_splits_kernel(part_ptr, out_ptr, numel, split, BLOCK: tl.constexpr):
+    """out = Σ_s part[s] in the order s = 0, 1, ... (part [split, M, NT] fp32, out [M, NT], numel = M·NT)."""
     e = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = e < numel
     ptrs = part_ptr + e
@@ -239,21 +245,19 @@ def _sum_splits_kernel(part_ptr, out1_ptr, out2_ptr, numel, N1, N2, split, BLOCK
     for _ in range(1, split):
         ptrs += numel
         acc += tl.load(ptrs, mask=ok, other=0.0)
-    row = e // (N1 + N2)
-    col = e % (N1 + N2)
-    first = col < N1
-    tl.store(out1_ptr + row * N1 + col, acc, mask=ok & first)
-    tl.store(out2_ptr + row * N2 + (col - N1), acc, mask=ok & (col >= N1))
+    tl.store(out_ptr + e, acc, mask=ok)
 
 
 def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(1) == 1 or t.shape[1] <= 1 else t.contiguous()
 
 
-def linear_fp32_pair(
+MAX_GROUP = 4  # weights one ``linear_fp32_group`` launch takes
+
+
+def linear_fp32_group(
     x: torch.Tensor,
-    w1: torch.Tensor,
-    w2: torch.Tensor,
+    ws: list[torch.Tensor] | tuple[torch.Tensor, ...],
     backend: str = "auto",
     *,
     precision: str = "tf32x3",
@@ -265,42 +269,51 @@ def linear_fp32_pair(
     split_k: int | None = None,
     swap_ab: bool | None = None,
     counters: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(x·w1ᵀ, x·w2ᵀ)`` in fp32: x [M, K] fp32 or bf16 (taken as its exact fp32 value), w1 [N1, K] fp32,
-    w2 [N2, K] fp32 -> ([M, N1], [M, N2]) fp32.
+) -> list[torch.Tensor]:
+    """``[x·w_iᵀ for w_i in ws]`` in fp32 in one GEMM launch (two with a K split above FUSED_SUM_MAX_M tokens or
+    without ``counters``): x [M, K] fp32 or bf16 (taken as its exact fp32 value), 1 to MAX_GROUP weights w_i
+    [N_i, K] fp32 -> [M, N_i] fp32 each.  A CSA layer's two compressors (four weights) are one launch.
 
     M may be 0.  x and the weights may be strided views (any row stride; a last stride other than 1 costs
-    a copy).  The compressor passes (x, wkv, wgate).  Triton path: one launch (two with a K split, see the
-    module docstring, unless ``counters`` is given), ``precision`` "tf32x3" (3xTF32 tensor-core products, ~fp32
-    accuracy) or "ieee" (exact fp32 FMA dot); launch parameters default to ``linear_launch``.  ``counters``:
-    int32 [>= output tiles] of zeros (``linear_counters``): with a K split and M <= FUSED_SUM_MAX_M the last
-    program of each output tile adds the partials (same order, same bits as the second launch) in the one
-    launch, and leaves its counter 0 again; launches sharing ``counters`` must not overlap (one stream).
-    Torch path (CPU, or ``backend="torch"``): ``linear_fp32_pair_reference``.  Outputs are new contiguous tensors.
+    a copy).  Triton path: the outputs are column views of one [M, ΣN_i] buffer (row stride ΣN_i, unit inner
+    stride; as the compressor kernels take them), ``precision`` "tf32x3" (3xTF32 tensor-core products, ~fp32
+    accuracy) or "ieee" (exact fp32 FMA dot); launch parameters default to ``linear_launch`` (its n1 + n2 read
+    as the total width).  ``counters``: int32 [>= output tiles] of zeros (``linear_counters``): with a K split
+    and M <= FUSED_SUM_MAX_M the last program of each output tile adds the partials (same order, same bits as
+    the second launch) in the one launch, and leaves its counter 0 again; launches sharing ``counters`` must not
+    overlap (one stream).  Torch path (CPU, or ``backend="torch"``): ``F.linear`` of x in fp32 per weight (new
+    contiguous tensors).
     """
     check_tensor("x", x, dtype=(torch.float32, torch.bfloat16), ndim=2)
     k = x.shape[1]
-    check_tensor("w1", w1, dtype=torch.float32, shape=(None, k), device=x.device)
-    check_tensor("w2", w2, dtype=torch.float32, shape=(None, k), device=x.device)
+    if not isinstance(ws, (list, tuple)) or not 1 <= len(ws) <= MAX_GROUP:
+        got = len(ws) if isinstance(ws, (list, tuple)) else type(ws).__name__
+        raise ValueError(f"ws: expected a list of 1 to {MAX_GROUP} weights, got {got}")
+    for i, w in enumerate(ws):
+        check_tensor(f"w{i + 1}", w, dtype=torch.float32, shape=(None, k), device=x.device)
     if precision not in PRECISIONS:
         raise ValueError(f"precision: expected one of {PRECISIONS}, got {precision!r}")
-    m, n1, n2 = x.shape[0], w1.shape[0], w2.shape[0]
+    m, ns = x.shape[0], [w.shape[0] for w in ws]
     launch = linear_launch(
-        m, n1, n2, k, num_sms=num_sms(x.device), block_m=block_m, block_n=block_n, block_k=block_k,
+        m, ns[0], sum(ns[1:]), k, num_sms=num_sms(x.device), block_m=block_m, block_n=block_n, block_k=block_k,
         num_warps=num_warps, num_stages=num_stages, split_k=split_k, swap_ab=swap_ab,
     )  # fmt: skip
-    if not use_triton(backend, x, w1, w2, counters):
-        return linear_fp32_pair_reference(x.float(), w1, w2)
-    out1 = torch.empty(m, n1, dtype=torch.float32, device=x.device)
-    out2 = torch.empty(m, n2, dtype=torch.float32, device=x.device)
-    if m == 0 or n1 + n2 == 0:
-        return out1, out2
-    x, w1, w2 = _unit_last_stride(x), _unit_last_stride(w1), _unit_last_stride(w2)
+    if not use_triton(backend, x, *ws, counters):
+        xf = x.float()
+        return [torch.nn.functional.linear(xf, w) for w in ws]
+    nt = sum(ns)
+    out = torch.empty(m, nt, dtype=torch.float32, device=x.device)
+    views = list(torch.split(out, ns, dim=1))
+    if m == 0 or nt == 0:
+        return views
+    x = _unit_last_stride(x)
+    wl = [_unit_last_stride(w) for w in ws]
     bm, bn, bk, warps, stages, split, swap = launch
     k_per_split = triton.cdiv(triton.cdiv(k, split), bk) * bk  # whole K blocks per split
-    part = torch.empty(split, m, n1 + n2, dtype=torch.float32, device=x.device) if split > 1 else out1
-    tiles_n1 = triton.cdiv(n1, bn)
-    grid = (tiles_n1 + triton.cdiv(n2, bn), triton.cdiv(m, bm), split)
+    part = torch.empty(split, m, nt, dtype=torch.float32, device=x.device) if split > 1 else out
+    tiles = [triton.cdiv(n, bn) for n in ns]
+    bounds = [sum(tiles[: i + 1]) for i in range(MAX_GROUP - 1)]  # t1, t2, t3 (unused weights: no tiles)
+    grid = (sum(tiles), triton.cdiv(m, bm), split)
     fused = counters is not None and split > 1 and m <= FUSED_SUM_MAX_M
     if counters is not None:
         check_tensor("counters", counters, dtype=torch.int32, ndim=1, device=x.device)
@@ -309,15 +322,29 @@ def linear_fp32_pair(
                 f"counters: expected a contiguous int32 tensor of >= {grid[0] * grid[1]} (output tiles), got "
                 f"shape {tuple(counters.shape)}"
             )
-    _linear_pair_kernel[grid](
-        x, w1, w2, out1, out2, part, counters if fused else out1, m, n1, n2, k, k_per_split, x.stride(0),
-        w1.stride(0), w2.stride(0), tiles_n1, split,
+    pad = MAX_GROUP - len(wl)
+    wl, ns4 = wl + [wl[-1]] * pad, ns + [0] * pad
+    _linear_group_kernel[grid](
+        x, *wl, out, part, counters if fused else out, m, *ns4, k, k_per_split, x.stride(0),
+        *(w.stride(0) for w in wl), *bounds, split,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=k % bk == 0, SWAP_AB=swap, PARTIAL=split > 1, PRECISION=precision,
         FUSED_SUM=fused, SPLIT=split if fused else 1, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     if split > 1 and not fused:
-        numel = m * (n1 + n2)
-        _sum_splits_kernel[(triton.cdiv(numel, _SUM_BLOCK),)](
-            part, out1, out2, numel, n1, n2, split, BLOCK=_SUM_BLOCK, num_warps=4
-        )
-    return out1, out2
+        numel = m * nt
+        _sum_splits_kernel[(triton.cdiv(numel, _SUM_BLOCK),)](part, out, numel, split, BLOCK=_SUM_BLOCK, num_warps=4)
+    return views
+
+
+def linear_fp32_pair(
+    x: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    backend: str = "auto",
+    **kw,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x·w1ᵀ, x·w2ᵀ)`` in fp32: ``linear_fp32_group(x, [w1, w2], backend, **kw)`` (x [M, K] fp32 or bf16,
+    w1 [N1, K], w2 [N2, K] fp32 -> [M, N1], [M, N2] fp32; on the Triton path column views of one [M, N1 + N2]
+    buffer).  The compressor passes (x, wkv, wgate)."""
+    y1, y2 = linear_fp32_group(x, [w1, w2], backend, **kw)
+    return y1, y2

@@ -37,7 +37,7 @@ from dsv4.kernels.cache.ring import ring_window_slots
 from dsv4.kernels.cache.store import store_fp8_entries
 from dsv4.kernels.dispatch import use_triton
 from dsv4.kernels.indexer import indexer_scores, to_physical, topk_indices, visible_physical
-from dsv4.kernels.linear import linear_counters, linear_fp32_pair
+from dsv4.kernels.linear import linear_counters, linear_fp32_group, linear_fp32_pair
 from dsv4.model import functional as F
 from dsv4.model.projections import indexer_query, output_projection, query
 from dsv4.model.weights import AttentionWeights
@@ -51,7 +51,7 @@ class AttentionSubBlock:
         w: the layer's weights (``dsv4.model.weights``), on the device the cache lives on.
         backend: "auto" (Triton on CUDA, PyTorch on the CPU), "torch" or "triton".
         compressor_gemm: the compressor projections' fp32 GEMMs on the Triton path: "tf32x3" (default;
-            ``kernels.linear.linear_fp32_pair``, both projections of a compressor in one tensor-core GEMM,
+            ``kernels.linear.linear_fp32_group``, every compressor projection of the layer in one tensor-core GEMM,
             error <= ~1e-5 of sum |x||w|, see its docstring) or "fp32" (``F.compressor_project``: cuBLAS fp32).
     """
 
@@ -100,10 +100,15 @@ class AttentionSubBlock:
         caches = [window]
 
         if self.ratio:
-            comp = self._compress(x, handle, w.compressor, "main")
-            rp = handle.ratio_plan
+            comps = [(w.compressor, "main")]
             if self.kind is LayerKind.CSA:
-                self._compress(x, handle, w.indexer.compressor, "indexer")
+                comps.append((w.indexer.compressor, "indexer"))
+            projections = self.compressor_projections_all(x, [cw for cw, _ in comps], handle.positions)
+            for (cw, which), (kv, gate) in zip(comps, projections, strict=True):
+                # (ape is added inside handle.compress: in the fused kernel on a decode step)
+                handle.compress(kv, gate, cw.norm, self.inv_freq, which, backend=be, ape=cw.ape)
+            comp = handle.paged.entries
+            rp = handle.ratio_plan
             if rp.max_entries > 0:
                 if self.kind is LayerKind.CSA:
                     logical = self._indexer_topk(x, qr, handle)
@@ -118,11 +123,17 @@ class AttentionSubBlock:
         return output_projection(cfg, w, o, pos[:, None], self.inv_freq, be)
 
     # ------------------------------------------------------------------ pieces
-    def _compress(self, x: torch.Tensor, handle: LayerCacheHandle, cw, which: str) -> EntryPages:
-        # (ape is added inside handle.compress: in the fused kernel on a decode step)
-        kv, gate = self.compressor_projections(x, cw, handle.positions)
-        handle.compress(kv, gate, cw.norm, self.inv_freq, which, backend=self.backend, ape=cw.ape)
-        return handle.paged.entries
+    def compressor_projections_all(
+        self, x: torch.Tensor, cws: list, positions: torch.Tensor
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``compressor_projections`` of several compressors (a CSA layer's main and indexer ones) for one x: on the
+        Triton tf32x3 path one GEMM launch for all their weights (``linear_fp32_group``)."""
+        if self.compressor_gemm == "tf32x3" and use_triton(self.backend, x, *(cw.wkv for cw in cws)):
+            ys = linear_fp32_group(
+                x, [wt for cw in cws for wt in (cw.wkv, cw.wgate)], backend=self.backend, counters=self._linear_counters
+            )
+            return [(ys[2 * i], ys[2 * i + 1]) for i in range(len(cws))]
+        return [self.compressor_projections(x, cw, positions) for cw in cws]
 
     def compressor_projections(self, x: torch.Tensor, cw, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(kv, score without ape) fp32 [T, c*d] of one compressor (weights ``cw``) for x [T, dim] (bf16: the fp32

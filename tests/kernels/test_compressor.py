@@ -107,6 +107,37 @@ def test_chunked_steps_equal_one_pass(device, backend, kind):
     check_against_oracle(got, hist, kv_s, sc_s, slot_map, ratio, overlap)
 
 
+@pytest.mark.parametrize("decode", [False, True])
+@pytest.mark.parametrize("kind", ["csa", "hca"])
+def test_kv_and_score_with_different_row_strides(device, kind, decode):
+    """kv and score as the layer hands them over: kv a column view of the compressor GEMM's wider output buffer,
+    score a tensor of its own (wgate(x) + ape, added outside on a prefill step).  The kernels take each one's row
+    stride: same pooled rows and state as with contiguous copies, bit for bit."""
+    ratio, overlap = CONFIGS[kind]
+    cd = (2 if overlap else 1) * 16
+    g = torch.Generator().manual_seed(5)
+    if decode:  # three requests, one token each (two complete an entry)
+        pos, slot = [ratio - 1, 2 * ratio - 1, 5], [0, 1, 2]
+    else:  # one request's prefill chunk from position 0
+        pos, slot = list(range(2 * ratio + 3)), [0] * (2 * ratio + 3)
+    t = len(pos)
+    wide = torch.randn(t, cd + 24, generator=g).to(device)
+    kv, sc = wide[:, 8 : 8 + cd], torch.randn(t, cd, generator=g).to(device)
+    assert kv.stride(0) != sc.stride(0)
+    pos_t, slot_t = (torch.tensor(v, dtype=torch.int32, device=device) for v in (pos, slot))
+    results = []
+    for k_in in (kv, kv.contiguous()):
+        ks = torch.randn(3, (2 if overlap else 1) * ratio, cd, generator=torch.Generator().manual_seed(6)).to(device)
+        ss = torch.randn(ks.shape, generator=torch.Generator().manual_seed(7)).to(device)
+        pooled, emits = compressor_step(
+            k_in, sc, pos_t, slot_t, ks, ss, ratio, overlap, decode=decode, backend="triton"
+        )
+        results.append((pooled[emits], ks, ss))
+    assert results[0][0].shape[0] == 2  # two entries complete in either case
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_csa_entry0_ignores_previous_chunk_of_reused_slot(device, backend):
     """A reused slot with finite junk in every row: entry 0 must pool only positions 0..3 (B half)."""

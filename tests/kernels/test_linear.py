@@ -10,7 +10,13 @@ import torch
 
 from dsv4.engine.graphs import capture_graph
 from dsv4.kernels import linear as linear_mod
-from dsv4.kernels.linear import linear_counters, linear_fp32_pair, linear_fp32_pair_reference, linear_launch
+from dsv4.kernels.linear import (
+    linear_counters,
+    linear_fp32_group,
+    linear_fp32_pair,
+    linear_fp32_pair_reference,
+    linear_launch,
+)
 
 U = 2.0**-24  # fp32 unit roundoff
 
@@ -147,6 +153,34 @@ def test_linear_pair_counters_too_small(device):
     x, w1, w2 = _inputs(4, 64, 64, 64, device)
     with pytest.raises(ValueError, match="counters: expected a contiguous int32 tensor of >= 2"):
         linear_fp32_pair(x, w1, w2, backend="triton", split_k=2, block_n=64, counters=torch.zeros(1, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("ns", [(40,), (64, 48, 16), (72, 72, 24, 40)])
+def test_linear_group_matches_reference(device, ns, fused):
+    """1, 3 and 4 weights in one launch (a CSA layer's two compressors are four), with a K split summed by a
+    second launch or inside the launch: each output against F.linear; on the Triton path the outputs are
+    column views of one buffer (row stride the total width, unit inner stride)."""
+    m, k = 7, 160
+    g = torch.Generator().manual_seed(sum(ns))
+    x = torch.randn(m, k, generator=g).to(device)
+    ws = [(torch.randn(n, k, generator=g) * 0.05).to(device) for n in ns]
+    cnt = torch.zeros(64, dtype=torch.int32, device=device) if fused else None
+    ys = linear_fp32_group(x, ws, backend="triton", split_k=2, block_k=64, counters=cnt)
+    assert len(ys) == len(ns)
+    for y, w in zip(ys, ws, strict=True):
+        assert y.shape == (m, w.shape[0]) and y.stride() == (sum(ns), 1)
+        _assert_close_fp32(y, torch.nn.functional.linear(x, w), x, w, _small_shape_rel(k))
+    if fused:
+        assert int(cnt.abs().sum()) == 0
+        two = linear_fp32_group(x, ws, backend="triton", split_k=2, block_k=64)
+        assert all(torch.equal(a, b) for a, b in zip(ys, two, strict=True))
+
+
+@pytest.mark.parametrize("n_weights", [0, 5])
+def test_linear_group_refuses_bad_group_sizes(n_weights):
+    with pytest.raises(ValueError, match=f"ws: expected a list of 1 to 4 weights, got {n_weights}"):
+        linear_fp32_group(torch.zeros(2, 32), [torch.zeros(8, 32)] * n_weights)
 
 
 def test_linear_pair_one_empty_weight(device):

@@ -171,6 +171,28 @@ def test_compressor_projections_choice(monkeypatch):
         assert ((f - a).abs() <= bound).all()
 
 
+def test_compressor_projections_all_is_one_gemm(monkeypatch):
+    """A CSA layer's main and indexer compressors: one ``linear_fp32_group`` call for all four weights on the Triton
+    path, the same values as one pair GEMM per compressor (interpreted: fp32 sums in the same tiles); the torch
+    backend gives the reference per compressor."""
+    layer = LAYERS["csa"]
+    w = random_attention_weights(TINY, layer, seed=8)
+    x = torch.randn(3, TINY.dim, generator=torch.Generator().manual_seed(8)).bfloat16()
+    pos = torch.arange(3)
+    cws = [w.compressor, w.indexer.compressor]
+    blk = AttentionSubBlock(TINY, layer, w, backend="triton")
+    calls = []
+    real = attention_mod.linear_fp32_group
+    monkeypatch.setattr(attention_mod, "linear_fp32_group", lambda *a, **k: calls.append(len(a[1])) or real(*a, **k))
+    got = blk.compressor_projections_all(x, cws, pos)
+    assert calls == [4]
+    ref = AttentionSubBlock(TINY, layer, w, backend="torch").compressor_projections_all(x, cws, pos)
+    for (kv, gate), (rkv, rgate), cw in zip(got, ref, cws, strict=True):
+        for a, b, wt in ((kv, rkv, cw.wkv), (gate, rgate, cw.wgate)):
+            assert a.shape == b.shape
+            assert ((a - b).abs() <= 1e-5 * (x.float().abs() @ wt.abs().T)).all()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("kind", list(LAYERS))

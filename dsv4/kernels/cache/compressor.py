@@ -200,7 +200,8 @@ def _pool_token(
     b,
     kv_ptr,
     sc_ptr,
-    stride_in,
+    stride_kv,
+    stride_sc,
     pos_ptr,
     tslot_ptr,
     kvs_ptr,
@@ -251,13 +252,14 @@ def _pool_token(
     col = coff[:, None] + ch[None, :]
     m_any = (in_step | from_state)[:, None] & chm[None, :]
     row = tl.where(p >= 0, p % CM, 0)
-    in_off = j[:, None] * stride_in + col
+    in_kv = j[:, None] * stride_kv + col
+    in_sc = j[:, None] * stride_sc + col
     st_off = slot * st_ss + row[:, None] * st_sr + col
     sel = in_step[:, None]
     # one load per tensor: each row's pointer is into this step's input or into the state ring (the select
     # depends on the row only, so the pointers stay contiguous along the channels: wide loads)
-    kv_r = tl.load(tl.where(sel, kv_ptr + in_off, kvs_ptr + st_off), mask=m_any, other=0.0)
-    sc_r = tl.load(tl.where(sel, sc_ptr + in_off, scs_ptr + st_off), mask=m_any, other=float("-inf"))
+    kv_r = tl.load(tl.where(sel, kv_ptr + in_kv, kvs_ptr + st_off), mask=m_any, other=0.0)
+    sc_r = tl.load(tl.where(sel, sc_ptr + in_sc, scs_ptr + st_off), mask=m_any, other=float("-inf"))
     if HAS_APE:  # (ape rows are [c*d] wide, contiguous)
         if OVERLAP:
             ape_row = ape_ptr + (t % M) * (2 * D)
@@ -275,9 +277,9 @@ def _pool_token(
 
 @triton.jit
 def _decode_pool_write(
-    i, b, kv_ptr, sc_ptr, stride_in, pos_ptr, tslot_ptr, kvs_ptr, scs_ptr, st_ss, st_sr, num_state_slots, pooled_ptr,
-    emits_ptr, T, M: tl.constexpr, CM: tl.constexpr, D: tl.constexpr, OVERLAP: tl.constexpr, C: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, ape_ptr=None, HAS_APE: tl.constexpr = False,
+    i, b, kv_ptr, sc_ptr, stride_kv, stride_sc, pos_ptr, tslot_ptr, kvs_ptr, scs_ptr, st_ss, st_sr, num_state_slots,
+    pooled_ptr, emits_ptr, T, M: tl.constexpr, CM: tl.constexpr, D: tl.constexpr, OVERLAP: tl.constexpr,
+    C: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, ape_ptr=None, HAS_APE: tl.constexpr = False,
 ):  # fmt: skip
     """decode=True, token i, channel block b: pool (if i emits) and write its own state row (``HAS_APE``:
     ``sc_ptr`` rows are wgate(x) and ape row t mod M [C*D] is added, as ``_pool_token``).  Returns
@@ -294,7 +296,7 @@ def _decode_pool_write(
     pooled = emit & slot_ok & (b * BLOCK_D < D)
     if pooled:
         _pool_token(
-            i, t, slot, b, kv_ptr, sc_ptr, stride_in, pos_ptr, tslot_ptr, kvs_ptr, scs_ptr, st_ss, st_sr,
+            i, t, slot, b, kv_ptr, sc_ptr, stride_kv, stride_sc, pos_ptr, tslot_ptr, kvs_ptr, scs_ptr, st_ss, st_sr,
             pooled_ptr, T, M, CM, D, OVERLAP, BLOCK_R, BLOCK_D, True, 0, True, ape_ptr, HAS_APE,
         )  # fmt: skip
     jn = i + CM
@@ -306,8 +308,8 @@ def _decode_pool_write(
         wch = b * BLOCK_D + tl.arange(0, BLOCK_D)
         wm = wch < C * D
         dst = slot * st_ss + (t % CM) * st_sr + wch
-        tl.store(kvs_ptr + dst, tl.load(kv_ptr + i * stride_in + wch, mask=wm), mask=wm)
-        sc_own = tl.load(sc_ptr + i * stride_in + wch, mask=wm)
+        tl.store(kvs_ptr + dst, tl.load(kv_ptr + i * stride_kv + wch, mask=wm), mask=wm)
+        sc_own = tl.load(sc_ptr + i * stride_sc + wch, mask=wm)
         if HAS_APE:
             sc_own += tl.load(ape_ptr + (t % M) * (C * D) + wch, mask=wm)
         tl.store(scs_ptr + dst, sc_own, mask=wm)
@@ -316,14 +318,15 @@ def _decode_pool_write(
 
 @triton.jit
 def _compressor_decode_kernel(
-    kv_ptr, sc_ptr, stride_in, pos_ptr, tslot_ptr, kvs_ptr, scs_ptr, st_ss, st_sr, num_state_slots, pooled_ptr,
-    emits_ptr, T, M: tl.constexpr, CM: tl.constexpr, D: tl.constexpr, OVERLAP: tl.constexpr, C: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+    kv_ptr, sc_ptr, stride_kv, stride_sc, pos_ptr, tslot_ptr, kvs_ptr, scs_ptr, st_ss, st_sr, num_state_slots,
+    pooled_ptr, emits_ptr, T, M: tl.constexpr, CM: tl.constexpr, D: tl.constexpr, OVERLAP: tl.constexpr,
+    C: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     """decode=True, program (token i, channel block b): ``_decode_pool_write``."""
     _decode_pool_write(
-        tl.program_id(0).to(tl.int64), tl.program_id(1), kv_ptr, sc_ptr, stride_in, pos_ptr, tslot_ptr, kvs_ptr,
-        scs_ptr, st_ss, st_sr, num_state_slots, pooled_ptr, emits_ptr, T, M, CM, D, OVERLAP, C, BLOCK_R, BLOCK_D,
+        tl.program_id(0).to(tl.int64), tl.program_id(1), kv_ptr, sc_ptr, stride_kv, stride_sc, pos_ptr, tslot_ptr,
+        kvs_ptr, scs_ptr, st_ss, st_sr, num_state_slots, pooled_ptr, emits_ptr, T, M, CM, D, OVERLAP, C, BLOCK_R,
+        BLOCK_D,
     )  # fmt: skip
 
 
@@ -344,21 +347,20 @@ def _last_arrival(pooled, cnt_ptr, slot, N_POOL: tl.constexpr):
 
 @triton.jit
 def _compressor_decode_emit_main_kernel(
-    kv_ptr, sc_ptr, stride_in, pos_ptr, tslot_ptr, kvs_ptr, scs_ptr, st_ss, st_sr, num_state_slots, pooled_ptr,
-    emits_ptr, T, cnt_ptr, ape_ptr, w_ptr, eps, inv_ptr, eslot_ptr, num_slots, bs, nope_ptr, nope_sp, nope_sr,
-    rope_ptr, rope_sp, rope_sr, scale_ptr, scale_sp, scale_sr,
-    M: tl.constexpr, CM: tl.constexpr, D: tl.constexpr, OVERLAP: tl.constexpr, C: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, N_POOL: tl.constexpr, INTERP: tl.constexpr, NOPE: tl.constexpr,
-    NT: tl.constexpr, NT_PAD: tl.constexpr, TILE: tl.constexpr, HR: tl.constexpr, FLOOR: tl.constexpr,
-    QMAX: tl.constexpr, Q_EXP: tl.constexpr, Q_MANT: tl.constexpr, VEC_RUNS: tl.constexpr,
-    HAS_APE: tl.constexpr = False,
+    kv_ptr, sc_ptr, stride_kv, stride_sc, pos_ptr, tslot_ptr, kvs_ptr, scs_ptr, st_ss, st_sr, num_state_slots,
+    pooled_ptr, emits_ptr, T, cnt_ptr, ape_ptr, w_ptr, eps, inv_ptr, eslot_ptr, num_slots, bs, nope_ptr, nope_sp,
+    nope_sr, rope_ptr, rope_sp, rope_sr, scale_ptr, scale_sp, scale_sr, M: tl.constexpr, CM: tl.constexpr,
+    D: tl.constexpr, OVERLAP: tl.constexpr, C: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+    N_POOL: tl.constexpr, INTERP: tl.constexpr, NOPE: tl.constexpr, NT: tl.constexpr, NT_PAD: tl.constexpr,
+    TILE: tl.constexpr, HR: tl.constexpr, FLOOR: tl.constexpr, QMAX: tl.constexpr, Q_EXP: tl.constexpr,
+    Q_MANT: tl.constexpr, VEC_RUNS: tl.constexpr, HAS_APE: tl.constexpr = False,
 ):  # fmt: skip
     """Decode step of a main compressor in one launch: ``_decode_pool_write``, then the last channel-block
     program of each emitting token (``_last_arrival``) reads the token's pooled row back and emits its
     FP8 entry (``_norm_rope_rows``: RMSNorm -> RoPE at the entry position -> quantise -> store)."""
     i = tl.program_id(0).to(tl.int64)
     pooled, slot = _decode_pool_write(
-        i, tl.program_id(1), kv_ptr, sc_ptr, stride_in, pos_ptr, tslot_ptr, kvs_ptr, scs_ptr, st_ss, st_sr,
+        i, tl.program_id(1), kv_ptr, sc_ptr, stride_kv, stride_sc, pos_ptr, tslot_ptr, kvs_ptr, scs_ptr, st_ss, st_sr,
         num_state_slots, pooled_ptr, emits_ptr, T, M, CM, D, OVERLAP, C, BLOCK_R, BLOCK_D, ape_ptr, HAS_APE,
     )  # fmt: skip
     if _last_arrival(pooled, cnt_ptr, slot, N_POOL):
@@ -377,12 +379,11 @@ def _compressor_decode_emit_main_kernel(
 
 @triton.jit
 def _compressor_decode_emit_indexer_kernel(
-    kv_ptr, sc_ptr, stride_in, pos_ptr, tslot_ptr, kvs_ptr, scs_ptr, st_ss, st_sr, num_state_slots, pooled_ptr,
-    emits_ptr, T, cnt_ptr, ape_ptr, w_ptr, eps, inv_ptr, eslot_ptr, num_slots, bs, data_ptr, data_sp, data_sr,
-    scale_ptr, scale_sp, scale_sr,
-    M: tl.constexpr, CM: tl.constexpr, D: tl.constexpr, OVERLAP: tl.constexpr, C: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, N_POOL: tl.constexpr, INTERP: tl.constexpr, NOPE: tl.constexpr,
-    HR: tl.constexpr, HAD_SCALE: tl.constexpr, KB: tl.constexpr, NA: tl.constexpr, RA: tl.constexpr,
+    kv_ptr, sc_ptr, stride_kv, stride_sc, pos_ptr, tslot_ptr, kvs_ptr, scs_ptr, st_ss, st_sr, num_state_slots,
+    pooled_ptr, emits_ptr, T, cnt_ptr, ape_ptr, w_ptr, eps, inv_ptr, eslot_ptr, num_slots, bs, data_ptr, data_sp,
+    data_sr, scale_ptr, scale_sp, scale_sr, M: tl.constexpr, CM: tl.constexpr, D: tl.constexpr, OVERLAP: tl.constexpr,
+    C: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, N_POOL: tl.constexpr, INTERP: tl.constexpr,
+    NOPE: tl.constexpr, HR: tl.constexpr, HAD_SCALE: tl.constexpr, KB: tl.constexpr, NA: tl.constexpr, RA: tl.constexpr,
     NB: tl.constexpr, HB: tl.constexpr, FLOOR: tl.constexpr, Q_EXP: tl.constexpr, Q_MANT: tl.constexpr,
     HAS_APE: tl.constexpr = False,
 ):  # fmt: skip
@@ -390,7 +391,7 @@ def _compressor_decode_emit_indexer_kernel(
     ``_emit_indexer_rows`` (RMSNorm -> RoPE -> Hadamard -> MXFP4 key)."""
     i = tl.program_id(0).to(tl.int64)
     pooled, slot = _decode_pool_write(
-        i, tl.program_id(1), kv_ptr, sc_ptr, stride_in, pos_ptr, tslot_ptr, kvs_ptr, scs_ptr, st_ss, st_sr,
+        i, tl.program_id(1), kv_ptr, sc_ptr, stride_kv, stride_sc, pos_ptr, tslot_ptr, kvs_ptr, scs_ptr, st_ss, st_sr,
         num_state_slots, pooled_ptr, emits_ptr, T, M, CM, D, OVERLAP, C, BLOCK_R, BLOCK_D, ape_ptr, HAS_APE,
     )  # fmt: skip
     if _last_arrival(pooled, cnt_ptr, slot, N_POOL):
@@ -407,7 +408,8 @@ def _compressor_decode_emit_indexer_kernel(
 def _compressor_pool_kernel(
     kv_ptr,
     sc_ptr,
-    stride_in,
+    stride_kv,
+    stride_sc,
     pos_ptr,
     tslot_ptr,
     kvs_ptr,
@@ -469,8 +471,8 @@ def _compressor_pool_kernel(
             r0 = tl.min(tl.where(prun, r, BLOCK_R), axis=0)
             i0 = tl.where(k0 > 0, a * BLOCK_T + k0, a * BLOCK_T - BLOCK_R + r0)
         _pool_token(
-            a * BLOCK_T + k, t, slot, b, kv_ptr, sc_ptr, stride_in, pos_ptr, tslot_ptr, kvs_ptr, scs_ptr, st_ss,
-            st_sr, pooled_ptr, T, M, CM, D, OVERLAP, BLOCK_R, BLOCK_D, False, i0, ROW_LOADS,
+            a * BLOCK_T + k, t, slot, b, kv_ptr, sc_ptr, stride_kv, stride_sc, pos_ptr, tslot_ptr, kvs_ptr, scs_ptr,
+            st_ss, st_sr, pooled_ptr, T, M, CM, D, OVERLAP, BLOCK_R, BLOCK_D, False, i0, ROW_LOADS,
         )  # fmt: skip
         k = tl.min(tl.where(work & (kk > k), kk, BLOCK_T), axis=0)
 
@@ -479,7 +481,8 @@ def _compressor_pool_kernel(
 def _compressor_write_kernel(
     kv_ptr,
     sc_ptr,
-    stride_in,
+    stride_kv,
+    stride_sc,
     pos_ptr,
     tslot_ptr,
     kvs_ptr,
@@ -510,17 +513,17 @@ def _compressor_write_kernel(
     superseded = later & (js == ss) & (jp == tt + CM)
     wr = im & (ss >= 0) & (ss < num_state_slots) & (tt >= 0) & (superseded == 0)
     if tl.sum(wr.to(tl.int32), axis=0) > 0:
-        src_row = ii * stride_in
+        src_kv = ii * stride_kv
+        src_sc = ii * stride_sc
         # (the strides are multiples of 16 elements, as the launch checks; without the hint the select hides
         # it and the stores fall back to narrow accesses through a shared-memory layout conversion)
         dst_row = tl.multiple_of(tl.where(wr, ss * st_ss + (tt % CM) * st_sr, 0), 16)
         for c0 in tl.static_range(0, CD, BLOCK_D):
             ch = c0 + tl.arange(0, BLOCK_D)
             m = wr[:, None] & (ch < CD)[None, :]
-            src = src_row[:, None] + ch[None, :]
             dst = dst_row[:, None] + ch[None, :]
-            tl.store(kvs_ptr + dst, tl.load(kv_ptr + src, mask=m), mask=m)
-            tl.store(scs_ptr + dst, tl.load(sc_ptr + src, mask=m), mask=m)
+            tl.store(kvs_ptr + dst, tl.load(kv_ptr + src_kv[:, None] + ch[None, :], mask=m), mask=m)
+            tl.store(scs_ptr + dst, tl.load(sc_ptr + src_sc[:, None] + ch[None, :], mask=m), mask=m)
 
 
 def _check_step(kv, score, positions, token_slot, kv_state, score_state, ratio, overlap):
@@ -536,10 +539,8 @@ def _check_step(kv, score, positions, token_slot, kv_state, score_state, ratio, 
     check_tensor("token_slot", token_slot, dtype=_INT, shape=[t], device=dev)
     check_tensor("kv_state", kv_state, dtype=torch.float32, shape=[None, cm, cd], device=dev)
     check_tensor("score_state", score_state, dtype=torch.float32, shape=list(kv_state.shape), device=dev)
-    if kv.stride() != score.stride() or kv.stride(1) != 1:
-        raise ValueError(
-            f"kv, score: expected equal strides with a unit inner stride, got {kv.stride()} {score.stride()}"
-        )
+    if kv.stride(1) != 1 or score.stride(1) != 1:
+        raise ValueError(f"kv, score: expected unit inner strides, got {kv.stride()} {score.stride()}")
     if kv_state.stride() != score_state.stride() or kv_state.stride(2) != 1:
         raise ValueError("kv_state, score_state: expected equal strides with a unit inner stride")
     return c, cm, t, cd, cd // c
@@ -596,7 +597,7 @@ def compressor_step(
     if t == 0:
         return pooled, emits
     block_r = triton.next_power_of_2(cm)
-    head = (kv, score, kv.stride(0), positions, token_slot, kv_state, score_state, kv_state.stride(0))
+    head = (kv, score, kv.stride(0), score.stride(0), positions, token_slot, kv_state, score_state, kv_state.stride(0))
     head = head + (kv_state.stride(1), kv_state.shape[0])
     if decode:
         # channels span c*d (the own-row write); [block_r, block_d] <= _DECODE_TILE values
@@ -1121,7 +1122,7 @@ def compress_decode(
     block_r = triton.next_power_of_2(cm)
     bd = block_d or max(16, min(triton.next_power_of_2(cd), _DECODE_TILE // block_r))
     _check_pow2("block_d", bd)
-    head = (kv, score, kv.stride(0), positions, token_slot, kv_state, score_state, kv_state.stride(0))
+    head = (kv, score, kv.stride(0), score.stride(0), positions, token_slot, kv_state, score_state, kv_state.stride(0))
     head = head + (kv_state.stride(1), kv_state.shape[0], pooled, emits, t, counters, ape if ape is not None else kv)
     geo = dict(M=ratio, CM=cm, D=d, OVERLAP=overlap, C=c, BLOCK_R=block_r, BLOCK_D=bd, N_POOL=triton.cdiv(d, bd))
     geo["HAS_APE"] = ape is not None
