@@ -1,9 +1,12 @@
-"""fp32 linear for the compressor projections: ``(x·w1ᵀ, x·w2ᵀ)`` in one Triton GEMM, 3xTF32 tensor-core products.
+"""fp32 linear for the compressor projections: ``[x·w_iᵀ]`` of up to 4 weights in one Triton GEMM, 3xTF32 products.
 
 The compressor projections of DeepSeek-V4 are fp32 (spec §3): ``kv = x·wkvᵀ`` and ``score = x·wgateᵀ`` with
 x [T, 4096] and wkv, wgate [c·d, 4096] (c·d = 1024 CSA main, 512 HCA, 256 CSA indexer).  cuBLAS runs them as
-SIMT fp32 GEMMs.  ``linear_fp32_pair`` runs both projections of one compressor in one launch on the tensor
-cores with ``tl.dot(..., input_precision="tf32x3")``.
+SIMT fp32 GEMMs.  ``linear_fp32_group`` runs every projection of a layer (both of a compressor, or the four of a
+CSA layer's main and indexer compressors: 2 x 1,024 + 2 x 256 rows) in one launch on the tensor cores with
+``tl.dot(..., input_precision="tf32x3")``, into one [T, sum of widths] buffer; ``linear_fp32_pair`` is its
+two-weight case.  In decode one launch for all four CSA weights fills the GPU where the indexer pair alone (8 N
+tiles) did not: H200, decode step at B = 1, the compressor part 31.8 -> 27.8 us.
 
 Numerics of tf32x3.  tf32 keeps fp32's 8 exponent bits and 10 of its 23 mantissa bits.  Each fp32 operand is
 split into a tf32 "big" part and the tf32 rounding of the residual, ``a = a_big + a_small + δa`` with
@@ -26,8 +29,8 @@ tensor cores (495 TFLOP/s dense on the H200): the kernel is memory-bound up to M
 compute-bound above (a 65,536-token prefill of a CSA main pair: 1.1 TFLOP, 6.7 ms of tf32x3 tensor-core
 work at peak, against >= 16 ms at the H200's 67 TFLOP/s SIMT fp32 peak).
 
-Launch (``linear_launch``): grid (N tiles of w1 then of w2, M tiles, K splits); a program takes w1/out1 or
-w2/out2 by its N-tile index (N tiles vary fastest, so programs in flight share x tiles in L2).  Decode
+Launch (``linear_launch``): grid (N tiles of w1, then of w2, w3, w4; M tiles; K splits); a program takes its weight
+and its output columns by its N-tile index (N tiles vary fastest, so programs in flight share x tiles in L2).  Decode
 (M <= 128): BLOCK_M covers M (the weights are streamed once), 64-wide N tiles, the MMA computes w·xᵀ (the
 weight rows on the wgmma's M side), and K is split until there are ~2 programs per SM (so that enough
 loads are in flight to use HBM bandwidth).  With a K split each program writes its fp32 partial tile to a
