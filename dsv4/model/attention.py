@@ -68,7 +68,7 @@ class AttentionSubBlock:
             raise ValueError(f"compressor_gemm: expected 'tf32x3' or 'fp32', got {compressor_gemm!r}")
         self.cfg, self.layer_id, self.w, self.backend = cfg, layer_id, w, backend
         self.compressor_gemm = compressor_gemm
-        # tile counters of the compressor GEMMs' in-launch split sum (both compressors' calls run one after another)
+        # tile counters of the compressor GEMM's in-launch split sum (its calls on one stream, one after another)
         self._linear_counters = linear_counters(w.device)
         self.kind = cfg.layer_kind(layer_id)
         self.ratio = cfg.ratio(layer_id)
@@ -128,10 +128,9 @@ class AttentionSubBlock:
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """``compressor_projections`` of several compressors (a CSA layer's main and indexer ones) for one x: on the
         Triton tf32x3 path one GEMM launch for all their weights (``linear_fp32_group``)."""
-        if self.compressor_gemm == "tf32x3" and use_triton(self.backend, x, *(cw.wkv for cw in cws)):
-            ys = linear_fp32_group(
-                x, [wt for cw in cws for wt in (cw.wkv, cw.wgate)], backend=self.backend, counters=self._linear_counters
-            )
+        weights = [wt for cw in cws for wt in (cw.wkv, cw.wgate)]
+        if self.compressor_gemm == "tf32x3" and use_triton(self.backend, x, *weights):
+            ys = linear_fp32_group(x, weights, backend=self.backend, counters=self._linear_counters)
             return [(ys[2 * i], ys[2 * i + 1]) for i in range(len(cws))]
         return [self.compressor_projections(x, cw, positions) for cw in cws]
 
