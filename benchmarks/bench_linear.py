@@ -98,7 +98,7 @@ def run_case(op: str, m: int, n: int, timer: GraphTimer, meta: dict) -> dict:
     tri = lambda: linear_fp32_pair(x, w1, w2)
     cnt, xb = linear_counters("cuda"), x.bfloat16()
     # the layer's call: bf16 x widened in the kernel, the K-split sum inside the launch (``counters``)
-    layer_call = lambda: linear_fp32_pair(xb, w1, w2, counters=cnt)  # noqa: E731
+    layer_call = lambda: linear_fp32_pair(xb, w1, w2, counters=cnt)
     base = lambda: linear_fp32_pair_reference(x, w1, w2)  # TF32 is off (main)
     y, t = tri(), base()
     err = max(rel_err(y[i], t[i], x, w) for i, w in enumerate((w1, w2)))

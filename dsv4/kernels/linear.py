@@ -152,8 +152,8 @@ def linear_launch(
 
 
 def linear_counters(device: torch.device | str, tiles: int = 4096) -> torch.Tensor:
-    """Zeroed int32 tile counters for ``linear_fp32_pair(counters=...)`` (``tiles`` >= the output tiles of any
-    call that uses them: (N1 + N2) / BLOCK_N x M / BLOCK_M, e.g. 32 for a CSA main pair in decode)."""
+    """Zeroed int32 tile counters for ``linear_fp32_group(counters=...)`` (``tiles`` >= the output tiles of any
+    call that uses them: sum of N_i / BLOCK_N x M / BLOCK_M, e.g. 40 for a CSA layer's four weights in decode)."""
     return torch.zeros(tiles, dtype=torch.int32, device=device)
 
 

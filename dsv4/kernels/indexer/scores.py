@@ -337,19 +337,8 @@ def _e2m1_bytes_to_e4m3_asm(pc):
 def _fp8_block_dot(kptr, ok, q8, c: tl.constexpr, QBLOCK: tl.constexpr, FP32_DOT: tl.constexpr, ASM: tl.constexpr):
     """Keys' block c . q8 [BN, HP] in fp32, unscaled: the keys' packed e2m1 bytes re-encoded as e4m3
     bytes (value * 2**-6, see _FP8_CODE_SCALE) by 4 integer ops a byte, one K=QBLOCK FP8 MMA."""
-    return _fp8_bytes_dot(_key_block(kptr, ok, c, QBLOCK), q8, QBLOCK, FP32_DOT, ASM)
-
-
-@triton.jit
-def _key_block(kptr, ok, c: tl.constexpr, QBLOCK: tl.constexpr):
-    """The packed bytes of block c of the keys at ``kptr`` [BN] (0 where not ``ok``): [BN, QBLOCK/2] uint8."""
     offs_b = c * (QBLOCK // 2) + tl.arange(0, QBLOCK // 2)
-    return tl.load(kptr[:, None] + offs_b[None, :], mask=ok[:, None], other=0)
-
-
-@triton.jit
-def _fp8_bytes_dot(pc, q8, QBLOCK: tl.constexpr, FP32_DOT: tl.constexpr, ASM: tl.constexpr):
-    """Packed e2m1 bytes pc [BN, QBLOCK/2] of one block . q8 [QBLOCK, HP] in fp32, unscaled (see _fp8_block_dot)."""
+    pc = tl.load(kptr[:, None] + offs_b[None, :], mask=ok[:, None], other=0)  # [BN, QBLOCK/2] uint8
     if ASM:
         lo, hi = _e2m1_bytes_to_e4m3_asm(pc)
     else:
@@ -374,15 +363,18 @@ def _prefetch_l2(ptrs, mask):
 
 
 @triton.jit
-def _convert_scores(kptr, ok, s4, q_even, q_odd, w, offs_i, sidx, FP32_DOT: tl.constexpr):
-    """Scores of the keys at ``kptr`` [BN] by the "convert" math (exact bf16 keys, two K=64 bf16 MMAs into one
-    accumulator, ReLU x w, head sum): the general path of the fold impls."""
+def _convert_logits(kptr, ok, s4, q_even, q_odd, offs_i, sidx, FP32_DOT: tl.constexpr):
+    """Logits [BN, HP] of the keys at ``kptr`` [BN] by the "convert" math: the packed e2m1 bytes made exact bf16
+    keys with their block scales (``sidx``: the scale index of each byte), two K=64 bf16 MMAs (even elements
+    against ``q_even``, odd against ``q_odd``) into one fp32 accumulator.  The "convert" impl's loop and the fold
+    impls' general path."""
     packed = tl.load(kptr[:, None] + offs_i[None, :], mask=ok[:, None], other=0)  # [BN, 64]
     sadd = (((s4[:, None] >> (8 * sidx[None, :])) & 255) - 1) << 7  # [BN, 64]
     p32 = packed.to(tl.int32)
-    acc = _dot(_e2m1_to_bf16(p32 & 15, sadd), q_even, tl.zeros((kptr.shape[0], q_even.shape[1]), tl.float32), FP32_DOT)
-    acc = _dot(_e2m1_to_bf16(p32 >> 4, sadd), q_odd, acc, FP32_DOT)
-    return tl.sum(tl.maximum(acc, 0.0) * w[None, :], axis=1)
+    k_lo = _e2m1_to_bf16(p32 & 15, sadd)  # [BN, HALF_D] even elements
+    k_hi = _e2m1_to_bf16(p32 >> 4, sadd)  # odd elements
+    acc = _dot(k_lo, q_even, tl.zeros((kptr.shape[0], q_even.shape[1]), tl.float32), FP32_DOT)
+    return _dot(k_hi, q_odd, acc, FP32_DOT)
 
 
 @triton.jit
@@ -768,7 +760,8 @@ def _mxfp4_scores_kernel(
                 )
                 smax = tl.maximum(tl.maximum(_sbyte(s4, 0), _sbyte(s4, 1)), tl.maximum(_sbyte(s4, 2), _sbyte(s4, 3)))
                 redo = (ok & _fold_far(s4, smax)) | (offs_n < N * (1 - q_exact))  # every entry if q is not exact
-                s = _convert_scores(kptr, ok, s4, q_even, q_odd, w, offs_i, sidx, FP32_DOT)
+                acc = _convert_logits(kptr, ok, s4, q_even, q_odd, offs_i, sidx, FP32_DOT)
+                s = tl.sum(tl.maximum(acc, 0.0) * w[None, :], axis=1)
                 tl.store(out_row + offs_n, tl.where(ok, s, float("-inf")), mask=(offs_n < N) & redo)
     elif IMPL == 1:
         q_full = tl.load(q_base + tl.arange(0, 2 * HALF_D)[:, None], mask=h_ok[None, :], other=0.0)  # [128, HP]
@@ -816,13 +809,7 @@ def _mxfp4_scores_kernel(
                 stride_sp,
                 stride_sr,
             )
-            packed = tl.load(kptr[:, None] + offs_i[None, :], mask=ok[:, None], other=0)  # [BN, 64]
-            sadd = (((s4[:, None] >> (8 * sidx[None, :])) & 255) - 1) << 7  # [BN, 64]
-            p32 = packed.to(tl.int32)
-            k_lo = _e2m1_to_bf16(p32 & 15, sadd)  # [BLOCK_N, HALF_D] even elements
-            k_hi = _e2m1_to_bf16(p32 >> 4, sadd)  # odd elements
-            acc = _dot(k_lo, q_even, tl.zeros((BLOCK_N, HP), tl.float32), FP32_DOT)
-            acc = _dot(k_hi, q_odd, acc, FP32_DOT)  # [BLOCK_N, HP]
+            acc = _convert_logits(kptr, ok, s4, q_even, q_odd, offs_i, sidx, FP32_DOT)  # [BLOCK_N, HP]
             _store_scores(out_row, offs_n, acc, w, ok, N)
     for i in range(n_live, tiles):
         offs_n = tile0 + i * BLOCK_N
