@@ -41,11 +41,16 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from dsv4.config import get_preset  # noqa: E402
 from dsv4.formats import FP8EntryFormat  # noqa: E402
 from dsv4.kernels.attention import sparse_attention_reference, sparse_attention_triton  # noqa: E402
-from dsv4.kernels.attention.sparse_attention import DEFAULT_PATH  # noqa: E402
+from dsv4.kernels.attention.sparse_attention import DEFAULT_PATH, gluon_dense_supported  # noqa: E402
 
 PEAK_BF16_FLOPS = 776e12
 PEAK_HBM_BYTES = 4.17e12
 FMT = FP8EntryFormat()
+
+
+def _us(t: float | None) -> str:
+    """Seconds as microseconds with one decimal, or "-" for a path that was not run."""
+    return "-" if t is None else f"{t * 1e6:.1f}"
 
 
 # ---------------------------------------------------------------------------- data
@@ -198,6 +203,13 @@ SWEEP = [
 ]
 
 SPLIT_SWEEP = (1, 2, 4, 8, 16, 32, 64)
+# paths timed next to the default (gathered, dense="auto") in every row: the fused kernel, the gathered path with
+# the Triton dense kernel and with the Gluon dense kernel (sm_90 only)
+PATHS = {
+    "fused": {"path": "fused"},
+    "gathered": {"path": "gathered", "dense": "triton"},
+    "gathered_gluon_dense": {"path": "gathered", "dense": "gluon"},
+}
 
 
 def main(argv=None) -> int:
@@ -236,11 +248,13 @@ def main(argv=None) -> int:
             lambda q=q, c=caches, s=sink: sparse_attention_triton(q, c, s, sm_scale), args.smoke
         )
         t_path = {}
-        for path in ("fused", "gathered"):
-            o, _ = sparse_attention_triton(q, caches, sink, sm_scale, path=path)
+        for path, kw in PATHS.items():
+            if kw.get("dense") == "gluon" and not gluon_dense_supported(q, q.shape[-1]):
+                continue  # CPU / not sm_90: the Gluon kernel cannot run
+            o, _ = sparse_attention_triton(q, caches, sink, sm_scale, **kw)
             ok = ok and check(o, ref)[0]
             t_path[path], _ = time_call(
-                lambda q=q, c=caches, s=sink, p=path: sparse_attention_triton(q, c, s, sm_scale, path=p), args.smoke
+                lambda q=q, c=caches, s=sink, k=kw: sparse_attention_triton(q, c, s, sm_scale, **k), args.smoke
             )
         t_eager = bench(lambda q=q, c=caches, s=sink: sparse_attention_reference(q, c, s, sm_scale), args.smoke)
         t_comp, comp_err, comp_note = None, None, None
@@ -271,6 +285,7 @@ def main(argv=None) -> int:
             "path": DEFAULT_PATH,
             "fused_time_s": t_path["fused"],
             "gathered_time_s": t_path["gathered"],
+            "gathered_gluon_dense_time_s": t_path.get("gathered_gluon_dense"),
             "flops": flops,
             "bytes": nbytes,
             "roofline_s": roofline,
@@ -325,14 +340,14 @@ def main(argv=None) -> int:
         out_file.close()
 
     print(
-        f"\n{'shape':<24}{'path':>9}{'triton us':>11}{'fused us':>10}{'gather us':>10}{'eager us':>11}"
+        f"\n{'shape':<24}{'path':>9}{'triton us':>11}{'fused us':>10}{'gather us':>10}{'g+gluon':>9}{'eager us':>11}"
         f"{'compile us':>12}{'roofline us':>13}{'%roof':>7}{'TFLOP/s':>9}{'GB/s':>8}  ok"
     )
     for r in rows:
         comp = f"{r['baseline_compiled_time_s'] * 1e6:12.1f}" if r["baseline_compiled_time_s"] else f"{'-':>12}"
         print(
             f"{r['name'].split('/', 1)[1]:<24}{r['path']:>9}{r['time_s'] * 1e6:11.1f}{r['fused_time_s'] * 1e6:10.1f}"
-            f"{r['gathered_time_s'] * 1e6:10.1f}"
+            f"{r['gathered_time_s'] * 1e6:10.1f}{_us(r['gathered_gluon_dense_time_s']):>9}"
             f"{r['baseline_eager_time_s'] * 1e6:11.1f}"
             f"{comp}{r['roofline_s'] * 1e6:13.2f}{r['pct_roofline']:7.1f}{r['tflops']:9.1f}{r['gbps']:8.0f}"
             f"  {r['correct']}"

@@ -6,9 +6,10 @@
 
 Cases (the benchmark shapes): ``indexer`` = MXFP4 scores at 1M context (262,144 keys), B = 4, 64 heads
 (``bench_indexer.make_problem``); ``attention`` = V4-Pro sparse decode attention, B = 64, 128 window + 1,024
-top-k entries (``bench_attention.make_case``); ``write:OP:MODE:N`` = ``bench_write``'s case of a cache write
-op (e.g. ``write:csa_indexer:prefill:65536``, ``write:hca:decode:64``), its Triton path; ``indexer:IMPL`` = the
-indexer case with that ``impl``.  ``run_h200.sh ncu`` runs the read-path cases with the sections below.
+top-k entries (``bench_attention.make_case``), ``attention:gluon`` the same with the Gluon dense kernel;
+``write:OP:MODE:N`` = ``bench_write``'s case of a cache write op (e.g. ``write:csa_indexer:prefill:65536``,
+``write:hca:decode:64``), its Triton path; ``indexer:IMPL`` = the indexer case with that ``impl``.
+``run_h200.sh ncu`` runs the read-path cases with the sections below.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from benchmarks.bench_attention import make_case  # noqa: E402
 from benchmarks.bench_indexer import make_problem  # noqa: E402
 from dsv4.config import get_preset  # noqa: E402
-from dsv4.kernels.attention import sparse_attention  # noqa: E402
+from dsv4.kernels.attention import sparse_attention, sparse_attention_triton  # noqa: E402
 from dsv4.kernels.indexer import indexer_scores  # noqa: E402
 
 CALLS = 4
@@ -47,13 +48,16 @@ def main() -> None:
         print(f"{case}: {'ok' if ok else 'MISMATCH'} ({note})")
         for _ in range(CALLS):
             tri()
-    elif case == "attention":
+    elif case in ("attention", "attention:gluon"):
         pro = get_preset("v4-pro")
         q, caches, sink = make_case(64, pro.n_heads, pro.window_size, 4 * pro.index_topk, pro.index_topk, dev)
         for _ in range(CALLS):
-            sparse_attention(q, caches, sink, pro.head_dim**-0.5, backend="triton")
+            if case == "attention":
+                sparse_attention(q, caches, sink, pro.head_dim**-0.5, backend="triton")
+            else:  # the gathered path with the opt-in Gluon dense kernel
+                sparse_attention_triton(q, caches, sink, pro.head_dim**-0.5, path="gathered", dense="gluon")
     else:
-        raise SystemExit(f"case: expected 'indexer[:IMPL]', 'attention' or 'write:OP:MODE:N', got {case!r}")
+        raise SystemExit(f"case: expected 'indexer[:IMPL]', 'attention[:gluon]' or 'write:OP:MODE:N', got {case!r}")
     torch.cuda.synchronize()
 
 

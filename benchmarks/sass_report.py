@@ -3,6 +3,7 @@ ptxas made of each: registers, spill / local-memory bytes, shared memory, SASS i
 
     python benchmarks/sass_report.py csa_indexer:prefill:8192           # any bench_write op:mode:n
     python benchmarks/sass_report.py hca:decode:64 --sass /tmp/sass      # also write each kernel's SASS
+    python benchmarks/sass_report.py attention:v4-pro:64 --tune attention:dense=gluon   # decode attention
 
 The operation is built by ``bench_write``'s case builders on CPU tensors; every Triton launch is replaced by
 a compile-only ``warmup`` against a stand-in driver that reports an H100/H200 (``GPUTarget("cuda", 90, 32)``),
@@ -81,6 +82,10 @@ def _install() -> None:
         return has_kernel
 
     dispatch.use_triton = forced
+    import dsv4.kernels.attention.sparse_attention  # noqa: F401 (the package attribute is the function of that name)
+
+    attn = sys.modules["dsv4.kernels.attention.sparse_attention"]
+    attn.gluon_dense_supported = lambda q, head_dim: True  # CPU tensors: compile the sm_90 Gluon kernel anyway
     for mod in list(sys.modules.values()):  # modules that imported the name before the patch
         if getattr(mod, "__name__", "").startswith("dsv4") and getattr(mod, "use_triton", None) is orig:
             mod.use_triton = forced
@@ -112,10 +117,20 @@ def mix(sass: str, top: int = 12) -> str:
     return f"{total} instructions: " + ", ".join(f"{k} {v}" for k, v in ops.most_common(top))
 
 
+def wgmma_waits(sass: str) -> str:
+    """``wgmma N, waits M`` for a kernel with Hopper warpgroup MMAs: when ptxas serialises them (its C7512 / C7514
+    notes) every HGMMA is followed by its own ``WARPGROUP.DEPBAR`` wait, so M approaches N."""
+    n = len(re.findall(r"\bHGMMA\.", sass))
+    waits = len(re.findall(r"WARPGROUP\.DEPBAR", sass))
+    return f"; wgmma {n}, waits {waits}" if n else ""
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument(
-        "cases", nargs="+", help="bench_write op:mode:n (csa_indexer:prefill:8192, hca:decode:64) or indexer:B:entries"
+        "cases",
+        nargs="+",
+        help="bench_write op:mode:n (csa_indexer:prefill:8192, hca:decode:64), indexer:B:entries or attention:MODEL:B",
     )
     ap.add_argument("--model", default="v4-flash")
     ap.add_argument("--tune", action="append", default=[], metavar="OP:KEY=VAL[,KEY=VAL]", help="as bench_write")
@@ -136,7 +151,18 @@ def main() -> None:
         for variant in tune.get(op, [{}]):
             COMPILED.clear()
             gen = torch.Generator().manual_seed(0)
-            if op == "indexer":  # indexer:B:entries (MXFP4 scores, 64 heads, the bench_indexer problem)
+            if op == "attention":  # attention:MODEL:B (decode step: 128 window + top-k entries, bench_attention)
+                from bench_attention import make_case
+
+                from dsv4.kernels.attention import sparse_attention_triton
+
+                mc = get_preset(mode)
+                cpu = torch.device("cpu")
+                q, caches, sink = make_case(int(n), mc.n_heads, mc.window_size, 4096, mc.index_topk, cpu)
+
+                def tri(q=q, caches=caches, sink=sink, kw=variant):
+                    sparse_attention_triton(q, caches, sink, 0.0625, **kw)
+            elif op == "indexer":  # indexer:B:entries (MXFP4 scores, 64 heads, the bench_indexer problem)
                 keys, bt, q, w, tr, nv = make_problem(int(mode), int(n), 64, 64, torch.device("cpu"), gen)
 
                 def tri(keys=keys, bt=bt, q=q, w=w, tr=tr, nv=nv, n=int(n), kw=variant):
@@ -153,7 +179,7 @@ def main() -> None:
                 sass = sass_of(cubin)
                 calls = sorted(set(re.findall(r"CALL\.\w+\s+(?:\S+\s+)?`?\(?([\w.$]+)", sass)))
                 print(f"   {name:40s} {res_usage(cubin)}  warps {k.metadata.num_warps}")
-                print(f"      {mix(sass)}" + (f"; calls {', '.join(calls)}" if calls else ""))
+                print(f"      {mix(sass)}" + (f"; calls {', '.join(calls)}" if calls else "") + wgmma_waits(sass))
                 if args.sass:
                     os.makedirs(args.sass, exist_ok=True)
                     with open(os.path.join(args.sass, f"{name}.sass"), "w") as f:

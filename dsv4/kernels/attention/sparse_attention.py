@@ -61,6 +61,11 @@ Kernel design (sm90; ``_triton_sparse_attention.py``)
   copy plus a pipelined MMA loop.  H200, 2026-12-02 (``2026-12-02_h200_attention_gathered.jsonl``, CUDA
   graph): V4-Pro B = 64 110.6 us vs 161.7 fused (gather 34 us + dense 76 us), V4-Flash B = 64 64.9 vs 88.2,
   V4-Pro HCA 8192 B = 8 193 vs 384, V4-Pro B = 8 33.2 vs 58.1, V4-Flash B = 1 17.5 vs 23.5.
+- Gluon dense kernel (``_gluon_dense_attention.py``, sm_90): the gathered path's second launch written in Gluon
+  with two warp-specialised warpgroups that split the head dim (each owns a [64, 256] accumulator, the partial
+  logits are swapped through shared memory) and asynchronous wgmma; same numerics bound as the Triton kernel.
+  ``dense="auto"`` uses it where each program attends long lists (``GLUON_MIN_KEYS``); H200 2026-12-04 device
+  time at V4-Pro B = 64: 70.6 us vs 76.1 for ``_dense_attn_fwd`` (whole call 105.3 vs 112.0 us graph).
 - Prefill is the same kernels with T = chunk tokens: every row carries its own index rows (the gathered
   path runs row slices whose workspace fits ``GATHERED_MAX_BYTES``).
 - Kernel preconditions: the entry geometry has ``n_tiles + 1`` a power of two and ``rope_dim == tile``
@@ -70,7 +75,9 @@ Kernel design (sm90; ``_triton_sparse_attention.py``)
 
 from __future__ import annotations
 
+import functools
 import math
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -109,6 +116,18 @@ GATHERED_MAX_BYTES = 256 << 20  # workspace per slice of rows (prefill chunks ru
 # V4-Flash 2,048 rows: 1.29 vs 1.31 ms), so it is the default everywhere.
 DEFAULT_PATH = "gathered"
 GATHERED_FILL = 0.5  # dense kernel: key splits up to ~num_sms / 2 programs (one [64, 512] fp32 acc fills an SM)
+# The gathered path's dense launch: "triton" (``_dense_attn_fwd``), "gluon" (``_gluon_dense_attention``: two
+# warpgroups split by head dim, asynchronous wgmma; sm_90 and head dim 512 only) or "auto" (the default): gluon where
+# it can run and each program attends at least GLUON_MIN_KEYS keys (after the key split the Triton path would use),
+# else triton.  H200 2026-12-04 (2026-12-04_h200_attention_s9.jsonl, CUDA graph, whole call): gluon ahead with long
+# lists per program (V4-Pro B = 64 105.3 vs 112.0 us, V4-Flash B = 64 54.3 vs 56.3, HCA-8192 B = 8 V4-Pro 123.9 vs
+# 133.7), behind on short split lists (B = 1: 20.3 vs 19.6 V4-Pro, 19.0 vs 17.8 V4-Flash).
+# Gluon kernel geometry: keys per block, ring stages per warpgroup, worker-partition registers.
+DENSE_KERNELS = ("auto", "triton", "gluon")
+GLUON_MIN_KEYS = 256
+GLUON_BLOCK_N = 32
+GLUON_STAGES = 4
+GLUON_WORKER_REGS = 232
 
 
 # ---------------------------------------------------------------------------- validation
@@ -317,7 +336,7 @@ def _padded_widths(caches, block_n: int) -> list[int]:
     return [triton.cdiv(idx.shape[1], block_n) * block_n for _, idx in caches]
 
 
-def _gathered(q, caches, sink, scale, out, lse, fmt, block_h, block_n, num_splits, num_warps, num_stages):
+def _gathered(q, caches, sink, scale, out, lse, fmt, block_h, block_n, num_splits, num_warps, num_stages, dense):
     """The two-launch path: ``_gather_dequant_kernel`` per pair of caches, then ``_dense_attn_fwd`` (+ combine).
 
     Rows are processed in slices whose workspace stays under ``GATHERED_MAX_BYTES`` (a prefill chunk of many
@@ -331,12 +350,66 @@ def _gathered(q, caches, sink, scale, out, lse, fmt, block_h, block_n, num_split
         sl = [(pages, idx[r0:r1]) for pages, idx in caches]
         _gathered_rows(
             q[r0:r1], sl, widths, sink, scale, out[r0:r1], lse[r0:r1], fmt, block_h, block_n, num_splits, num_warps,
-            num_stages,
+            num_stages, dense,
         )  # fmt: skip
     return out, lse
 
 
-def _gathered_rows(q, caches, widths, sink, scale, out, lse, fmt, block_h, block_n, num_splits, num_warps, num_stages):
+_GLUON_BUILDS: dict[int, bool] = {}  # device index -> the Gluon dense kernel compiled there ("auto" only)
+
+
+def _auto_gluon(q: torch.Tensor, head_dim: int, cols: int, head_blocks: int) -> bool:
+    """``dense="auto"``: the Gluon kernel runs here and each program would attend >= GLUON_MIN_KEYS keys."""
+    if _GLUON_BUILDS.get(q.device.index) is False or not gluon_dense_supported(q, head_dim):
+        return False
+    n_blocks = cols // GATHERED_BLOCK_N
+    ns = choose_num_splits(q.shape[0], head_blocks, n_blocks, GATHERED_BLOCK_N, num_sms(q.device), GATHERED_FILL)
+    return cols >= GLUON_MIN_KEYS * ns
+
+
+def gluon_dense_supported(q: torch.Tensor, head_dim: int) -> bool:
+    """Whether the Gluon dense kernel can run for ``q``: CUDA sm_90, Triton with Gluon's Hopper module, D = 512."""
+    from dsv4.kernels.attention._gluon_dense_attention import HALF, HAVE_GLUON
+
+    if not (HAVE_GLUON and q.is_cuda and head_dim == 2 * HALF) or interpreter_enabled():
+        return False
+    return _sm_major(q.device.index if q.device.index is not None else torch.cuda.current_device()) == 9
+
+
+@functools.cache
+def _sm_major(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]
+
+
+def _dense_gluon(q, sink, kv, bias, out, lse, scale, n_cols, num_splits, interp) -> None:
+    """``_dense_attn_ws_kernel`` over the gathered workspace (+ the combine when keys are split)."""
+    from dsv4.kernels.attention._gluon_dense_attention import BLOCK_HEADS, _dense_attn_ws_kernel
+    from dsv4.kernels.attention._triton_sparse_attention import LOG2E
+
+    T, H, D = q.shape
+    n_blocks = n_cols // GLUON_BLOCK_N
+    head_blocks = -(-H // BLOCK_HEADS)
+    if num_splits is None:
+        ns = choose_num_splits(T, head_blocks, n_blocks, GLUON_BLOCK_N, num_sms(q.device), fill=GATHERED_FILL)
+    else:
+        ns = num_splits
+    ns = max(1, min(int(ns), n_blocks))
+    bps = -(-n_blocks // ns)
+    ns = -(-n_blocks // bps)
+    split = ns > 1
+    ws = _split_workspace(T, H, ns if split else 0, D, q.device, lse)
+    _dense_attn_ws_kernel[(T, head_blocks, ns)](
+        q, q.stride(0), q.stride(1), sink, kv, bias, kv.stride(0), bias.stride(0), n_blocks, bps, out,
+        out.stride(0), out.stride(1), lse, lse.stride(0), lse.stride(1), *ws, ns, H, float(scale) * LOG2E,
+        BLOCK_N=GLUON_BLOCK_N, STAGES=GLUON_STAGES, WORKER_REGS=GLUON_WORKER_REGS, num_warps=4,
+    )  # fmt: skip
+    if split:
+        _combine(ws, ns, sink, out, lse, interp)
+
+
+def _gathered_rows(
+    q, caches, widths, sink, scale, out, lse, fmt, block_h, block_n, num_splits, num_warps, num_stages, dense
+):
     from dsv4.kernels.attention._triton_gathered_attention import _dense_attn_fwd, _gather_dequant_kernel
     from dsv4.kernels.attention._triton_sparse_attention import LOG2E
 
@@ -367,8 +440,20 @@ def _gathered_rows(q, caches, widths, sink, scale, out, lse, fmt, block_h, block
                 kv, bias, kv.stride(0), bias.stride(0), col, *a, *b, HAS_B=len(group) == 2, num_warps=4, **gkw
             )
         col += sum(widths[i : i + 2])
-    n_blocks = cols // block_n
     head_blocks = -(-H // block_h)
+    if dense == "gluon" or (dense == "auto" and _auto_gluon(q, D, cols, head_blocks)):
+        first = q.device.index not in _GLUON_BUILDS
+        try:
+            _dense_gluon(q, sink, kv, bias, out, lse, scale, cols, num_splits, interp)
+            _GLUON_BUILDS[q.device.index] = True
+            return out, lse
+        except Exception as e:  # noqa: BLE001 - Gluon is experimental: a Triton that cannot build it -> Triton path
+            if dense == "gluon" or not first:
+                raise
+            _GLUON_BUILDS[q.device.index] = False
+            msg = f"Gluon dense attention kernel unavailable ({type(e).__name__}: {e}); using Triton's"
+            warnings.warn(msg, stacklevel=3)
+    n_blocks = cols // block_n
     if num_splits is None:
         ns = choose_num_splits(T, head_blocks, n_blocks, block_n, num_sms(q.device), fill=GATHERED_FILL)
     else:
@@ -404,12 +489,15 @@ def sparse_attention_triton(
     qk_tiles: int | None = None,
     d_split: int = 1,
     path: str | None = None,
+    dense: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton path of ``sparse_attention`` (arguments validated by the caller).
 
     ``path``: ``"fused"`` (gather + dequantise + attend in one kernel), ``"gathered"`` (dequantise the
     indexed entries into a bf16 workspace, then a pipelined dense flash-decoding kernel; see
-    ``_triton_gathered_attention``) or None (gathered, unless a fused-only variant is asked for).  The knobs
+    ``_triton_gathered_attention``) or None (gathered, unless a fused-only variant is asked for).
+    ``dense``: the gathered path's dense kernel: ``"auto"`` (default; see ``DENSE_KERNELS``), ``"triton"`` or
+    ``"gluon"`` (sm_90, head dim 512; ``ValueError`` elsewhere; ``_gluon_dense_attention``).  The knobs
     below apply to the fused path,
     except ``num_splits``, ``block_h``, ``block_n``, ``num_warps`` and ``num_stages``, which both use.
 
@@ -435,6 +523,13 @@ def sparse_attention_triton(
         path = "fused" if fused_only else DEFAULT_PATH
     if path not in ("fused", "gathered"):
         raise ValueError(f"path: expected 'fused', 'gathered' or None, got {path!r}")
+    if dense not in DENSE_KERNELS:
+        raise ValueError(f"dense: expected one of {DENSE_KERNELS}, got {dense!r}")
+    if dense == "gluon" and not gluon_dense_supported(q, D := q.shape[-1]):
+        raise ValueError(
+            f"dense='gluon': needs a CUDA sm_90 device, Triton with Gluon's Hopper module and head dim 512; got "
+            f"device {q.device}, head dim {D}, interpreter {interpreter_enabled()}"
+        )
     block_h = block_h or min(DEFAULT_BLOCK_H, max(16, triton.next_power_of_2(q.shape[1])))
     block_n = block_n or (DEFAULT_BLOCK_N if path == "fused" else GATHERED_BLOCK_N)
     kw = {"num_warps": num_warps or DEFAULT_NUM_WARPS, "num_stages": num_stages or DEFAULT_NUM_STAGES}
@@ -466,13 +561,16 @@ def sparse_attention_triton(
             qk_tiles=qk_tiles,
             d_split=d_split,
             path=path,
+            dense=dense,
         )
         out.copy_(res)
         return out, lse
     caches = [(pages, idx if idx.stride(-1) == 1 else idx.contiguous()) for pages, idx in caches]
     sink = sink.contiguous()
     if path == "gathered":
-        return _gathered(q, caches, sink, scale, out, lse, fmt, block_h, block_n, num_splits, num_warps, num_stages)
+        return _gathered(
+            q, caches, sink, scale, out, lse, fmt, block_h, block_n, num_splits, num_warps, num_stages, dense
+        )
     head_blocks = -(-H // block_h)
     groups = [caches[i : i + 2] for i in range(0, len(caches), 2)]
     group_blocks = [sum(-(-idx.shape[1] // block_n) for _, idx in g) for g in groups]
