@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -24,7 +22,6 @@ from dsv4.kernels.attention import sparse_attention_reference, sparse_attention_
 from dsv4.kernels.attention._gluon_dense_attention import HAVE_GLUON
 from dsv4.kernels.attention.sparse_attention import gluon_dense_supported
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 on_sm90 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
@@ -53,31 +50,16 @@ def test_gluon_dense_refused_where_it_cannot_run():
 
 
 @pytest.mark.skipif(not (HAVE_GLUON and os.path.exists(PTXAS)), reason="triton without Gluon's Hopper module / ptxas")
-def test_gluon_dense_compiles_for_sm90():
+def test_gluon_dense_compiles_for_sm90(sass_report):
     """A fresh process compiles the gathered path with the Gluon dense kernel for sm_90 (no GPU needed): no
     spills, and ptxas kept the wgmma groups asynchronous (a serialised chain puts one wait after every HGMMA)."""
-    env = dict(os.environ, PYTHONPATH=ROOT)
-    env.pop("TRITON_INTERPRET", None)
-    out = subprocess.run(
-        [
-            sys.executable,
-            os.path.join(ROOT, "benchmarks", "sass_report.py"),
-            "attention:v4-flash:2",
-            "--tune",
-            "attention:dense=gluon",
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    m = re.search(r"_dense_attn_ws_kernel\s+regs\s+(\d+)\s+stack\s+(\d+) B.*local\s+(\d+) B", out.stdout)
-    assert m, out.stdout
-    assert int(m[2]) == 0 and int(m[3]) == 0, out.stdout  # no stack frame, no spills
-    w = re.search(r"_dense_attn_ws_kernel.*\n.*wgmma (\d+), waits (\d+)", out.stdout)
-    assert w, out.stdout
-    assert int(w[1]) >= 34 and int(w[2]) * 4 < int(w[1]), out.stdout
+    out = sass_report("attention:v4-flash:2", "--tune", "attention:dense=gluon")
+    m = re.search(r"_dense_attn_ws_kernel\s+regs\s+(\d+)\s+stack\s+(\d+) B.*local\s+(\d+) B", out)
+    assert m, out
+    assert int(m[2]) == 0 and int(m[3]) == 0, out  # no stack frame, no spills
+    w = re.search(r"_dense_attn_ws_kernel.*\n.*wgmma (\d+), waits (\d+)", out)
+    assert w, out
+    assert int(w[1]) >= 34 and int(w[2]) * 4 < int(w[1]), out
 
 
 # ---------------------------------------------------------------------------- GPU

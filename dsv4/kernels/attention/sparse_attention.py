@@ -362,8 +362,7 @@ def _auto_gluon(q: torch.Tensor, head_dim: int, cols: int, head_blocks: int) -> 
     """``dense="auto"``: the Gluon kernel runs here and each program would attend >= GLUON_MIN_KEYS keys."""
     if _GLUON_BUILDS.get(q.device.index) is False or not gluon_dense_supported(q, head_dim):
         return False
-    n_blocks = cols // GATHERED_BLOCK_N
-    ns = choose_num_splits(q.shape[0], head_blocks, n_blocks, GATHERED_BLOCK_N, num_sms(q.device), GATHERED_FILL)
+    ns, _ = _dense_splits(q.shape[0], head_blocks, cols // GATHERED_BLOCK_N, GATHERED_BLOCK_N, None, q.device)
     return cols >= GLUON_MIN_KEYS * ns
 
 
@@ -381,6 +380,16 @@ def _sm_major(index: int) -> int:
     return torch.cuda.get_device_capability(index)[0]
 
 
+def _dense_splits(T: int, head_blocks: int, n_blocks: int, block_n: int, num_splits, device) -> tuple[int, int]:
+    """(key splits, blocks per split) of a dense launch over ``n_blocks`` blocks of ``block_n`` workspace columns:
+    ``num_splits`` if given, else ``choose_num_splits`` (``GATHERED_FILL``); every split gets at least one block."""
+    if num_splits is None:
+        num_splits = choose_num_splits(T, head_blocks, n_blocks, block_n, num_sms(device), fill=GATHERED_FILL)
+    ns = max(1, min(int(num_splits), n_blocks))
+    bps = -(-n_blocks // ns)
+    return -(-n_blocks // bps), bps
+
+
 def _dense_gluon(q, sink, kv, bias, out, lse, scale, n_cols, num_splits, interp) -> None:
     """``_dense_attn_ws_kernel`` over the gathered workspace (+ the combine when keys are split)."""
     from dsv4.kernels.attention._gluon_dense_attention import BLOCK_HEADS, _dense_attn_ws_kernel
@@ -389,13 +398,7 @@ def _dense_gluon(q, sink, kv, bias, out, lse, scale, n_cols, num_splits, interp)
     T, H, D = q.shape
     n_blocks = n_cols // GLUON_BLOCK_N
     head_blocks = -(-H // BLOCK_HEADS)
-    if num_splits is None:
-        ns = choose_num_splits(T, head_blocks, n_blocks, GLUON_BLOCK_N, num_sms(q.device), fill=GATHERED_FILL)
-    else:
-        ns = num_splits
-    ns = max(1, min(int(ns), n_blocks))
-    bps = -(-n_blocks // ns)
-    ns = -(-n_blocks // bps)
+    ns, bps = _dense_splits(T, head_blocks, n_blocks, GLUON_BLOCK_N, num_splits, q.device)
     split = ns > 1
     ws = _split_workspace(T, H, ns if split else 0, D, q.device, lse)
     _dense_attn_ws_kernel[(T, head_blocks, ns)](
@@ -454,13 +457,7 @@ def _gathered_rows(
             msg = f"Gluon dense attention kernel unavailable ({type(e).__name__}: {e}); using Triton's"
             warnings.warn(msg, stacklevel=3)
     n_blocks = cols // block_n
-    if num_splits is None:
-        ns = choose_num_splits(T, head_blocks, n_blocks, block_n, num_sms(q.device), fill=GATHERED_FILL)
-    else:
-        ns = num_splits
-    ns = max(1, min(int(ns), n_blocks))
-    bps = -(-n_blocks // ns)
-    ns = -(-n_blocks // bps)
+    ns, bps = _dense_splits(T, head_blocks, n_blocks, block_n, num_splits, q.device)
     split = ns > 1
     ws = _split_workspace(T, H, ns if split else 0, D, q.device, lse)
     _dense_attn_fwd[(T, head_blocks, ns)](
