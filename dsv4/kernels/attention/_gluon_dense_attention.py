@@ -195,7 +195,7 @@ if HAVE_GLUON:
             refill = j + STAGES - 1
             _load_half(kv_row, blk_start + refill, blk_end, k_s.index(RDY + refill % STAGES),
                        bars.index(RDY + refill % STAGES), W, BLOCK_N, D)  # fmt: skip
-            # 5. P.V of block j into this warpgroup's dims; runs under the next exchange
+            # 5. P.V of block j into this warpgroup's dims
             acc = acc * gl.convert_layout(alpha, row_o)[:, None]
             acc = warpgroup_mma(p16, k_s.index(RDY + st), acc, is_async=True)
             # both retire here: keeping the P.V in flight across the loop's back edge makes ptxas serialise every
