@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # One H200 session: environment, GPU tests, then the kernel benchmarks. Results go to $OUT (or ./out).
-# Usage (on the device machine, repo root): bash benchmarks/run_h200.sh [tests|bench|all|pending|ncu]
+# Usage (on the device machine, repo root): bash benchmarks/run_h200.sh [tests|bench|all|pending|ncu|attention]
 # "pending": the norm and top-k GPU tests (~4 min, most of it compiling the top-k kernels), launch D's rank
 # threshold on/off, top-k with both flush kinds, the decode step; about 8 minutes.  "ncu": Nsight Compute
-# sections of the indexer scores, dense attention and gather kernels (benchmarks/ncu_cases.py).
+# sections of the indexer scores, dense attention and gather kernels (benchmarks/ncu_cases.py).  "attention": the
+# attention GPU tests (Triton and Gluon kernels, model cached-vs-dense), per-kernel device times and the benchmark;
+# about 3 minutes.
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -43,4 +45,12 @@ if [ "$what" = pending ]; then
     2>&1 | tee "$OUT/${stamp}_h200_topk.txt" | tail -30
   timeout 200 python3 -m dsv4.cli bench --models v4-flash --kinds csa,hca --contexts 131072 --batches 1,8,64 \
     --out "$OUT/${stamp}_h200_decode.jsonl" 2>&1 | tail -20
+fi
+if [ "$what" = attention ]; then
+  timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_sparse_attention.py \
+    tests/kernels/test_gluon_dense_attention.py tests/model 2>&1 | tee "$OUT/${stamp}_h200_gpu_tests_attention.txt" | tail -3
+  for m in v4-pro v4-flash; do timeout 100 python3 benchmarks/profile_attention.py --model $m; done \
+    2>&1 | grep -v -i "usdt\|warn" | tee "$OUT/${stamp}_h200_profile_attention.txt"
+  timeout 200 python3 benchmarks/bench_attention.py --no-compile --out "$OUT/${stamp}_h200_attention.jsonl" \
+    > "$OUT/${stamp}_h200_attention.txt" 2>&1; tail -14 "$OUT/${stamp}_h200_attention.txt"
 fi
