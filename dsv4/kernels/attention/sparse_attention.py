@@ -360,8 +360,8 @@ _GLUON_BUILDS: dict[int, bool] = {}  # device index -> the Gluon dense kernel co
 
 def _auto_gluon(q: torch.Tensor, head_dim: int, cols: int, head_blocks: int) -> bool:
     """``dense="auto"``: the Gluon kernel runs here and each program would attend >= GLUON_MIN_KEYS keys."""
-    if _GLUON_BUILDS.get(q.device.index) is False or not gluon_dense_supported(q, head_dim):
-        return False
+    if cols % GLUON_BLOCK_N or _GLUON_BUILDS.get(q.device.index) is False or not gluon_dense_supported(q, head_dim):
+        return False  # (columns are padded to block_n: a block_n below GLUON_BLOCK_N leaves a partial block)
     ns, _ = _dense_splits(q.shape[0], head_blocks, cols // GATHERED_BLOCK_N, GATHERED_BLOCK_N, None, q.device)
     return cols >= GLUON_MIN_KEYS * ns
 
@@ -529,6 +529,8 @@ def sparse_attention_triton(
         )
     block_h = block_h or min(DEFAULT_BLOCK_H, max(16, triton.next_power_of_2(q.shape[1])))
     block_n = block_n or (DEFAULT_BLOCK_N if path == "fused" else GATHERED_BLOCK_N)
+    if dense == "gluon" and block_n % GLUON_BLOCK_N:
+        raise ValueError(f"dense='gluon': expected block_n a multiple of {GLUON_BLOCK_N} (whole blocks), got {block_n}")
     kw = {"num_warps": num_warps or DEFAULT_NUM_WARPS, "num_stages": num_stages or DEFAULT_NUM_STAGES}
     n_tiles = fmt.n_tiles + 1  # FP8 tiles + the rope tile
     qk_tiles = n_tiles if qk_tiles is None else int(qk_tiles)
