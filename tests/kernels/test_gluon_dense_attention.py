@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 
 import pytest
 import torch
@@ -47,6 +48,20 @@ def test_gluon_dense_refused_where_it_cannot_run():
         sparse_attention_triton(q, caches, sink, SCALE, path="gathered", dense="gluon")
     with pytest.raises(ValueError, match="dense"):
         sparse_attention_triton(q, caches, sink, SCALE, dense="cutlass")
+
+
+def test_auto_rule_picks_gluon_only_for_long_lists(monkeypatch):
+    """``dense="auto"``: the Gluon kernel where it runs and each program attends >= GLUON_MIN_KEYS keys after the
+    Triton launch's key split (132 SMs assumed off CUDA), never over a partial 32-key block or after a failed build."""
+    sa = sys.modules["dsv4.kernels.attention.sparse_attention"]
+    monkeypatch.setattr(sa, "gluon_dense_supported", lambda q, head_dim: True)
+    monkeypatch.setattr(sa, "_GLUON_BUILDS", {})
+    q64, q1 = torch.empty(64, 128, 512), torch.empty(1, 128, 512)
+    assert sa._auto_gluon(q64, 512, 1152, 2, 64)  # 128 programs: no split, 1,152 keys each
+    assert not sa._auto_gluon(q1, 512, 1152, 2, 64)  # 2 programs: split into lists of ~128 keys
+    assert not sa._auto_gluon(q64, 512, 1168, 2, 16)  # columns padded to 16: a partial 32-key block
+    sa._GLUON_BUILDS[q64.device.index] = False
+    assert not sa._auto_gluon(q64, 512, 1152, 2, 64)  # the kernel did not build on this device
 
 
 @pytest.mark.skipif(not (HAVE_GLUON and os.path.exists(PTXAS)), reason="triton without Gluon's Hopper module / ptxas")

@@ -358,11 +358,12 @@ def _gathered(q, caches, sink, scale, out, lse, fmt, block_h, block_n, num_split
 _GLUON_BUILDS: dict[int, bool] = {}  # device index -> the Gluon dense kernel compiled there ("auto" only)
 
 
-def _auto_gluon(q: torch.Tensor, head_dim: int, cols: int, head_blocks: int) -> bool:
-    """``dense="auto"``: the Gluon kernel runs here and each program would attend >= GLUON_MIN_KEYS keys."""
+def _auto_gluon(q: torch.Tensor, head_dim: int, cols: int, head_blocks: int, block_n: int) -> bool:
+    """``dense="auto"``: the Gluon kernel runs here and each program would attend >= GLUON_MIN_KEYS keys (with the
+    key split the Triton dense launch would use over ``block_n``-column blocks)."""
     if cols % GLUON_BLOCK_N or _GLUON_BUILDS.get(q.device.index) is False or not gluon_dense_supported(q, head_dim):
         return False  # (columns are padded to block_n: a block_n below GLUON_BLOCK_N leaves a partial block)
-    ns, _ = _dense_splits(q.shape[0], head_blocks, cols // GATHERED_BLOCK_N, GATHERED_BLOCK_N, None, q.device)
+    ns, _ = _dense_splits(q.shape[0], head_blocks, cols // block_n, block_n, None, q.device)
     return cols >= GLUON_MIN_KEYS * ns
 
 
@@ -444,7 +445,7 @@ def _gathered_rows(
             )
         col += sum(widths[i : i + 2])
     head_blocks = -(-H // block_h)
-    if dense == "gluon" or (dense == "auto" and _auto_gluon(q, D, cols, head_blocks)):
+    if dense == "gluon" or (dense == "auto" and _auto_gluon(q, D, cols, head_blocks, block_n)):
         first = q.device.index not in _GLUON_BUILDS
         try:
             _dense_gluon(q, sink, kv, bias, out, lse, scale, cols, num_splits, interp)
