@@ -17,19 +17,26 @@ layouts, shared memory, mbarriers, asynchronous ``wgmma``) and splits the work b
   both warpgroups add them (fp32 addition commutes: both get the same bits) and run the same online softmax;
   each then multiplies P with its own value half (m64 n256 k BLOCK_N).  No reduction crosses a warpgroup.
 - Software pipeline inside a warpgroup: the QK of block j + 1 is issued (asynchronous ``wgmma``) before the
-  exchange and softmax of block j and runs under them; the P.V of block j retires with it at the end of the
-  iteration; a stage is refilled ``STAGES - 1`` blocks ahead, as soon as the P.V that last read it has retired.
+  softmax of block j and runs under it; then the P.V of block j is issued, the QK retires first (wgmma groups
+  retire in order) and its partial logits go to the other warpgroup while the P.V still runs; the P.V retires at
+  the end of the iteration.  A stage is refilled ``STAGES - 1`` blocks ahead, once the P.V that last read it
+  has retired.
 
-H200 (2026-12-04, torch.profiler device time, V4-Pro B = 64, 128 + 1,024 keys): 70.6 us vs 76.1 for
-``_dense_attn_fwd``; V4-Flash B = 64 28.1 vs 29.8.  What shaped it, measured:
+H200 (2026-12-04, torch.profiler device time, V4-Pro B = 64, 128 + 1,024 keys): 58.8 us vs 76.1 for
+``_dense_attn_fwd``; V4-Flash B = 64 25.5 vs 29.8.  What shaped it, measured:
+
+- The exchange of block j + 1's partials under block j's P.V (instead of before block j's softmax): 70.2 ->
+  59.0 us (V4-Pro B = 64), 55.0 -> 43.7 us (V4-Flash HCA-8192 B = 8): the store, its warpgroup barrier and the
+  arrive left the critical chain.
 
 - The partial-logit exchange buffers are padded by 8 fp32 a row.  Unpadded, the 8 rows a warp's MMA fragment
   touches all start in bank 0 (8-way conflicts; Nsight: 33 % excess shared wavefronts) and the kernel took 83.9 us.
 - The P.V retires at the end of its own iteration.  Leaving it in flight across the loop's back edge (the textbook
   ``wait(1)`` pipeline) makes ptxas serialise every wgmma of the kernel (info C7514); CI's compile test checks
   that the HGMMAs are not each followed by a wait.
-- 32- or 64-key blocks, 2 to 6 stages: the same time (measured before the padding).  The cost grows ~61 ns a key
-  per program; switching off the exchange, the softmax, the P.V or the loads saves 3-10 us each: both warpgroups
+- 32- or 64-key blocks, 2 to 6 stages: the same time (measured before the padding).  Before the exchange moved,
+  the cost grew ~61 ns a key per program; switching off the exchange, the softmax, the P.V or the loads saved
+  3-10 us each: both warpgroups
   run one dependent chain in lockstep with 2 warps a scheduler (the tensor pipe is ~25 % busy).  Overlapping
   one warpgroup's softmax with the other's MMAs (FlashMLA's ping-pong) is the next step; its full-width K tiles
   need a load schedule that fits shared memory.
@@ -159,16 +166,18 @@ if HAVE_GLUON:
         s_tok = warpgroup_mma(qw, k_s.index(RDY).permute((1, 0)), zero_s, use_acc=False, is_async=True)
         s_w = warpgroup_mma_wait(0, deps=[s_tok])
         bias = gl.load(bias_row + blk_start * BLOCK_N + offs_n, mask=(offs_n * 0 + n_my) > 0, other=0.0)
+        x_mine.store(s_w)  # block 0's partial (block j + 1's is stored at the end of iteration j)
+        mbarrier.arrive(bars.index(FULL + W))
 
         m_i = gl.full([_BH], float("-inf"), gl.float32, row_s)
         l_i = gl.zeros([_BH], gl.float32, row_s)
         acc = gl.zeros([_BH, _HALF], gl.float32, mma_o)
         for j in range(n_my):
             st = j % STAGES
-            # 1. swap the partial logits of block j with the other warpgroup
-            mbarrier.wait(bars.index(EMPTY + W), (j + 1) & 1, pred=j > 0)
-            x_mine.store(s_w)
-            mbarrier.arrive(bars.index(FULL + W))
+            # 1. the other warpgroup's partial logits of block j
+            mbarrier.wait(bars.index(FULL + 1 - W), j & 1)
+            s_o = x_other.load(mma_s)
+            mbarrier.arrive(bars.index(EMPTY + 1 - W))
             # 2. QK of block j + 1 (its stage was filled at least one iteration ago); runs under the softmax
             jn = j + 1
             stn = jn % STAGES
@@ -178,9 +187,6 @@ if HAVE_GLUON:
             bias_next = gl.load(
                 bias_row + (blk_start + jn) * BLOCK_N + offs_n, mask=(offs_n * 0 + jn) < n_my, other=0.0
             )
-            mbarrier.wait(bars.index(FULL + 1 - W), j & 1)
-            s_o = x_other.load(mma_s)
-            mbarrier.arrive(bars.index(EMPTY + 1 - W))
             # 3. online softmax (log2 domain), identical in both warpgroups
             s = (s_w + s_o) * qk_scale_log2 + bias[None, :]
             m_new = gl.maximum(m_i, gl.max(s, 1))
@@ -190,17 +196,21 @@ if HAVE_GLUON:
             l_i = l_i * alpha + gl.sum(p, 1)
             m_i = m_new
             p16 = gl.convert_layout(p.to(gl.bfloat16), p_l)
-            # 4. the P.V of block j - 1 has retired (only the QK above may be in flight): its stage is free
-            acc = warpgroup_mma_wait(1, deps=[acc])
+            # 4. block j - 1's P.V retired at the end of the last iteration: refill its stage
             refill = j + STAGES - 1
             _load_half(kv_row, blk_start + refill, blk_end, k_s.index(RDY + refill % STAGES),
                        bars.index(RDY + refill % STAGES), W, BLOCK_N, D)  # fmt: skip
             # 5. P.V of block j into this warpgroup's dims
             acc = acc * gl.convert_layout(alpha, row_o)[:, None]
             acc = warpgroup_mma(p16, k_s.index(RDY + st), acc, is_async=True)
-            # both retire here: keeping the P.V in flight across the loop's back edge makes ptxas serialise every
-            # wgmma (C7514, "non wgmma instructions reading accumulator registers"), so only the QK overlaps
-            s_w, acc = warpgroup_mma_wait(0, deps=[s_tok, acc])
+            # 6. the QK of block j + 1 retires first (wgmma groups retire in order): hand its partial to the other
+            #    warpgroup while the P.V runs (the other read block j's at its step 1: EMPTY phase j)
+            s_w = warpgroup_mma_wait(1, deps=[s_tok])
+            mbarrier.wait(bars.index(EMPTY + W), j & 1)
+            x_mine.store(s_w)
+            mbarrier.arrive(bars.index(FULL + W))
+            # 7. the P.V retires inside the iteration (in flight across the back edge, ptxas serialises every wgmma)
+            acc = warpgroup_mma_wait(0, deps=[acc])
             bias = bias_next
         acc = warpgroup_mma_wait(0, deps=[acc])
 
