@@ -8,9 +8,11 @@ Shapes: V4-Flash (64 heads, CSA top-k 512) and V4-Pro (128 heads, top-k 1024) de
 with the 128-entry window + top-k entries; HCA with 8192 compressed entries + window at B = 1, 8.
 Every entry is valid (full window, full top-k).  For each shape, in one process and on the same data:
 correctness of the Triton kernel vs the PyTorch reference first, then the median time of the Triton op
-(``time_s``: CUDA-graph replay, i.e. GPU time as a captured decode step pays it; ``eager_time_s``:
-``triton.testing.do_bench`` of one eager call, launch path included; ``fused_time_s``: graph time of the
-fused kernel; ``gathered_time_s``: of the two-launch gathered path; both checked too), of the PyTorch reference (eager)
+(``time_s``: CUDA-graph replay of the default path ``path`` (``selected_path``), i.e. GPU time as a captured
+decode step pays it; ``eager_time_s``: ``triton.testing.do_bench`` of one eager call, launch path included;
+``fused_time_s``: graph time of the fused Triton kernel; ``gathered_time_s``: of the two-launch gathered path
+(Triton dense kernel); ``gathered_gluon_dense_time_s`` / ``gluon_fused_time_s``: with the Gluon dense kernel / of
+the fused Gluon kernel, sm_90 only; all checked too), of the PyTorch reference (eager)
 and of ``torch.compile`` of a plain PyTorch version (gather -> dequantise -> matmul -> softmax with sink),
 both with ``do_bench`` (they cannot all be captured).
 
@@ -41,7 +43,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from dsv4.config import get_preset  # noqa: E402
 from dsv4.formats import FP8EntryFormat  # noqa: E402
 from dsv4.kernels.attention import sparse_attention_reference, sparse_attention_triton  # noqa: E402
-from dsv4.kernels.attention.sparse_attention import DEFAULT_PATH, gluon_dense_supported  # noqa: E402
+from dsv4.kernels.attention.sparse_attention import gluon_dense_supported, selected_path  # noqa: E402
 
 PEAK_BF16_FLOPS = 776e12
 PEAK_HBM_BYTES = 4.17e12
@@ -203,12 +205,14 @@ SWEEP = [
 ]
 
 SPLIT_SWEEP = (1, 2, 4, 8, 16, 32, 64)
-# paths timed next to the default (gathered, dense="auto") in every row: the fused kernel, the gathered path with
-# the Triton dense kernel and with the Gluon dense kernel (sm_90 only)
+# paths timed next to the default (``selected_path``: the fused Gluon kernel on sm_90, else gathered with
+# dense="auto") in every row: the fused Triton kernel, the gathered path with the Triton dense kernel and with the
+# Gluon dense kernel, and the fused Gluon kernel (the last two sm_90 only)
 PATHS = {
     "fused": {"path": "fused"},
     "gathered": {"path": "gathered", "dense": "triton"},
     "gathered_gluon_dense": {"path": "gathered", "dense": "gluon"},
+    "gluon_fused": {"path": "gluon_fused"},
 }
 
 
@@ -249,7 +253,8 @@ def main(argv=None) -> int:
         )
         t_path = {}
         for path, kw in PATHS.items():
-            if kw.get("dense") == "gluon" and not gluon_dense_supported(q, q.shape[-1]):
+            gluon = kw.get("dense") == "gluon" or kw["path"] == "gluon_fused"
+            if gluon and not gluon_dense_supported(q, q.shape[-1]):
                 continue  # CPU / not sm_90: the Gluon kernel cannot run
             o, _ = sparse_attention_triton(q, caches, sink, sm_scale, **kw)
             ok = ok and check(o, ref)[0]
@@ -282,10 +287,11 @@ def main(argv=None) -> int:
             "time_s": t_triton,
             "timer": timer,
             "eager_time_s": t_triton_eager,
-            "path": DEFAULT_PATH,
+            "path": selected_path(q, caches),
             "fused_time_s": t_path["fused"],
             "gathered_time_s": t_path["gathered"],
             "gathered_gluon_dense_time_s": t_path.get("gathered_gluon_dense"),
+            "gluon_fused_time_s": t_path.get("gluon_fused"),
             "flops": flops,
             "bytes": nbytes,
             "roofline_s": roofline,
@@ -340,14 +346,16 @@ def main(argv=None) -> int:
         out_file.close()
 
     print(
-        f"\n{'shape':<24}{'path':>9}{'triton us':>11}{'fused us':>10}{'gather us':>10}{'g+gluon':>9}{'eager us':>11}"
+        f"\n{'shape':<24}{'path':>12}{'triton us':>11}{'fused us':>10}{'gather us':>10}{'g+gluon':>9}{'gl.fused':>9}"
+        f"{'eager us':>11}"
         f"{'compile us':>12}{'roofline us':>13}{'%roof':>7}{'TFLOP/s':>9}{'GB/s':>8}  ok"
     )
     for r in rows:
         comp = f"{r['baseline_compiled_time_s'] * 1e6:12.1f}" if r["baseline_compiled_time_s"] else f"{'-':>12}"
         print(
-            f"{r['name'].split('/', 1)[1]:<24}{r['path']:>9}{r['time_s'] * 1e6:11.1f}{r['fused_time_s'] * 1e6:10.1f}"
+            f"{r['name'].split('/', 1)[1]:<24}{r['path']:>12}{r['time_s'] * 1e6:11.1f}{r['fused_time_s'] * 1e6:10.1f}"
             f"{r['gathered_time_s'] * 1e6:10.1f}{_us(r['gathered_gluon_dense_time_s']):>9}"
+            f"{_us(r['gluon_fused_time_s']):>9}"
             f"{r['baseline_eager_time_s'] * 1e6:11.1f}"
             f"{comp}{r['roofline_s'] * 1e6:13.2f}{r['pct_roofline']:7.1f}{r['tflops']:9.1f}{r['gbps']:8.0f}"
             f"  {r['correct']}"

@@ -6,7 +6,8 @@
 
 Cases (the benchmark shapes): ``indexer`` = MXFP4 scores at 1M context (262,144 keys), B = 4, 64 heads
 (``bench_indexer.make_problem``); ``attention`` = V4-Pro sparse decode attention, B = 64, 128 window + 1,024
-top-k entries (``bench_attention.make_case``), ``attention:gluon`` the same with the Gluon dense kernel;
+top-k entries (``bench_attention.make_case``), ``attention:gluon`` the same with the Gluon dense kernel,
+``attention:gluon_fused`` with the fused Gluon kernel;
 ``write:OP:MODE:N`` = ``bench_write``'s case of a cache write op (e.g. ``write:csa_indexer:prefill:65536``,
 ``write:hca:decode:64``), its Triton path; ``indexer:IMPL`` = the indexer case with that ``impl``.
 ``run_h200.sh ncu`` runs the read-path cases with the sections below.
@@ -48,16 +49,19 @@ def main() -> None:
         print(f"{case}: {'ok' if ok else 'MISMATCH'} ({note})")
         for _ in range(CALLS):
             tri()
-    elif case in ("attention", "attention:gluon"):
+    elif case in ("attention", "attention:gluon", "attention:gluon_fused"):
         pro = get_preset("v4-pro")
         q, caches, sink = make_case(64, pro.n_heads, pro.window_size, 4 * pro.index_topk, pro.index_topk, dev)
         for _ in range(CALLS):
             if case == "attention":
                 sparse_attention(q, caches, sink, pro.head_dim**-0.5, backend="triton")
-            else:  # the gathered path with the opt-in Gluon dense kernel
+            elif case == "attention:gluon":  # the gathered path with the opt-in Gluon dense kernel
                 sparse_attention_triton(q, caches, sink, pro.head_dim**-0.5, path="gathered", dense="gluon")
+            else:  # the fused Gluon kernel (FP8 entries read directly)
+                sparse_attention_triton(q, caches, sink, pro.head_dim**-0.5, path="gluon_fused")
     else:
-        raise SystemExit(f"case: expected 'indexer[:IMPL]', 'attention[:gluon]' or 'write:OP:MODE:N', got {case!r}")
+        expected = "'indexer[:IMPL]', 'attention[:gluon|:gluon_fused]' or 'write:OP:MODE:N'"
+        raise SystemExit(f"case: expected {expected}, got {case!r}")
     torch.cuda.synchronize()
 
 

@@ -37,6 +37,7 @@ VARIANTS = {
     "gathered+triton": {"path": "gathered", "dense": "triton"},
     "gathered+gluon": {"path": "gathered", "dense": "gluon"},
     "fused": {"path": "fused"},
+    "gluon_fused": {"path": "gluon_fused"},
 }
 
 
@@ -66,7 +67,7 @@ def main(argv=None) -> None:
     timer = GraphTimer(n=20, flush=False) if cuda else None
     for name in args.variants.split(","):
         kw = VARIANTS[name]
-        if kw.get("dense") == "gluon" and not gluon_dense_supported(q, q.shape[-1]):
+        if "gluon" in name and not gluon_dense_supported(q, q.shape[-1]):
             print(f"== {name}: skipped (needs an sm_90 GPU and Gluon)")
             continue
         run = partial(sparse_attention_triton, q, caches, sink, scale, **kw)

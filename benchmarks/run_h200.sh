@@ -48,7 +48,7 @@ if [ "$what" = pending ]; then
 fi
 if [ "$what" = attention ]; then
   timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_sparse_attention.py \
-    tests/kernels/test_gluon_dense_attention.py tests/model 2>&1 | tee "$OUT/${stamp}_h200_gpu_tests_attention.txt" | tail -3
+    tests/kernels/test_gluon_dense_attention.py tests/kernels/test_gluon_fused_attention.py tests/model 2>&1 | tee "$OUT/${stamp}_h200_gpu_tests_attention.txt" | tail -3
   for m in v4-pro v4-flash; do timeout 100 python3 benchmarks/profile_attention.py --model $m; done \
     2>&1 | grep -v -i "usdt\|warn" | tee "$OUT/${stamp}_h200_profile_attention.txt"
   timeout 200 python3 benchmarks/bench_attention.py --no-compile --out "$OUT/${stamp}_h200_attention.jsonl" \

@@ -52,7 +52,7 @@ Kernel design (sm90; ``_triton_sparse_attention.py``)
   ``d_split``; QK^T and the gather are repeated, so the total MMA work is ``(d_split + 1) / 2`` times the
   unsplit QK+PV work: 1.5x at 2, 2.5x at 4).  The default path builds ONE
   [BLOCK_N, 512] tile and feeds it as ``tl.trans(k)`` to QK^T and as ``k`` to P.V.
-- Gathered path (``path="gathered"``, ``_triton_gathered_attention.py``; the default, ``DEFAULT_PATH``):
+- Gathered path (``path="gathered"``, ``_triton_gathered_attention.py``; the default off sm_90, ``DEFAULT_PATH``):
   launch 1 dequantises every indexed entry of every row into a dense bf16
   workspace [T, cols, 512] (+ an fp32 bias row: 0 valid, -inf skipped/padding), launch 2 is a plain
   flash-decoding kernel over contiguous tiles that Triton software-pipelines (cp.async, ``num_stages``
@@ -65,7 +65,14 @@ Kernel design (sm90; ``_triton_sparse_attention.py``)
   with two warp-specialised warpgroups that split the head dim (each owns a [64, 256] accumulator, the partial
   logits are swapped through shared memory) and asynchronous wgmma; same numerics bound as the Triton kernel.
   ``dense="auto"`` uses it where each program attends long lists (``GLUON_MIN_KEYS``); H200 2026-12-04 device
-  time at V4-Pro B = 64: 70.6 us vs 76.1 for ``_dense_attn_fwd`` (whole call 105.3 vs 112.0 us graph).
+  time at V4-Pro B = 64: 58.8 us vs 76.1 for ``_dense_attn_fwd`` (whole call 94.2 vs 112.0 us graph).
+- Fused Gluon kernel (``path="gluon_fused"``, ``_gluon_fused_attention.py``, sm_90; the default there): the dense
+  kernel's two warpgroups fed by two producer warpgroups that ``cp.async`` the indexed FP8 entries straight from
+  the caches and dequantise them into shared memory: no workspace, no gather launch, one launch (+ the combine
+  when keys are split).  ``path=None`` with no Triton tuning knobs picks it wherever it can run
+  (``selected_path``); if it fails to build, the first call warns and the device falls back to the gathered path.
+  H200 2026-12-04 graph time: V4-Pro B = 64 73.8 us (262 TFLOP/s) vs 94.3 gathered + Gluon dense; V4-Flash B = 64
+  34.8 vs 52.7; HCA-8192 B = 8 60.8 vs 78.2; V4-Pro B = 8 27.2 vs 30.7 (Triton dense); B = 1 19.2 vs 19.3.
 - Prefill is the same kernels with T = chunk tokens: every row carries its own index rows (the gathered
   path runs row slices whose workspace fits ``GATHERED_MAX_BYTES``).
 - Kernel preconditions: the entry geometry has ``n_tiles + 1`` a power of two and ``rope_dim == tile``
@@ -411,6 +418,103 @@ def _dense_gluon(q, sink, kv, bias, out, lse, scale, n_cols, num_splits, interp)
         _combine(ws, ns, sink, out, lse, interp)
 
 
+GLUON_FUSED_STAGES = 3  # bf16 stages the fused Gluon kernel's producer fills ahead (path="gluon_fused")
+GLUON_FUSED_RAW = 2  # its raw (FP8 + rope) cp.async stages
+# registers a thread of its producer warpgroup / consumer warpgroup W = 1 gets (W = 0: the rest of the 64K, 224):
+# the largest split that ptxas (triton 3.6) compiles without a stack frame or spills in any partition
+GLUON_PRODUCER_REGS = 48
+GLUON_FUSED_WORKER_REGS = 208
+
+
+def _fused_aligned(pages: EntryPages) -> bool:
+    """The fused Gluon kernel's geometry (7 FP8 tiles of ``TILE`` + ``TILE`` rope dims) and its copies' alignment:
+    16-byte aligned FP8 rows and rope rows and 8-byte scale rows (each entry's 7 UE8M0 bytes + a pad byte, read as
+    one int64); the entry format's page views have them (576-byte data rows, 8-byte scale rows, page strides a
+    multiple of 576)."""
+    from dsv4.kernels.attention._gluon_fused_attention import TILE
+
+    nope, rope, sc = pages.nope, pages.rope, pages.scale
+    if (nope.shape[-1], rope.shape[-1], sc.shape[-1]) != (7 * TILE, TILE, 7):
+        return False
+    return (
+        nope.data_ptr() % 16 == 0 and nope.stride(0) % 16 == 0 and nope.stride(1) % 16 == 0
+        and rope.data_ptr() % 16 == 0 and rope.stride(0) % 8 == 0 and rope.stride(1) % 8 == 0
+        and sc.data_ptr() % 8 == 0 and sc.stride(0) % 8 == 0 and sc.stride(1) == 8 and sc.stride(2) == 1
+        and sc.shape[2] < 8
+    )  # fmt: skip
+
+
+def _scale_words(pages: EntryPages) -> torch.Tensor:
+    """The fused Gluon kernel's view of ``pages``' UE8M0 bytes: each entry's 7 scale bytes + its pad byte as one
+    int64, [pages, bs, 1].  Views without the alignment of ``_fused_aligned`` are refused."""
+    sc = pages.scale
+    if not _fused_aligned(pages):
+        nope, rope = pages.nope, pages.rope
+        raise ValueError(
+            "path='gluon_fused': expected the V4 entry geometry with 16-byte aligned FP8 / rope rows and 8-byte "
+            f"scale rows (the entry format's page views); got shapes {tuple(nope.shape)}, {tuple(rope.shape)}, "
+            f"{tuple(sc.shape)}, strides {nope.stride()}, {rope.stride()}, {sc.stride()}, data pointers mod 16: "
+            f"{nope.data_ptr() % 16}, {rope.data_ptr() % 16}, {sc.data_ptr() % 16}"
+        )
+    words = sc.as_strided((sc.shape[0], sc.shape[1], 8), sc.stride())
+    return words.view(torch.int64)
+
+
+_GLUON_FUSED_BUILDS: dict[int, bool] = {}  # device index -> the fused Gluon kernel compiled there (auto only)
+
+
+def _auto_gluon_fused(q: torch.Tensor, caches: Sequence[Cache]) -> bool:
+    """``path=None``: the fused Gluon kernel runs here (sm_90, Gluon, head dim 512, at most two caches with the
+    entry format's alignment) and did not fail to build on this device."""
+    return (
+        _GLUON_FUSED_BUILDS.get(q.device.index) is not False
+        and 0 < len(caches) <= 2
+        and gluon_dense_supported(q, q.shape[-1])
+        and all(_fused_aligned(pages) for pages, _ in caches)
+    )
+
+
+def selected_path(q: torch.Tensor, caches: Sequence[Cache]) -> str:
+    """The path ``sparse_attention_triton`` takes with its defaults: ``"gluon_fused"`` where it can run, else
+    ``DEFAULT_PATH`` (for benchmarks and logs; no kernel is launched)."""
+    return "gluon_fused" if _auto_gluon_fused(q, caches) else DEFAULT_PATH
+
+
+def _fused_gluon(q, caches, sink, scale, out, lse, num_splits) -> tuple[torch.Tensor, torch.Tensor]:
+    """``_sparse_attn_ws_kernel``: the Gluon kernel that reads the FP8 entries of up to two caches directly (a
+    producer warpgroup dequantises into shared memory; + the combine when keys are split)."""
+    from dsv4.kernels.attention._gluon_dense_attention import BLOCK_HEADS
+    from dsv4.kernels.attention._gluon_fused_attention import _sparse_attn_ws_kernel
+    from dsv4.kernels.attention._triton_sparse_attention import LOG2E
+
+    if len(caches) > 2:
+        raise ValueError(f"path='gluon_fused': expected at most 2 caches, got {len(caches)}")
+    T, H, D = q.shape
+    bn = GLUON_BLOCK_N
+    args = []
+    for pages, idx in caches:
+        scale64 = _scale_words(pages)
+        args += [idx, idx.stride(0), idx.shape[1], pages.entries_per_page, pages.num_slots]
+        args += [pages.nope, pages.rope, scale64, pages.nope.stride(0), pages.nope.stride(1)]
+        args += [pages.rope.stride(0), pages.rope.stride(1), scale64.stride(0), scale64.stride(1)]
+    if len(caches) == 1:  # cache B = cache A with an empty list
+        args += args[:2] + [0] + args[3:14]
+    a_blocks = -(-caches[0][1].shape[1] // bn)
+    n_blocks = max(1, a_blocks + (-(-caches[1][1].shape[1] // bn) if len(caches) == 2 else 0))
+    head_blocks = -(-H // BLOCK_HEADS)
+    ns, bps = _dense_splits(T, head_blocks, n_blocks, bn, num_splits, q.device)
+    split = ns > 1
+    ws = _split_workspace(T, H, ns if split else 0, D, q.device, lse)
+    _sparse_attn_ws_kernel[(T, head_blocks, ns)](
+        q, q.stride(0), q.stride(1), sink, *args, a_blocks, n_blocks, bps, out, out.stride(0), out.stride(1), lse,
+        lse.stride(0), lse.stride(1), *ws, ns, H, float(scale) * LOG2E, BLOCK_N=bn, STAGES=GLUON_FUSED_STAGES,
+        RAW=GLUON_FUSED_RAW, WORKER_REGS=GLUON_FUSED_WORKER_REGS, PRODUCER_REGS=GLUON_PRODUCER_REGS, num_warps=4,
+    )  # fmt: skip
+    if split:
+        _combine(ws, ns, sink, out, lse, interpreter_enabled())
+    return out, lse
+
+
 def _gathered_rows(
     q, caches, widths, sink, scale, out, lse, fmt, block_h, block_n, num_splits, num_warps, num_stages, dense
 ):
@@ -491,9 +595,12 @@ def sparse_attention_triton(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton path of ``sparse_attention`` (arguments validated by the caller).
 
-    ``path``: ``"fused"`` (gather + dequantise + attend in one kernel), ``"gathered"`` (dequantise the
+    ``path``: ``"fused"`` (gather + dequantise + attend in one Triton kernel), ``"gathered"`` (dequantise the
     indexed entries into a bf16 workspace, then a pipelined dense flash-decoding kernel; see
-    ``_triton_gathered_attention``) or None (gathered, unless a fused-only variant is asked for).
+    ``_triton_gathered_attention``), ``"gluon_fused"`` (sm_90: the warp-specialised Gluon kernel that reads the FP8
+    entries itself; ``ValueError`` elsewhere; ``_gluon_fused_attention``) or None: ``"gluon_fused"`` where it can
+    run and no Triton knob below (other than ``num_splits``) is given, else gathered, unless a fused-only variant
+    is asked for.
     ``dense``: the gathered path's dense kernel: ``"auto"`` (default; see ``DENSE_KERNELS``), ``"triton"`` or
     ``"gluon"`` (sm_90, head dim 512; ``ValueError`` elsewhere; ``_gluon_dense_attention``).  The knobs
     below apply to the fused path,
@@ -516,11 +623,19 @@ def sparse_attention_triton(
 
     T, H, D = q.shape
     fmt = _entry_format(caches[0][0])
-    if path is None:  # the fused-only variants imply the fused path
+    requested = (path, block_h, block_n, qk_tiles)  # as given (the recursion below decides again)
+    auto_fused = False
+    if path is None:  # the Triton-only knobs imply a Triton path; the fused-only variants the fused one
         fused_only = qk_tiles is not None or d_split != 1
+        triton_knobs = (
+            fused_only or dense != "auto" or any(k is not None for k in (block_h, block_n, num_warps, num_stages))
+        )
+        auto_fused = not triton_knobs and _auto_gluon_fused(q, caches)
         path = "fused" if fused_only else DEFAULT_PATH
-    if path not in ("fused", "gathered"):
-        raise ValueError(f"path: expected 'fused', 'gathered' or None, got {path!r}")
+    if path not in ("fused", "gathered", "gluon_fused"):
+        raise ValueError(f"path: expected 'fused', 'gathered', 'gluon_fused' or None, got {path!r}")
+    if path == "gluon_fused" and not gluon_dense_supported(q, q.shape[-1]):
+        raise ValueError(f"path='gluon_fused': needs a CUDA sm_90 device and Gluon; got device {q.device}")
     if dense not in DENSE_KERNELS:
         raise ValueError(f"dense: expected one of {DENSE_KERNELS}, got {dense!r}")
     if dense == "gluon" and not gluon_dense_supported(q, D := q.shape[-1]):
@@ -554,19 +669,33 @@ def sparse_attention_triton(
             scale,
             None,
             num_splits=num_splits,
-            block_h=block_h,
-            block_n=block_n,
+            block_h=requested[1],
+            block_n=requested[2],
             num_warps=num_warps,
             num_stages=num_stages,
-            qk_tiles=qk_tiles,
+            qk_tiles=requested[3],
             d_split=d_split,
-            path=path,
+            path=requested[0],
             dense=dense,
         )
         out.copy_(res)
         return out, lse
     caches = [(pages, idx if idx.stride(-1) == 1 else idx.contiguous()) for pages, idx in caches]
     sink = sink.contiguous()
+    if path == "gluon_fused":
+        return _fused_gluon(q, caches, sink, scale, out, lse, num_splits)
+    if auto_fused:
+        first = q.device.index not in _GLUON_FUSED_BUILDS
+        try:
+            _fused_gluon(q, caches, sink, scale, out, lse, num_splits)
+            _GLUON_FUSED_BUILDS[q.device.index] = True
+            return out, lse
+        except Exception as e:  # noqa: BLE001 - Gluon is experimental: a Triton that cannot build it -> Triton paths
+            if not first:
+                raise
+            _GLUON_FUSED_BUILDS[q.device.index] = False
+            msg = f"fused Gluon attention kernel unavailable ({type(e).__name__}: {e}); using the {path} path"
+            warnings.warn(msg, stacklevel=2)
     if path == "gathered":
         return _gathered(
             q, caches, sink, scale, out, lse, fmt, block_h, block_n, num_splits, num_warps, num_stages, dense

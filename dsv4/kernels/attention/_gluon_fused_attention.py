@@ -1,0 +1,407 @@
+"""Gluon (sm_90) sparse decode attention reading the FP8 cache entries directly (``path="gluon_fused"``, the
+default on sm_90).
+
+The gathered path (``_gather_dequant_kernel`` + the dense kernel of ``_gluon_dense_attention``) writes every
+attended entry as bf16 into a workspace and reads it back: at V4-Pro B = 64 the gather launch alone is 34 us of
+~94.  This kernel removes the workspace: four warpgroups (16 warps) per (row, 64-head block, key split) program.
+
+- **Producers** H = 0, 1 (4 warps each, 48 registers): producer H owns half H of every entry (H = 0: FP8 tiles
+  0-3, H = 1: tiles 4-6 and the 64 bf16 rope lanes).  Per key block (``BLOCK_N`` entries of cache A's index list,
+  then cache B's) it loads the index rows two blocks ahead, ``cp.async``s its part of every indexed entry into a
+  raw ring of ``RAW`` stages and loads each key's 8 scale bytes as one int64, one block ahead; it then
+  dequantises the block (an e4m3 value times a power of two: exact in bf16) into its [BLOCK_N, 256] bf16
+  NVMMA half-tile of one of ``STAGES`` stages with one store, H = 0 also writes each key's bias (0, or -inf for
+  -1 / out-of-range / past-the-list keys), and arrives on the stage's ready barrier (count 2).  They produce one
+  block past the end (all keys masked: zeros, -inf) so the consumers' look-ahead QK always has a ready stage.
+- **Consumers** W = 0, 1: the dense kernel's loop (see ``_gluon_dense_attention``): W owns head dims
+  [256 W, 256 W + 256), swaps partial logits with the other warpgroup once per block (under the P.V), runs the
+  online softmax and its half of P.V; when block j's P.V has retired it frees the stage (count 2).  P.V is two
+  m64 n128 wgmmas: ptxas refuses a 256-wide one under the 128 registers a thread gets at launch with 16 warps,
+  even where ``setmaxnreg`` raises the partition's budget (208 for the consumers).
+
+Numerics equal the gathered path's (the workspace held the same exact bf16 values).
+
+H200 2026-12-04 (torch.profiler device time / CUDA-graph time of the whole call), and what shaped it:
+
+- V4-Pro B = 64 (128 window + 1,024 top-k keys): 73.2 us / 73.6 us = 263 TFLOP/s, vs gather 34.2 + Gluon dense
+  58.8 (94.1 us graph).  V4-Flash B = 64 29.2 + combine 4.5 / 34.8 us (vs 52.4); HCA-8192 B = 8 V4-Flash 61.0 us.
+- First version (session 9): each consumer dequantised its own half at the top of its iteration: 121.9 us (the
+  dequantisation on the consumers' critical chain).
+- One producer warpgroup: 91.4 us; Nsight's per-instruction stall samples put 24 % of all samples on the
+  consumers' wait for a ready stage and 17 % of the producer's on an index load whose value was selected
+  between the two caches right after the load (long scoreboard).  Loading the index rows a block earlier with
+  no arithmetic on them, picking the cache as scalars, reading the scale bytes as one int64 and converting them
+  a block later: 75.9 us.  Two producers (a half each): 73.2 us.
+- Triton puts a warpgroup barrier between two stores to one shared buffer (its alias analysis sees the whole
+  buffer): the dequantisation stores each half-tile with one [BLOCK_N, 256] store, not one per 64-wide tile.
+- A select between two per-key offset tensors loses their 16-byte divisibility in Triton's axis analysis, and
+  ``cp.async`` then refuses them (1-byte copies); the cache is picked as scalars (``_pick``) and the offsets
+  are annotated 16-byte multiples, which the host checks (``_fused_aligned``).
+"""
+
+from __future__ import annotations
+
+from dsv4.kernels.attention._gluon_dense_attention import BLOCK_HEADS, HALF, HAVE_GLUON, WG_THREADS
+
+TILE = 64  # fp8 values per UE8M0 scale (the entry format's tile)
+
+if HAVE_GLUON:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        async_copy,
+        fence_async_shared,
+        mbarrier,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+
+    from dsv4.kernels.attention._gluon_dense_attention import _cp_async
+
+    _HALF = gl.constexpr(HALF)
+    _QUARTER = gl.constexpr(HALF // 2)
+    _BH = gl.constexpr(BLOCK_HEADS)
+    _WG_THREADS = gl.constexpr(WG_THREADS)
+    _TILE = gl.constexpr(TILE)
+
+    @gluon.jit
+    def _pick(use_a, ca, cb):
+        """The cache block ``b`` reads (``use_a``: cache A): each field selected as a scalar, so the per-key
+        arithmetic is done once (a select of two per-key offset tensors loses their alignment in Triton's analysis,
+        and cp.async then refuses them)."""
+        (a_idx, a_sidx, a_keys, a_bs, a_slots, a_nope, a_rope, a_scale, a_snp, a_snr, a_srp, a_srr, a_ssp, a_ssr) = ca
+        (b_idx, b_sidx, b_keys, b_bs, b_slots, b_nope, b_rope, b_scale, b_snp, b_snr, b_srp, b_srr, b_ssp, b_ssr) = cb
+        return (
+            gl.where(use_a, a_idx, b_idx), gl.where(use_a, a_sidx, b_sidx), gl.where(use_a, a_keys, b_keys),
+            gl.where(use_a, a_bs, b_bs), gl.where(use_a, a_slots, b_slots), gl.where(use_a, a_nope, b_nope),
+            gl.where(use_a, a_rope, b_rope), gl.where(use_a, a_scale, b_scale), gl.where(use_a, a_snp, b_snp),
+            gl.where(use_a, a_snr, b_snr), gl.where(use_a, a_srp, b_srp), gl.where(use_a, a_srr, b_srr),
+            gl.where(use_a, a_ssp, b_ssp), gl.where(use_a, a_ssr, b_ssr),
+        )  # fmt: skip
+
+    @gluon.jit
+    def _block_slots(b, blk_end, a_blocks, pid_t, ca, cb, BLOCK_N: gl.constexpr):
+        """Block ``b``'s index entries (physical slots, -1 = none or past the list / the split), [BLOCK_N] int32 in
+        the key layout of ``_issue_block``.  Loaded a block before ``_issue_block`` needs them (one load, nothing
+        computed from it here, so its latency overlaps the iteration)."""
+        l3: gl.constexpr = gl.BlockedLayout([1, 1, 16], [1, 8, 4], [1, 4, 1], [2, 1, 0])
+        key_l: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, l3))
+        # a block lies wholly in one cache (cache A's list is padded to whole blocks)
+        use_a = b < a_blocks
+        (idx, sidx, keys, _bs, _sl, _n, _r, _s, _a, _b, _c, _d, _e, _f) = _pick(use_a, ca, cb)
+        offs = gl.where(use_a, b, b - a_blocks) * BLOCK_N + gl.arange(0, BLOCK_N, layout=key_l)
+        return gl.load(idx + pid_t * sidx + offs, mask=(offs < keys) & (b < blk_end), other=-1)
+
+    @gluon.jit
+    def _issue_block(H: gl.constexpr, b, slot, a_blocks, ca, cb, r8, rr, bar, BLOCK_N: gl.constexpr):
+        """cp.async of block ``b``'s half H into the raw stage: FP8 tiles 4 H .. 4 H + 3 (H = 1: 4-6) into ``r8``
+        ([4, BLOCK_N, 64] fp8, tile-major) and, H = 1, the rope lanes into ``rr`` ([BLOCK_N, 64] bf16); ``slot`` the
+        block's index entries (``_block_slots``).  Every thread of producer H arrives on ``bar`` (count 128) when its
+        copies land.  Masked keys (invalid, or past the split) read nothing and are zero-filled.
+
+        Returns (valid [BLOCK_N] bool, the 8 scale bytes of each key as one int64 [BLOCK_N], 0 where masked): they
+        are only unpacked when the block is dequantised (an iteration later), so the load latency stays hidden."""
+        l3: gl.constexpr = gl.BlockedLayout([1, 1, 16], [1, 8, 4], [1, 4, 1], [2, 1, 0])
+        lr: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
+        kt: gl.constexpr = gl.SliceLayout(2, gl.BlockedLayout([1, 1, 16], [8, 1, 4], [4, 1, 1], [2, 1, 0]))
+        use_a = b < a_blocks
+        (_i, _si, _k, bs, n_slots, nope, rope, scale, snp, snr, srp, srr, ssp, ssr) = _pick(use_a, ca, cb)
+        valid = (slot >= 0) & (slot < n_slots)
+        slot = gl.where(valid, slot, 0)
+        page = (slot // bs).to(gl.int64)
+        row = (slot % bs).to(gl.int64)
+        # FP8 tiles [4, BLOCK_N, 64]; entry rows are 16-byte aligned (the host checks)
+        t = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, l3)))
+        c = gl.arange(0, _TILE, layout=gl.SliceLayout(0, gl.SliceLayout(1, l3)))
+        off8 = gl.multiple_of(page * snp + row * snr, 16)
+        m8 = valid[None, :, None] & (t < 4 - H)[:, None, None] & (c < _TILE)[None, None, :]
+        col = ((4 * H + t) * _TILE)[:, None, None] + c[None, None, :]
+        _cp_async(r8, nope + off8[None, :, None] + col, mask=m8)
+        if H == 1:  # rope lanes [BLOCK_N, 64] bf16
+            vr = gl.convert_layout(valid, gl.SliceLayout(1, lr))
+            offr = gl.multiple_of(gl.convert_layout(page * srp + row * srr, gl.SliceLayout(1, lr)), 8)
+            cr = gl.arange(0, _TILE, layout=gl.SliceLayout(0, lr))
+            _cp_async(rr, rope + offr[:, None] + cr[None, :], mask=vr[:, None] & (cr < _TILE)[None, :])
+        async_copy.mbarrier_arrive(bar, increment_count=False)
+        # the 7 UE8M0 bytes + 1 pad byte of each key: one int64 (``scale`` is the host's int64 view)
+        vs = gl.convert_layout(valid, gl.SliceLayout(1, kt))
+        offs = gl.convert_layout(page * ssp + row * ssr, gl.SliceLayout(1, kt))
+        sbytes = gl.load(scale + offs, mask=vs, other=0)
+        return valid, sbytes
+
+    @gluon.jit
+    def _dequant_half(H: gl.constexpr, r8, rr, sbytes, valid, kb, bias, BLOCK_N: gl.constexpr):
+        """Raw stage of half H -> the bf16 half-tile ``kb`` [BLOCK_N, 256] (one store): FP8 tile 4 H + t times its
+        scale into dims [64 t, 64 t + 64), and for H = 1 the rope lanes into [192, 256) (dims 448-511 of the
+        entry).  H = 0 also writes ``bias`` [BLOCK_N] fp32: 0 for valid keys, -inf for the others."""
+        l3: gl.constexpr = gl.BlockedLayout([1, 1, 16], [8, 1, 4], [4, 1, 1], [2, 1, 0])
+        kl: gl.constexpr = gl.SliceLayout(1, l3)
+        t4 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, l3)))
+        x = r8.permute((1, 0, 2)).load(l3).to(gl.float32)  # [BLOCK_N, 4, 64]: key, tile, byte
+        sb = ((sbytes[:, None] >> (8 * (4 * H + t4))[None, :]) & 0xFF).to(gl.int32)  # [BLOCK_N, 4] UE8M0 bytes
+        y = x * (sb << 23).to(gl.float32, bitcast=True)[:, :, None]  # 2**(byte - 127): exact
+        if H == 1:  # "tile 7" is the rope lanes
+            rope = rr.load(kl).to(gl.float32)
+            y = gl.where((t4 == 3)[None, :, None], rope[:, None, :], y)
+        kb.store(gl.reshape(y.to(gl.bfloat16), [BLOCK_N, 4 * _TILE]))
+        if H == 0:
+            bl: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+            bias.store(gl.where(gl.convert_layout(valid, bl), 0.0, float("-inf")))
+
+    @gluon.jit
+    def _producer(H: gl.constexpr, args):
+        """Producer warpgroup H (half H of every entry): blocks [blk_start, blk_end] (one past the end) of this
+        program's split.
+
+        Barriers (see ``_sparse_attn_ws_kernel``): raw-ready H RAW + r (count 128, cp.async), stage-ready s (count
+        2: one arrival a producer), stage-free s (count 2: each consumer after its P.V of the stage's block)."""
+        (
+            q_ptr, stride_qt, stride_qh, sink_ptr, ca, cb, a_blocks, n_blocks, blocks_per_split,
+            out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, stride_lh, ws_m_ptr, ws_l_ptr, ws_acc_ptr, ws_splits,
+            num_heads, qk_scale_log2, q_s, kb_s, r8_s, rr_s, bias_s, x0_s, x1_s, bars,
+        ) = args  # fmt: skip
+        RAW: gl.constexpr = rr_s.type.shape[0]
+        STAGES: gl.constexpr = kb_s.type.shape[0] // 2
+        BLOCK_N: gl.constexpr = rr_s.type.shape[1]
+        READY: gl.constexpr = 2 * RAW
+        FREE: gl.constexpr = 2 * RAW + STAGES
+        RB: gl.constexpr = H * RAW
+        pid_t = gl.program_id(0).to(gl.int64)
+        pid_s = gl.program_id(2)
+        blk_start = pid_s * blocks_per_split
+        blk_end = gl.minimum(blk_start + blocks_per_split, n_blocks)
+        n_my = gl.maximum(blk_end - blk_start, 0)
+
+        # index rows two blocks ahead, cp.async + scale bytes one block ahead of the dequantisation
+        slots_next = _block_slots(blk_start + 1, blk_end, a_blocks, pid_t, ca, cb, BLOCK_N)
+        slots = _block_slots(blk_start, blk_end, a_blocks, pid_t, ca, cb, BLOCK_N)
+        valid, sbytes = _issue_block(H, blk_start, slots, a_blocks, ca, cb, r8_s.index(RB), rr_s.index(0),
+                                     bars.index(RB), BLOCK_N)  # fmt: skip
+        for i in range(n_my + 1):
+            slots_after = _block_slots(blk_start + i + 2, blk_end, a_blocks, pid_t, ca, cb, BLOCK_N)
+            # the next block's raw stage was dequantised an iteration ago (all threads passed that stage-ready
+            # arrive's warpgroup barrier)
+            rn = (i + 1) % RAW
+            valid_n, sbytes_n = _issue_block(H, blk_start + i + 1, slots_next, a_blocks, ca, cb, r8_s.index(RB + rn),
+                                             rr_s.index(rn), bars.index(RB + rn), BLOCK_N)  # fmt: skip
+            r = i % RAW
+            st = i % STAGES
+            mbarrier.wait(bars.index(RB + r), (i // RAW) & 1)
+            mbarrier.wait(bars.index(FREE + st), ((i // STAGES) & 1) ^ 1, pred=i >= STAGES)
+            _dequant_half(H, r8_s.index(RB + r), rr_s.index(r), sbytes, valid, kb_s.index(2 * st + H),
+                          bias_s.index(st), BLOCK_N)  # fmt: skip
+            fence_async_shared()
+            mbarrier.arrive(bars.index(READY + st))
+            valid = valid_n
+            sbytes = sbytes_n
+            slots_next = slots_after
+
+    @gluon.jit
+    def _consumer(W: gl.constexpr, args):
+        """Consumer warpgroup W: the dense kernel's ``_wg_body`` over the producer's bf16 stages."""
+        (
+            q_ptr, stride_qt, stride_qh, sink_ptr, ca, cb, a_blocks, n_blocks, blocks_per_split,
+            out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, stride_lh, ws_m_ptr, ws_l_ptr, ws_acc_ptr, ws_splits,
+            num_heads, qk_scale_log2, q_s, kb_s, r8_s, rr_s, bias_s, x0_s, x1_s, bars,
+        ) = args  # fmt: skip
+        RAW: gl.constexpr = rr_s.type.shape[0]
+        STAGES: gl.constexpr = kb_s.type.shape[0] // 2
+        BLOCK_N: gl.constexpr = rr_s.type.shape[1]
+        D: gl.constexpr = 2 * _HALF
+        READY: gl.constexpr = 2 * RAW
+        FREE: gl.constexpr = 2 * RAW + STAGES
+        FULL: gl.constexpr = 2 * RAW + 2 * STAGES
+        EMPTY: gl.constexpr = FULL + 2
+        QBAR: gl.constexpr = FULL + 4
+        ld: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
+        mma_s: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
+        )
+        # P.V as two m64 n128 wgmmas (a 256-wide one needs more registers per instruction than the 128 a thread
+        # gets at launch with four warpgroups; ptxas refuses it even where setmaxnreg raises the limit)
+        mma_o: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, _QUARTER, 16]
+        )
+        p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_o, k_width=2)
+        row_s: gl.constexpr = gl.SliceLayout(1, mma_s)
+        row_o: gl.constexpr = gl.SliceLayout(1, mma_o)
+        col_s: gl.constexpr = gl.SliceLayout(0, mma_s)
+        col_o: gl.constexpr = gl.SliceLayout(0, mma_o)
+        if W == 0:
+            x_mine = x0_s
+            x_other = x1_s
+        else:
+            x_mine = x1_s
+            x_other = x0_s
+
+        pid_t = gl.program_id(0).to(gl.int64)
+        pid_h = gl.program_id(1)
+        pid_s = gl.program_id(2)
+        blk_start = pid_s * blocks_per_split
+        blk_end = gl.minimum(blk_start + blocks_per_split, n_blocks)
+        n_my = gl.maximum(blk_end - blk_start, 0)
+
+        offs_hq = pid_h * _BH + gl.arange(0, _BH, layout=gl.SliceLayout(1, ld))
+        offs_cq = W * _HALF + gl.arange(0, _HALF, layout=gl.SliceLayout(0, ld))
+        q = gl.load(
+            q_ptr + pid_t * stride_qt + offs_hq[:, None].to(gl.int64) * stride_qh + offs_cq[None, :],
+            mask=(offs_hq < num_heads)[:, None],
+            other=0.0,
+        )
+        qw = q_s.index(W)
+        qw.store(q)
+        fence_async_shared()
+        mbarrier.arrive(bars.index(QBAR + W))
+        mbarrier.wait(bars.index(QBAR + W), 0)
+
+        zero_s = gl.zeros([_BH, BLOCK_N], gl.float32, mma_s)
+        # block 0 (stage 0): QK, hand the partial to the other warpgroup
+        mbarrier.wait(bars.index(READY), 0)
+        s_tok = warpgroup_mma(qw, kb_s.index(W).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        s_w = warpgroup_mma_wait(0, deps=[s_tok])
+        bias = bias_s.index(0).load(col_s)
+        x_mine.store(s_w)
+        mbarrier.arrive(bars.index(FULL + W))
+
+        m_i = gl.full([_BH], float("-inf"), gl.float32, row_s)
+        l_i = gl.zeros([_BH], gl.float32, row_s)
+        acc0 = gl.zeros([_BH, _QUARTER], gl.float32, mma_o)
+        acc1 = gl.zeros([_BH, _QUARTER], gl.float32, mma_o)
+        for j in range(n_my):
+            st = j % STAGES
+            # 1. the other warpgroup's partial logits of block j
+            mbarrier.wait(bars.index(FULL + 1 - W), j & 1)
+            s_o = x_other.load(mma_s)
+            mbarrier.arrive(bars.index(EMPTY + 1 - W))
+            # 2. QK of block j + 1 (the producer makes one block past the end): runs under the softmax
+            jn = j + 1
+            stn = jn % STAGES
+            mbarrier.wait(bars.index(READY + stn), (jn // STAGES) & 1)
+            s_tok = warpgroup_mma(qw, kb_s.index(2 * stn + W).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            bias_next = bias_s.index(stn).load(col_s)
+            # 3. online softmax (log2 domain), identical in both warpgroups
+            s = (s_w + s_o) * qk_scale_log2 + bias[None, :]
+            m_new = gl.maximum(m_i, gl.max(s, 1))
+            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = gl.exp2(m_i - m_safe)
+            p = gl.exp2(s - m_safe[:, None])
+            l_i = l_i * alpha + gl.sum(p, 1)
+            m_i = m_new
+            p16 = gl.convert_layout(p.to(gl.bfloat16), p_l)
+            # 4. P.V of block j into this warpgroup's dims
+            alpha_o = gl.convert_layout(alpha, row_o)[:, None]
+            acc0 = acc0 * alpha_o
+            acc1 = acc1 * alpha_o
+            v = kb_s.index(2 * st + W)
+            acc0 = warpgroup_mma(p16, v.slice(0, _QUARTER, dim=1), acc0, is_async=True)
+            acc1 = warpgroup_mma(p16, v.slice(_QUARTER, _QUARTER, dim=1), acc1, is_async=True)
+            # 5. the QK of block j + 1 retires first: hand its partial over while the P.V runs
+            s_w = warpgroup_mma_wait(2, deps=[s_tok])
+            mbarrier.wait(bars.index(EMPTY + W), j & 1)
+            x_mine.store(s_w)
+            mbarrier.arrive(bars.index(FULL + W))
+            # 6. the P.V retires inside the iteration (see the dense kernel); the stage goes back to the producer
+            acc0, acc1 = warpgroup_mma_wait(0, deps=[acc0, acc1])
+            mbarrier.arrive(bars.index(FREE + st))
+            bias = bias_next
+
+        offs_h = pid_h * _BH + gl.arange(0, _BH, layout=row_o)
+        h_mask = offs_h < num_heads
+        m_o = gl.convert_layout(m_i, row_o)
+        l_o = gl.convert_layout(l_i, row_o)
+        # Both outcomes are written under masks (see the dense kernel): with a key split the partial state goes to
+        # the workspace (the combine adds the sink), otherwise the sink is added here and the output and lse stored
+        split = ws_splits > 1
+        ws_row = (pid_t * num_heads + offs_h) * ws_splits + pid_s
+        sink = gl.load(sink_ptr + offs_h, mask=h_mask, other=float("-inf")) * 1.4426950408889634
+        m_all = gl.maximum(m_o, sink)
+        m_safe = gl.where(m_all == float("-inf"), 0.0, m_all)
+        w = gl.exp2(m_o - m_safe)
+        denom = l_o * w + gl.exp2(sink - m_safe)
+        safe = gl.where(denom > 0.0, denom, 1.0)
+        final = h_mask & (ws_splits <= 1)
+        out_rows = out_ptr + pid_t * stride_ot + offs_h[:, None].to(gl.int64) * stride_oh
+        for c in gl.static_range(2):
+            acc = acc0 if c == 0 else acc1
+            offs_d = W * _HALF + c * _QUARTER + gl.arange(0, _QUARTER, layout=col_o)
+            gl.store(ws_acc_ptr + ws_row[:, None] * D + offs_d[None, :], acc, mask=(h_mask & split)[:, None])
+            o = acc * (w / safe)[:, None]
+            gl.store(out_rows + offs_d[None, :], o.to(gl.bfloat16), mask=final[:, None])
+        if W == 0:
+            gl.store(ws_m_ptr + ws_row, m_o, mask=h_mask & split)
+            gl.store(ws_l_ptr + ws_row, l_o, mask=h_mask & split)
+            lse = gl.where(denom > 0.0, (m_safe + gl.log2(safe)) * 0.6931471805599453, float("-inf"))
+            gl.store(lse_ptr + pid_t * stride_lt + offs_h * stride_lh, lse, mask=final)
+
+    @gluon.jit
+    def _wg0(args):
+        _consumer(0, args)
+
+    @gluon.jit
+    def _wg1(args):
+        _consumer(1, args)
+
+    @gluon.jit
+    def _prod0(args):
+        _producer(0, args)
+
+    @gluon.jit
+    def _prod1(args):
+        _producer(1, args)
+
+    @gluon.jit
+    def _sparse_attn_ws_kernel(
+        q_ptr, stride_qt, stride_qh, sink_ptr,
+        a_idx, a_sidx, a_keys, a_bs, a_slots, a_nope, a_rope, a_scale, a_snp, a_snr, a_srp, a_srr, a_ssp, a_ssr,
+        b_idx, b_sidx, b_keys, b_bs, b_slots, b_nope, b_rope, b_scale, b_snp, b_snr, b_srp, b_srr, b_ssp, b_ssr,
+        a_blocks, n_blocks, blocks_per_split,
+        out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, stride_lh, ws_m_ptr, ws_l_ptr, ws_acc_ptr, ws_splits,
+        num_heads, qk_scale_log2,
+        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, RAW: gl.constexpr,
+        WORKER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    ):  # fmt: skip
+        """Grid (T, cdiv(H, 64), splits); ``num_warps=4`` (consumer W = 0) + 4 (consumer W = 1) + 4 + 4 (producers).
+
+        Blocks [0, a_blocks) are cache A's index list in BLOCK_N-key blocks, then cache B's; with one cache the
+        ``b_*`` arguments repeat A's with ``b_keys = 0``.  Per cache: index rows (``*_idx``, row stride
+        ``*_sidx``, ``*_keys`` columns; -1 = none), page size ``*_bs`` and slot count ``*_slots``, and the
+        ``EntryPages`` views with their (page, row) strides.
+
+        Barriers: [0, RAW) raw-ready, [RAW, RAW + STAGES) stage-ready, [RAW + STAGES, RAW + 2 STAGES) stage-free,
+        then FULL + W, EMPTY + W (partial-logit exchange) and QBAR + W."""
+        sw: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        plain8: gl.constexpr = gl.SwizzledSharedLayout(vec=16, per_phase=1, max_phase=1, order=[2, 1, 0])
+        plain2: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=1, order=[1, 0])
+        flat: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+        padded: gl.constexpr = gl.PaddedSharedLayout.with_identity_for([[BLOCK_N, 8]], [_BH, BLOCK_N], [1, 0])
+        q_s = gl.allocate_shared_memory(gl.bfloat16, [2, _BH, _HALF], sw)
+        kb_s = gl.allocate_shared_memory(gl.bfloat16, [2 * STAGES, BLOCK_N, _HALF], sw)
+        r8_s = gl.allocate_shared_memory(gl.float8e4nv, [2 * RAW, 4, BLOCK_N, _TILE], plain8)  # producer H at H RAW
+        rr_s = gl.allocate_shared_memory(gl.bfloat16, [RAW, BLOCK_N, _TILE], plain2)
+        bias_s = gl.allocate_shared_memory(gl.float32, [4, BLOCK_N], flat)  # STAGES <= 4 rows used (a power of 2)
+        x0_s = gl.allocate_shared_memory(gl.float32, [_BH, BLOCK_N], padded)
+        x1_s = gl.allocate_shared_memory(gl.float32, [_BH, BLOCK_N], padded)
+        n_bars: gl.constexpr = 2 * RAW + 2 * STAGES + 6
+        bars = gl.allocate_shared_memory(gl.int64, [n_bars, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(2 * RAW):
+            mbarrier.init(bars.index(i), count=_WG_THREADS)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(bars.index(2 * RAW + i), count=2)
+            mbarrier.init(bars.index(2 * RAW + STAGES + i), count=2)
+        for i in gl.static_range(6):
+            mbarrier.init(bars.index(2 * RAW + 2 * STAGES + i), count=1)
+        ca = (a_idx, a_sidx, a_keys, a_bs, a_slots, a_nope, a_rope, a_scale, a_snp, a_snr, a_srp, a_srr, a_ssp, a_ssr)
+        cb = (b_idx, b_sidx, b_keys, b_bs, b_slots, b_nope, b_rope, b_scale, b_snp, b_snr, b_srp, b_srr, b_ssp, b_ssr)
+        args = (
+            q_ptr, stride_qt, stride_qh, sink_ptr, ca, cb, a_blocks, n_blocks, blocks_per_split,
+            out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, stride_lh, ws_m_ptr, ws_l_ptr, ws_acc_ptr, ws_splits,
+            num_heads, qk_scale_log2, q_s, kb_s, r8_s, rr_s, bias_s, x0_s, x1_s, bars,
+        )  # fmt: skip
+        gl.warp_specialize(
+            [(_wg0, (args,)), (_wg1, (args,)), (_prod0, (args,)), (_prod1, (args,))],
+            [4, 4, 4],
+            [WORKER_REGS, PRODUCER_REGS, PRODUCER_REGS],
+        )
+
+
+__all__ = ["HAVE_GLUON", "TILE"] + (["_sparse_attn_ws_kernel"] if HAVE_GLUON else [])
