@@ -93,6 +93,68 @@ if HAVE_GLUON:
         async_copy.mbarrier_arrive(bar, increment_count=False)
 
     @gluon.jit
+    def _split_blocks(blocks_per_split, n_blocks):
+        """This program's key blocks: (first, end, count) of split ``program_id(2)``."""
+        blk_start = gl.program_id(2) * blocks_per_split
+        blk_end = gl.minimum(blk_start + blocks_per_split, n_blocks)
+        return blk_start, blk_end, gl.maximum(blk_end - blk_start, 0)
+
+    @gluon.jit
+    def _q_half_to_smem(q_ptr, stride_qt, stride_qh, num_heads, W: gl.constexpr, qw, qbar):
+        """Warpgroup W's q half [64 heads, 256] of row ``program_id(0)``, head block ``program_id(1)`` -> ``qw``
+        (bf16 NVMMA), visible to the async proxy (wgmma) once every thread of W has stored: fence, then an
+        arrive/wait on W's own barrier ``qbar``.  Heads past ``num_heads`` are zeros."""
+        ld: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
+        offs_h = gl.program_id(1) * _BH + gl.arange(0, _BH, layout=gl.SliceLayout(1, ld))
+        offs_c = W * _HALF + gl.arange(0, _HALF, layout=gl.SliceLayout(0, ld))
+        row = q_ptr + gl.program_id(0).to(gl.int64) * stride_qt
+        ptrs = row + offs_h[:, None].to(gl.int64) * stride_qh + offs_c[None, :]
+        q = gl.load(ptrs, mask=(offs_h < num_heads)[:, None], other=0.0)
+        qw.store(q)
+        fence_async_shared()
+        mbarrier.arrive(qbar)
+        mbarrier.wait(qbar, 0)
+
+    @gluon.jit
+    def _write_rows(acc, offs_d, m_i, l_i, args_out, WRITE_STATS: gl.constexpr):
+        """Epilogue of one accumulator chunk [64 heads, len(offs_d)] (the formulas of
+        ``_triton_sparse_attention._write_result``).  Both outcomes are written under masks instead of a runtime
+        branch (triton 3.6 fails to lower the branch): with a key split (ws_splits > 1) the partial state goes to
+        the workspace and the combine kernel adds the sink; otherwise the sink is added here and the bf16 output
+        (and, ``WRITE_STATS``, the lse) stored.  ``WRITE_STATS`` also writes the split's (max, sum) rows."""
+        (
+            sink_ptr, out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, stride_lh, ws_m_ptr, ws_l_ptr, ws_acc_ptr,
+            ws_splits, num_heads,
+        ) = args_out  # fmt: skip
+        row_o: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
+        pid_t = gl.program_id(0).to(gl.int64)
+        offs_h = gl.program_id(1) * _BH + gl.arange(0, _BH, layout=row_o)
+        h_mask = offs_h < num_heads
+        m_o = gl.convert_layout(m_i, row_o)
+        l_o = gl.convert_layout(l_i, row_o)
+        split = ws_splits > 1
+        ws_row = (pid_t * num_heads + offs_h) * ws_splits + gl.program_id(2)
+        gl.store(ws_acc_ptr + ws_row[:, None] * (2 * _HALF) + offs_d[None, :], acc, mask=(h_mask & split)[:, None])
+        sink = gl.load(sink_ptr + offs_h, mask=h_mask, other=float("-inf")) * 1.4426950408889634
+        m_all = gl.maximum(m_o, sink)
+        m_safe = gl.where(m_all == float("-inf"), 0.0, m_all)
+        w = gl.exp2(m_o - m_safe)
+        denom = l_o * w + gl.exp2(sink - m_safe)
+        safe = gl.where(denom > 0.0, denom, 1.0)
+        o = acc * (w / safe)[:, None]
+        final = h_mask & (ws_splits <= 1)
+        gl.store(
+            out_ptr + pid_t * stride_ot + offs_h[:, None].to(gl.int64) * stride_oh + offs_d[None, :],
+            o.to(gl.bfloat16),
+            mask=final[:, None],
+        )
+        if WRITE_STATS:
+            gl.store(ws_m_ptr + ws_row, m_o, mask=h_mask & split)
+            gl.store(ws_l_ptr + ws_row, l_o, mask=h_mask & split)
+            lse = gl.where(denom > 0.0, (m_safe + gl.log2(safe)) * 0.6931471805599453, float("-inf"))
+            gl.store(lse_ptr + pid_t * stride_lt + offs_h * stride_lh, lse, mask=final)
+
+    @gluon.jit
     def _wg_body(W: gl.constexpr, args):
         """Warpgroup W's share of one (row, head block, key split) program; see the module docstring.
 
@@ -109,7 +171,6 @@ if HAVE_GLUON:
         STAGES: gl.constexpr = k_s.type.shape[0] // 2
         BLOCK_N: gl.constexpr = k_s.type.shape[1]
         D: gl.constexpr = 2 * _HALF
-        ld: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
         mma_s: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
         )
@@ -133,30 +194,15 @@ if HAVE_GLUON:
         QBAR: gl.constexpr = 2 * STAGES + 4
 
         pid_t = gl.program_id(0).to(gl.int64)
-        pid_h = gl.program_id(1)
-        pid_s = gl.program_id(2)
-        blk_start = pid_s * blocks_per_split
-        blk_end = gl.minimum(blk_start + blocks_per_split, n_blocks)
-        n_my = gl.maximum(blk_end - blk_start, 0)
+        blk_start, blk_end, n_my = _split_blocks(blocks_per_split, n_blocks)
         kv_row = kv_ptr + pid_t * stride_kt
         bias_row = bias_ptr + pid_t * stride_bt
 
-        # q half -> shared memory (generic stores, then the async proxy reads it: fence + all 128 threads)
-        offs_hq = pid_h * _BH + gl.arange(0, _BH, layout=gl.SliceLayout(1, ld))
-        offs_cq = W * _HALF + gl.arange(0, _HALF, layout=gl.SliceLayout(0, ld))
-        q = gl.load(
-            q_ptr + pid_t * stride_qt + offs_hq[:, None].to(gl.int64) * stride_qh + offs_cq[None, :],
-            mask=(offs_hq < num_heads)[:, None],
-            other=0.0,
-        )
-        qw = q_s.index(W)
-        qw.store(q)
-        # the first STAGES - 1 key blocks (their stages are free)
+        # the first STAGES - 1 key blocks (their stages are free), then the q half -> shared memory
         for i0 in gl.static_range(STAGES - 1):
             _load_half(kv_row, blk_start + i0, blk_end, k_s.index(RDY + i0), bars.index(RDY + i0), W, BLOCK_N, D)
-        fence_async_shared()
-        mbarrier.arrive(bars.index(QBAR + W))
-        mbarrier.wait(bars.index(QBAR + W), 0)
+        qw = q_s.index(W)
+        _q_half_to_smem(q_ptr, stride_qt, stride_qh, num_heads, W, qw, bars.index(QBAR + W))
 
         offs_n = gl.arange(0, BLOCK_N, layout=col_s)
         zero_s = gl.zeros([_BH, BLOCK_N], gl.float32, mma_s)
@@ -214,36 +260,11 @@ if HAVE_GLUON:
             bias = bias_next
         acc = warpgroup_mma_wait(0, deps=[acc])
 
-        # epilogue (the formulas of _triton_sparse_attention._write_result, for this warpgroup's dims)
-        offs_h = pid_h * _BH + gl.arange(0, _BH, layout=row_o)
-        h_mask = offs_h < num_heads
-        offs_d = W * _HALF + gl.arange(0, _HALF, layout=col_o)
-        m_o = gl.convert_layout(m_i, row_o)
-        l_o = gl.convert_layout(l_i, row_o)
-        # Both outcomes are written under masks instead of a runtime branch (triton 3.6 fails to lower the branch):
-        # with a key split (ws_splits > 1) the partial state goes to the workspace and the combine kernel adds the
-        # sink; otherwise the sink is added here and the bf16 output and the lse are stored.
-        split = ws_splits > 1
-        ws_row = (pid_t * num_heads + offs_h) * ws_splits + pid_s
-        gl.store(ws_acc_ptr + ws_row[:, None] * D + offs_d[None, :], acc, mask=(h_mask & split)[:, None])
-        sink = gl.load(sink_ptr + offs_h, mask=h_mask, other=float("-inf")) * 1.4426950408889634
-        m_all = gl.maximum(m_o, sink)
-        m_safe = gl.where(m_all == float("-inf"), 0.0, m_all)
-        w = gl.exp2(m_o - m_safe)
-        denom = l_o * w + gl.exp2(sink - m_safe)
-        safe = gl.where(denom > 0.0, denom, 1.0)
-        o = acc * (w / safe)[:, None]
-        final = h_mask & (ws_splits <= 1)
-        gl.store(
-            out_ptr + pid_t * stride_ot + offs_h[:, None].to(gl.int64) * stride_oh + offs_d[None, :],
-            o.to(gl.bfloat16),
-            mask=final[:, None],
-        )
-        if W == 0:
-            gl.store(ws_m_ptr + ws_row, m_o, mask=h_mask & split)
-            gl.store(ws_l_ptr + ws_row, l_o, mask=h_mask & split)
-            lse = gl.where(denom > 0.0, (m_safe + gl.log2(safe)) * 0.6931471805599453, float("-inf"))
-            gl.store(lse_ptr + pid_t * stride_lt + offs_h * stride_lh, lse, mask=final)
+        args_out = (
+            sink_ptr, out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, stride_lh, ws_m_ptr, ws_l_ptr, ws_acc_ptr,
+            ws_splits, num_heads,
+        )  # fmt: skip
+        _write_rows(acc, W * _HALF + gl.arange(0, _HALF, layout=col_o), m_i, l_i, args_out, W == 0)
 
     @gluon.jit
     def _wg0(args):

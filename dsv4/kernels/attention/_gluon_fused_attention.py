@@ -56,7 +56,12 @@ if HAVE_GLUON:
         warpgroup_mma_wait,
     )
 
-    from dsv4.kernels.attention._gluon_dense_attention import _cp_async
+    from dsv4.kernels.attention._gluon_dense_attention import (
+        _cp_async,
+        _q_half_to_smem,
+        _split_blocks,
+        _write_rows,
+    )
 
     _HALF = gl.constexpr(HALF)
     _QUARTER = gl.constexpr(HALF // 2)
@@ -167,10 +172,7 @@ if HAVE_GLUON:
         FREE: gl.constexpr = 2 * RAW + STAGES
         RB: gl.constexpr = H * RAW
         pid_t = gl.program_id(0).to(gl.int64)
-        pid_s = gl.program_id(2)
-        blk_start = pid_s * blocks_per_split
-        blk_end = gl.minimum(blk_start + blocks_per_split, n_blocks)
-        n_my = gl.maximum(blk_end - blk_start, 0)
+        blk_start, blk_end, n_my = _split_blocks(blocks_per_split, n_blocks)
 
         # index rows two blocks ahead, cp.async + scale bytes one block ahead of the dequantisation
         slots_next = _block_slots(blk_start + 1, blk_end, a_blocks, pid_t, ca, cb, BLOCK_N)
@@ -207,13 +209,11 @@ if HAVE_GLUON:
         RAW: gl.constexpr = rr_s.type.shape[0]
         STAGES: gl.constexpr = kb_s.type.shape[0] // 2
         BLOCK_N: gl.constexpr = rr_s.type.shape[1]
-        D: gl.constexpr = 2 * _HALF
         READY: gl.constexpr = 2 * RAW
         FREE: gl.constexpr = 2 * RAW + STAGES
         FULL: gl.constexpr = 2 * RAW + 2 * STAGES
         EMPTY: gl.constexpr = FULL + 2
         QBAR: gl.constexpr = FULL + 4
-        ld: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
         mma_s: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
         )
@@ -234,25 +234,9 @@ if HAVE_GLUON:
             x_mine = x1_s
             x_other = x0_s
 
-        pid_t = gl.program_id(0).to(gl.int64)
-        pid_h = gl.program_id(1)
-        pid_s = gl.program_id(2)
-        blk_start = pid_s * blocks_per_split
-        blk_end = gl.minimum(blk_start + blocks_per_split, n_blocks)
-        n_my = gl.maximum(blk_end - blk_start, 0)
-
-        offs_hq = pid_h * _BH + gl.arange(0, _BH, layout=gl.SliceLayout(1, ld))
-        offs_cq = W * _HALF + gl.arange(0, _HALF, layout=gl.SliceLayout(0, ld))
-        q = gl.load(
-            q_ptr + pid_t * stride_qt + offs_hq[:, None].to(gl.int64) * stride_qh + offs_cq[None, :],
-            mask=(offs_hq < num_heads)[:, None],
-            other=0.0,
-        )
+        _, _, n_my = _split_blocks(blocks_per_split, n_blocks)
         qw = q_s.index(W)
-        qw.store(q)
-        fence_async_shared()
-        mbarrier.arrive(bars.index(QBAR + W))
-        mbarrier.wait(bars.index(QBAR + W), 0)
+        _q_half_to_smem(q_ptr, stride_qt, stride_qh, num_heads, W, qw, bars.index(QBAR + W))
 
         zero_s = gl.zeros([_BH, BLOCK_N], gl.float32, mma_s)
         # block 0 (stage 0): QK, hand the partial to the other warpgroup
@@ -305,33 +289,13 @@ if HAVE_GLUON:
             mbarrier.arrive(bars.index(FREE + st))
             bias = bias_next
 
-        offs_h = pid_h * _BH + gl.arange(0, _BH, layout=row_o)
-        h_mask = offs_h < num_heads
-        m_o = gl.convert_layout(m_i, row_o)
-        l_o = gl.convert_layout(l_i, row_o)
-        # Both outcomes are written under masks (see the dense kernel): with a key split the partial state goes to
-        # the workspace (the combine adds the sink), otherwise the sink is added here and the output and lse stored
-        split = ws_splits > 1
-        ws_row = (pid_t * num_heads + offs_h) * ws_splits + pid_s
-        sink = gl.load(sink_ptr + offs_h, mask=h_mask, other=float("-inf")) * 1.4426950408889634
-        m_all = gl.maximum(m_o, sink)
-        m_safe = gl.where(m_all == float("-inf"), 0.0, m_all)
-        w = gl.exp2(m_o - m_safe)
-        denom = l_o * w + gl.exp2(sink - m_safe)
-        safe = gl.where(denom > 0.0, denom, 1.0)
-        final = h_mask & (ws_splits <= 1)
-        out_rows = out_ptr + pid_t * stride_ot + offs_h[:, None].to(gl.int64) * stride_oh
-        for c in gl.static_range(2):
-            acc = acc0 if c == 0 else acc1
-            offs_d = W * _HALF + c * _QUARTER + gl.arange(0, _QUARTER, layout=col_o)
-            gl.store(ws_acc_ptr + ws_row[:, None] * D + offs_d[None, :], acc, mask=(h_mask & split)[:, None])
-            o = acc * (w / safe)[:, None]
-            gl.store(out_rows + offs_d[None, :], o.to(gl.bfloat16), mask=final[:, None])
-        if W == 0:
-            gl.store(ws_m_ptr + ws_row, m_o, mask=h_mask & split)
-            gl.store(ws_l_ptr + ws_row, l_o, mask=h_mask & split)
-            lse = gl.where(denom > 0.0, (m_safe + gl.log2(safe)) * 0.6931471805599453, float("-inf"))
-            gl.store(lse_ptr + pid_t * stride_lt + offs_h * stride_lh, lse, mask=final)
+        args_out = (
+            sink_ptr, out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, stride_lh, ws_m_ptr, ws_l_ptr, ws_acc_ptr,
+            ws_splits, num_heads,
+        )  # fmt: skip
+        offs_d = W * _HALF + gl.arange(0, _QUARTER, layout=col_o)
+        _write_rows(acc0, offs_d, m_i, l_i, args_out, W == 0)  # W = 0 also writes the lse / split statistics
+        _write_rows(acc1, offs_d + _QUARTER, m_i, l_i, args_out, False)
 
     @gluon.jit
     def _wg0(args):
