@@ -8,8 +8,8 @@ The step is ``bench_attention.make_case`` (window ring of 128 + the top-k of ``-
 them with ``--hca``).  Each variant is checked against the reference first (``bench_attention.check``), then called
 ``--reps`` times under ``torch.profiler``: every kernel's average device time per call and launches per call
 (launch gaps excluded), and the CUDA-graph time of the call (20 calls per graph, no L2 flush).  Variants: the
-gathered path with the Triton dense kernel (the default), with the Gluon dense kernel (sm_90 only), and the fused
-kernel.
+gathered path with the Triton dense kernel (the default off sm_90), with the Gluon dense kernel (sm_90 only), the
+fused Triton kernel, and the fused Gluon kernel (``gluon_fused``, sm_90 only; the default there).
 """
 
 from __future__ import annotations
