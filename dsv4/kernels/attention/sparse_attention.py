@@ -418,10 +418,11 @@ def _dense_gluon(q, sink, kv, bias, out, lse, scale, n_cols, num_splits, interp)
         _combine(ws, ns, sink, out, lse, interp)
 
 
-GLUON_FUSED_STAGES = 3  # bf16 stages the fused Gluon kernel's producer fills ahead (path="gluon_fused")
-GLUON_FUSED_RAW = 2  # its raw (FP8 + rope) cp.async stages
-# registers a thread of its producer warpgroup / consumer warpgroup W = 1 gets (W = 0: the rest of the 64K, 224):
-# the largest split that ptxas (triton 3.6) compiles without a stack frame or spills in any partition
+GLUON_FUSED_STAGES = 3  # bf16 stages the fused Gluon kernel's producers fill ahead (path="gluon_fused")
+GLUON_FUSED_RAW = 2  # each producer's raw (FP8 + rope) cp.async stages
+# registers a thread of each producer warpgroup / of consumer W = 1 gets (W = 0 gets the rest of the 64K: 512 - 208 -
+# 2 x 48 = 208).  Triton 3.6: at 40 a producer spills in its loop, at 56 W = 0 (192) spills a dozen words; 48 leaves
+# a few: the producers' prologues and two of W = 0's loop values (an 8-byte stack).
 GLUON_PRODUCER_REGS = 48
 GLUON_FUSED_WORKER_REGS = 208
 
