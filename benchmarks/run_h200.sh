@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One H200 session: environment, GPU tests, then the kernel benchmarks. Results go to $OUT (or ./out).
-# Usage (on the device machine, repo root): bash benchmarks/run_h200.sh [tests|bench|all|pending|ncu|attention]
+# Usage (on the device machine, repo root): bash benchmarks/run_h200.sh [tests|bench|all|pending|ncu|attention|attention_ncu]
 # "pending": the norm and top-k GPU tests (~4 min, most of it compiling the top-k kernels), launch D's rank
 # threshold on/off, top-k with both flush kinds, the decode step; about 8 minutes.  "ncu": Nsight Compute
 # sections of the indexer scores, dense attention and gather kernels (benchmarks/ncu_cases.py).  "attention": the
@@ -45,6 +45,14 @@ if [ "$what" = pending ]; then
     2>&1 | tee "$OUT/${stamp}_h200_topk.txt" | tail -30
   timeout 200 python3 -m dsv4.cli bench --models v4-flash --kinds csa,hca --contexts 131072 --batches 1,8,64 \
     --out "$OUT/${stamp}_h200_decode.jsonl" 2>&1 | tail -20
+fi
+if [ "$what" = attention_ncu ]; then  # where the fused Gluon attention kernel's warps wait (~1 min)
+  timeout 200 /usr/local/cuda/bin/ncu -k regex:_sparse_attn_ws_kernel --launch-skip 1 --launch-count 1 \
+    --section WarpStateStats --section SourceCounters --import-source no --page source --print-source sass --csv \
+    python3 benchmarks/ncu_cases.py attention:gluon_fused > "$OUT/ncu_source_gluon_fused.csv" 2> "$OUT/ncu_err.txt"
+  python3 benchmarks/ncu_source_summary.py "$OUT/ncu_source_gluon_fused.csv" --top 40 \
+    | tee "$OUT/${stamp}_h200_ncu_source_gluon_fused.txt" | head -30
+  gzip -f "$OUT/ncu_source_gluon_fused.csv"
 fi
 if [ "$what" = attention ]; then
   timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_sparse_attention.py \
