@@ -6,7 +6,8 @@
 
 Cases (the benchmark shapes): ``indexer`` = MXFP4 scores at 1M context (262,144 keys), B = 4, 64 heads
 (``bench_indexer.make_problem``); ``attention`` = V4-Pro sparse decode attention, B = 64, 128 window + 1,024
-top-k entries (``bench_attention.make_case``), ``attention:gluon`` the same with the Gluon dense kernel,
+top-k entries (``bench_attention.make_case``) on the gathered path with the Triton dense kernel (not the sm_90
+default), ``attention:gluon`` the same with the Gluon dense kernel,
 ``attention:gluon_fused`` with the fused Gluon kernel;
 ``write:OP:MODE:N`` = ``bench_write``'s case of a cache write op (e.g. ``write:csa_indexer:prefill:65536``,
 ``write:hca:decode:64``), its Triton path; ``indexer:IMPL`` = the indexer case with that ``impl``.
@@ -26,7 +27,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from benchmarks.bench_attention import make_case  # noqa: E402
 from benchmarks.bench_indexer import make_problem  # noqa: E402
 from dsv4.config import get_preset  # noqa: E402
-from dsv4.kernels.attention import sparse_attention, sparse_attention_triton  # noqa: E402
+from dsv4.kernels.attention import sparse_attention_triton  # noqa: E402
 from dsv4.kernels.indexer import indexer_scores  # noqa: E402
 
 CALLS = 4
@@ -53,8 +54,8 @@ def main() -> None:
         pro = get_preset("v4-pro")
         q, caches, sink = make_case(64, pro.n_heads, pro.window_size, 4 * pro.index_topk, pro.index_topk, dev)
         for _ in range(CALLS):
-            if case == "attention":
-                sparse_attention(q, caches, sink, pro.head_dim**-0.5, backend="triton")
+            if case == "attention":  # the gathered path with the Triton dense kernel (run_h200.sh ncu's kernels)
+                sparse_attention_triton(q, caches, sink, pro.head_dim**-0.5, path="gathered", dense="triton")
             elif case == "attention:gluon":  # the gathered path with the opt-in Gluon dense kernel
                 sparse_attention_triton(q, caches, sink, pro.head_dim**-0.5, path="gathered", dense="gluon")
             else:  # the fused Gluon kernel (FP8 entries read directly)

@@ -365,6 +365,27 @@ def _gathered(q, caches, sink, scale, out, lse, fmt, block_h, block_n, num_split
 _GLUON_BUILDS: dict[int, bool] = {}  # device index -> the Gluon dense kernel compiled there ("auto" only)
 
 
+def _run_gluon(
+    builds: dict, q: torch.Tensor, forced: bool, kernel: str, fallback: str, launch, stacklevel: int
+) -> bool:
+    """Run ``launch()`` (a Gluon kernel; Gluon is experimental) and say whether it ran.  Unless ``forced``, a failure
+    on the device's first attempt is recorded in ``builds`` (device index -> built), warned about once
+    ("<kernel> unavailable (...); using <fallback>") and answered False: the caller takes its Triton path, then and on
+    every later call (its auto rule reads ``builds``).  A forced or later failure is raised.  ``stacklevel``: the
+    warning's, counted from the caller."""
+    first = q.device.index not in builds
+    try:
+        launch()
+    except Exception as e:  # noqa: BLE001 - a Triton that cannot build the kernel -> the Triton path
+        if forced or not first:
+            raise
+        builds[q.device.index] = False
+        warnings.warn(f"{kernel} unavailable ({type(e).__name__}: {e}); using {fallback}", stacklevel=stacklevel + 1)
+        return False
+    builds[q.device.index] = True
+    return True
+
+
 def _auto_gluon(q: torch.Tensor, head_dim: int, cols: int, head_blocks: int, block_n: int) -> bool:
     """``dense="auto"``: the Gluon kernel runs here and each program would attend >= GLUON_MIN_KEYS keys (with the
     key split the Triton dense launch would use over ``block_n``-column blocks)."""
@@ -441,7 +462,6 @@ def _fused_aligned(pages: EntryPages) -> bool:
         nope.data_ptr() % 16 == 0 and nope.stride(0) % 16 == 0 and nope.stride(1) % 16 == 0
         and rope.data_ptr() % 16 == 0 and rope.stride(0) % 8 == 0 and rope.stride(1) % 8 == 0
         and sc.data_ptr() % 8 == 0 and sc.stride(0) % 8 == 0 and sc.stride(1) == 8 and sc.stride(2) == 1
-        and sc.shape[2] < 8
     )  # fmt: skip
 
 
@@ -551,17 +571,9 @@ def _gathered_rows(
         col += sum(widths[i : i + 2])
     head_blocks = -(-H // block_h)
     if dense == "gluon" or (dense == "auto" and _auto_gluon(q, D, cols, head_blocks, block_n)):
-        first = q.device.index not in _GLUON_BUILDS
-        try:
-            _dense_gluon(q, sink, kv, bias, out, lse, scale, cols, num_splits, interp)
-            _GLUON_BUILDS[q.device.index] = True
+        launch = functools.partial(_dense_gluon, q, sink, kv, bias, out, lse, scale, cols, num_splits, interp)
+        if _run_gluon(_GLUON_BUILDS, q, dense == "gluon", "Gluon dense attention kernel", "Triton's", launch, 3):
             return out, lse
-        except Exception as e:  # noqa: BLE001 - Gluon is experimental: a Triton that cannot build it -> Triton path
-            if dense == "gluon" or not first:
-                raise
-            _GLUON_BUILDS[q.device.index] = False
-            msg = f"Gluon dense attention kernel unavailable ({type(e).__name__}: {e}); using Triton's"
-            warnings.warn(msg, stacklevel=3)
     n_blocks = cols // block_n
     ns, bps = _dense_splits(T, head_blocks, n_blocks, block_n, num_splits, q.device)
     split = ns > 1
@@ -683,20 +695,11 @@ def sparse_attention_triton(
         return out, lse
     caches = [(pages, idx if idx.stride(-1) == 1 else idx.contiguous()) for pages, idx in caches]
     sink = sink.contiguous()
-    if path == "gluon_fused":
-        return _fused_gluon(q, caches, sink, scale, out, lse, num_splits)
-    if auto_fused:
-        first = q.device.index not in _GLUON_FUSED_BUILDS
-        try:
-            _fused_gluon(q, caches, sink, scale, out, lse, num_splits)
-            _GLUON_FUSED_BUILDS[q.device.index] = True
+    if path == "gluon_fused" or auto_fused:
+        launch = functools.partial(_fused_gluon, q, caches, sink, scale, out, lse, num_splits)
+        forced = path == "gluon_fused"
+        if _run_gluon(_GLUON_FUSED_BUILDS, q, forced, "fused Gluon attention kernel", f"the {path} path", launch, 2):
             return out, lse
-        except Exception as e:  # noqa: BLE001 - Gluon is experimental: a Triton that cannot build it -> Triton paths
-            if not first:
-                raise
-            _GLUON_FUSED_BUILDS[q.device.index] = False
-            msg = f"fused Gluon attention kernel unavailable ({type(e).__name__}: {e}); using the {path} path"
-            warnings.warn(msg, stacklevel=2)
     if path == "gathered":
         return _gathered(
             q, caches, sink, scale, out, lse, fmt, block_h, block_n, num_splits, num_warps, num_stages, dense
