@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One H200 session: environment, GPU tests, then the kernel benchmarks. Results go to $OUT (or ./out).
-# Usage (on the device machine, repo root): bash benchmarks/run_h200.sh [tests|bench|all|pending|ncu|attention|attention_ncu]
+# Usage (on the device machine, repo root): bash benchmarks/run_h200.sh [tests|bench|all|pending|ncu|attention|attention_ncu|indexer_gluon]
 # "pending": the norm and top-k GPU tests (~4 min, most of it compiling the top-k kernels), launch D's rank
 # threshold on/off, top-k with both flush kinds, the decode step; about 8 minutes.  "ncu": Nsight Compute
 # sections of the indexer scores, dense attention and gather kernels (benchmarks/ncu_cases.py).  "attention": the
@@ -53,6 +53,12 @@ if [ "$what" = attention_ncu ]; then  # where the fused Gluon attention kernel's
   python3 benchmarks/ncu_source_summary.py "$OUT/ncu_source_gluon_fused.csv" --top 40 \
     | tee "$OUT/${stamp}_h200_ncu_source_gluon_fused.txt" | head -30
   gzip -f "$OUT/ncu_source_gluon_fused.csv"
+fi
+if [ "$what" = indexer_gluon ]; then  # WIP branch s10-next-gluon-indexer: first GPU run of the Gluon scores kernel
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_gluon_indexer_scores.py 2>&1 \
+    | tee "$OUT/${stamp}_h200_gpu_tests_gluon_indexer.txt" | tail -15
+  timeout 240 python3 benchmarks/sweep_indexer.py --batches 4 64 --entries 262144 --variants fp4_fp8mma gluon_ws \
+    --launches 128,4,2 --tiles 8 16 32 --out "$OUT/${stamp}_h200_sweep_indexer_gluon.jsonl" 2>&1 | tail -20
 fi
 if [ "$what" = attention ]; then
   timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_sparse_attention.py \

@@ -6,7 +6,8 @@
 
 Variants: fp4_{convert,dot_scaled,fp8mma,fold,fold4} (``indexer_scores(impl=...)``), fp4_fp8mma_noasm /
 fp4_fold_noasm (the byte re-encoding in Triton integer ops instead of inline PTX), fp8keys
-(``indexer_scores_fp8keys``).
+(``indexer_scores_fp8keys``), gluon_ws (WIP, sm_90, not in the default list: the warp-specialised Gluon kernel of
+``_gluon_scores``; the launch knobs other than tiles do not apply to it).
 
 Shape: 1M-token context (262,144 entries), Hi = 64 heads x 128, pages of 64 entries shuffled through one
 pool, one query row per request, B = 4 (and 1, 8), every entry visible.  Grid per variant: ``--grid fast``
@@ -69,6 +70,7 @@ VARIANTS = [
     "fp4_fold4",
     "fp4_fold_noasm",
     "fp8keys",
+    "gluon_ws",
 ]
 FULL_GRID = {"block_n": [64, 128, 256], "tiles": [1, 2, 4, 8, 16], "num_warps": [4, 8], "num_stages": [1, 2, 3, 4]}
 # default (--grid fast): the (block_n, warps, stages) combos that compile without spills for the fold/fp8mma
@@ -87,6 +89,11 @@ def run_fn(variant: str, prob: dict, cfg: dict):
     q, w, bt, tr, nv, n = prob["q"], prob["w"], prob["bt"], prob["tr"], prob["nv"], prob["n"]
     if variant == "fp8keys":
         return partial(indexer_scores_fp8keys, q, w, prob["fk"], bt, tr, nv, n, "triton", **kw)
+    if variant == "gluon_ws":  # WIP: the warp-specialised Gluon kernel (sm_90; launch knobs but tiles ignored)
+        from dsv4.kernels.indexer._gluon_scores import indexer_scores_gluon
+
+        tiles = None if cfg.get("default") else cfg["tiles"]
+        return partial(indexer_scores_gluon, q, w, prob["keys"], bt, tr, nv, n, tiles=tiles, check_exact=False)
     if variant == "fp4_fold_noasm":  # the fold table lookup in Triton integer ops instead of PTX prmt
 
         def run_fold():
@@ -296,6 +303,7 @@ def _default_cfg(B, args, dev) -> dict:
         "num_warps": c.num_warps,
         "num_stages": c.num_stages,
         "maxnreg": c.maxnreg,
+        "default": True,
     }
 
 
@@ -355,7 +363,7 @@ def main(argv=None):
     ap.add_argument("--entries", type=int, default=262144)
     ap.add_argument("--heads", type=int, default=64)
     ap.add_argument("--page", type=int, default=64)
-    ap.add_argument("--variants", nargs="+", default=VARIANTS, choices=VARIANTS)
+    ap.add_argument("--variants", nargs="+", default=[v for v in VARIANTS if v != "gluon_ws"], choices=VARIANTS)
     ap.add_argument("--grid", choices=["fast", "full"], default="fast", help="fast: 21 configs a variant")
     ap.add_argument("--timer", choices=["graph", "bench"], default="graph")
     ap.add_argument("--no-flush", action="store_true", help="graph timer: keep L2 warm between calls")

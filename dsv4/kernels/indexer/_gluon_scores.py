@@ -1,0 +1,292 @@
+"""WIP (branch ``s10-next-gluon-indexer``, not run on a GPU): a warp-specialised Gluon (sm_90) kernel for the
+lightning-indexer scores over MXFP4 keys, the fp8mma math of ``scores._mxfp4_scores_kernel`` split across warps.
+
+Why: the Triton fp8mma kernel is latency-bound (71.4 us at 1M entries, B = 4, H200): one warpgroup runs the serial
+chain block-table load -> key load -> re-encode -> shared memory -> MMA -> wait -> epilogue per 128-entry tile, two
+programs a SM.  The work itself is small: 71 MB of keys (17 us of HBM), 17 GFLOP of FP8 MMA (~9 us), and ~6 CUDA-core
+operations per (entry, head) for the block-scale combine, ReLU and weighted head sum (~12 us at 1M x 64).  Here they
+overlap:
+
+- **Producer** (4 warps): per tile of 128 entries it loads the block-table entries two tiles ahead, the packed e2m1
+  bytes (16-byte vectors) and the scale words of the next tile into registers, re-encodes the current tile's bytes as
+  e4m3 (exact: value * 2**-6, 8 integer operations per 8 codes, inline PTX as in ``scores``) in natural element order
+  and stores them with one [128, 128] store into a 128-byte-swizzled stage, with each entry's scale word (0 = not
+  visible / no page), then arrives on the stage's ready barrier.
+- **Consumers** W = 0, 1 (4 warps each): entries [64 W, 64 W + 64) of every tile: four m64 n64 k32 FP8 wgmmas (one a
+  32-element block, each from zero: exact, as in fp8mma), the stage freed, then the epilogue: the four block partials
+  times 2**(s_b - s_max) (flushed below 2**-126), ReLU, times the head weights, summed over heads, times
+  2**(s_max - 127); -inf where the scale word is 0.
+
+The query of a row is e4m3 with one power-of-two scale a head (``_prep_query``, as fp8mma's fast path); rows where
+that is not exact are refused (the Triton kernel's general path handles them; merging the two is left for later).
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+
+    HAVE_GLUON = True
+except ImportError:  # pragma: no cover - depends on the installed triton
+    HAVE_GLUON = False
+
+TILE_N = 128  # entries a stage (the producer's tile); each consumer takes 64
+HEADS = 64  # index heads (wgmma N)
+DIM = 128  # key / query dims
+QBLOCK = 32  # elements a UE8M0 block = one FP8 wgmma's K
+CODE_SCALE_LOG2 = 6  # the e4m3 re-encoding stores e2m1 value * 2**-6
+
+if HAVE_GLUON:
+    _TILE_N = gl.constexpr(TILE_N)
+    _HEADS = gl.constexpr(HEADS)
+    _DIM = gl.constexpr(DIM)
+    _QBLOCK = gl.constexpr(QBLOCK)
+
+    @gluon.jit
+    def _e2m1_to_e4m3(pc):
+        """Packed e2m1 bytes -> (e4m3 bytes of the low nibbles, of the high nibbles), 4 bytes a register."""
+        return gl.inline_asm_elementwise(
+            asm="""
+            {
+            .reg .b32 t, u;
+            shl.b32 t, $2, 2;
+            and.b32 t, t, 0x1C1C1C1C;
+            shl.b32 u, $2, 4;
+            and.b32 u, u, 0x80808080;
+            or.b32 $0, t, u;
+            shr.b32 t, $2, 2;
+            and.b32 t, t, 0x1C1C1C1C;
+            and.b32 u, $2, 0x80808080;
+            or.b32 $1, t, u;
+            }
+            """,
+            constraints="=r,=r,r",
+            args=[pc],
+            dtype=(gl.uint8, gl.uint8),
+            is_pure=True,
+            pack=4,
+        )
+
+    @gluon.jit
+    def _tile_pages(tile, row, nv, bt_ptr, stride_bt, MAX_BLOCKS, BS):
+        """Block-table entries of ``tile``'s entries ([TILE_N] int32 in the producer's key layout; -1 where not
+        visible).  Nothing is computed from the loaded values here (their latency overlaps an iteration)."""
+        lk: gl.constexpr = gl.SliceLayout(1, gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0]))
+        offs = tile * _TILE_N + gl.arange(0, _TILE_N, layout=lk)
+        blk = offs // BS
+        vis = (offs < nv) & (blk < MAX_BLOCKS)
+        return gl.load(bt_ptr + row * stride_bt + blk, mask=vis, other=-1)
+
+    @gluon.jit
+    def _tile_keys(tile, page, nv, NUM_PAGES, data_ptr, stride_dp, stride_dr, sw_ptr, stride_sp, stride_sr, BS):
+        """The packed bytes [TILE_N, 64] uint8 and scale words [TILE_N] int32 (0 where not visible / no page) of
+        ``tile``; ``page`` from ``_tile_pages`` an iteration earlier."""
+        lp: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
+        lk: gl.constexpr = gl.SliceLayout(1, lp)
+        offs = tile * _TILE_N + gl.arange(0, _TILE_N, layout=lk)
+        ok = (offs < nv) & (page >= 0) & (page < NUM_PAGES)
+        pg = gl.where(ok, page, 0).to(gl.int64)
+        prow = (offs % BS).to(gl.int64)
+        cols = gl.arange(0, _DIM // 2, layout=gl.SliceLayout(0, lp))
+        kptr = data_ptr + (pg * stride_dp + prow * stride_dr)[:, None] + cols[None, :]
+        packed = gl.load(kptr, mask=ok[:, None] & (cols < _DIM // 2)[None, :], other=0)
+        sw = gl.load(sw_ptr + pg * stride_sp + prow * stride_sr, mask=ok, other=0)
+        return packed, sw
+
+    @gluon.jit
+    def _producer(args):
+        (
+            qp_ptr, wq_ptr, data_ptr, sw_ptr, bt_ptr, row_ptr, nv_ptr, out_ptr, stride_qt, stride_wt, stride_dp,
+            stride_dr, stride_sp, stride_sr, stride_bt, stride_ot, N, MAX_BLOCKS, NUM_PAGES, tiles, k_s, s_s, q_s,
+            bars, BS,
+        ) = args  # fmt: skip
+        STAGES: gl.constexpr = k_s.type.shape[0]
+        READY: gl.constexpr = 0
+        FREE: gl.constexpr = STAGES
+        t = gl.program_id(0)
+        row = gl.load(row_ptr + t).to(gl.int64)
+        nv = gl.load(nv_ptr + t)
+        first = gl.program_id(1) * tiles
+        n_my = gl.minimum(tiles, gl.cdiv(N, _TILE_N) - first)
+        page_next = _tile_pages(first + 1, row, nv, bt_ptr, stride_bt, MAX_BLOCKS, BS)
+        page = _tile_pages(first, row, nv, bt_ptr, stride_bt, MAX_BLOCKS, BS)
+        packed, sw = _tile_keys(first, page, nv, NUM_PAGES, data_ptr, stride_dp, stride_dr, sw_ptr, stride_sp,
+                                stride_sr, BS)  # fmt: skip
+        sl: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        for i in range(n_my):
+            page_after = _tile_pages(first + i + 2, row, nv, bt_ptr, stride_bt, MAX_BLOCKS, BS)
+            packed_n, sw_n = _tile_keys(first + i + 1, page_next, nv, NUM_PAGES, data_ptr, stride_dp, stride_dr,
+                                        sw_ptr, stride_sp, stride_sr, BS)  # fmt: skip
+            st = i % STAGES
+            mbarrier.wait(bars.index(FREE + st), ((i // STAGES) & 1) ^ 1, pred=i >= STAGES)
+            lo, hi = _e2m1_to_e4m3(packed)  # element 2c = lo[:, c], 2c + 1 = hi[:, c]
+            k8 = gl.reshape(gl.join(lo, hi), [_TILE_N, _DIM]).to(gl.float8e4nv, bitcast=True)
+            k_s.index(st).store(k8)
+            s_s.index(st).store(gl.convert_layout(sw, sl))
+            fence_async_shared()
+            mbarrier.arrive(bars.index(READY + st))
+            packed = packed_n
+            sw = sw_n
+            page_next = page_after
+
+    @gluon.jit
+    def _pow2(biased_exp):
+        """2**(biased_exp - 127) as fp32 (biased_exp int32 in [1, 254])."""
+        return (biased_exp << 23).to(gl.float32, bitcast=True)
+
+    @gluon.jit
+    def _consumer(W: gl.constexpr, args):
+        (
+            qp_ptr, wq_ptr, data_ptr, sw_ptr, bt_ptr, row_ptr, nv_ptr, out_ptr, stride_qt, stride_wt, stride_dp,
+            stride_dr, stride_sp, stride_sr, stride_bt, stride_ot, N, MAX_BLOCKS, NUM_PAGES, tiles, k_s, s_s, q_s,
+            bars, BS,
+        ) = args  # fmt: skip
+        STAGES: gl.constexpr = k_s.type.shape[0]
+        READY: gl.constexpr = 0
+        FREE: gl.constexpr = STAGES
+        QBAR: gl.constexpr = 2 * STAGES
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 32])
+        row_l: gl.constexpr = gl.SliceLayout(1, mma)
+        col_l: gl.constexpr = gl.SliceLayout(0, mma)
+        t = gl.program_id(0).to(gl.int64)
+        first = gl.program_id(1) * tiles
+        n_my = gl.minimum(tiles, gl.cdiv(N, _TILE_N) - first)
+        if W == 0:  # the row's e4m3 query [64 heads, 128] -> shared memory (both consumers read it)
+            lq: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
+            h = gl.arange(0, _HEADS, layout=gl.SliceLayout(1, lq))
+            d = gl.arange(0, _DIM, layout=gl.SliceLayout(0, lq))
+            q8 = gl.load(qp_ptr + t * stride_qt + h[:, None] * _DIM + d[None, :])
+            q_s.store(q8)
+            fence_async_shared()
+            mbarrier.arrive(bars.index(QBAR))
+        mbarrier.wait(bars.index(QBAR), 0)
+        wq = gl.load(wq_ptr + t * stride_wt + gl.arange(0, _HEADS, layout=col_l))
+        zero = gl.zeros([64, _HEADS], gl.float32, mma)
+        out_row = out_ptr + t * stride_ot
+        for i in range(n_my):
+            st = i % STAGES
+            mbarrier.wait(bars.index(READY + st), (i // STAGES) & 1)
+            kt = k_s.index(st).slice(64 * W, 64, dim=0)
+            a0 = warpgroup_mma(kt.slice(0, _QBLOCK, dim=1), q_s.slice(0, _QBLOCK, dim=1).permute((1, 0)), zero,
+                               use_acc=False, is_async=True)  # fmt: skip
+            a1 = warpgroup_mma(kt.slice(_QBLOCK, _QBLOCK, dim=1), q_s.slice(_QBLOCK, _QBLOCK, dim=1).permute((1, 0)),
+                               zero, use_acc=False, is_async=True)  # fmt: skip
+            a2 = warpgroup_mma(kt.slice(2 * _QBLOCK, _QBLOCK, dim=1),
+                               q_s.slice(2 * _QBLOCK, _QBLOCK, dim=1).permute((1, 0)), zero, use_acc=False,
+                               is_async=True)  # fmt: skip
+            a3 = warpgroup_mma(kt.slice(3 * _QBLOCK, _QBLOCK, dim=1),
+                               q_s.slice(3 * _QBLOCK, _QBLOCK, dim=1).permute((1, 0)), zero, use_acc=False,
+                               is_async=True)  # fmt: skip
+            sw = s_s.index(st).slice(64 * W, 64).load(row_l)
+            a0, a1, a2, a3 = warpgroup_mma_wait(0, deps=[a0, a1, a2, a3])
+            mbarrier.arrive(bars.index(FREE + st))
+            s0 = gl.maximum(gl.maximum(sw & 255, (sw >> 8) & 255), gl.maximum((sw >> 16) & 255, (sw >> 24) & 255))
+            r0 = gl.where((sw & 255) - s0 + 127 >= 1, _pow2(gl.maximum((sw & 255) - s0 + 127, 1)), 0.0)
+            r1 = gl.where(((sw >> 8) & 255) - s0 + 127 >= 1, _pow2(gl.maximum(((sw >> 8) & 255) - s0 + 127, 1)), 0.0)
+            r2 = gl.where(((sw >> 16) & 255) - s0 + 127 >= 1, _pow2(gl.maximum(((sw >> 16) & 255) - s0 + 127, 1)), 0.0)
+            r3 = gl.where(((sw >> 24) & 255) - s0 + 127 >= 1, _pow2(gl.maximum(((sw >> 24) & 255) - s0 + 127, 1)), 0.0)
+            acc = a0 * r0[:, None] + a1 * r1[:, None] + a2 * r2[:, None] + a3 * r3[:, None]
+            s = gl.sum(gl.maximum(acc, 0.0) * wq[None, :], axis=1) * _pow2(gl.maximum(s0, 1))
+            offs = (first + i) * _TILE_N + 64 * W + gl.arange(0, 64, layout=row_l)
+            gl.store(out_row + offs, gl.where(sw != 0, s, float("-inf")), mask=offs < N)
+
+    @gluon.jit
+    def _wg0(args):
+        _consumer(0, args)
+
+    @gluon.jit
+    def _wg1(args):
+        _consumer(1, args)
+
+    @gluon.jit
+    def _mxfp4_scores_ws_kernel(
+        qp_ptr, wq_ptr, data_ptr, sw_ptr, bt_ptr, row_ptr, nv_ptr, out_ptr, stride_qt, stride_wt, stride_dp,
+        stride_dr, stride_sp, stride_sr, stride_bt, stride_ot, N, MAX_BLOCKS, NUM_PAGES, tiles, BS,
+        STAGES: gl.constexpr, WORKER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    ):  # fmt: skip
+        """Grid (T, programs a row); ``num_warps=4`` (consumer W = 0) + 4 (consumer W = 1) + 4 (producer).
+        Program (t, c) scores tiles [c tiles, (c + 1) tiles) of row t.  ``qp`` [T, 64, 128] e4m3 (``_prep_query``),
+        ``wq`` [T, 64] fp32 weights with the query's and the code's scales, ``sw`` [P, bs] int32 scale words."""
+        k_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
+        k_s = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, _TILE_N, _DIM], k_l)
+        q_s = gl.allocate_shared_memory(gl.float8e4nv, [_HEADS, _DIM], k_l)
+        s_l: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+        s_s = gl.allocate_shared_memory(gl.int32, [STAGES, _TILE_N], s_l)
+        bars = gl.allocate_shared_memory(gl.int64, [2 * STAGES + 1, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(bars.index(i), count=1)
+            mbarrier.init(bars.index(STAGES + i), count=2)
+        mbarrier.init(bars.index(2 * STAGES), count=1)
+        args = (
+            qp_ptr, wq_ptr, data_ptr, sw_ptr, bt_ptr, row_ptr, nv_ptr, out_ptr, stride_qt, stride_wt, stride_dp,
+            stride_dr, stride_sp, stride_sr, stride_bt, stride_ot, N, MAX_BLOCKS, NUM_PAGES, tiles, k_s, s_s, q_s,
+            bars, BS,
+        )  # fmt: skip
+        gl.warp_specialize(
+            [(_wg0, (args,)), (_wg1, (args,)), (_producer, (args,))], [4, 4], [WORKER_REGS, PRODUCER_REGS]
+        )
+
+
+GLUON_STAGES = 4
+GLUON_WORKER_REGS = 192
+GLUON_PRODUCER_REGS = 120
+
+
+def _prep_query(q: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fp8mma's fast-path query: each head's values times 2**(127 - e) as e4m3, e the biased exponent of the head's
+    largest |value| (127 for an all-zero head), and the weights times 2**(e - 127 + 6) (the query scale and the
+    keys' code scale).  Returns (q8 [T, 64, 128] e4m3, wq [T, 64] fp32, exact [T] bool: q8 holds the query
+    exactly)."""
+    qf = q.float()
+    amax = qf.abs().amax(dim=-1)
+    e = (amax.view(torch.int32) >> 23) & 255
+    e = torch.where(e == 0, torch.full_like(e, 127), e)
+    up = ((254 - e) << 23).view(torch.float32)  # 2**(127 - e)
+    q8 = (qf * up[..., None]).to(torch.float8_e4m3fn)
+    back = q8.float() / up[..., None]
+    exact = (back == qf).all(dim=-1).all(dim=-1)
+    wq = weights.float() * ((e << 23).view(torch.float32) * 2.0**CODE_SCALE_LOG2)  # 2**(e - 127) * 2**6
+    return q8.contiguous(), wq.contiguous(), exact
+
+
+def indexer_scores_gluon(
+    q, weights, keys, block_table, token_row, n_visible, max_entries: int, tiles=None, check_exact: bool = True
+):
+    """WIP: the scores of ``indexer_scores`` (same arguments; 64 heads) by the warp-specialised Gluon kernel.
+    ``tiles``: 128-entry tiles a program (None: one program a SM).  ``check_exact``: refuse (ValueError, after a
+    host sync, so not inside a CUDA graph) a call where some row's query is not exact in e4m3 with one scale a
+    head; False skips the check (benchmarks on MXFP4-simulated queries)."""
+    from dsv4.kernels.dispatch import num_sms
+    from dsv4.kernels.indexer.scores import _scale_words
+
+    T, H, D = q.shape
+    if (H, D) != (HEADS, DIM):
+        raise ValueError(f"indexer_scores_gluon: expected q [T, {HEADS}, {DIM}], got {tuple(q.shape)}")
+    q8, wq, exact = _prep_query(q, weights)
+    if check_exact and not bool(exact.all()):
+        raise ValueError("indexer_scores_gluon: a query row is not exact in e4m3 with one scale a head (WIP)")
+    out = torch.empty(T, max_entries, dtype=torch.float32, device=q.device)
+    if T == 0 or max_entries == 0:
+        return out
+    sw = _scale_words(keys.scale)
+    data = keys.data
+    n_tiles = -(-max_entries // TILE_N)
+    if tiles is None:
+        tiles = max(1, -(-n_tiles * T // num_sms(q.device)))
+    grid = (T, -(-n_tiles // tiles))
+    _mxfp4_scores_ws_kernel[grid](
+        q8, wq, data, sw, block_table, token_row, n_visible, out, q8.stride(0), wq.stride(0), data.stride(0),
+        data.stride(1), sw.stride(0), sw.stride(1), block_table.stride(0), out.stride(0), max_entries,
+        block_table.shape[1], data.shape[0], tiles, data.shape[1], STAGES=GLUON_STAGES,
+        WORKER_REGS=GLUON_WORKER_REGS, PRODUCER_REGS=GLUON_PRODUCER_REGS, num_warps=4,
+    )  # fmt: skip
+    return out

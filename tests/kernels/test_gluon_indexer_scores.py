@@ -1,0 +1,112 @@
+"""WIP (branch ``s10-next-gluon-indexer``): the warp-specialised Gluon indexer-scores kernel (``_gluon_scores``).
+
+CPU: the query preparation is exact where it says so, a torch model of the kernel's arithmetic (e4m3 re-encoding of
+the e2m1 codes, four exact block dots, the block-scale combine, ReLU, weighted head sum, the scale words' 0 sentinel)
+matches the reference, and the kernel compiles for sm_90 without spills.  GPU (sm_90): the kernel against the
+reference, including partly visible rows, pages outside the pool and a bench-size problem.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+import torch
+import triton
+from test_indexer_scores import assert_scores_close, make_keys, make_query  # same folder
+
+from dsv4.formats import MXFP4KeyFormat
+from dsv4.kernels.indexer import indexer_scores_reference
+from dsv4.kernels.indexer._gluon_scores import CODE_SCALE_LOG2, HAVE_GLUON, QBLOCK, _prep_query
+
+FMT = MXFP4KeyFormat()
+PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+on_sm90 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+def _problem(T, H, bs, pages, n, gen, nv=None):
+    kp = make_keys(pages, bs, random_bytes=True, gen=gen)
+    q, w = make_query(T, H, gen)
+    per_row = -(-n // bs)
+    bt = torch.stack([torch.randperm(pages, generator=gen)[:per_row] for _ in range(T)]).int()
+    tr = torch.arange(T, dtype=torch.int32)
+    nv = torch.full((T,), n, dtype=torch.int32) if nv is None else nv
+    return kp, q, w, bt, tr, nv
+
+
+def _model(q, w, kp, bt, tr, nv, n):
+    """The kernel's arithmetic in torch (fp32; every product of two e4m3 values is exact, as on the tensor core)."""
+    q8, wq, exact = _prep_query(q, w)
+    assert bool(exact.all())
+    bs = kp.entries_per_page
+    T = q.shape[0]
+    out = torch.full((T, n), float("-inf"))
+    j = torch.arange(n)
+    for t in range(T):
+        page = bt[int(tr[t])].long()[j // bs]
+        ok = (j < int(nv[t])) & (page >= 0) & (page < kp.data.shape[0])
+        pg = torch.where(ok, page, 0)
+        packed = kp.data[pg, j % bs].int()  # [n, 64]
+        lo = ((packed & 7) << 2) | ((packed & 8) << 4)
+        hi = ((packed >> 2) & 0x1C) | (packed & 0x80)
+        k8 = torch.stack([lo, hi], -1).reshape(n, 128).to(torch.uint8).view(torch.float8_e4m3fn).float()
+        s = kp.scale[pg, j % bs].int()  # [n, 4]
+        s0 = s.amax(-1)
+        rel = torch.where(s - s0[:, None] + 127 >= 1, torch.exp2((s - s0[:, None]).float()), 0.0)
+        acc = sum(
+            (k8[:, b * QBLOCK : (b + 1) * QBLOCK] @ q8[t, :, b * QBLOCK : (b + 1) * QBLOCK].float().T) * rel[:, b, None]
+            for b in range(4)
+        )
+        val = (torch.relu(acc) * wq[t][None, :]).sum(-1) * torch.exp2((s0 - 127).float())
+        out[t] = torch.where(ok, val, float("-inf"))
+    return out
+
+
+def test_prep_query_is_exact_and_scaled():
+    gen = torch.Generator().manual_seed(1)
+    q, w = make_query(3, 64, gen)
+    q8, wq, exact = _prep_query(q, w)
+    assert bool(exact.all())
+    e = (q.float().abs().amax(-1).view(torch.int32) >> 23) & 255
+    torch.testing.assert_close(q8.float() * torch.exp2((e - 127).float())[..., None], q.float(), rtol=0, atol=0)
+    torch.testing.assert_close(wq, w * torch.exp2((e - 127).float() + CODE_SCALE_LOG2), rtol=0, atol=0)
+    q[1, 5, 0] = 2.0**-20  # 2**-20 next to O(1) values of the same head: below e4m3's range at that scale
+    assert not bool(_prep_query(q, w)[2][1])
+
+
+@pytest.mark.parametrize("bs,n,nv", [(64, 256, None), (16, 200, [200, 37]), (64, 130, [0, 129])])
+def test_kernel_model_matches_reference(bs, n, nv):
+    gen = torch.Generator().manual_seed(2)
+    T = 2
+    nv_t = None if nv is None else torch.tensor(nv, dtype=torch.int32)
+    kp, q, w, bt, tr, nv_t = _problem(T, 64, bs, 16, n, gen, nv_t)
+    bt[0, 1] = -1  # a page outside the table: -inf
+    ref = indexer_scores_reference(q, w, kp, bt, tr, nv_t, n)
+    assert_scores_close(_model(q, w, kp, bt, tr, nv_t, n), ref)
+
+
+@pytest.mark.skipif(not (HAVE_GLUON and os.path.exists(PTXAS)), reason="triton without Gluon's Hopper module / ptxas")
+def test_gluon_indexer_compiles_for_sm90(sass_report):
+    out = sass_report("indexer_gluon:4:4096")
+    m = re.search(r"_mxfp4_scores_ws_kernel\s+regs\s+(\d+)\s+stack\s+(\d+) B.*local\s+(\d+) B\s+warps (\d+)", out)
+    assert m, out
+    assert int(m[2]) <= 16 and int(m[3]) == 0 and int(m[4]) == 12, out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (on_sm90 and HAVE_GLUON), reason="needs an sm_90 GPU and Gluon")
+@pytest.mark.parametrize("bs,n,nv", [(64, 4096, None), (64, 1000, [1000, 377, 0]), (16, 513, [513, 500, 1])])
+def test_gluon_indexer_matches_reference_gpu(bs, n, nv):
+    from dsv4.kernels.indexer._gluon_scores import indexer_scores_gluon
+
+    gen = torch.Generator().manual_seed(3)
+    T = 3
+    nv_t = None if nv is None else torch.tensor(nv, dtype=torch.int32)
+    kp, q, w, bt, tr, nv_t = _problem(T, 64, bs, 200, n, gen, nv_t)
+    bt[1, 2] = 1 << 20  # a page outside the pool inside the visible range: -inf, never read
+    ref = indexer_scores_reference(q, w, kp, bt, tr, nv_t, n)
+    dev = [x.cuda() for x in (q, w, bt, tr, nv_t)]
+    kp_d = type(kp)(kp.data.cuda(), kp.scale.cuda())
+    out = indexer_scores_gluon(dev[0], dev[1], kp_d, dev[2], dev[3], dev[4], n)
+    assert_scores_close(out.cpu(), ref)
