@@ -63,6 +63,31 @@ def _model(q, w, kp, bt, tr, nv, n):
     return out
 
 
+def _ptx_words(w: int) -> tuple[int, int]:
+    """``_e2m1_words_to_e4m3``'s PTX on one 32-bit word, in Python integers."""
+    m = 0xFFFFFFFF
+    zl, zh = (w << 2) & 0x3C3C3C3C, (w >> 2) & 0x3C3C3C3C
+    src = [(zl >> 8 * i) & 0xFF for i in range(4)] + [(zh >> 8 * i) & 0xFF for i in range(4)]
+    a = sum(src[(0x5140 >> 4 * i) & 15] << 8 * i for i in range(4))  # prmt.b32 a, zl, zh, 0x5140
+    b = sum(src[(0x7362 >> 4 * i) & 15] << 8 * i for i in range(4))
+    return ((a & 0x20202020) * 3 + a) & m, ((b & 0x20202020) * 3 + b) & m
+
+
+def test_word_conversion_ptx_gives_e4m3_in_element_order():
+    """Every byte value in every position of a word: the two output words are the e4m3 bytes (e2m1 value * 2**-6)
+    of elements 8c .. 8c + 7 in order (low nibble first), as the Triton fp8mma kernel's re-encoding."""
+    words = [v << (8 * i) | 0x5A5A5A5A & ~(0xFF << (8 * i)) for v in range(256) for i in range(4)]
+    for w in words:
+        codes = [(w >> (4 * k)) & 15 for k in range(8)]  # element k = nibble k (byte k // 2, low nibble first)
+        e4 = [((c & 7) << 2) | ((c & 8) << 4) for c in codes]
+        w0, w1 = _ptx_words(w)
+        assert [(w0 >> 8 * i) & 0xFF for i in range(4)] + [(w1 >> 8 * i) & 0xFF for i in range(4)] == e4, hex(w)
+    v = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7], dtype=torch.uint8) << 2  # codes 0-7 -> e4m3 bytes: value * 2**-6
+    torch.testing.assert_close(
+        v.view(torch.float8_e4m3fn).float() * 64, torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6]), rtol=0, atol=0
+    )
+
+
 def test_prep_query_is_exact_and_scaled():
     gen = torch.Generator().manual_seed(1)
     q, w = make_query(3, 64, gen)

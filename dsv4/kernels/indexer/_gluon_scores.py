@@ -17,13 +17,18 @@ overlap:
   times 2**(s_b - s_max) (flushed below 2**-126), ReLU, times the head weights, summed over heads, times
   2**(s_max - 127); -inf where the scale word is 0.
 
-Static estimate (sm_90 SASS, triton 3.6, before any GPU run): the producer's loop is ~630 instructions a 128-entry
-tile (150 PRMT of them place the low / high nibbles' bytes in element order for the store), a consumer's ~320 a
-64-entry half.  At 1M entries, B = 4 (62 tiles an SM, one 12-warp program an SM: each scheduler runs one producer and
-two consumer warps) that is ~79K issue slots a scheduler, ~40 us at 1.98 GHz if issue-bound: below the Triton
-kernel's 71 us, above the 25 us target.  Next cuts, if the GPU agrees: load the packed bytes as int32 words and let
-the PTX emit the interleaved e4m3 words (2 ``prmt`` a word instead of the join/reshape shuffles; store int32 into a
-128-byte-swizzled buffer and reinterpret it as fp8), and trim the consumer's scale-combine.
+The producer reads the packed bytes as int32 words; ``_e2m1_words_to_e4m3`` turns each into the two e4m3 words of
+its 8 elements in order (10 instructions), the words are stored into an int32 buffer with the 128-byte swizzle, and
+the consumers read the same bytes as e4m3 (``_reinterpret``).  (A first version converted bytes and put them in order
+with ``join`` / ``reshape``: 150 ``prmt`` more a tile.)
+
+Static estimate (sm_90 SASS, triton 3.6, before any GPU run): the producer's loop is ~500 instructions a 128-entry
+tile, a consumer's ~340 a 64-entry half (~200 of them the float work: 4 block partials combined with per-key scales,
+ReLU, weights, head sum, for 32 values a thread).  At 1M entries, B = 4 (62 tiles an SM, one 12-warp program an SM:
+each scheduler runs one producer and two consumer warps) that is ~73K issue slots a scheduler, ~37 us at 1.98 GHz if
+issue-bound: below the Triton kernel's 71 us, above the 25 us target.  The consumers' float work is the larger
+part; a bf16 K = 128 MMA over keys pre-scaled exactly by the producer would leave ReLU and the head sum only, at
+twice the MMA time and a costlier conversion (estimated ~31 us): the next experiment if this one runs.
 
 The query of a row is e4m3 with one power-of-two scale a head (``_prep_query``, as fp8mma's fast path); rows where
 that is not exact are refused (the Triton kernel's general path handles them; merging the two is left for later).
@@ -60,35 +65,51 @@ if HAVE_GLUON:
     _QBLOCK = gl.constexpr(QBLOCK)
 
     @gluon.jit
-    def _e2m1_to_e4m3(pc):
-        """Packed e2m1 bytes -> (e4m3 bytes of the low nibbles, of the high nibbles), 4 bytes a register."""
+    def _e2m1_words_to_e4m3(w):
+        """A word of 4 packed e2m1 bytes (elements 8c .. 8c + 7, low nibble first) -> two words of e4m3 bytes in
+        element order (value * 2**-6): each nibble shifted to bits 2-5 of its own byte (z), the sign moved from bit 5
+        to bit 7 by z + 3 (z & 0x20) (no carry leaves a byte), and the bytes interleaved with ``prmt``: 10
+        instructions a word."""
         return gl.inline_asm_elementwise(
             asm="""
             {
-            .reg .b32 t, u;
-            shl.b32 t, $2, 2;
-            and.b32 t, t, 0x1C1C1C1C;
-            shl.b32 u, $2, 4;
-            and.b32 u, u, 0x80808080;
-            or.b32 $0, t, u;
-            shr.b32 t, $2, 2;
-            and.b32 t, t, 0x1C1C1C1C;
-            and.b32 u, $2, 0x80808080;
-            or.b32 $1, t, u;
+            .reg .b32 zl, zh, a, b, t;
+            shl.b32 zl, $2, 2;
+            and.b32 zl, zl, 0x3C3C3C3C;
+            shr.b32 zh, $2, 2;
+            and.b32 zh, zh, 0x3C3C3C3C;
+            prmt.b32 a, zl, zh, 0x5140;
+            prmt.b32 b, zl, zh, 0x7362;
+            and.b32 t, a, 0x20202020;
+            mad.lo.u32 $0, t, 3, a;
+            and.b32 t, b, 0x20202020;
+            mad.lo.u32 $1, t, 3, b;
             }
             """,
             constraints="=r,=r,r",
-            args=[pc],
-            dtype=(gl.uint8, gl.uint8),
+            args=[w],
+            dtype=(gl.int32, gl.int32),
             is_pure=True,
-            pack=4,
+            pack=1,
         )
+
+    if hasattr(gl.shared_memory_descriptor, "reinterpret"):  # ``buf``'s bytes as another dtype / shape / layout
+
+        @gluon.jit
+        def _reinterpret(buf, dtype: gl.constexpr, shape: gl.constexpr, layout: gl.constexpr):
+            return buf.reinterpret(dtype, shape, layout)
+
+    else:  # triton 3.6 names it ``_reinterpret``
+
+        @gluon.jit
+        def _reinterpret(buf, dtype: gl.constexpr, shape: gl.constexpr, layout: gl.constexpr):
+            return buf._reinterpret(dtype, shape, layout)
 
     @gluon.jit
     def _tile_pages(tile, row, nv, bt_ptr, stride_bt, MAX_BLOCKS, BS):
         """Block-table entries of ``tile``'s entries ([TILE_N] int32 in the producer's key layout; -1 where not
         visible).  Nothing is computed from the loaded values here (their latency overlaps an iteration)."""
-        lk: gl.constexpr = gl.SliceLayout(1, gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0]))
+        lk: gl.constexpr = gl.SliceLayout(1, gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0]))
         offs = tile * _TILE_N + gl.arange(0, _TILE_N, layout=lk)
         blk = offs // BS
         vis = (offs < nv) & (blk < MAX_BLOCKS)
@@ -96,17 +117,18 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _tile_keys(tile, page, nv, NUM_PAGES, data_ptr, stride_dp, stride_dr, sw_ptr, stride_sp, stride_sr, BS):
-        """The packed bytes [TILE_N, 64] uint8 and scale words [TILE_N] int32 (0 where not visible / no page) of
-        ``tile``; ``page`` from ``_tile_pages`` an iteration earlier."""
-        lp: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
+        """The packed bytes as words [TILE_N, 16] int32 (``data_ptr``: the int32 view of the key bytes) and the
+        scale words [TILE_N] int32 (0 where not visible / no page) of ``tile``; ``page`` from ``_tile_pages`` an
+        iteration earlier."""
+        lp: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0])
         lk: gl.constexpr = gl.SliceLayout(1, lp)
         offs = tile * _TILE_N + gl.arange(0, _TILE_N, layout=lk)
         ok = (offs < nv) & (page >= 0) & (page < NUM_PAGES)
         pg = gl.where(ok, page, 0).to(gl.int64)
         prow = (offs % BS).to(gl.int64)
-        cols = gl.arange(0, _DIM // 2, layout=gl.SliceLayout(0, lp))
+        cols = gl.arange(0, _DIM // 8, layout=gl.SliceLayout(0, lp))
         kptr = data_ptr + (pg * stride_dp + prow * stride_dr)[:, None] + cols[None, :]
-        packed = gl.load(kptr, mask=ok[:, None] & (cols < _DIM // 2)[None, :], other=0)
+        packed = gl.load(kptr, mask=ok[:, None] & (cols < _DIM // 8)[None, :], other=0)
         sw = gl.load(sw_ptr + pg * stride_sp + prow * stride_sr, mask=ok, other=0)
         return packed, sw
 
@@ -114,8 +136,8 @@ if HAVE_GLUON:
     def _producer(args):
         (
             qp_ptr, wq_ptr, data_ptr, sw_ptr, bt_ptr, row_ptr, nv_ptr, out_ptr, stride_qt, stride_wt, stride_dp,
-            stride_dr, stride_sp, stride_sr, stride_bt, stride_ot, N, MAX_BLOCKS, NUM_PAGES, tiles, k_s, s_s, q_s,
-            bars, BS,
+            stride_dr, stride_sp, stride_sr, stride_bt, stride_ot, N, MAX_BLOCKS, NUM_PAGES, tiles, k_s, k_w, s_s,
+            q_s, bars, BS,
         ) = args  # fmt: skip
         STAGES: gl.constexpr = k_s.type.shape[0]
         READY: gl.constexpr = 0
@@ -136,9 +158,8 @@ if HAVE_GLUON:
                                         sw_ptr, stride_sp, stride_sr, BS)  # fmt: skip
             st = i % STAGES
             mbarrier.wait(bars.index(FREE + st), ((i // STAGES) & 1) ^ 1, pred=i >= STAGES)
-            lo, hi = _e2m1_to_e4m3(packed)  # element 2c = lo[:, c], 2c + 1 = hi[:, c]
-            k8 = gl.reshape(gl.join(lo, hi), [_TILE_N, _DIM]).to(gl.float8e4nv, bitcast=True)
-            k_s.index(st).store(k8)
+            w0, w1 = _e2m1_words_to_e4m3(packed)  # elements 8c .. 8c + 3 and 8c + 4 .. 8c + 7 of word c
+            k_w.index(st).store(gl.reshape(gl.join(w0, w1), [_TILE_N, _DIM // 4]))
             s_s.index(st).store(gl.convert_layout(sw, sl))
             fence_async_shared()
             mbarrier.arrive(bars.index(READY + st))
@@ -155,8 +176,8 @@ if HAVE_GLUON:
     def _consumer(W: gl.constexpr, args):
         (
             qp_ptr, wq_ptr, data_ptr, sw_ptr, bt_ptr, row_ptr, nv_ptr, out_ptr, stride_qt, stride_wt, stride_dp,
-            stride_dr, stride_sp, stride_sr, stride_bt, stride_ot, N, MAX_BLOCKS, NUM_PAGES, tiles, k_s, s_s, q_s,
-            bars, BS,
+            stride_dr, stride_sp, stride_sr, stride_bt, stride_ot, N, MAX_BLOCKS, NUM_PAGES, tiles, k_s, k_w, s_s,
+            q_s, bars, BS,
         ) = args  # fmt: skip
         STAGES: gl.constexpr = k_s.type.shape[0]
         READY: gl.constexpr = 0
@@ -225,7 +246,10 @@ if HAVE_GLUON:
         Program (t, c) scores tiles [c tiles, (c + 1) tiles) of row t.  ``qp`` [T, 64, 128] e4m3 (``_prep_query``),
         ``wq`` [T, 64] fp32 weights with the query's and the code's scales, ``sw`` [P, bs] int32 scale words."""
         k_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
-        k_s = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, _TILE_N, _DIM], k_l)
+        w_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
+        # the producer writes int32 words, the wgmmas read e4m3 bytes: the same 128-byte swizzle on the same bytes
+        k_w = gl.allocate_shared_memory(gl.int32, [STAGES, _TILE_N, _DIM // 4], w_l)
+        k_s = _reinterpret(k_w, gl.float8e4nv, [STAGES, _TILE_N, _DIM], k_l)
         q_s = gl.allocate_shared_memory(gl.float8e4nv, [_HEADS, _DIM], k_l)
         s_l: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
         s_s = gl.allocate_shared_memory(gl.int32, [STAGES, _TILE_N], s_l)
@@ -236,8 +260,8 @@ if HAVE_GLUON:
         mbarrier.init(bars.index(2 * STAGES), count=1)
         args = (
             qp_ptr, wq_ptr, data_ptr, sw_ptr, bt_ptr, row_ptr, nv_ptr, out_ptr, stride_qt, stride_wt, stride_dp,
-            stride_dr, stride_sp, stride_sr, stride_bt, stride_ot, N, MAX_BLOCKS, NUM_PAGES, tiles, k_s, s_s, q_s,
-            bars, BS,
+            stride_dr, stride_sp, stride_sr, stride_bt, stride_ot, N, MAX_BLOCKS, NUM_PAGES, tiles, k_s, k_w, s_s,
+            q_s, bars, BS,
         )  # fmt: skip
         gl.warp_specialize(
             [(_wg0, (args,)), (_wg1, (args,)), (_producer, (args,))], [4, 4], [WORKER_REGS, PRODUCER_REGS]
@@ -286,7 +310,7 @@ def indexer_scores_gluon(
     if T == 0 or max_entries == 0:
         return out
     sw = _scale_words(keys.scale)
-    data = keys.data
+    data = keys.data.view(torch.int32)  # [P, bs, 16]: 4 packed bytes a word
     n_tiles = -(-max_entries // TILE_N)
     if tiles is None:
         tiles = max(1, -(-n_tiles * T // num_sms(q.device)))
