@@ -41,7 +41,12 @@ def main() -> None:
         impl = case.partition(":")[2] or "auto"
         keys, bt, q, w, tr, nv = make_problem(B, n, 64, 64, dev, torch.Generator(device=dev).manual_seed(0))
         for _ in range(CALLS):
-            indexer_scores(q, w, keys, bt, tr, nv, n, "triton", impl=impl)
+            if impl == "gluon_ws":  # WIP: the warp-specialised Gluon kernel
+                from dsv4.kernels.indexer._gluon_scores import indexer_scores_gluon
+
+                indexer_scores_gluon(q, w, keys, bt, tr, nv, n, check_exact=False)
+            else:
+                indexer_scores(q, w, keys, bt, tr, nv, n, "triton", impl=impl)
     elif case.startswith("write:"):
         import bench_write as bw
 

@@ -59,6 +59,13 @@ if [ "$what" = indexer_gluon ]; then  # WIP branch s10-next-gluon-indexer: first
     | tee "$OUT/${stamp}_h200_gpu_tests_gluon_indexer.txt" | tail -15
   timeout 240 python3 benchmarks/sweep_indexer.py --batches 4 64 --entries 262144 --variants fp4_fp8mma gluon_ws \
     --launches 128,4,2 --tiles 8 16 32 --out "$OUT/${stamp}_h200_sweep_indexer_gluon.jsonl" 2>&1 | tail -20
+  timeout 200 /usr/local/cuda/bin/ncu -k regex:_mxfp4_scores_ws_kernel --launch-skip 1 --launch-count 1 \
+    --section WarpStateStats --section SourceCounters --section SpeedOfLight --import-source no --page source \
+    --print-source sass --csv python3 benchmarks/ncu_cases.py indexer:gluon_ws > "$OUT/ncu_source_gluon_indexer.csv" \
+    2> "$OUT/ncu_err.txt"
+  python3 benchmarks/ncu_source_summary.py "$OUT/ncu_source_gluon_indexer.csv" --top 40 \
+    | tee "$OUT/${stamp}_h200_ncu_source_gluon_indexer.txt" | head -30
+  gzip -f "$OUT/ncu_source_gluon_indexer.csv"
 fi
 if [ "$what" = attention ]; then
   timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_sparse_attention.py \

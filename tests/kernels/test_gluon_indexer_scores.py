@@ -121,8 +121,12 @@ def test_gluon_indexer_compiles_for_sm90(sass_report):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not (on_sm90 and HAVE_GLUON), reason="needs an sm_90 GPU and Gluon")
-@pytest.mark.parametrize("bs,n,nv", [(64, 4096, None), (64, 1000, [1000, 377, 0]), (16, 513, [513, 500, 1])])
-def test_gluon_indexer_matches_reference_gpu(bs, n, nv):
+@pytest.mark.parametrize(
+    "bs,n,nv,tiles",
+    [(64, 4096, None, None), (64, 4096, None, 13), (64, 1000, [1000, 377, 0], None), (16, 513, [513, 500, 1], 2)],
+)
+def test_gluon_indexer_matches_reference_gpu(bs, n, nv, tiles):
+    """tiles = 13: programs of 13, 13 and 6 tiles (the raw ring and the stages wrap several times)."""
     from dsv4.kernels.indexer._gluon_scores import indexer_scores_gluon
 
     gen = torch.Generator().manual_seed(3)
@@ -133,5 +137,25 @@ def test_gluon_indexer_matches_reference_gpu(bs, n, nv):
     ref = indexer_scores_reference(q, w, kp, bt, tr, nv_t, n)
     dev = [x.cuda() for x in (q, w, bt, tr, nv_t)]
     kp_d = type(kp)(kp.data.cuda(), kp.scale.cuda())
-    out = indexer_scores_gluon(dev[0], dev[1], kp_d, dev[2], dev[3], dev[4], n)
+    out = indexer_scores_gluon(dev[0], dev[1], kp_d, dev[2], dev[3], dev[4], n, tiles=tiles)
     assert_scores_close(out.cpu(), ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (on_sm90 and HAVE_GLUON), reason="needs an sm_90 GPU and Gluon")
+def test_gluon_indexer_flags_an_inexact_query_gpu():
+    """A head whose values span more binades than e4m3 holds under one scale: the kernel's flag refuses the call."""
+    from dsv4.kernels.indexer._gluon_scores import indexer_scores_gluon
+
+    gen = torch.Generator().manual_seed(4)
+    kp, q, w, bt, tr, nv_t = _problem(2, 64, 64, 20, 256, gen, None)
+    q[1, 5] = 0.0
+    q[1, 5, 0] = 2.0**10
+    q[1, 5, 1] = 2.0**-10 * 1.5  # 1.5 * 2**-20 once scaled: below e4m3's smallest subnormal
+    dev = [x.cuda() for x in (q, w, bt, tr, nv_t)]
+    kp_d = type(kp)(kp.data.cuda(), kp.scale.cuda())
+    with pytest.raises(ValueError, match="not exact"):
+        indexer_scores_gluon(dev[0], dev[1], kp_d, dev[2], dev[3], dev[4], 256)
+    q[1, 5, 1] = 0.0
+    out = indexer_scores_gluon(q.cuda(), dev[1], kp_d, dev[2], dev[3], dev[4], 256)
+    assert_scores_close(out.cpu(), indexer_scores_reference(q, w, kp, bt, tr, nv_t, 256))

@@ -42,13 +42,14 @@ try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
+        async_copy,
         fence_async_shared,
         mbarrier,
         warpgroup_mma,
         warpgroup_mma_wait,
     )
 
-    HAVE_GLUON = True
+    from dsv4.kernels.attention._gluon_dense_attention import HAVE_GLUON, _cp_async
 except ImportError:  # pragma: no cover - depends on the installed triton
     HAVE_GLUON = False
 
@@ -63,6 +64,7 @@ if HAVE_GLUON:
     _HEADS = gl.constexpr(HEADS)
     _DIM = gl.constexpr(DIM)
     _QBLOCK = gl.constexpr(QBLOCK)
+    _CODE_SCALE_LOG2 = gl.constexpr(CODE_SCALE_LOG2)
 
     @gluon.jit
     def _e2m1_words_to_e4m3(w):
@@ -106,66 +108,86 @@ if HAVE_GLUON:
             return buf._reinterpret(dtype, shape, layout)
 
     @gluon.jit
-    def _tile_pages(tile, row, nv, bt_ptr, stride_bt, MAX_BLOCKS, BS):
-        """Block-table entries of ``tile``'s entries ([TILE_N] int32 in the producer's key layout; -1 where not
-        visible).  Nothing is computed from the loaded values here (their latency overlaps an iteration)."""
-        lk: gl.constexpr = gl.SliceLayout(1, gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0]))
-        offs = tile * _TILE_N + gl.arange(0, _TILE_N, layout=lk)
+    def _tile_pages(tile, row, nv, bt_ptr, stride_bt, MAX_BLOCKS, BS, layout: gl.constexpr):
+        """Block-table entries of ``tile``'s entries ([TILE_N] int32 in ``layout``; -1 where not visible).  Nothing
+        is computed from the loaded values here (their latency overlaps an iteration)."""
+        offs = tile * _TILE_N + gl.arange(0, _TILE_N, layout=layout)
         blk = offs // BS
         vis = (offs < nv) & (blk < MAX_BLOCKS)
         return gl.load(bt_ptr + row * stride_bt + blk, mask=vis, other=-1)
 
     @gluon.jit
-    def _tile_keys(tile, page, nv, NUM_PAGES, data_ptr, stride_dp, stride_dr, sw_ptr, stride_sp, stride_sr, BS):
-        """The packed bytes as words [TILE_N, 16] int32 (``data_ptr``: the int32 view of the key bytes) and the
-        scale words [TILE_N] int32 (0 where not visible / no page) of ``tile``; ``page`` from ``_tile_pages`` an
-        iteration earlier."""
+    def _issue_tile(tile, live, page, page_s, nv, NUM_PAGES, data_ptr, stride_dp, stride_dr, sw_ptr, stride_sp,
+                    stride_sr, BS, raw, raw_s, bar):  # fmt: skip
+        """cp.async of ``tile``'s packed words into ``raw`` [TILE_N, 16] int32 and its scale words into ``raw_s``
+        [TILE_N] int32 (zero-filled where not visible, or everywhere when ``live`` is false: a tile past the
+        program's range reads nothing); every thread arrives on ``bar`` (count 128) when its copies land.  ``page``
+        / ``page_s``: the tile's block-table entries in the word and the scale layout (``_tile_pages``).  A thread
+        copies exactly the words it later reads back (same layouts), so reusing a slot needs no barrier."""
         lp: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0])
-        lk: gl.constexpr = gl.SliceLayout(1, lp)
-        offs = tile * _TILE_N + gl.arange(0, _TILE_N, layout=lk)
-        ok = (offs < nv) & (page >= 0) & (page < NUM_PAGES)
-        pg = gl.where(ok, page, 0).to(gl.int64)
-        prow = (offs % BS).to(gl.int64)
+        sl: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        offs = tile * _TILE_N + gl.arange(0, _TILE_N, layout=gl.SliceLayout(1, lp))
+        ok = (offs < nv) & (page >= 0) & (page < NUM_PAGES) & live
+        base = gl.where(ok, page, 0).to(gl.int64) * stride_dp + (offs % BS).to(gl.int64) * stride_dr
         cols = gl.arange(0, _DIM // 8, layout=gl.SliceLayout(0, lp))
-        kptr = data_ptr + (pg * stride_dp + prow * stride_dr)[:, None] + cols[None, :]
-        packed = gl.load(kptr, mask=ok[:, None] & (cols < _DIM // 8)[None, :], other=0)
-        sw = gl.load(sw_ptr + pg * stride_sp + prow * stride_sr, mask=ok, other=0)
-        return packed, sw
+        _cp_async(raw, data_ptr + gl.multiple_of(base, 4)[:, None] + cols[None, :],
+                  mask=ok[:, None] & (cols < _DIM // 8)[None, :])  # fmt: skip
+        offs_s = tile * _TILE_N + gl.arange(0, _TILE_N, layout=sl)
+        ok_s = (offs_s < nv) & (page_s >= 0) & (page_s < NUM_PAGES) & live
+        sbase = gl.where(ok_s, page_s, 0).to(gl.int64) * stride_sp + (offs_s % BS).to(gl.int64) * stride_sr
+        _cp_async(raw_s, sw_ptr + sbase, mask=ok_s)
+        async_copy.mbarrier_arrive(bar, increment_count=False)
 
     @gluon.jit
     def _producer(args):
+        """Re-encodes tile after tile of the program's range into the stages.  Raw tiles arrive by cp.async
+        RAW - 1 tiles ahead (~RAW * 8.5 KB in flight an SM: what HBM's latency asks for), block-table entries one
+        more tile ahead.  Barriers: raw-ready r (count 128), stage-ready s (count 1), stage-free s (count 2)."""
         (
-            qp_ptr, wq_ptr, data_ptr, sw_ptr, bt_ptr, row_ptr, nv_ptr, out_ptr, stride_qt, stride_wt, stride_dp,
-            stride_dr, stride_sp, stride_sr, stride_bt, stride_ot, N, MAX_BLOCKS, NUM_PAGES, tiles, k_s, k_w, s_s,
-            q_s, bars, BS,
+            q_ptr, w_ptr, data_ptr, sw_ptr, bt_ptr, row_ptr, nv_ptr, out_ptr, flag_ptr, stride_qt, stride_qh,
+            stride_wt, stride_dp, stride_dr, stride_sp, stride_sr, stride_bt, stride_ot, N, MAX_BLOCKS, NUM_PAGES,
+            tiles, k_s, k_w, s_s, q_s, raw_w, raw_s, bars, BS,
         ) = args  # fmt: skip
         STAGES: gl.constexpr = k_s.type.shape[0]
+        RAW: gl.constexpr = raw_w.type.shape[0]
         READY: gl.constexpr = 0
         FREE: gl.constexpr = STAGES
+        RAWBAR: gl.constexpr = 2 * STAGES + 1
+        lp: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0])
+        lk: gl.constexpr = gl.SliceLayout(1, lp)
+        sl: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
         t = gl.program_id(0)
         row = gl.load(row_ptr + t).to(gl.int64)
         nv = gl.load(nv_ptr + t)
         first = gl.program_id(1) * tiles
         n_my = gl.minimum(tiles, gl.cdiv(N, _TILE_N) - first)
-        page_next = _tile_pages(first + 1, row, nv, bt_ptr, stride_bt, MAX_BLOCKS, BS)
-        page = _tile_pages(first, row, nv, bt_ptr, stride_bt, MAX_BLOCKS, BS)
-        packed, sw = _tile_keys(first, page, nv, NUM_PAGES, data_ptr, stride_dp, stride_dr, sw_ptr, stride_sp,
-                                stride_sr, BS)  # fmt: skip
-        sl: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        for j in gl.static_range(RAW - 1):  # the first RAW - 1 tiles in flight
+            _issue_tile(first + j, j < n_my, _tile_pages(first + j, row, nv, bt_ptr, stride_bt, MAX_BLOCKS, BS, lk),
+                        _tile_pages(first + j, row, nv, bt_ptr, stride_bt, MAX_BLOCKS, BS, sl), nv, NUM_PAGES,
+                        data_ptr, stride_dp, stride_dr, sw_ptr, stride_sp, stride_sr, BS, raw_w.index(j),
+                        raw_s.index(j), bars.index(RAWBAR + j))  # fmt: skip
+        pg = _tile_pages(first + RAW - 1, row, nv, bt_ptr, stride_bt, MAX_BLOCKS, BS, lk)
+        pg_s = _tile_pages(first + RAW - 1, row, nv, bt_ptr, stride_bt, MAX_BLOCKS, BS, sl)
         for i in range(n_my):
-            page_after = _tile_pages(first + i + 2, row, nv, bt_ptr, stride_bt, MAX_BLOCKS, BS)
-            packed_n, sw_n = _tile_keys(first + i + 1, page_next, nv, NUM_PAGES, data_ptr, stride_dp, stride_dr,
-                                        sw_ptr, stride_sp, stride_sr, BS)  # fmt: skip
+            ahead = i + RAW - 1
+            pg_n = _tile_pages(first + ahead + 1, row, nv, bt_ptr, stride_bt, MAX_BLOCKS, BS, lk)
+            pg_sn = _tile_pages(first + ahead + 1, row, nv, bt_ptr, stride_bt, MAX_BLOCKS, BS, sl)
+            ra = ahead % RAW  # read back (by the same threads) an iteration ago
+            _issue_tile(first + ahead, ahead < n_my, pg, pg_s, nv, NUM_PAGES, data_ptr, stride_dp, stride_dr, sw_ptr,
+                        stride_sp, stride_sr, BS, raw_w.index(ra), raw_s.index(ra), bars.index(RAWBAR + ra))  # fmt: skip
+            r = i % RAW
             st = i % STAGES
+            mbarrier.wait(bars.index(RAWBAR + r), (i // RAW) & 1)
+            packed = raw_w.index(r).load(lp)
+            sw = raw_s.index(r).load(sl)
             mbarrier.wait(bars.index(FREE + st), ((i // STAGES) & 1) ^ 1, pred=i >= STAGES)
             w0, w1 = _e2m1_words_to_e4m3(packed)  # elements 8c .. 8c + 3 and 8c + 4 .. 8c + 7 of word c
             k_w.index(st).store(gl.reshape(gl.join(w0, w1), [_TILE_N, _DIM // 4]))
-            s_s.index(st).store(gl.convert_layout(sw, sl))
+            s_s.index(st).store(sw)
             fence_async_shared()
             mbarrier.arrive(bars.index(READY + st))
-            packed = packed_n
-            sw = sw_n
-            page_next = page_after
+            pg = pg_n
+            pg_s = pg_sn
 
     @gluon.jit
     def _pow2(biased_exp):
@@ -173,11 +195,37 @@ if HAVE_GLUON:
         return (biased_exp << 23).to(gl.float32, bitcast=True)
 
     @gluon.jit
+    def _query_prep(q_ptr, w_ptr, flag_ptr, stride_qt, stride_qh, stride_wt, q_s, qbar, W: gl.constexpr,
+                    col_l: gl.constexpr):  # fmt: skip
+        """Row t's query as e4m3 with one power-of-two scale a head: head h times 2**(127 - e_h), e_h the biased
+        exponent of its largest |value| (127 for an all-zero head), and the weights times 2**(e_h - 127 + 6) (the
+        query scale and the keys' code scale), [HEADS] fp32 in ``col_l``.  Consumer 0 stores the e4m3 query into
+        ``q_s``, arrives on ``qbar`` and sets ``flag[t]`` to 1 where the e4m3 query is not exact (0 otherwise)."""
+        t = gl.program_id(0).to(gl.int64)
+        lq: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
+        h = gl.arange(0, _HEADS, layout=gl.SliceLayout(1, lq))
+        d = gl.arange(0, _DIM, layout=gl.SliceLayout(0, lq))
+        qf = gl.load(q_ptr + t * stride_qt + h[:, None] * stride_qh + d[None, :]).to(gl.float32)
+        e = (gl.max(gl.abs(qf), axis=1).to(gl.int32, bitcast=True) >> 23) & 255
+        e = gl.where(e == 0, 127, e)
+        qs = qf * _pow2(254 - e)[:, None]
+        if W == 0:
+            q8 = qs.to(gl.float8e4nv)
+            q_s.store(q8)
+            fence_async_shared()
+            mbarrier.arrive(qbar)
+            inexact = gl.max(gl.max((q8.to(gl.float32) != qs).to(gl.int32), axis=1), axis=0)
+            if gl.program_id(1) == 0:
+                gl.store(flag_ptr + t, inexact)
+        w = gl.load(w_ptr + t * stride_wt + gl.arange(0, _HEADS, layout=col_l))
+        return w * _pow2(gl.convert_layout(e, col_l) + _CODE_SCALE_LOG2)
+
+    @gluon.jit
     def _consumer(W: gl.constexpr, args):
         (
-            qp_ptr, wq_ptr, data_ptr, sw_ptr, bt_ptr, row_ptr, nv_ptr, out_ptr, stride_qt, stride_wt, stride_dp,
-            stride_dr, stride_sp, stride_sr, stride_bt, stride_ot, N, MAX_BLOCKS, NUM_PAGES, tiles, k_s, k_w, s_s,
-            q_s, bars, BS,
+            q_ptr, w_ptr, data_ptr, sw_ptr, bt_ptr, row_ptr, nv_ptr, out_ptr, flag_ptr, stride_qt, stride_qh,
+            stride_wt, stride_dp, stride_dr, stride_sp, stride_sr, stride_bt, stride_ot, N, MAX_BLOCKS, NUM_PAGES,
+            tiles, k_s, k_w, s_s, q_s, raw_w, raw_s, bars, BS,
         ) = args  # fmt: skip
         STAGES: gl.constexpr = k_s.type.shape[0]
         READY: gl.constexpr = 0
@@ -189,16 +237,8 @@ if HAVE_GLUON:
         t = gl.program_id(0).to(gl.int64)
         first = gl.program_id(1) * tiles
         n_my = gl.minimum(tiles, gl.cdiv(N, _TILE_N) - first)
-        if W == 0:  # the row's e4m3 query [64 heads, 128] -> shared memory (both consumers read it)
-            lq: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
-            h = gl.arange(0, _HEADS, layout=gl.SliceLayout(1, lq))
-            d = gl.arange(0, _DIM, layout=gl.SliceLayout(0, lq))
-            q8 = gl.load(qp_ptr + t * stride_qt + h[:, None] * _DIM + d[None, :])
-            q_s.store(q8)
-            fence_async_shared()
-            mbarrier.arrive(bars.index(QBAR))
+        wq = _query_prep(q_ptr, w_ptr, flag_ptr, stride_qt, stride_qh, stride_wt, q_s, bars.index(QBAR), W, col_l)
         mbarrier.wait(bars.index(QBAR), 0)
-        wq = gl.load(wq_ptr + t * stride_wt + gl.arange(0, _HEADS, layout=col_l))
         zero = gl.zeros([64, _HEADS], gl.float32, mma)
         out_row = out_ptr + t * stride_ot
         for i in range(n_my):
@@ -238,13 +278,14 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _mxfp4_scores_ws_kernel(
-        qp_ptr, wq_ptr, data_ptr, sw_ptr, bt_ptr, row_ptr, nv_ptr, out_ptr, stride_qt, stride_wt, stride_dp,
-        stride_dr, stride_sp, stride_sr, stride_bt, stride_ot, N, MAX_BLOCKS, NUM_PAGES, tiles, BS,
-        STAGES: gl.constexpr, WORKER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+        q_ptr, w_ptr, data_ptr, sw_ptr, bt_ptr, row_ptr, nv_ptr, out_ptr, flag_ptr, stride_qt, stride_qh,
+        stride_wt, stride_dp, stride_dr, stride_sp, stride_sr, stride_bt, stride_ot, N, MAX_BLOCKS, NUM_PAGES,
+        tiles, BS, STAGES: gl.constexpr, RAW: gl.constexpr, WORKER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     ):  # fmt: skip
         """Grid (T, programs a row); ``num_warps=4`` (consumer W = 0) + 4 (consumer W = 1) + 4 (producer).
-        Program (t, c) scores tiles [c tiles, (c + 1) tiles) of row t.  ``qp`` [T, 64, 128] e4m3 (``_prep_query``),
-        ``wq`` [T, 64] fp32 weights with the query's and the code's scales, ``sw`` [P, bs] int32 scale words."""
+        Program (t, c) scores tiles [c tiles, (c + 1) tiles) of row t.  ``q`` [T, 64, 128] bf16 (last dim
+        contiguous), ``w`` [T, 64] fp32, ``data`` [P, bs, 16] int32 (the packed bytes), ``sw`` [P, bs] int32 scale
+        words, ``flag`` [T] int32 (out: 1 where the row's query is not exact in e4m3 with one scale a head)."""
         k_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
         w_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
         # the producer writes int32 words, the wgmmas read e4m3 bytes: the same 128-byte swizzle on the same bytes
@@ -253,15 +294,20 @@ if HAVE_GLUON:
         q_s = gl.allocate_shared_memory(gl.float8e4nv, [_HEADS, _DIM], k_l)
         s_l: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
         s_s = gl.allocate_shared_memory(gl.int32, [STAGES, _TILE_N], s_l)
-        bars = gl.allocate_shared_memory(gl.int64, [2 * STAGES + 1, 1], mbarrier.MBarrierLayout())
+        r_l: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+        raw_w = gl.allocate_shared_memory(gl.int32, [RAW, _TILE_N, _DIM // 8], r_l)
+        raw_s = gl.allocate_shared_memory(gl.int32, [RAW, _TILE_N], s_l)
+        bars = gl.allocate_shared_memory(gl.int64, [2 * STAGES + 1 + RAW, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
             mbarrier.init(bars.index(i), count=1)
             mbarrier.init(bars.index(STAGES + i), count=2)
         mbarrier.init(bars.index(2 * STAGES), count=1)
+        for i in gl.static_range(RAW):
+            mbarrier.init(bars.index(2 * STAGES + 1 + i), count=128)
         args = (
-            qp_ptr, wq_ptr, data_ptr, sw_ptr, bt_ptr, row_ptr, nv_ptr, out_ptr, stride_qt, stride_wt, stride_dp,
-            stride_dr, stride_sp, stride_sr, stride_bt, stride_ot, N, MAX_BLOCKS, NUM_PAGES, tiles, k_s, k_w, s_s,
-            q_s, bars, BS,
+            q_ptr, w_ptr, data_ptr, sw_ptr, bt_ptr, row_ptr, nv_ptr, out_ptr, flag_ptr, stride_qt, stride_qh,
+            stride_wt, stride_dp, stride_dr, stride_sp, stride_sr, stride_bt, stride_ot, N, MAX_BLOCKS, NUM_PAGES,
+            tiles, k_s, k_w, s_s, q_s, raw_w, raw_s, bars, BS,
         )  # fmt: skip
         gl.warp_specialize(
             [(_wg0, (args,)), (_wg1, (args,)), (_producer, (args,))], [4, 4], [WORKER_REGS, PRODUCER_REGS]
@@ -269,6 +315,7 @@ if HAVE_GLUON:
 
 
 GLUON_STAGES = 4
+GLUON_RAW = 4  # raw tiles in flight + 1 (8.5 KB each)
 GLUON_WORKER_REGS = 192
 GLUON_PRODUCER_REGS = 120
 
@@ -303,12 +350,12 @@ def indexer_scores_gluon(
     T, H, D = q.shape
     if (H, D) != (HEADS, DIM):
         raise ValueError(f"indexer_scores_gluon: expected q [T, {HEADS}, {DIM}], got {tuple(q.shape)}")
-    q8, wq, exact = _prep_query(q, weights)
-    if check_exact and not bool(exact.all()):
-        raise ValueError("indexer_scores_gluon: a query row is not exact in e4m3 with one scale a head (WIP)")
     out = torch.empty(T, max_entries, dtype=torch.float32, device=q.device)
+    flag = torch.empty(T, dtype=torch.int32, device=q.device)  # the kernel sets every row
     if T == 0 or max_entries == 0:
         return out
+    if q.stride(2) != 1:
+        q = q.contiguous()
     sw = _scale_words(keys.scale)
     data = keys.data.view(torch.int32)  # [P, bs, 16]: 4 packed bytes a word
     n_tiles = -(-max_entries // TILE_N)
@@ -316,9 +363,11 @@ def indexer_scores_gluon(
         tiles = max(1, -(-n_tiles * T // num_sms(q.device)))
     grid = (T, -(-n_tiles // tiles))
     _mxfp4_scores_ws_kernel[grid](
-        q8, wq, data, sw, block_table, token_row, n_visible, out, q8.stride(0), wq.stride(0), data.stride(0),
-        data.stride(1), sw.stride(0), sw.stride(1), block_table.stride(0), out.stride(0), max_entries,
-        block_table.shape[1], data.shape[0], tiles, data.shape[1], STAGES=GLUON_STAGES,
-        WORKER_REGS=GLUON_WORKER_REGS, PRODUCER_REGS=GLUON_PRODUCER_REGS, num_warps=4,
+        q, weights, data, sw, block_table, token_row, n_visible, out, flag, q.stride(0), q.stride(1),
+        weights.stride(0), data.stride(0), data.stride(1), sw.stride(0), sw.stride(1), block_table.stride(0),
+        out.stride(0), max_entries, block_table.shape[1], data.shape[0], tiles, data.shape[1], STAGES=GLUON_STAGES,
+        RAW=GLUON_RAW, WORKER_REGS=GLUON_WORKER_REGS, PRODUCER_REGS=GLUON_PRODUCER_REGS, num_warps=4,
     )  # fmt: skip
+    if check_exact and bool(flag.any()):
+        raise ValueError("indexer_scores_gluon: a query row is not exact in e4m3 with one scale a head (WIP)")
     return out
