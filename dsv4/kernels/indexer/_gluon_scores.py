@@ -108,7 +108,7 @@ if HAVE_GLUON:
             return buf._reinterpret(dtype, shape, layout)
 
     @gluon.jit
-    def _tile_pages(tile, row, nv, bt_ptr, stride_bt, MAX_BLOCKS, BS, layout: gl.constexpr):
+    def _tile_pages(tile, row, nv, bt_ptr, stride_bt, MAX_BLOCKS, BS: gl.constexpr, layout: gl.constexpr):
         """Block-table entries of ``tile``'s entries ([TILE_N] int32 in ``layout``; -1 where not visible).  Nothing
         is computed from the loaded values here (their latency overlaps an iteration)."""
         offs = tile * _TILE_N + gl.arange(0, _TILE_N, layout=layout)
@@ -118,7 +118,7 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _issue_tile(tile, live, page, page_s, nv, NUM_PAGES, data_ptr, stride_dp, stride_dr, sw_ptr, stride_sp,
-                    stride_sr, BS, raw, raw_s, bar):  # fmt: skip
+                    stride_sr, BS: gl.constexpr, raw, raw_s, bar):  # fmt: skip
         """cp.async of ``tile``'s packed words into ``raw`` [TILE_N, 16] int32 and its scale words into ``raw_s``
         [TILE_N] int32 (zero-filled where not visible, or everywhere when ``live`` is false: a tile past the
         program's range reads nothing); every thread arrives on ``bar`` (count 128) when its copies land.  ``page``
@@ -146,10 +146,11 @@ if HAVE_GLUON:
         (
             q_ptr, w_ptr, data_ptr, sw_ptr, bt_ptr, row_ptr, nv_ptr, out_ptr, flag_ptr, stride_qt, stride_qh,
             stride_wt, stride_dp, stride_dr, stride_sp, stride_sr, stride_bt, stride_ot, N, MAX_BLOCKS, NUM_PAGES,
-            tiles, k_s, k_w, s_s, q_s, raw_w, raw_s, bars, BS,
+            tiles, k_s, k_w, s_s, q_s, raw_w, raw_s, bars, page_s,
         ) = args  # fmt: skip
         STAGES: gl.constexpr = k_s.type.shape[0]
         RAW: gl.constexpr = raw_w.type.shape[0]
+        BS: gl.constexpr = page_s.type.shape[0]
         READY: gl.constexpr = 0
         FREE: gl.constexpr = STAGES
         RAWBAR: gl.constexpr = 2 * STAGES + 1
@@ -174,7 +175,8 @@ if HAVE_GLUON:
             pg_sn = _tile_pages(first + ahead + 1, row, nv, bt_ptr, stride_bt, MAX_BLOCKS, BS, sl)
             ra = ahead % RAW  # read back (by the same threads) an iteration ago
             _issue_tile(first + ahead, ahead < n_my, pg, pg_s, nv, NUM_PAGES, data_ptr, stride_dp, stride_dr, sw_ptr,
-                        stride_sp, stride_sr, BS, raw_w.index(ra), raw_s.index(ra), bars.index(RAWBAR + ra))  # fmt: skip
+                        stride_sp, stride_sr, BS, raw_w.index(ra), raw_s.index(ra),
+                        bars.index(RAWBAR + ra))  # fmt: skip
             r = i % RAW
             st = i % STAGES
             mbarrier.wait(bars.index(RAWBAR + r), (i // RAW) & 1)
@@ -225,7 +227,7 @@ if HAVE_GLUON:
         (
             q_ptr, w_ptr, data_ptr, sw_ptr, bt_ptr, row_ptr, nv_ptr, out_ptr, flag_ptr, stride_qt, stride_qh,
             stride_wt, stride_dp, stride_dr, stride_sp, stride_sr, stride_bt, stride_ot, N, MAX_BLOCKS, NUM_PAGES,
-            tiles, k_s, k_w, s_s, q_s, raw_w, raw_s, bars, BS,
+            tiles, k_s, k_w, s_s, q_s, raw_w, raw_s, bars, page_s,
         ) = args  # fmt: skip
         STAGES: gl.constexpr = k_s.type.shape[0]
         READY: gl.constexpr = 0
@@ -280,7 +282,8 @@ if HAVE_GLUON:
     def _mxfp4_scores_ws_kernel(
         q_ptr, w_ptr, data_ptr, sw_ptr, bt_ptr, row_ptr, nv_ptr, out_ptr, flag_ptr, stride_qt, stride_qh,
         stride_wt, stride_dp, stride_dr, stride_sp, stride_sr, stride_bt, stride_ot, N, MAX_BLOCKS, NUM_PAGES,
-        tiles, BS, STAGES: gl.constexpr, RAW: gl.constexpr, WORKER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+        tiles, BS: gl.constexpr, STAGES: gl.constexpr, RAW: gl.constexpr, WORKER_REGS: gl.constexpr,
+        PRODUCER_REGS: gl.constexpr,
     ):  # fmt: skip
         """Grid (T, programs a row); ``num_warps=4`` (consumer W = 0) + 4 (consumer W = 1) + 4 (producer).
         Program (t, c) scores tiles [c tiles, (c + 1) tiles) of row t.  ``q`` [T, 64, 128] bf16 (last dim
@@ -298,6 +301,8 @@ if HAVE_GLUON:
         raw_w = gl.allocate_shared_memory(gl.int32, [RAW, _TILE_N, _DIM // 8], r_l)
         raw_s = gl.allocate_shared_memory(gl.int32, [RAW, _TILE_N], s_l)
         bars = gl.allocate_shared_memory(gl.int64, [2 * STAGES + 1 + RAW, 1], mbarrier.MBarrierLayout())
+        # never accessed: its shape carries the page size into the partitions as a constexpr (divisions -> shifts)
+        page_s = gl.allocate_shared_memory(gl.int8, [BS], s_l)
         for i in gl.static_range(STAGES):
             mbarrier.init(bars.index(i), count=1)
             mbarrier.init(bars.index(STAGES + i), count=2)
@@ -307,7 +312,7 @@ if HAVE_GLUON:
         args = (
             q_ptr, w_ptr, data_ptr, sw_ptr, bt_ptr, row_ptr, nv_ptr, out_ptr, flag_ptr, stride_qt, stride_qh,
             stride_wt, stride_dp, stride_dr, stride_sp, stride_sr, stride_bt, stride_ot, N, MAX_BLOCKS, NUM_PAGES,
-            tiles, k_s, k_w, s_s, q_s, raw_w, raw_s, bars, BS,
+            tiles, k_s, k_w, s_s, q_s, raw_w, raw_s, bars, page_s,
         )  # fmt: skip
         gl.warp_specialize(
             [(_wg0, (args,)), (_wg1, (args,)), (_producer, (args,))], [4, 4], [WORKER_REGS, PRODUCER_REGS]
@@ -358,6 +363,9 @@ def indexer_scores_gluon(
         q = q.contiguous()
     sw = _scale_words(keys.scale)
     data = keys.data.view(torch.int32)  # [P, bs, 16]: 4 packed bytes a word
+    bs = data.shape[1]
+    if bs & (bs - 1):
+        raise ValueError(f"indexer_scores_gluon: expected a power-of-two page size, got {bs} entries a page")
     n_tiles = -(-max_entries // TILE_N)
     if tiles is None:
         tiles = max(1, -(-n_tiles * T // num_sms(q.device)))
