@@ -123,10 +123,17 @@ def test_gluon_indexer_compiles_for_sm90(sass_report):
 @pytest.mark.skipif(not (on_sm90 and HAVE_GLUON), reason="needs an sm_90 GPU and Gluon")
 @pytest.mark.parametrize(
     "bs,n,nv,tiles",
-    [(64, 4096, None, None), (64, 4096, None, 13), (64, 1000, [1000, 377, 0], None), (16, 513, [513, 500, 1], 2)],
+    [
+        (64, 4096, None, None),
+        (64, 4096, None, 13),
+        (64, 1000, [1000, 377, 0], None),
+        (128, 513, [513, 500, 1], 2),
+        (256, 1100, [1100, 300, 129], 3),
+    ],
 )
 def test_gluon_indexer_matches_reference_gpu(bs, n, nv, tiles):
-    """tiles = 13: programs of 13, 13 and 6 tiles (the raw ring and the stages wrap several times)."""
+    """tiles = 13: programs of 13, 13 and 6 tiles (the raw ring and the stages wrap several times); bs = 64: two
+    pages a 128-entry tile, 128: one, 256: half a page."""
     from dsv4.kernels.indexer._gluon_scores import indexer_scores_gluon
 
     gen = torch.Generator().manual_seed(3)

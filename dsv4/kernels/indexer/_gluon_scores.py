@@ -42,14 +42,17 @@ try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
-        async_copy,
         fence_async_shared,
         mbarrier,
+        tma,
         warpgroup_mma,
         warpgroup_mma_wait,
     )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from dsv4.kernels.attention._gluon_dense_attention import HAVE_GLUON, _cp_async
+    # triton 3.6 names the TMA load ``async_copy_global_to_shared``; later versions also ``async_load``
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    HAVE_GLUON = True
 except ImportError:  # pragma: no cover - depends on the installed triton
     HAVE_GLUON = False
 
@@ -108,75 +111,92 @@ if HAVE_GLUON:
             return buf._reinterpret(dtype, shape, layout)
 
     @gluon.jit
-    def _tile_pages(tile, row, nv, bt_ptr, stride_bt, MAX_BLOCKS, BS: gl.constexpr, layout: gl.constexpr):
-        """Block-table entries of ``tile``'s entries ([TILE_N] int32 in ``layout``; -1 where not visible).  Nothing
-        is computed from the loaded values here (their latency overlaps an iteration)."""
-        offs = tile * _TILE_N + gl.arange(0, _TILE_N, layout=layout)
-        blk = offs // BS
-        vis = (offs < nv) & (blk < MAX_BLOCKS)
-        return gl.load(bt_ptr + row * stride_bt + blk, mask=vis, other=-1)
+    def _box_page(tile, k: gl.constexpr, row, nv, bt_ptr, stride_bt, MAX_BLOCKS, BS: gl.constexpr,
+                  BOXR: gl.constexpr):  # fmt: skip
+        """Block-table entry (scalar int32) of box k of ``tile`` (entries [tile TILE_N + k BOXR, + BOXR), one page's
+        rows); -1 where none of them is visible.  Nothing is computed from it here (its latency overlaps an
+        iteration)."""
+        e0 = tile * _TILE_N + k * BOXR
+        blk = e0 // BS
+        return gl.load(bt_ptr + row * stride_bt + blk, mask=(e0 < nv) & (blk < MAX_BLOCKS), other=-1)
 
     @gluon.jit
-    def _issue_tile(tile, live, page, page_s, nv, NUM_PAGES, data_ptr, stride_dp, stride_dr, sw_ptr, stride_sp,
-                    stride_sr, BS: gl.constexpr, raw, raw_s, bar):  # fmt: skip
-        """cp.async of ``tile``'s packed words into ``raw`` [TILE_N, 16] int32 and its scale words into ``raw_s``
-        [TILE_N] int32 (zero-filled where not visible, or everywhere when ``live`` is false: a tile past the
-        program's range reads nothing); every thread arrives on ``bar`` (count 128) when its copies land.  ``page``
-        / ``page_s``: the tile's block-table entries in the word and the scale layout (``_tile_pages``).  A thread
-        copies exactly the words it later reads back (same layouts), so reusing a slot needs no barrier."""
-        lp: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0])
-        sl: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-        offs = tile * _TILE_N + gl.arange(0, _TILE_N, layout=gl.SliceLayout(1, lp))
-        ok = (offs < nv) & (page >= 0) & (page < NUM_PAGES) & live
-        base = gl.where(ok, page, 0).to(gl.int64) * stride_dp + (offs % BS).to(gl.int64) * stride_dr
-        cols = gl.arange(0, _DIM // 8, layout=gl.SliceLayout(0, lp))
-        _cp_async(raw, data_ptr + gl.multiple_of(base, 4)[:, None] + cols[None, :],
-                  mask=ok[:, None] & (cols < _DIM // 8)[None, :])  # fmt: skip
-        offs_s = tile * _TILE_N + gl.arange(0, _TILE_N, layout=sl)
-        ok_s = (offs_s < nv) & (page_s >= 0) & (page_s < NUM_PAGES) & live
-        sbase = gl.where(ok_s, page_s, 0).to(gl.int64) * stride_sp + (offs_s % BS).to(gl.int64) * stride_sr
-        _cp_async(raw_s, sw_ptr + sbase, mask=ok_s)
-        async_copy.mbarrier_arrive(bar, increment_count=False)
+    def _issue_tile(tile, live, p0, p1, NUM_PAGES, d_desc, s_desc, raw_d, raw_c, slot, bar, BS: gl.constexpr,
+                    BOXR: gl.constexpr, NP: gl.constexpr):  # fmt: skip
+        """TMA of ``tile``'s NP boxes (packed bytes [1, BOXR, 64] and scale words [1, BOXR] each, of pages p0, p1)
+        into raw slot ``slot``; nothing when ``live`` is false (a tile past the program's range).  A box whose page
+        is -1 or outside the pool is read at page NUM_PAGES: outside the tensor, so TMA zero-fills it without
+        touching memory (and still counts its bytes).  Returns the tile's box-visibility bits (bit k: box k's page
+        is in the pool)."""
+        mbarrier.expect(bar, NP * BOXR * (_DIM // 2 + 4), pred=live)
+        bits = 0
+        for k in gl.static_range(NP):
+            if k == 0:
+                p = p0
+            else:
+                p = p1
+            ok = (p >= 0) & (p < NUM_PAGES)
+            pc = gl.where(ok, p, NUM_PAGES)
+            r0 = (tile * _TILE_N + k * BOXR) % BS
+            _tma_load(d_desc, [pc, r0, 0], bar, raw_d.index(slot * NP + k), pred=live)
+            _tma_load(s_desc, [pc, r0], bar, raw_c.index(slot * NP + k), pred=live)
+            bits = bits | (ok.to(gl.int32) << k)
+        return bits
 
     @gluon.jit
     def _producer(args):
-        """Re-encodes tile after tile of the program's range into the stages.  Raw tiles arrive by cp.async
-        RAW - 1 tiles ahead (~RAW * 8.5 KB in flight an SM: what HBM's latency asks for), block-table entries one
-        more tile ahead.  Barriers: raw-ready r (count 128), stage-ready s (count 1), stage-free s (count 2)."""
+        """Re-encodes tile after tile of the program's range into the stages.  Raw tiles arrive by TMA RAW - 1
+        tiles ahead (~RAW * 8.5 KB in flight an SM: what HBM's latency asks for), block-table entries one more tile
+        ahead.  Per entry it also decodes the scale word into the consumers' factors: 2**(s_b - s_max) for the four
+        blocks (0 when below 2**-126) and 2**(s_max - 127) (0 for an entry that is not visible).
+
+        A raw slot is refilled an iteration after it was read: every thread's reads of it ended before the
+        warpgroup barrier that precedes that iteration's stage-ready arrive.  Barriers: raw-ready r (count 1, TMA
+        bytes), stage-ready s (count 1), stage-free s (count 2)."""
         (
-            q_ptr, w_ptr, data_ptr, sw_ptr, bt_ptr, row_ptr, nv_ptr, out_ptr, flag_ptr, stride_qt, stride_qh,
-            stride_wt, stride_dp, stride_dr, stride_sp, stride_sr, stride_bt, stride_ot, N, MAX_BLOCKS, NUM_PAGES,
-            tiles, k_s, k_w, s_s, q_s, raw_w, raw_s, bars, page_s,
+            q_ptr, w_ptr, d_desc, s_desc, bt_ptr, row_ptr, nv_ptr, out_ptr, flag_ptr, stride_qt, stride_qh,
+            stride_wt, stride_bt, stride_ot, N, MAX_BLOCKS, NUM_PAGES, tiles, k_s, k_w, fac, q_s, raw_d, raw_c,
+            bars, page_s,
         ) = args  # fmt: skip
         STAGES: gl.constexpr = k_s.type.shape[0]
-        RAW: gl.constexpr = raw_w.type.shape[0]
+        BOXR: gl.constexpr = raw_d.type.shape[2]
+        NP: gl.constexpr = _TILE_N // BOXR
+        RAW: gl.constexpr = raw_d.type.shape[0] // NP
         BS: gl.constexpr = page_s.type.shape[0]
         READY: gl.constexpr = 0
         FREE: gl.constexpr = STAGES
         RAWBAR: gl.constexpr = 2 * STAGES + 1
         lp: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0])
-        lk: gl.constexpr = gl.SliceLayout(1, lp)
         sl: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        r_l: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+        c_l: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+        raw_w = _reinterpret(raw_d, gl.int32, [RAW, _TILE_N, _DIM // 8], r_l)  # the same bytes as words
+        raw_s = _reinterpret(raw_c, gl.int32, [RAW, _TILE_N], c_l)
         t = gl.program_id(0)
         row = gl.load(row_ptr + t).to(gl.int64)
         nv = gl.load(nv_ptr + t)
         first = gl.program_id(1) * tiles
         n_my = gl.minimum(tiles, gl.cdiv(N, _TILE_N) - first)
+        vis = 0  # box-visibility bits of the tiles in flight, 2 a tile, the oldest in bits 0-1
         for j in gl.static_range(RAW - 1):  # the first RAW - 1 tiles in flight
-            _issue_tile(first + j, j < n_my, _tile_pages(first + j, row, nv, bt_ptr, stride_bt, MAX_BLOCKS, BS, lk),
-                        _tile_pages(first + j, row, nv, bt_ptr, stride_bt, MAX_BLOCKS, BS, sl), nv, NUM_PAGES,
-                        data_ptr, stride_dp, stride_dr, sw_ptr, stride_sp, stride_sr, BS, raw_w.index(j),
-                        raw_s.index(j), bars.index(RAWBAR + j))  # fmt: skip
-        pg = _tile_pages(first + RAW - 1, row, nv, bt_ptr, stride_bt, MAX_BLOCKS, BS, lk)
-        pg_s = _tile_pages(first + RAW - 1, row, nv, bt_ptr, stride_bt, MAX_BLOCKS, BS, sl)
+            tl_ = first + j
+            p0 = _box_page(tl_, 0, row, nv, bt_ptr, stride_bt, MAX_BLOCKS, BS, BOXR)
+            p1 = _box_page(tl_, NP - 1, row, nv, bt_ptr, stride_bt, MAX_BLOCKS, BS, BOXR)
+            bits = _issue_tile(tl_, j < n_my, p0, p1, NUM_PAGES, d_desc, s_desc, raw_d, raw_c, j,
+                               bars.index(RAWBAR + j), BS, BOXR, NP)  # fmt: skip
+            vis = vis | (bits << (2 * j))
+        p0 = _box_page(first + RAW - 1, 0, row, nv, bt_ptr, stride_bt, MAX_BLOCKS, BS, BOXR)
+        p1 = _box_page(first + RAW - 1, NP - 1, row, nv, bt_ptr, stride_bt, MAX_BLOCKS, BS, BOXR)
+        e = gl.arange(0, _TILE_N, layout=sl)
+        box = e // BOXR
         for i in range(n_my):
             ahead = i + RAW - 1
-            pg_n = _tile_pages(first + ahead + 1, row, nv, bt_ptr, stride_bt, MAX_BLOCKS, BS, lk)
-            pg_sn = _tile_pages(first + ahead + 1, row, nv, bt_ptr, stride_bt, MAX_BLOCKS, BS, sl)
-            ra = ahead % RAW  # read back (by the same threads) an iteration ago
-            _issue_tile(first + ahead, ahead < n_my, pg, pg_s, nv, NUM_PAGES, data_ptr, stride_dp, stride_dr, sw_ptr,
-                        stride_sp, stride_sr, BS, raw_w.index(ra), raw_s.index(ra),
-                        bars.index(RAWBAR + ra))  # fmt: skip
+            ra = ahead % RAW
+            bits = _issue_tile(first + ahead, ahead < n_my, p0, p1, NUM_PAGES, d_desc, s_desc, raw_d, raw_c, ra,
+                               bars.index(RAWBAR + ra), BS, BOXR, NP)  # fmt: skip
+            vis = vis | (bits << (2 * (RAW - 1)))
+            p0 = _box_page(first + ahead + 1, 0, row, nv, bt_ptr, stride_bt, MAX_BLOCKS, BS, BOXR)
+            p1 = _box_page(first + ahead + 1, NP - 1, row, nv, bt_ptr, stride_bt, MAX_BLOCKS, BS, BOXR)
             r = i % RAW
             st = i % STAGES
             mbarrier.wait(bars.index(RAWBAR + r), (i // RAW) & 1)
@@ -185,11 +205,26 @@ if HAVE_GLUON:
             mbarrier.wait(bars.index(FREE + st), ((i // STAGES) & 1) ^ 1, pred=i >= STAGES)
             w0, w1 = _e2m1_words_to_e4m3(packed)  # elements 8c .. 8c + 3 and 8c + 4 .. 8c + 7 of word c
             k_w.index(st).store(gl.reshape(gl.join(w0, w1), [_TILE_N, _DIM // 4]))
-            s_s.index(st).store(sw)
+            # the entry's factors: 2**(s_b - s_max) for its four blocks, 2**(s_max - 127) (0: not visible)
+            ok = (((vis >> box) & 1) != 0) & ((first + i) * _TILE_N + e < nv)
+            b0 = sw & 255
+            b1 = (sw >> 8) & 255
+            b2 = (sw >> 16) & 255
+            b3 = (sw >> 24) & 255
+            s0 = gl.maximum(gl.maximum(b0, b1), gl.maximum(b2, b3))
+            fac.index(8 * st).store(_rel_scale(b0, s0))
+            fac.index(8 * st + 1).store(_rel_scale(b1, s0))
+            fac.index(8 * st + 2).store(_rel_scale(b2, s0))
+            fac.index(8 * st + 3).store(_rel_scale(b3, s0))
+            fac.index(8 * st + 4).store(gl.where(ok, _pow2(gl.maximum(s0, 1)), 0.0))
             fence_async_shared()
             mbarrier.arrive(bars.index(READY + st))
-            pg = pg_n
-            pg_s = pg_sn
+            vis = vis >> 2
+
+    @gluon.jit
+    def _rel_scale(b, s0):
+        """2**(b - s0) as fp32, 0 where that is below 2**-126 (b, s0: UE8M0 bytes, int32)."""
+        return gl.where(b - s0 + 127 >= 1, _pow2(gl.maximum(b - s0 + 127, 1)), 0.0)
 
     @gluon.jit
     def _pow2(biased_exp):
@@ -225,9 +260,9 @@ if HAVE_GLUON:
     @gluon.jit
     def _consumer(W: gl.constexpr, args):
         (
-            q_ptr, w_ptr, data_ptr, sw_ptr, bt_ptr, row_ptr, nv_ptr, out_ptr, flag_ptr, stride_qt, stride_qh,
-            stride_wt, stride_dp, stride_dr, stride_sp, stride_sr, stride_bt, stride_ot, N, MAX_BLOCKS, NUM_PAGES,
-            tiles, k_s, k_w, s_s, q_s, raw_w, raw_s, bars, page_s,
+            q_ptr, w_ptr, d_desc, s_desc, bt_ptr, row_ptr, nv_ptr, out_ptr, flag_ptr, stride_qt, stride_qh,
+            stride_wt, stride_bt, stride_ot, N, MAX_BLOCKS, NUM_PAGES, tiles, k_s, k_w, fac, q_s, raw_d, raw_c,
+            bars, page_s,
         ) = args  # fmt: skip
         STAGES: gl.constexpr = k_s.type.shape[0]
         READY: gl.constexpr = 0
@@ -257,18 +292,17 @@ if HAVE_GLUON:
             a3 = warpgroup_mma(kt.slice(3 * _QBLOCK, _QBLOCK, dim=1),
                                q_s.slice(3 * _QBLOCK, _QBLOCK, dim=1).permute((1, 0)), zero, use_acc=False,
                                is_async=True)  # fmt: skip
-            sw = s_s.index(st).slice(64 * W, 64).load(row_l)
+            r0 = fac.index(8 * st).slice(64 * W, 64).load(row_l)
+            r1 = fac.index(8 * st + 1).slice(64 * W, 64).load(row_l)
+            r2 = fac.index(8 * st + 2).slice(64 * W, 64).load(row_l)
+            r3 = fac.index(8 * st + 3).slice(64 * W, 64).load(row_l)
+            fk = fac.index(8 * st + 4).slice(64 * W, 64).load(row_l)
             a0, a1, a2, a3 = warpgroup_mma_wait(0, deps=[a0, a1, a2, a3])
             mbarrier.arrive(bars.index(FREE + st))
-            s0 = gl.maximum(gl.maximum(sw & 255, (sw >> 8) & 255), gl.maximum((sw >> 16) & 255, (sw >> 24) & 255))
-            r0 = gl.where((sw & 255) - s0 + 127 >= 1, _pow2(gl.maximum((sw & 255) - s0 + 127, 1)), 0.0)
-            r1 = gl.where(((sw >> 8) & 255) - s0 + 127 >= 1, _pow2(gl.maximum(((sw >> 8) & 255) - s0 + 127, 1)), 0.0)
-            r2 = gl.where(((sw >> 16) & 255) - s0 + 127 >= 1, _pow2(gl.maximum(((sw >> 16) & 255) - s0 + 127, 1)), 0.0)
-            r3 = gl.where(((sw >> 24) & 255) - s0 + 127 >= 1, _pow2(gl.maximum(((sw >> 24) & 255) - s0 + 127, 1)), 0.0)
             acc = a0 * r0[:, None] + a1 * r1[:, None] + a2 * r2[:, None] + a3 * r3[:, None]
-            s = gl.sum(gl.maximum(acc, 0.0) * wq[None, :], axis=1) * _pow2(gl.maximum(s0, 1))
+            s = gl.sum(gl.maximum(acc, 0.0) * wq[None, :], axis=1)
             offs = (first + i) * _TILE_N + 64 * W + gl.arange(0, 64, layout=row_l)
-            gl.store(out_row + offs, gl.where(sw != 0, s, float("-inf")), mask=offs < N)
+            gl.store(out_row + offs, gl.where(fk > 0.0, s * fk, float("-inf")), mask=offs < N)
 
     @gluon.jit
     def _wg0(args):
@@ -280,39 +314,41 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _mxfp4_scores_ws_kernel(
-        q_ptr, w_ptr, data_ptr, sw_ptr, bt_ptr, row_ptr, nv_ptr, out_ptr, flag_ptr, stride_qt, stride_qh,
-        stride_wt, stride_dp, stride_dr, stride_sp, stride_sr, stride_bt, stride_ot, N, MAX_BLOCKS, NUM_PAGES,
-        tiles, BS: gl.constexpr, STAGES: gl.constexpr, RAW: gl.constexpr, WORKER_REGS: gl.constexpr,
-        PRODUCER_REGS: gl.constexpr,
+        q_ptr, w_ptr, d_desc, s_desc, bt_ptr, row_ptr, nv_ptr, out_ptr, flag_ptr, stride_qt, stride_qh, stride_wt,
+        stride_bt, stride_ot, N, MAX_BLOCKS, NUM_PAGES, tiles, BS: gl.constexpr, STAGES: gl.constexpr,
+        RAW: gl.constexpr, WORKER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     ):  # fmt: skip
         """Grid (T, programs a row); ``num_warps=4`` (consumer W = 0) + 4 (consumer W = 1) + 4 (producer).
         Program (t, c) scores tiles [c tiles, (c + 1) tiles) of row t.  ``q`` [T, 64, 128] bf16 (last dim
-        contiguous), ``w`` [T, 64] fp32, ``data`` [P, bs, 16] int32 (the packed bytes), ``sw`` [P, bs] int32 scale
-        words, ``flag`` [T] int32 (out: 1 where the row's query is not exact in e4m3 with one scale a head)."""
+        contiguous), ``w`` [T, 64] fp32, ``d_desc`` / ``s_desc``: TMA descriptors of the packed bytes [P, bs, 64]
+        uint8 (box [1, BOXR, 64]) and the scale words [P, bs] int32 (box [1, BOXR]), BOXR = min(bs, 128);
+        ``flag`` [T] int32 (out: 1 where the row's query is not exact in e4m3 with one scale a head)."""
+        BOXR: gl.constexpr = s_desc.block_type.shape[1]
+        NP: gl.constexpr = _TILE_N // BOXR
         k_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
         w_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
         # the producer writes int32 words, the wgmmas read e4m3 bytes: the same 128-byte swizzle on the same bytes
         k_w = gl.allocate_shared_memory(gl.int32, [STAGES, _TILE_N, _DIM // 4], w_l)
         k_s = _reinterpret(k_w, gl.float8e4nv, [STAGES, _TILE_N, _DIM], k_l)
         q_s = gl.allocate_shared_memory(gl.float8e4nv, [_HEADS, _DIM], k_l)
-        s_l: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
-        s_s = gl.allocate_shared_memory(gl.int32, [STAGES, _TILE_N], s_l)
-        r_l: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
-        raw_w = gl.allocate_shared_memory(gl.int32, [RAW, _TILE_N, _DIM // 8], r_l)
-        raw_s = gl.allocate_shared_memory(gl.int32, [RAW, _TILE_N], s_l)
+        f_l: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+        fac = gl.allocate_shared_memory(gl.float32, [STAGES * 8, _TILE_N], f_l)  # rows 8 s .. 8 s + 4 used
+        raw_d = gl.allocate_shared_memory(gl.uint8, [RAW * NP, 1, BOXR, _DIM // 2], d_desc.layout)
+        raw_c = gl.allocate_shared_memory(gl.int32, [RAW * NP, 1, BOXR], s_desc.layout)
         bars = gl.allocate_shared_memory(gl.int64, [2 * STAGES + 1 + RAW, 1], mbarrier.MBarrierLayout())
         # never accessed: its shape carries the page size into the partitions as a constexpr (divisions -> shifts)
+        s_l: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
         page_s = gl.allocate_shared_memory(gl.int8, [BS], s_l)
         for i in gl.static_range(STAGES):
             mbarrier.init(bars.index(i), count=1)
             mbarrier.init(bars.index(STAGES + i), count=2)
         mbarrier.init(bars.index(2 * STAGES), count=1)
         for i in gl.static_range(RAW):
-            mbarrier.init(bars.index(2 * STAGES + 1 + i), count=128)
+            mbarrier.init(bars.index(2 * STAGES + 1 + i), count=1)
         args = (
-            q_ptr, w_ptr, data_ptr, sw_ptr, bt_ptr, row_ptr, nv_ptr, out_ptr, flag_ptr, stride_qt, stride_qh,
-            stride_wt, stride_dp, stride_dr, stride_sp, stride_sr, stride_bt, stride_ot, N, MAX_BLOCKS, NUM_PAGES,
-            tiles, k_s, k_w, s_s, q_s, raw_w, raw_s, bars, page_s,
+            q_ptr, w_ptr, d_desc, s_desc, bt_ptr, row_ptr, nv_ptr, out_ptr, flag_ptr, stride_qt, stride_qh,
+            stride_wt, stride_bt, stride_ot, N, MAX_BLOCKS, NUM_PAGES, tiles, k_s, k_w, fac, q_s, raw_d, raw_c,
+            bars, page_s,
         )  # fmt: skip
         gl.warp_specialize(
             [(_wg0, (args,)), (_wg1, (args,)), (_producer, (args,))], [4, 4], [WORKER_REGS, PRODUCER_REGS]
@@ -362,19 +398,31 @@ def indexer_scores_gluon(
     if q.stride(2) != 1:
         q = q.contiguous()
     sw = _scale_words(keys.scale)
-    data = keys.data.view(torch.int32)  # [P, bs, 16]: 4 packed bytes a word
-    bs = data.shape[1]
-    if bs & (bs - 1):
-        raise ValueError(f"indexer_scores_gluon: expected a power-of-two page size, got {bs} entries a page")
+    data = keys.data
+    P, bs, row_bytes = data.shape
+    if bs & (bs - 1) or bs < TILE_N // 2:
+        raise ValueError(f"indexer_scores_gluon: expected a power-of-two page size >= {TILE_N // 2}, got {bs}")
+    boxr = min(bs, TILE_N)
+    d_desc = TensorDescriptor(
+        data, [P, bs, row_bytes], list(data.stride()), [1, boxr, row_bytes],
+        gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=3),
+    )  # fmt: skip
+    s_desc = TensorDescriptor(
+        sw,
+        [P, bs],
+        list(sw.stride()),
+        [1, boxr],
+        gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2),
+    )
     n_tiles = -(-max_entries // TILE_N)
     if tiles is None:
         tiles = max(1, -(-n_tiles * T // num_sms(q.device)))
     grid = (T, -(-n_tiles // tiles))
     _mxfp4_scores_ws_kernel[grid](
-        q, weights, data, sw, block_table, token_row, n_visible, out, flag, q.stride(0), q.stride(1),
-        weights.stride(0), data.stride(0), data.stride(1), sw.stride(0), sw.stride(1), block_table.stride(0),
-        out.stride(0), max_entries, block_table.shape[1], data.shape[0], tiles, data.shape[1], STAGES=GLUON_STAGES,
-        RAW=GLUON_RAW, WORKER_REGS=GLUON_WORKER_REGS, PRODUCER_REGS=GLUON_PRODUCER_REGS, num_warps=4,
+        q, weights, d_desc, s_desc, block_table, token_row, n_visible, out, flag, q.stride(0), q.stride(1),
+        weights.stride(0), block_table.stride(0), out.stride(0), max_entries, block_table.shape[1], P, tiles, bs,
+        STAGES=GLUON_STAGES, RAW=GLUON_RAW, WORKER_REGS=GLUON_WORKER_REGS, PRODUCER_REGS=GLUON_PRODUCER_REGS,
+        num_warps=4,
     )  # fmt: skip
     if check_exact and bool(flag.any()):
         raise ValueError("indexer_scores_gluon: a query row is not exact in e4m3 with one scale a head (WIP)")
