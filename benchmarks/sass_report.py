@@ -120,7 +120,7 @@ def mix(sass: str, top: int = 12) -> str:
 def wgmma_waits(sass: str) -> str:
     """``wgmma N, waits M`` for a kernel with Hopper warpgroup MMAs: when ptxas serialises them (its C7512 / C7514
     notes) every HGMMA is followed by its own ``WARPGROUP.DEPBAR`` wait, so M approaches N."""
-    n = len(re.findall(r"\bHGMMA\.", sass))
+    n = len(re.findall(r"\b[HQ]GMMA\.", sass))
     waits = len(re.findall(r"WARPGROUP\.DEPBAR", sass))
     return f"; wgmma {n}, waits {waits}" if n else ""
 
@@ -134,7 +134,7 @@ def main() -> None:
     )
     ap.add_argument("--model", default="v4-flash")
     ap.add_argument("--tune", action="append", default=[], metavar="OP:KEY=VAL[,KEY=VAL]", help="as bench_write")
-    ap.add_argument("--sass", help="write each kernel's SASS into this folder")
+    ap.add_argument("--sass", help="write each kernel's SASS and PTX into this folder")
     args = ap.parse_args()
     _install()
     import bench_write as bw
@@ -191,6 +191,8 @@ def main() -> None:
                     os.makedirs(args.sass, exist_ok=True)
                     with open(os.path.join(args.sass, f"{name}.sass"), "w") as f:
                         f.write(sass)
+                    with open(os.path.join(args.sass, f"{name}.ptx"), "w") as f:  # for ptxas -v (its notes)
+                        f.write(k.asm["ptx"])
 
 
 if __name__ == "__main__":

@@ -113,10 +113,12 @@ def test_kernel_model_matches_reference(bs, n, nv):
 
 @pytest.mark.skipif(not (HAVE_GLUON and os.path.exists(PTXAS)), reason="triton without Gluon's Hopper module / ptxas")
 def test_gluon_indexer_compiles_for_sm90(sass_report):
-    out = sass_report("indexer_gluon:4:4096")
+    out = sass_report("indexer_gluon:4:65536")  # > 1 tile a program (tiles = 1 would be specialised away)
     m = re.search(r"_mxfp4_scores_ws_kernel\s+regs\s+(\d+)\s+stack\s+(\d+) B.*local\s+(\d+) B\s+warps (\d+)", out)
     assert m, out
-    assert int(m[2]) <= 16 and int(m[3]) == 0 and int(m[4]) == 12, out
+    assert int(m[2]) <= 16 and int(m[3]) == 0 and int(m[4]) == 16, out  # 4 + 4 + 4 + the loader (padded)
+    w = re.search(r"wgmma (\d+), waits (\d+)", out)  # ptxas serialises the chain on some code shapes (C7514)
+    assert w and int(w[2]) < int(w[1]), out
 
 
 @pytest.mark.gpu

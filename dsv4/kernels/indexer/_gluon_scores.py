@@ -121,105 +121,103 @@ if HAVE_GLUON:
         return gl.load(bt_ptr + row * stride_bt + blk, mask=(e0 < nv) & (blk < MAX_BLOCKS), other=-1)
 
     @gluon.jit
-    def _issue_tile(tile, live, p0, p1, NUM_PAGES, d_desc, s_desc, raw_d, raw_c, slot, bar, BS: gl.constexpr,
-                    BOXR: gl.constexpr, NP: gl.constexpr):  # fmt: skip
-        """TMA of ``tile``'s NP boxes (packed bytes [1, BOXR, 64] and scale words [1, BOXR] each, of pages p0, p1)
-        into raw slot ``slot``; nothing when ``live`` is false (a tile past the program's range).  A box whose page
-        is -1 or outside the pool is read at page NUM_PAGES: outside the tensor, so TMA zero-fills it without
-        touching memory (and still counts its bytes).  Returns the tile's box-visibility bits (bit k: box k's page
-        is in the pool)."""
-        mbarrier.expect(bar, NP * BOXR * (_DIM // 2 + 4), pred=live)
-        bits = 0
-        for k in gl.static_range(NP):
-            if k == 0:
-                p = p0
-            else:
-                p = p1
-            ok = (p >= 0) & (p < NUM_PAGES)
-            pc = gl.where(ok, p, NUM_PAGES)
-            r0 = (tile * _TILE_N + k * BOXR) % BS
-            _tma_load(d_desc, [pc, r0, 0], bar, raw_d.index(slot * NP + k), pred=live)
-            _tma_load(s_desc, [pc, r0], bar, raw_c.index(slot * NP + k), pred=live)
-            bits = bits | (ok.to(gl.int32) << k)
-        return bits
-
-    @gluon.jit
-    def _producer(args):
-        """Re-encodes tile after tile of the program's range into the stages.  Raw tiles arrive by TMA RAW - 1
-        tiles ahead (~RAW * 8.5 KB in flight an SM: what HBM's latency asks for), block-table entries one more tile
-        ahead.  Per entry it also decodes the scale word into the consumers' factors: 2**(s_b - s_max) for the four
-        blocks (0 when below 2**-126) and 2**(s_max - 127) (0 for an entry that is not visible).
-
-        A raw slot is refilled an iteration after it was read: every thread's reads of it ended before the
-        warpgroup barrier that precedes that iteration's stage-ready arrive.  Barriers: raw-ready r (count 1, TMA
-        bytes), stage-ready s (count 1), stage-free s (count 2)."""
+    def _loader(args):
+        """One warp: TMA of each tile's NP boxes (packed bytes [1, BOXR, 64] and scale words [1, BOXR] of one page
+        each) into raw slot i % RAW, once the converter has freed it; block-table entries a tile ahead.  A box whose
+        page is -1 or outside the pool is read at page NUM_PAGES: outside the tensor, so TMA zero-fills it (scale
+        word 0: not visible) without touching memory, and still counts its bytes."""
         (
             q_ptr, w_ptr, d_desc, s_desc, bt_ptr, row_ptr, nv_ptr, out_ptr, flag_ptr, stride_qt, stride_qh,
-            stride_wt, stride_bt, stride_ot, N, MAX_BLOCKS, NUM_PAGES, tiles, k_s, k_w, fac, q_s, raw_d, raw_c,
-            bars, page_s,
+            stride_wt, stride_bt, stride_ot, N, MAX_BLOCKS, NUM_PAGES, tiles, k_s, k_w, f0, f1, f2, f3, f4, q_s,
+            raw_d, raw_c, bars, page_s,
         ) = args  # fmt: skip
         STAGES: gl.constexpr = k_s.type.shape[0]
         BOXR: gl.constexpr = raw_d.type.shape[2]
         NP: gl.constexpr = _TILE_N // BOXR
         RAW: gl.constexpr = raw_d.type.shape[0] // NP
         BS: gl.constexpr = page_s.type.shape[0]
+        RAWRDY: gl.constexpr = 2 * STAGES + 1
+        RAWFREE: gl.constexpr = RAWRDY + RAW
+        t = gl.program_id(0)
+        row = gl.load(row_ptr + t).to(gl.int64)
+        nv = gl.load(nv_ptr + t)
+        first = gl.program_id(1) * tiles
+        n_my = gl.minimum(tiles, gl.cdiv(N, _TILE_N) - first)
+        p0n = _box_page(first, 0, row, nv, bt_ptr, stride_bt, MAX_BLOCKS, BS, BOXR)
+        p1n = _box_page(first, NP - 1, row, nv, bt_ptr, stride_bt, MAX_BLOCKS, BS, BOXR)
+        for i in range(n_my):
+            tile = first + i
+            p0 = p0n
+            p1 = p1n
+            p0n = _box_page(tile + 1, 0, row, nv, bt_ptr, stride_bt, MAX_BLOCKS, BS, BOXR)
+            p1n = _box_page(tile + 1, NP - 1, row, nv, bt_ptr, stride_bt, MAX_BLOCKS, BS, BOXR)
+            r = i % RAW
+            mbarrier.wait(bars.index(RAWFREE + r), ((i // RAW) & 1) ^ 1, pred=i >= RAW)
+            bar = bars.index(RAWRDY + r)
+            mbarrier.expect(bar, NP * BOXR * (_DIM // 2 + 4))
+            for k in gl.static_range(NP):
+                if k == 0:
+                    p = p0
+                else:
+                    p = p1
+                pc = gl.where((p >= 0) & (p < NUM_PAGES), p, NUM_PAGES)
+                r0 = (tile * _TILE_N + k * BOXR) % BS
+                _tma_load(d_desc, [pc, r0, 0], bar, raw_d.index(r * NP + k))
+                _tma_load(s_desc, [pc, r0], bar, raw_c.index(r * NP + k))
+
+    @gluon.jit
+    def _producer(args):
+        """Four warps: re-encode each raw tile into a stage and decode each entry's scale word into the consumers'
+        factors: ``f0``-``f3`` 2**(s_b - s_max) for the four blocks (0 when below 2**-126), ``f4`` 2**(s_max - 127)
+        (0 for an entry that is not visible: past n_visible, or zero-filled by the loader; the format never writes
+        a scale word of 0, every UE8M0 byte being >= 1).  Barriers: raw-ready r (TMA bytes), raw-free r (count 1),
+        stage-ready s (count 1), stage-free s (count 2: the consumers)."""
+        (
+            q_ptr, w_ptr, d_desc, s_desc, bt_ptr, row_ptr, nv_ptr, out_ptr, flag_ptr, stride_qt, stride_qh,
+            stride_wt, stride_bt, stride_ot, N, MAX_BLOCKS, NUM_PAGES, tiles, k_s, k_w, f0, f1, f2, f3, f4, q_s,
+            raw_d, raw_c, bars, page_s,
+        ) = args  # fmt: skip
+        STAGES: gl.constexpr = k_s.type.shape[0]
+        BOXR: gl.constexpr = raw_d.type.shape[2]
+        NP: gl.constexpr = _TILE_N // BOXR
+        RAW: gl.constexpr = raw_d.type.shape[0] // NP
         READY: gl.constexpr = 0
         FREE: gl.constexpr = STAGES
-        RAWBAR: gl.constexpr = 2 * STAGES + 1
+        RAWRDY: gl.constexpr = 2 * STAGES + 1
+        RAWFREE: gl.constexpr = RAWRDY + RAW
         lp: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0])
         sl: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
         r_l: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
         c_l: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
         raw_w = _reinterpret(raw_d, gl.int32, [RAW, _TILE_N, _DIM // 8], r_l)  # the same bytes as words
         raw_s = _reinterpret(raw_c, gl.int32, [RAW, _TILE_N], c_l)
-        t = gl.program_id(0)
-        row = gl.load(row_ptr + t).to(gl.int64)
-        nv = gl.load(nv_ptr + t)
+        nv = gl.load(nv_ptr + gl.program_id(0))
         first = gl.program_id(1) * tiles
         n_my = gl.minimum(tiles, gl.cdiv(N, _TILE_N) - first)
-        vis = 0  # box-visibility bits of the tiles in flight, 2 a tile, the oldest in bits 0-1
-        for j in gl.static_range(RAW - 1):  # the first RAW - 1 tiles in flight
-            tl_ = first + j
-            p0 = _box_page(tl_, 0, row, nv, bt_ptr, stride_bt, MAX_BLOCKS, BS, BOXR)
-            p1 = _box_page(tl_, NP - 1, row, nv, bt_ptr, stride_bt, MAX_BLOCKS, BS, BOXR)
-            bits = _issue_tile(tl_, j < n_my, p0, p1, NUM_PAGES, d_desc, s_desc, raw_d, raw_c, j,
-                               bars.index(RAWBAR + j), BS, BOXR, NP)  # fmt: skip
-            vis = vis | (bits << (2 * j))
-        p0 = _box_page(first + RAW - 1, 0, row, nv, bt_ptr, stride_bt, MAX_BLOCKS, BS, BOXR)
-        p1 = _box_page(first + RAW - 1, NP - 1, row, nv, bt_ptr, stride_bt, MAX_BLOCKS, BS, BOXR)
         e = gl.arange(0, _TILE_N, layout=sl)
-        box = e // BOXR
         for i in range(n_my):
-            ahead = i + RAW - 1
-            ra = ahead % RAW
-            bits = _issue_tile(first + ahead, ahead < n_my, p0, p1, NUM_PAGES, d_desc, s_desc, raw_d, raw_c, ra,
-                               bars.index(RAWBAR + ra), BS, BOXR, NP)  # fmt: skip
-            vis = vis | (bits << (2 * (RAW - 1)))
-            p0 = _box_page(first + ahead + 1, 0, row, nv, bt_ptr, stride_bt, MAX_BLOCKS, BS, BOXR)
-            p1 = _box_page(first + ahead + 1, NP - 1, row, nv, bt_ptr, stride_bt, MAX_BLOCKS, BS, BOXR)
             r = i % RAW
             st = i % STAGES
-            mbarrier.wait(bars.index(RAWBAR + r), (i // RAW) & 1)
+            mbarrier.wait(bars.index(RAWRDY + r), (i // RAW) & 1)
             packed = raw_w.index(r).load(lp)
             sw = raw_s.index(r).load(sl)
             mbarrier.wait(bars.index(FREE + st), ((i // STAGES) & 1) ^ 1, pred=i >= STAGES)
             w0, w1 = _e2m1_words_to_e4m3(packed)  # elements 8c .. 8c + 3 and 8c + 4 .. 8c + 7 of word c
             k_w.index(st).store(gl.reshape(gl.join(w0, w1), [_TILE_N, _DIM // 4]))
-            # the entry's factors: 2**(s_b - s_max) for its four blocks, 2**(s_max - 127) (0: not visible)
-            ok = (((vis >> box) & 1) != 0) & ((first + i) * _TILE_N + e < nv)
             b0 = sw & 255
             b1 = (sw >> 8) & 255
             b2 = (sw >> 16) & 255
             b3 = (sw >> 24) & 255
             s0 = gl.maximum(gl.maximum(b0, b1), gl.maximum(b2, b3))
-            fac.index(8 * st).store(_rel_scale(b0, s0))
-            fac.index(8 * st + 1).store(_rel_scale(b1, s0))
-            fac.index(8 * st + 2).store(_rel_scale(b2, s0))
-            fac.index(8 * st + 3).store(_rel_scale(b3, s0))
-            fac.index(8 * st + 4).store(gl.where(ok, _pow2(gl.maximum(s0, 1)), 0.0))
+            f0.index(st).store(_rel_scale(b0, s0))
+            f1.index(st).store(_rel_scale(b1, s0))
+            f2.index(st).store(_rel_scale(b2, s0))
+            f3.index(st).store(_rel_scale(b3, s0))
+            ok = (sw != 0) & ((first + i) * _TILE_N + e < nv)
+            f4.index(st).store(gl.where(ok, _pow2(gl.maximum(s0, 1)), 0.0))
             fence_async_shared()
             mbarrier.arrive(bars.index(READY + st))
-            vis = vis >> 2
+            mbarrier.arrive(bars.index(RAWFREE + r))  # every read of the raw slot ended before the arrive's barrier
 
     @gluon.jit
     def _rel_scale(b, s0):
@@ -261,8 +259,8 @@ if HAVE_GLUON:
     def _consumer(W: gl.constexpr, args):
         (
             q_ptr, w_ptr, d_desc, s_desc, bt_ptr, row_ptr, nv_ptr, out_ptr, flag_ptr, stride_qt, stride_qh,
-            stride_wt, stride_bt, stride_ot, N, MAX_BLOCKS, NUM_PAGES, tiles, k_s, k_w, fac, q_s, raw_d, raw_c,
-            bars, page_s,
+            stride_wt, stride_bt, stride_ot, N, MAX_BLOCKS, NUM_PAGES, tiles, k_s, k_w, f0, f1, f2, f3, f4, q_s,
+            raw_d, raw_c, bars, page_s,
         ) = args  # fmt: skip
         STAGES: gl.constexpr = k_s.type.shape[0]
         READY: gl.constexpr = 0
@@ -278,31 +276,45 @@ if HAVE_GLUON:
         mbarrier.wait(bars.index(QBAR), 0)
         zero = gl.zeros([64, _HEADS], gl.float32, mma)
         out_row = out_ptr + t * stride_ot
+        # each tile's blocks 0-1 run under the previous tile's epilogue, its blocks 2-3 under the combine of 0-1;
+        # no MMA is in flight across iterations (ptxas would serialise the chain)
+        acc = zero
+        fk = gl.zeros([64], gl.float32, row_l)
+        rows = 64 * W + gl.arange(0, 64, layout=row_l)
         for i in range(n_my):
             st = i % STAGES
             mbarrier.wait(bars.index(READY + st), (i // STAGES) & 1)
-            kt = k_s.index(st).slice(64 * W, 64, dim=0)
-            a0 = warpgroup_mma(kt.slice(0, _QBLOCK, dim=1), q_s.slice(0, _QBLOCK, dim=1).permute((1, 0)), zero,
-                               use_acc=False, is_async=True)  # fmt: skip
-            a1 = warpgroup_mma(kt.slice(_QBLOCK, _QBLOCK, dim=1), q_s.slice(_QBLOCK, _QBLOCK, dim=1).permute((1, 0)),
-                               zero, use_acc=False, is_async=True)  # fmt: skip
-            a2 = warpgroup_mma(kt.slice(2 * _QBLOCK, _QBLOCK, dim=1),
-                               q_s.slice(2 * _QBLOCK, _QBLOCK, dim=1).permute((1, 0)), zero, use_acc=False,
-                               is_async=True)  # fmt: skip
-            a3 = warpgroup_mma(kt.slice(3 * _QBLOCK, _QBLOCK, dim=1),
-                               q_s.slice(3 * _QBLOCK, _QBLOCK, dim=1).permute((1, 0)), zero, use_acc=False,
-                               is_async=True)  # fmt: skip
-            r0 = fac.index(8 * st).slice(64 * W, 64).load(row_l)
-            r1 = fac.index(8 * st + 1).slice(64 * W, 64).load(row_l)
-            r2 = fac.index(8 * st + 2).slice(64 * W, 64).load(row_l)
-            r3 = fac.index(8 * st + 3).slice(64 * W, 64).load(row_l)
-            fk = fac.index(8 * st + 4).slice(64 * W, 64).load(row_l)
-            a0, a1, a2, a3 = warpgroup_mma_wait(0, deps=[a0, a1, a2, a3])
-            mbarrier.arrive(bars.index(FREE + st))
-            acc = a0 * r0[:, None] + a1 * r1[:, None] + a2 * r2[:, None] + a3 * r3[:, None]
-            s = gl.sum(gl.maximum(acc, 0.0) * wq[None, :], axis=1)
-            offs = (first + i) * _TILE_N + 64 * W + gl.arange(0, 64, layout=row_l)
-            gl.store(out_row + offs, gl.where(fk > 0.0, s * fk, float("-inf")), mask=offs < N)
+            a0 = _block_mma(k_s, q_s, st, W, 0, zero)
+            a1 = _block_mma(k_s, q_s, st, W, 1, zero)
+            _write_scores(acc, fk, wq, out_row, (first + i - 1) * _TILE_N + rows, N, i > 0)
+            a2 = _block_mma(k_s, q_s, st, W, 2, zero)
+            a3 = _block_mma(k_s, q_s, st, W, 3, zero)
+            r0 = f0.index(st).slice(64 * W, 64).load(row_l)
+            r1 = f1.index(st).slice(64 * W, 64).load(row_l)
+            r2 = f2.index(st).slice(64 * W, 64).load(row_l)
+            r3 = f3.index(st).slice(64 * W, 64).load(row_l)
+            fk = f4.index(st).slice(64 * W, 64).load(row_l)
+            a0, a1 = warpgroup_mma_wait(2, deps=[a0, a1])
+            acc = a0 * r0[:, None] + a1 * r1[:, None]
+            a2, a3 = warpgroup_mma_wait(0, deps=[a2, a3])
+            acc = acc + a2 * r2[:, None] + a3 * r3[:, None]
+            mbarrier.arrive(bars.index(FREE + st))  # the factor loads were performed before the arrive's barrier
+        _write_scores(acc, fk, wq, out_row, (first + n_my - 1) * _TILE_N + rows, N, n_my > 0)
+
+    @gluon.jit
+    def _write_scores(acc, fk, wq, out_row, offs, N, live):
+        """ReLU, head weights and head sum of one consumer's [64 entries, 64 heads] logits, times each entry's
+        2**(s_max - 127) (``fk``; 0 -> -inf: not visible), stored at ``offs`` (< N, and only when ``live``)."""
+        s = gl.sum(gl.maximum(acc, 0.0) * wq[None, :], axis=1)
+        gl.store(out_row + offs, gl.where(fk > 0.0, s * fk, float("-inf")), mask=(offs < N) & live)
+
+    @gluon.jit
+    def _block_mma(k_s, q_s, st, W: gl.constexpr, b: gl.constexpr, zero):
+        """Async FP8 wgmma of 32-element block b: stage ``st``'s entries [64 W, 64 W + 64) x the query, from zero
+        (exact, see the module docstring), [64 entries, 64 heads] fp32."""
+        kt = k_s.index(st).slice(64 * W, 64, dim=0).slice(b * _QBLOCK, _QBLOCK, dim=1)
+        qt = q_s.slice(b * _QBLOCK, _QBLOCK, dim=1).permute((1, 0))
+        return warpgroup_mma(kt, qt, zero, use_acc=False, is_async=True)
 
     @gluon.jit
     def _wg0(args):
@@ -316,7 +328,7 @@ if HAVE_GLUON:
     def _mxfp4_scores_ws_kernel(
         q_ptr, w_ptr, d_desc, s_desc, bt_ptr, row_ptr, nv_ptr, out_ptr, flag_ptr, stride_qt, stride_qh, stride_wt,
         stride_bt, stride_ot, N, MAX_BLOCKS, NUM_PAGES, tiles, BS: gl.constexpr, STAGES: gl.constexpr,
-        RAW: gl.constexpr, WORKER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+        RAW: gl.constexpr, WORKER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
     ):  # fmt: skip
         """Grid (T, programs a row); ``num_warps=4`` (consumer W = 0) + 4 (consumer W = 1) + 4 (producer).
         Program (t, c) scores tiles [c tiles, (c + 1) tiles) of row t.  ``q`` [T, 64, 128] bf16 (last dim
@@ -331,11 +343,16 @@ if HAVE_GLUON:
         k_w = gl.allocate_shared_memory(gl.int32, [STAGES, _TILE_N, _DIM // 4], w_l)
         k_s = _reinterpret(k_w, gl.float8e4nv, [STAGES, _TILE_N, _DIM], k_l)
         q_s = gl.allocate_shared_memory(gl.float8e4nv, [_HEADS, _DIM], k_l)
+        # the entries' factors, one buffer each (stores to one buffer would be separated by warpgroup barriers)
         f_l: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
-        fac = gl.allocate_shared_memory(gl.float32, [STAGES * 8, _TILE_N], f_l)  # rows 8 s .. 8 s + 4 used
+        f0 = gl.allocate_shared_memory(gl.float32, [STAGES, _TILE_N], f_l)
+        f1 = gl.allocate_shared_memory(gl.float32, [STAGES, _TILE_N], f_l)
+        f2 = gl.allocate_shared_memory(gl.float32, [STAGES, _TILE_N], f_l)
+        f3 = gl.allocate_shared_memory(gl.float32, [STAGES, _TILE_N], f_l)
+        f4 = gl.allocate_shared_memory(gl.float32, [STAGES, _TILE_N], f_l)
         raw_d = gl.allocate_shared_memory(gl.uint8, [RAW * NP, 1, BOXR, _DIM // 2], d_desc.layout)
         raw_c = gl.allocate_shared_memory(gl.int32, [RAW * NP, 1, BOXR], s_desc.layout)
-        bars = gl.allocate_shared_memory(gl.int64, [2 * STAGES + 1 + RAW, 1], mbarrier.MBarrierLayout())
+        bars = gl.allocate_shared_memory(gl.int64, [2 * STAGES + 1 + 2 * RAW, 1], mbarrier.MBarrierLayout())
         # never accessed: its shape carries the page size into the partitions as a constexpr (divisions -> shifts)
         s_l: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
         page_s = gl.allocate_shared_memory(gl.int8, [BS], s_l)
@@ -343,22 +360,25 @@ if HAVE_GLUON:
             mbarrier.init(bars.index(i), count=1)
             mbarrier.init(bars.index(STAGES + i), count=2)
         mbarrier.init(bars.index(2 * STAGES), count=1)
-        for i in gl.static_range(RAW):
+        for i in gl.static_range(2 * RAW):  # raw-ready (TMA bytes), raw-free (the producer)
             mbarrier.init(bars.index(2 * STAGES + 1 + i), count=1)
         args = (
             q_ptr, w_ptr, d_desc, s_desc, bt_ptr, row_ptr, nv_ptr, out_ptr, flag_ptr, stride_qt, stride_qh,
-            stride_wt, stride_bt, stride_ot, N, MAX_BLOCKS, NUM_PAGES, tiles, k_s, k_w, fac, q_s, raw_d, raw_c,
-            bars, page_s,
+            stride_wt, stride_bt, stride_ot, N, MAX_BLOCKS, NUM_PAGES, tiles, k_s, k_w, f0, f1, f2, f3, f4, q_s,
+            raw_d, raw_c, bars, page_s,
         )  # fmt: skip
         gl.warp_specialize(
-            [(_wg0, (args,)), (_wg1, (args,)), (_producer, (args,))], [4, 4], [WORKER_REGS, PRODUCER_REGS]
+            [(_wg0, (args,)), (_wg1, (args,)), (_producer, (args,)), (_loader, (args,))],
+            [4, 4, 1],
+            [WORKER_REGS, PRODUCER_REGS, LOADER_REGS],
         )
 
 
 GLUON_STAGES = 4
 GLUON_RAW = 4  # raw tiles in flight + 1 (8.5 KB each)
 GLUON_WORKER_REGS = 192
-GLUON_PRODUCER_REGS = 120
+GLUON_PRODUCER_REGS = 96
+GLUON_LOADER_REGS = 32
 
 
 def _prep_query(q: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -422,6 +442,7 @@ def indexer_scores_gluon(
         q, weights, d_desc, s_desc, block_table, token_row, n_visible, out, flag, q.stride(0), q.stride(1),
         weights.stride(0), block_table.stride(0), out.stride(0), max_entries, block_table.shape[1], P, tiles, bs,
         STAGES=GLUON_STAGES, RAW=GLUON_RAW, WORKER_REGS=GLUON_WORKER_REGS, PRODUCER_REGS=GLUON_PRODUCER_REGS,
+        LOADER_REGS=GLUON_LOADER_REGS,
         num_warps=4,
     )  # fmt: skip
     if check_exact and bool(flag.any()):
