@@ -399,7 +399,17 @@ def _prep_query(q: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, t
 
 
 def indexer_scores_gluon(
-    q, weights, keys, block_table, token_row, n_visible, max_entries: int, tiles=None, check_exact: bool = True
+    q,
+    weights,
+    keys,
+    block_table,
+    token_row,
+    n_visible,
+    max_entries: int,
+    tiles=None,
+    check_exact: bool = True,
+    stages: int = GLUON_STAGES,
+    raw: int = GLUON_RAW,
 ):
     """WIP: the scores of ``indexer_scores`` (same arguments; 64 heads) by the warp-specialised Gluon kernel.
     ``tiles``: 128-entry tiles a program (None: one program a SM).  ``check_exact``: refuse (ValueError, after a
@@ -441,7 +451,7 @@ def indexer_scores_gluon(
     _mxfp4_scores_ws_kernel[grid](
         q, weights, d_desc, s_desc, block_table, token_row, n_visible, out, flag, q.stride(0), q.stride(1),
         weights.stride(0), block_table.stride(0), out.stride(0), max_entries, block_table.shape[1], P, tiles, bs,
-        STAGES=GLUON_STAGES, RAW=GLUON_RAW, WORKER_REGS=GLUON_WORKER_REGS, PRODUCER_REGS=GLUON_PRODUCER_REGS,
+        STAGES=stages, RAW=raw, WORKER_REGS=GLUON_WORKER_REGS, PRODUCER_REGS=GLUON_PRODUCER_REGS,
         LOADER_REGS=GLUON_LOADER_REGS,
         num_warps=4,
     )  # fmt: skip

@@ -1,0 +1,76 @@
+"""WIP study (H200): the warp-specialised Gluon indexer-scores kernel's ring depths and program sizes.
+
+    python3 benchmarks/study_gluon_indexer.py [--batches 4 64] [--out FILE.jsonl]
+
+For each batch (1M-token context: 262,144 MXFP4 entries a row, 64 heads) it times ``indexer_scores_gluon`` for
+stages (converted 128-entry tiles the consumers may lag) x raw (TMA tiles in flight + 1) x tiles (128-entry tiles a
+program; "auto" = one program an SM) with ``sweep_indexer``'s CUDA-graph timer (L2 flushed between calls), next to
+the default Triton kernel (fp8mma) in the same run, and checks every output against that kernel's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+from functools import partial
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import triton  # noqa: E402
+
+from benchmarks.bench_indexer import HBM_BYTES_PER_S, make_problem  # noqa: E402
+from benchmarks.sweep_indexer import GraphTimer  # noqa: E402
+from dsv4.kernels.indexer import indexer_scores  # noqa: E402
+from dsv4.kernels.indexer._gluon_scores import indexer_scores_gluon  # noqa: E402
+
+CONFIGS = [(4, 4), (2, 4), (4, 8), (8, 4), (2, 8)]  # (stages, raw): powers of two, shared memory <= ~200 KB
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batches", nargs="+", type=int, default=[4, 64])
+    ap.add_argument("--entries", type=int, default=262144)
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    timer = GraphTimer()
+    info = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}
+    rows = []
+    for B in args.batches:
+        n = args.entries
+        keys, bt, q, w, tr, nv = make_problem(B, n, 64, 64, dev, torch.Generator(device=dev).manual_seed(0))
+        nbytes = B * n * 68 + q.numel() * 2 + B * n * 4
+        ref = indexer_scores(q, w, keys, bt, tr, nv, n, "triton")
+        t_ref = timer(partial(indexer_scores, q, w, keys, bt, tr, nv, n, "triton"))
+        print(f"B={B}: fp8mma (default) {t_ref * 1e6:.1f} us, roofline {nbytes / HBM_BYTES_PER_S * 1e6:.1f} us")
+        for stages, raw in CONFIGS:
+            for tiles in (None, 32, 16):
+                fn = partial(indexer_scores_gluon, q, w, keys, bt, tr, nv, n, tiles=tiles, check_exact=False,
+                             stages=stages, raw=raw)  # fmt: skip
+                try:
+                    out = fn()
+                except Exception as exc:  # a configuration that does not compile (e.g. shared memory): reported
+                    print(f"  stages={stages} raw={raw} tiles={tiles or 'auto':>4}: failed: {str(exc)[:200]}")
+                    continue
+                err = float(((out - ref).abs() / ref.abs().clamp(min=1e-30)).nan_to_num(0.0).max())
+                t = timer(fn)
+                row = dict(info, name="indexer_gluon_ws", date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                           shape={"entries": n, "B": B, "heads": 64, "page": 64},
+                           config={"stages": stages, "raw": raw, "tiles": tiles or "auto"}, time_s=t, bytes=nbytes,
+                           roofline_s=nbytes / HBM_BYTES_PER_S, baseline="indexer_fp4_fp8mma", baseline_time_s=t_ref,
+                           timer="graph", max_rel_err_vs_baseline=err)  # fmt: skip
+                rows.append(row)
+                print(f"  stages={stages} raw={raw} tiles={tiles or 'auto':>4}: {t * 1e6:7.1f} us  (rel err {err:.1e})")
+    if args.out:
+        with open(args.out, "w") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+
+
+if __name__ == "__main__":
+    main()
