@@ -1,9 +1,10 @@
-"""WIP (branch ``s10-next-gluon-indexer``): the warp-specialised Gluon indexer-scores kernel (``_gluon_scores``).
+"""The warp-specialised Gluon indexer-scores kernel (``_gluon_scores``, opt-in ``indexer_scores_gluon``).
 
 CPU: the query preparation is exact where it says so, a torch model of the kernel's arithmetic (e4m3 re-encoding of
 the e2m1 codes, four exact block dots, the block-scale combine, ReLU, weighted head sum, the scale words' 0 sentinel)
-matches the reference, and the kernel compiles for sm_90 without spills.  GPU (sm_90): the kernel against the
-reference, including partly visible rows, pages outside the pool and a bench-size problem.
+matches the reference, and the kernel compiles for sm_90 without spills or a serialised wgmma chain.  GPU (sm_90):
+the kernel against the reference (partly visible rows, pages outside the pool, 64 / 128 / 256-entry pages, programs
+whose rings wrap), and an inexact query refused through the kernel's flag.
 """
 
 from __future__ import annotations

@@ -1,37 +1,41 @@
-"""WIP (branch ``s10-next-gluon-indexer``, not run on a GPU): a warp-specialised Gluon (sm_90) kernel for the
-lightning-indexer scores over MXFP4 keys, the fp8mma math of ``scores._mxfp4_scores_kernel`` split across warps.
+"""A warp-specialised Gluon (sm_90) kernel for the lightning-indexer scores over MXFP4 keys: the fp8mma math of
+``scores._mxfp4_scores_kernel`` split across warps.  Opt-in (``indexer_scores_gluon``), not yet selected by
+``indexer_scores``: a row whose query is not exact in e4m3 with one scale a head is only flagged (see the end).
 
-Why: the Triton fp8mma kernel is latency-bound (71.4 us at 1M entries, B = 4, H200): one warpgroup runs the serial
-chain block-table load -> key load -> re-encode -> shared memory -> MMA -> wait -> epilogue per 128-entry tile, two
-programs a SM.  The work itself is small: 71 MB of keys (17 us of HBM), 17 GFLOP of FP8 MMA (~9 us), and ~6 CUDA-core
-operations per (entry, head) for the block-scale combine, ReLU and weighted head sum (~12 us at 1M x 64).  Here they
-overlap:
+Why: the Triton fp8mma kernel is latency-bound (~70 us at 1M entries, B = 4, H200): one warpgroup runs the serial
+chain block-table load -> key load -> re-encode -> shared memory -> MMA -> wait -> epilogue per 128-entry tile.  The
+work itself is small: 71 MB of keys (17 us of HBM), 17 GFLOP of FP8 MMA (~9 us), and ~6 CUDA-core operations per
+(entry, head) for the block-scale combine, ReLU and weighted head sum (~12 us at 1M x 64).  Here they overlap, in
+four partitions (16 warps, one program an SM by default):
 
-- **Producer** (4 warps): per tile of 128 entries it loads the block-table entries two tiles ahead, the packed e2m1
-  bytes (16-byte vectors) and the scale words of the next tile into registers, re-encodes the current tile's bytes as
-  e4m3 (exact: value * 2**-6, 8 integer operations per 8 codes, inline PTX as in ``scores``) in natural element order
-  and stores them with one [128, 128] store into a 128-byte-swizzled stage, with each entry's scale word (0 = not
-  visible / no page), then arrives on the stage's ready barrier.
+- **Loader** (1 warp): per 128-entry tile, the block-table entries a tile ahead, then TMA of the tile's boxes (one
+  page's rows each: packed bytes [1, rows, 64] and scale words [1, rows]) into a raw ring.  A box whose page is -1
+  or outside the pool is read at an out-of-range page: TMA zero-fills it without touching memory.
+- **Producer** (4 warps): re-encodes the raw tile's e2m1 bytes as e4m3 (exact: value * 2**-6) into a 128-byte-
+  swizzled stage (``_e2m1_words_to_e4m3``: 10 instructions for the two e4m3 words of a packed word's 8 elements, in
+  element order; the int32 stage is read back as e4m3 by the wgmmas), and decodes each entry's scale word into five
+  factors (2**(s_b - s_max) for its four 32-blocks, flushed below 2**-126, and 2**(s_max - 127), 0 when the entry
+  is not visible), each factor row its own buffer (Triton puts a warpgroup barrier between stores to one buffer).
 - **Consumers** W = 0, 1 (4 warps each): entries [64 W, 64 W + 64) of every tile: four m64 n64 k32 FP8 wgmmas (one a
-  32-element block, each from zero: exact, as in fp8mma), the stage freed, then the epilogue: the four block partials
-  times 2**(s_b - s_max) (flushed below 2**-126), ReLU, times the head weights, summed over heads, times
-  2**(s_max - 127); -inf where the scale word is 0.
+  block, each from zero: exact, as in fp8mma); the first two run under the previous tile's epilogue, the last two
+  under the combine of the first two; then ReLU, the head weights (with the query's and the code's scales folded
+  in), the head sum, the key factor; -inf where it is 0.
 
-The producer reads the packed bytes as int32 words; ``_e2m1_words_to_e4m3`` turns each into the two e4m3 words of
-its 8 elements in order (10 instructions), the words are stored into an int32 buffer with the 128-byte swizzle, and
-the consumers read the same bytes as e4m3 (``_reinterpret``).  (A first version converted bytes and put them in order
-with ``join`` / ``reshape``: 150 ``prmt`` more a tile.)
+The query of a row is made e4m3 with one power-of-two scale a head inside the kernel (fp8mma's fast path; its torch
+model is ``_prep_query``); the kernel sets ``flag[t]`` where that is not exact, and the host refuses such a call
+(``check_exact``, a host sync).  fp8mma's general path scores those rows exactly; merging the two, so that this
+kernel can be the default inside CUDA graphs, is the next step.
 
-Static estimate (sm_90 SASS, triton 3.6, before any GPU run): the producer's loop is ~500 instructions a 128-entry
-tile, a consumer's ~340 a 64-entry half (~200 of them the float work: 4 block partials combined with per-key scales,
-ReLU, weights, head sum, for 32 values a thread).  At 1M entries, B = 4 (62 tiles an SM, one 12-warp program an SM:
-each scheduler runs one producer and two consumer warps) that is ~73K issue slots a scheduler, ~37 us at 1.98 GHz if
-issue-bound: below the Triton kernel's 71 us, above the 25 us target.  The consumers' float work is the larger
-part; a bf16 K = 128 MMA over keys pre-scaled exactly by the producer would leave ReLU and the head sum only, at
-twice the MMA time and a costlier conversion (estimated ~31 us): the next experiment if this one runs.
-
-The query of a row is e4m3 with one power-of-two scale a head (``_prep_query``, as fp8mma's fast path); rows where
-that is not exact are refused (the Triton kernel's general path handles them; merging the two is left for later).
+H200 (triton 3.6, 2026-12-04, ``benchmarks/results/2026-12-04_h200_*gluon_indexer*_s11*``): 1M-token context
+(262,144 entries), 64 heads: B = 4 53.1 us (fp8mma 71.3 us in the same run), B = 64 792 us (1,077 us); scores
+equal to fp8mma's bit for bit.  The way there, B = 4: key loads carried a tile ahead in registers 144.6 us (about
+one tile in flight an SM), cp.async ring 93.0, page size constexpr (no divisions) 78.5, TMA boxes 66.1, one-warp
+loader + per-factor buffers 61.3, MMAs overlapped with the epilogue 57.9 (tiles = 32) / 53.1 (one program an SM).
+Ring depths do not matter (stages 2-8, raw 4-8: within 1.5 us).  Nsight's stall samples (v4): consumer warps are
+selected in ~22 % of their samples (26-31 % waiting on barriers / long scoreboard, 17 % on shared loads), producer
+warps in 18 % and ready but not selected in 31 %: the schedulers issue in ~60 % of cycles and no partition is
+saturated.  The remaining work is the float epilogue (~285 instructions a consumer warp a tile) and the conversion
+(~240 a producer warp).
 """
 
 from __future__ import annotations
