@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One H200 session: environment, GPU tests, then the kernel benchmarks. Results go to $OUT (or ./out).
-# Usage (on the device machine, repo root): bash benchmarks/run_h200.sh [tests|bench|all|pending|ncu|attention|attention_ncu|indexer_gluon]
+# Usage (on the device machine, repo root): bash benchmarks/run_h200.sh [tests|bench|all|pending|ncu|attention|attention_ncu|indexer_gluon|indexer_default]
 # "pending": the norm and top-k GPU tests (~4 min, most of it compiling the top-k kernels), launch D's rank
 # threshold on/off, top-k with both flush kinds, the decode step; about 8 minutes.  "ncu": Nsight Compute
 # sections of the indexer scores, dense attention and gather kernels (benchmarks/ncu_cases.py).  "attention": the
@@ -66,6 +66,14 @@ if [ "$what" = indexer_gluon ]; then  # the opt-in Gluon scores kernel: GPU test
   python3 benchmarks/ncu_source_summary.py "$OUT/ncu_source_gluon_indexer.csv" --top 40 \
     | tee "$OUT/${stamp}_h200_ncu_source_gluon_indexer.txt" | head -30
   gzip -f "$OUT/ncu_source_gluon_indexer.csv"
+fi
+if [ "$what" = indexer_default ]; then  # the Gluon kernel as indexer_scores' default on sm_90 (~6 min)
+  timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_indexer_scores.py \
+    tests/kernels/test_gluon_indexer_scores.py tests/model tests/engine 2>&1 | tee "$OUT/${stamp}_h200_gpu_tests_indexer.txt" | tail -4
+  timeout 150 python3 benchmarks/bench_indexer.py --only scores --no-compile --out "$OUT/${stamp}_h200_indexer.jsonl" \
+    2>&1 | tee "$OUT/${stamp}_h200_indexer.txt" | grep -E "ctx=1048576|B=4|indexer" | tail -24
+  timeout 120 python3 -m dsv4.cli bench --models v4-flash --kinds csa --contexts 131072 --batches 1,8,64 \
+    --out "$OUT/${stamp}_h200_decode.jsonl" 2>&1 | tail -12
 fi
 if [ "$what" = attention ]; then
   timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_sparse_attention.py \

@@ -32,6 +32,18 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def sm_major(device: torch.device) -> int:
+    """Compute-capability major of CUDA ``device`` (9 for Hopper); 0 off CUDA."""
+    if device.type != "cuda":
+        return 0
+    return _sm_major(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=16)
+def _sm_major(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]
+
+
 def interpreter_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import warnings
 
 import pytest
 import torch
@@ -166,6 +167,15 @@ def test_gluon_indexer_flags_an_inexact_query_gpu():
     kp_d = type(kp)(kp.data.cuda(), kp.scale.cuda())
     with pytest.raises(ValueError, match="not exact"):
         indexer_scores_gluon(dev[0], dev[1], kp_d, dev[2], dev[3], dev[4], 256)
+    # the default path: the Gluon kernel, then fp8mma over the flagged row 1 (its general path is exact)
+    from dsv4.kernels.indexer import indexer_scores
+    from dsv4.kernels.indexer import scores as scores_mod
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fall-back
+        out = indexer_scores(dev[0], dev[1], kp_d, dev[2], dev[3], dev[4], 256)
+    assert scores_mod._GLUON_STATE[torch.cuda.current_device()] is True
+    assert_scores_close(out.cpu(), indexer_scores_reference(q, w, kp, bt, tr, nv_t, 256))
     q[1, 5, 1] = 0.0
     out = indexer_scores_gluon(q.cuda(), dev[1], kp_d, dev[2], dev[3], dev[4], 256)
     assert_scores_close(out.cpu(), indexer_scores_reference(q, w, kp, bt, tr, nv_t, 256))

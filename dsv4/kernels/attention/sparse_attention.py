@@ -92,7 +92,7 @@ import triton
 
 from dsv4.errors import check_tensor
 from dsv4.formats.fp8_entry import FP8_DTYPE, ROPE_DTYPE, EntryPages, FP8EntryFormat
-from dsv4.kernels.dispatch import DEFAULT_NUM_SMS, interpreter_enabled, num_sms, use_triton
+from dsv4.kernels.dispatch import DEFAULT_NUM_SMS, interpreter_enabled, num_sms, sm_major, use_triton
 
 __all__ = [
     "MIN_KEYS_PER_SPLIT",
@@ -401,12 +401,7 @@ def gluon_dense_supported(q: torch.Tensor, head_dim: int) -> bool:
 
     if not (HAVE_GLUON and q.is_cuda and head_dim == 2 * HALF) or interpreter_enabled():
         return False
-    return _sm_major(q.device.index if q.device.index is not None else torch.cuda.current_device()) == 9
-
-
-@functools.cache
-def _sm_major(index: int) -> int:
-    return torch.cuda.get_device_capability(index)[0]
+    return sm_major(q.device) == 9
 
 
 def _dense_splits(T: int, head_blocks: int, n_blocks: int, block_n: int, num_splits, device) -> tuple[int, int]:

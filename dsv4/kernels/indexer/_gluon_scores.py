@@ -402,40 +402,49 @@ def _prep_query(q: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, t
     return q8.contiguous(), wq.contiguous(), exact
 
 
-def indexer_scores_gluon(
-    q,
-    weights,
-    keys,
-    block_table,
-    token_row,
-    n_visible,
-    max_entries: int,
-    tiles=None,
-    check_exact: bool = True,
-    stages: int = GLUON_STAGES,
-    raw: int = GLUON_RAW,
-):
-    """WIP: the scores of ``indexer_scores`` (same arguments; 64 heads) by the warp-specialised Gluon kernel.
-    ``tiles``: 128-entry tiles a program (None: one program a SM).  ``check_exact``: refuse (ValueError, after a
-    host sync, so not inside a CUDA graph) a call where some row's query is not exact in e4m3 with one scale a
-    head; False skips the check (benchmarks on MXFP4-simulated queries)."""
+def gluon_unsupported(q: torch.Tensor, keys) -> str | None:
+    """Why the Gluon kernel cannot score ``q`` [T, H, D] against ``keys`` (``KeyPages``), or None when it can: an
+    sm_90 CUDA device outside the interpreter, Triton with Gluon's Hopper TMA API, 64 heads x 128, a power-of-two
+    page of >= 64 entries, and key bytes and scale bytes laid out as TMA needs (rows contiguous, 16-byte aligned
+    page strides and bases; true of the pool's pages)."""
+    from dsv4.kernels.dispatch import interpreter_enabled, sm_major
+
+    if not HAVE_GLUON:
+        return "triton without Gluon's Hopper TMA API"
+    if not q.is_cuda or interpreter_enabled():
+        return "needs a CUDA device (not the interpreter)"
+    if sm_major(q.device) != 9:
+        return "needs an sm_90 device"
+    if tuple(q.shape[1:]) != (HEADS, DIM):
+        return f"needs q [T, {HEADS}, {DIM}], got {list(q.shape)}"
+    data, scale = keys.data, keys.scale
+    bs = data.shape[1]
+    if bs & (bs - 1) or bs < TILE_N // 2:
+        return f"needs a power-of-two page of >= {TILE_N // 2} entries, got {bs}"
+    for name, x, row in (("key bytes", data, DIM // 2), ("scale bytes", scale, DIM // QBLOCK)):
+        if x.stride(2) != 1 or x.stride(1) != row or x.stride(0) % 16 or x.data_ptr() % 16:
+            return f"{name} not laid out for TMA (strides {tuple(x.stride())})"
+    return None
+
+
+def launch_gluon_scores(
+    q, weights, keys, block_table, token_row, n_visible, max_entries: int, tiles=None, stages=None, raw=None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's scores [T, max_entries] fp32 and flags [T] int32 (1: the row's query is not exact in e4m3 with
+    one scale a head, its scores are not to be used).  No host sync; preconditions: ``gluon_unsupported`` is None,
+    ``block_table`` / ``token_row`` / ``n_visible`` contiguous int32, ``weights`` [T, 64] fp32 with unit stride."""
     from dsv4.kernels.dispatch import num_sms
     from dsv4.kernels.indexer.scores import _scale_words
 
-    T, H, D = q.shape
-    if (H, D) != (HEADS, DIM):
-        raise ValueError(f"indexer_scores_gluon: expected q [T, {HEADS}, {DIM}], got {tuple(q.shape)}")
+    T = q.shape[0]
     out = torch.empty(T, max_entries, dtype=torch.float32, device=q.device)
     flag = torch.empty(T, dtype=torch.int32, device=q.device)  # the kernel sets every row
     if T == 0 or max_entries == 0:
-        return out
-    if q.stride(2) != 1:
-        q = q.contiguous()
+        return out, flag
+    q = q if q.stride(2) == 1 else q.contiguous()
     sw = _scale_words(keys.scale)
     data = keys.data
     P, bs, row_bytes = data.shape
-    if bs & (bs - 1) or bs < TILE_N // 2:
-        raise ValueError(f"indexer_scores_gluon: expected a power-of-two page size >= {TILE_N // 2}, got {bs}")
     boxr = min(bs, TILE_N)
     d_desc = TensorDescriptor(
         data, [P, bs, row_bytes], list(data.stride()), [1, boxr, row_bytes],
@@ -455,10 +464,36 @@ def indexer_scores_gluon(
     _mxfp4_scores_ws_kernel[grid](
         q, weights, d_desc, s_desc, block_table, token_row, n_visible, out, flag, q.stride(0), q.stride(1),
         weights.stride(0), block_table.stride(0), out.stride(0), max_entries, block_table.shape[1], P, tiles, bs,
-        STAGES=stages, RAW=raw, WORKER_REGS=GLUON_WORKER_REGS, PRODUCER_REGS=GLUON_PRODUCER_REGS,
-        LOADER_REGS=GLUON_LOADER_REGS,
-        num_warps=4,
+        STAGES=stages or GLUON_STAGES, RAW=raw or GLUON_RAW, WORKER_REGS=GLUON_WORKER_REGS,
+        PRODUCER_REGS=GLUON_PRODUCER_REGS, LOADER_REGS=GLUON_LOADER_REGS, num_warps=4,
+    )  # fmt: skip
+    return out, flag
+
+
+def indexer_scores_gluon(
+    q,
+    weights,
+    keys,
+    block_table,
+    token_row,
+    n_visible,
+    max_entries: int,
+    tiles=None,
+    check_exact: bool = True,
+    stages: int = GLUON_STAGES,
+    raw: int = GLUON_RAW,
+):
+    """The scores of ``indexer_scores`` (same arguments; 64 heads) by this kernel alone (``indexer_scores`` with
+    ``impl="auto"`` / ``"gluon"`` also rescores the flagged rows).  ``tiles``: 128-entry tiles a program (None: one
+    program a SM).  ``check_exact``: refuse (ValueError, after a host sync, so not inside a CUDA graph) a call where
+    some row's query is not exact in e4m3 with one scale a head; False skips the check (benchmarks)."""
+    why = gluon_unsupported(q, keys)
+    if why is not None:
+        raise ValueError(f"indexer_scores_gluon: {why}")
+    out, flag = launch_gluon_scores(
+        q, weights, keys, block_table.contiguous(), token_row.contiguous(), n_visible.contiguous(), max_entries,
+        tiles, stages, raw,
     )  # fmt: skip
     if check_exact and bool(flag.any()):
-        raise ValueError("indexer_scores_gluon: a query row is not exact in e4m3 with one scale a head (WIP)")
+        raise ValueError("indexer_scores_gluon: a query row is not exact in e4m3 with one scale a head")
     return out
