@@ -1,6 +1,7 @@
 """WIP study (H200): the warp-specialised Gluon indexer-scores kernel's ring depths and program sizes.
 
     python3 benchmarks/study_gluon_indexer.py [--batches 4 64] [--out FILE.jsonl]
+    python3 benchmarks/study_gluon_indexer.py --host      # host time a call, and where it goes (cProfile)
 
 For each batch (1M-token context: 262,144 MXFP4 entries a row, 64 heads) it times ``indexer_scores_gluon`` for
 stages (converted 128-entry tiles the consumers may lag) x raw (TMA tiles in flight + 1) x tiles (128-entry tiles a
@@ -31,12 +32,60 @@ from dsv4.kernels.indexer._gluon_scores import indexer_scores_gluon  # noqa: E40
 CONFIGS = [(4, 4), (2, 4), (4, 8), (8, 4), (2, 8)]  # (stages, raw): powers of two, shared memory <= ~200 KB
 
 
+def host_study() -> None:
+    """Host (Python + launch) time a call at a tiny shape (GPU work << host work): 200 calls without a sync, per
+    call; then cProfile's top functions of the default ``indexer_scores``."""
+    import cProfile
+    import pstats
+    import time
+
+    from dsv4.kernels.indexer import scores as scores_mod
+    from dsv4.kernels.indexer._gluon_scores import launch_gluon_scores
+
+    dev = torch.device("cuda")
+    n = 4096
+    keys, bt, q, w, tr, nv = make_problem(1, n, 64, 64, dev, torch.Generator(device=dev).manual_seed(0))
+    cfg = scores_mod.launch_config(1, 64, n, dev, None, None, None, None, None)
+    out = torch.empty(1, n, device=dev)
+    flag = torch.zeros(1, dtype=torch.int32, device=dev)
+    sw = scores_mod._scale_words(keys.scale)
+    calls = {
+        "indexer_scores (default)": partial(indexer_scores, q, w, keys, bt, tr, nv, n, "triton"),
+        "indexer_scores impl=fp8mma": partial(indexer_scores, q, w, keys, bt, tr, nv, n, "triton", impl="fp8mma"),
+        "launch_gluon_scores": partial(launch_gluon_scores, q, w, keys, bt, tr, nv, n),
+        "_launch_mxfp4 (flag)": partial(
+            scores_mod._launch_mxfp4, "fp8mma", q, w, keys.data, sw, bt, tr, nv, out, n, 64, cfg, flag=flag
+        ),  # fmt: skip
+    }
+    for name, fn in calls.items():
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(200):
+            fn()
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        print(f"{name:32s} host {1e6 * (t1 - t0) / 200:7.1f} us a call")
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(200):
+        calls["indexer_scores (default)"]()
+    prof.disable()
+    torch.cuda.synchronize()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(18)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", nargs="+", type=int, default=[4, 64])
     ap.add_argument("--entries", type=int, default=262144)
     ap.add_argument("--out")
+    ap.add_argument("--host", action="store_true", help="host time a call instead (see host_study)")
     args = ap.parse_args()
+    if args.host:
+        host_study()
+        return
     dev = torch.device("cuda")
     timer = GraphTimer()
     info = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}

@@ -162,7 +162,9 @@ def test_gluon_indexer_flags_an_inexact_query_gpu():
     kp, q, w, bt, tr, nv_t = _problem(2, 64, 64, 20, 256, gen, None)
     q[1, 5] = 0.0
     q[1, 5, 0] = 2.0**10
-    q[1, 5, 1] = 2.0**-10 * 1.5  # 1.5 * 2**-20 once scaled: below e4m3's smallest subnormal
+    # another 32-block (MXFP4 holds it): 1.5 * 2**-20 once scaled by the head's one scale, below e4m3's smallest
+    # subnormal; fp8mma's per-block query scales hold it exactly
+    q[1, 5, 32] = 2.0**-10 * 1.5
     dev = [x.cuda() for x in (q, w, bt, tr, nv_t)]
     kp_d = type(kp)(kp.data.cuda(), kp.scale.cuda())
     with pytest.raises(ValueError, match="not exact"):
@@ -176,6 +178,6 @@ def test_gluon_indexer_flags_an_inexact_query_gpu():
         out = indexer_scores(dev[0], dev[1], kp_d, dev[2], dev[3], dev[4], 256)
     assert scores_mod._GLUON_STATE[torch.cuda.current_device()] is True
     assert_scores_close(out.cpu(), indexer_scores_reference(q, w, kp, bt, tr, nv_t, 256))
-    q[1, 5, 1] = 0.0
+    q[1, 5, 32] = 0.0
     out = indexer_scores_gluon(q.cuda(), dev[1], kp_d, dev[2], dev[3], dev[4], 256)
     assert_scores_close(out.cpu(), indexer_scores_reference(q, w, kp, bt, tr, nv_t, 256))
