@@ -44,7 +44,7 @@ def main() -> None:
             if impl == "gluon_ws":  # WIP: the warp-specialised Gluon kernel
                 from dsv4.kernels.indexer._gluon_scores import indexer_scores_gluon
 
-                indexer_scores_gluon(q, w, keys, bt, tr, nv, n, check_exact=False)
+                indexer_scores_gluon(q, w, keys, bt, tr, nv, n)
             else:
                 indexer_scores(q, w, keys, bt, tr, nv, n, "triton", impl=impl)
     elif case.startswith("write:"):

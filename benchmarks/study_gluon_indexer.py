@@ -39,23 +39,15 @@ def host_study() -> None:
     import pstats
     import time
 
-    from dsv4.kernels.indexer import scores as scores_mod
     from dsv4.kernels.indexer._gluon_scores import launch_gluon_scores
 
     dev = torch.device("cuda")
     n = 4096
     keys, bt, q, w, tr, nv = make_problem(1, n, 64, 64, dev, torch.Generator(device=dev).manual_seed(0))
-    cfg = scores_mod.launch_config(1, 64, n, dev, None, None, None, None, None)
-    out = torch.empty(1, n, device=dev)
-    flag = torch.zeros(1, dtype=torch.int32, device=dev)
-    sw = scores_mod._scale_words(keys.scale)
     calls = {
         "indexer_scores (default)": partial(indexer_scores, q, w, keys, bt, tr, nv, n, "triton"),
         "indexer_scores impl=fp8mma": partial(indexer_scores, q, w, keys, bt, tr, nv, n, "triton", impl="fp8mma"),
         "launch_gluon_scores": partial(launch_gluon_scores, q, w, keys, bt, tr, nv, n),
-        "_launch_mxfp4 (flag)": partial(
-            scores_mod._launch_mxfp4, "fp8mma", q, w, keys.data, sw, bt, tr, nv, out, n, 64, cfg, flag=flag
-        ),  # fmt: skip
     }
     for name, fn in calls.items():
         for _ in range(20):
@@ -99,7 +91,7 @@ def main() -> None:
         print(f"B={B}: fp8mma (default) {t_ref * 1e6:.1f} us, roofline {nbytes / HBM_BYTES_PER_S * 1e6:.1f} us")
         for stages, raw in CONFIGS:
             for tiles in (None, 32, 16):
-                fn = partial(indexer_scores_gluon, q, w, keys, bt, tr, nv, n, tiles=tiles, check_exact=False,
+                fn = partial(indexer_scores_gluon, q, w, keys, bt, tr, nv, n, tiles=tiles,
                              stages=stages, raw=raw)  # fmt: skip
                 try:
                     out = fn()

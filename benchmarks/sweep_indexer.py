@@ -93,7 +93,7 @@ def run_fn(variant: str, prob: dict, cfg: dict):
         from dsv4.kernels.indexer._gluon_scores import indexer_scores_gluon
 
         tiles = None if cfg.get("default") else cfg["tiles"]
-        return partial(indexer_scores_gluon, q, w, prob["keys"], bt, tr, nv, n, tiles=tiles, check_exact=False)
+        return partial(indexer_scores_gluon, q, w, prob["keys"], bt, tr, nv, n, tiles=tiles)
     if variant == "fp4_fold_noasm":  # the fold table lookup in Triton integer ops instead of PTX prmt
 
         def run_fold():

@@ -4,7 +4,7 @@ CPU: the query preparation is exact where it says so, a torch model of the kerne
 the e2m1 codes, four exact block dots, the block-scale combine, ReLU, weighted head sum, the scale words' 0 sentinel)
 matches the reference, and the kernel compiles for sm_90 without spills or a serialised wgmma chain.  GPU (sm_90):
 the kernel against the reference (partly visible rows, pages outside the pool, 64 / 128 / 256-entry pages, programs
-whose rings wrap), and an inexact query refused through the kernel's flag.
+whose rings wrap, queries on the scale-a-block path), also as ``indexer_scores``' default.
 """
 
 from __future__ import annotations
@@ -154,30 +154,27 @@ def test_gluon_indexer_matches_reference_gpu(bs, n, nv, tiles):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not (on_sm90 and HAVE_GLUON), reason="needs an sm_90 GPU and Gluon")
-def test_gluon_indexer_flags_an_inexact_query_gpu():
-    """A head whose values span more binades than e4m3 holds under one scale: the kernel's flag refuses the call."""
+def test_gluon_indexer_scale_a_block_query_gpu():
+    """A head whose values span more binades than e4m3 holds under one scale (an MXFP4 query: the small value in
+    another 32-block): that row takes the kernel's scale-a-block path, the other rows the one-scale path; both
+    exact.  The default ``indexer_scores`` is this kernel on sm_90 (no fall-back)."""
+    from dsv4.kernels.indexer import indexer_scores
+    from dsv4.kernels.indexer import scores as scores_mod
     from dsv4.kernels.indexer._gluon_scores import indexer_scores_gluon
 
     gen = torch.Generator().manual_seed(4)
-    kp, q, w, bt, tr, nv_t = _problem(2, 64, 64, 20, 256, gen, None)
+    kp, q, w, bt, tr, nv_t = _problem(3, 64, 64, 20, 256, gen, None)
     q[1, 5] = 0.0
     q[1, 5, 0] = 2.0**10
-    # another 32-block (MXFP4 holds it): 1.5 * 2**-20 once scaled by the head's one scale, below e4m3's smallest
-    # subnormal; fp8mma's per-block query scales hold it exactly
-    q[1, 5, 32] = 2.0**-10 * 1.5
+    q[1, 5, 32] = 2.0**-10 * 1.5  # 1.5 * 2**-20 under the head's one scale: below e4m3's smallest subnormal
+    q[2] *= torch.tensor([2.0**-30, 1.0, 2.0**17, 2.0**-5]).repeat_interleave(32)  # every head of row 2
+    assert not bool(_prep_query(q, w)[2][1]) and not bool(_prep_query(q, w)[2][2]) and bool(_prep_query(q, w)[2][0])
     dev = [x.cuda() for x in (q, w, bt, tr, nv_t)]
     kp_d = type(kp)(kp.data.cuda(), kp.scale.cuda())
-    with pytest.raises(ValueError, match="not exact"):
-        indexer_scores_gluon(dev[0], dev[1], kp_d, dev[2], dev[3], dev[4], 256)
-    # the default path: the Gluon kernel, then fp8mma over the flagged row 1 (its general path is exact)
-    from dsv4.kernels.indexer import indexer_scores
-    from dsv4.kernels.indexer import scores as scores_mod
-
+    ref = indexer_scores_reference(q, w, kp, bt, tr, nv_t, 256)
+    assert_scores_close(indexer_scores_gluon(dev[0], dev[1], kp_d, dev[2], dev[3], dev[4], 256).cpu(), ref)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no fall-back
         out = indexer_scores(dev[0], dev[1], kp_d, dev[2], dev[3], dev[4], 256)
     assert scores_mod._GLUON_STATE[torch.cuda.current_device()] is True
-    assert_scores_close(out.cpu(), indexer_scores_reference(q, w, kp, bt, tr, nv_t, 256))
-    q[1, 5, 32] = 0.0
-    out = indexer_scores_gluon(q.cuda(), dev[1], kp_d, dev[2], dev[3], dev[4], 256)
-    assert_scores_close(out.cpu(), indexer_scores_reference(q, w, kp, bt, tr, nv_t, 256))
+    assert_scores_close(out.cpu(), ref)

@@ -395,25 +395,6 @@ def test_zero_columns_and_validation():
         indexer_scores(q, w, kp, bt, tr, nv, 8, backend="triton", impl="gluon")
 
 
-def test_only_flagged_rows_are_rescored():
-    """The fix-up launch after the Gluon kernel: fp8mma with a row flag rewrites exactly the flagged rows."""
-    pages, bs, bt_rows, tr, nv, n = CASES["several_pages"]
-    g = torch.Generator().manual_seed(21)
-    kp = make_keys(pages, bs, random_bytes=True, gen=g)
-    T = len(tr)
-    q, w = make_query(T, 4, g)
-    bt, tr, nv = (torch.tensor(x, dtype=torch.int32) for x in (bt_rows, tr, nv))
-    ref = indexer_scores(q, w, kp, bt, tr, nv, n, backend="torch")
-    out = torch.full((T, n), 7.0)
-    flag = torch.zeros(T, dtype=torch.int32)
-    flag[T - 1] = 1
-    cfg = launch_config(T, 4, n, q.device, None, None, None, None, None)
-    scale32 = scores_mod._scale_words(kp.scale)
-    scores_mod._launch_mxfp4("fp8mma", q, w, kp.data, scale32, bt, tr, nv, out, n, bs, cfg, flag=flag)
-    assert (out[: T - 1] == 7.0).all()
-    assert_scores_close(out[T - 1 :], ref[T - 1 :])
-
-
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("variant", [*IMPLS, "fp8mma_noasm", "fold_noasm", "auto", "gluon", "fp8"])
@@ -421,8 +402,7 @@ def test_only_flagged_rows_are_rescored():
 def test_gpu_kernel_matches_reference_large(variant, wide_q, monkeypatch):
     """Every impl on the GPU at the default launch and at a second one; wide_q sends fp8mma down its
     general path (q blocks of a head too far apart for one e4m3 scale) and keys get random bytes.  On sm_90
-    "auto" at the default launch and "gluon" run the Gluon kernel, and with wide_q every row is flagged by it
-    and rescored by fp8mma."""
+    "auto" at the default launch and "gluon" run the Gluon kernel (wide_q: its scale-a-block query path)."""
     if wide_q and variant in ("dot_scaled", "fp8"):
         pytest.skip("wide_q targets the fp8mma general path")
     g = torch.Generator().manual_seed(5)

@@ -1,6 +1,6 @@
 """A warp-specialised Gluon (sm_90) kernel for the lightning-indexer scores over MXFP4 keys: the fp8mma math of
-``scores._mxfp4_scores_kernel`` split across warps.  Opt-in (``indexer_scores_gluon``), not yet selected by
-``indexer_scores``: a row whose query is not exact in e4m3 with one scale a head is only flagged (see the end).
+``scores._mxfp4_scores_kernel`` split across warps; ``indexer_scores``' default on sm_90 (``impl="gluon"``), also
+callable with its launch knobs as ``indexer_scores_gluon``.
 
 Why: the Triton fp8mma kernel is latency-bound (~70 us at 1M entries, B = 4, H200): one warpgroup runs the serial
 chain block-table load -> key load -> re-encode -> shared memory -> MMA -> wait -> epilogue per 128-entry tile.  The
@@ -21,10 +21,10 @@ four partitions (16 warps, one program an SM by default):
   under the combine of the first two; then ReLU, the head weights (with the query's and the code's scales folded
   in), the head sum, the key factor; -inf where it is 0.
 
-The query of a row is made e4m3 with one power-of-two scale a head inside the kernel (fp8mma's fast path; its torch
-model is ``_prep_query``); the kernel sets ``flag[t]`` where that is not exact, and the host refuses such a call
-(``check_exact``, a host sync).  fp8mma's general path scores those rows exactly; merging the two, so that this
-kernel can be the default inside CUDA graphs, is the next step.
+The query of a row is made e4m3 inside the kernel (``_query_prep``): with one power-of-two scale a head where that
+is exact for every head (fp8mma's fast path: realistic MXFP4 queries), else with one scale a 32-block, block b's
+partial multiplied back by 2**(e_hb - e_h) per head in the epilogue (a second copy of the consumer loop, one more
+multiply a value and block).  Both are exact for MXFP4-simulated queries, as fp8mma's two paths are.
 
 H200 (triton 3.6, 2026-12-04, ``benchmarks/results/2026-12-04_h200_*gluon_indexer*_s11*``): 1M-token context
 (262,144 entries), 64 heads: B = 4 53.1 us (fp8mma 71.3 us in the same run), B = 64 792 us (1,077 us); scores
@@ -131,9 +131,9 @@ if HAVE_GLUON:
         page is -1 or outside the pool is read at page NUM_PAGES: outside the tensor, so TMA zero-fills it (scale
         word 0: not visible) without touching memory, and still counts its bytes."""
         (
-            q_ptr, w_ptr, d_desc, s_desc, bt_ptr, row_ptr, nv_ptr, out_ptr, flag_ptr, stride_qt, stride_qh,
+            q_ptr, w_ptr, d_desc, s_desc, bt_ptr, row_ptr, nv_ptr, out_ptr, stride_qt, stride_qh,
             stride_wt, stride_bt, stride_ot, N, MAX_BLOCKS, NUM_PAGES, tiles, k_s, k_w, f0, f1, f2, f3, f4, q_s,
-            raw_d, raw_c, bars, page_s,
+            raw_d, raw_c, bars, page_s, c_s,
         ) = args  # fmt: skip
         STAGES: gl.constexpr = k_s.type.shape[0]
         BOXR: gl.constexpr = raw_d.type.shape[2]
@@ -177,9 +177,9 @@ if HAVE_GLUON:
         a scale word of 0, every UE8M0 byte being >= 1).  Barriers: raw-ready r (TMA bytes), raw-free r (count 1),
         stage-ready s (count 1), stage-free s (count 2: the consumers)."""
         (
-            q_ptr, w_ptr, d_desc, s_desc, bt_ptr, row_ptr, nv_ptr, out_ptr, flag_ptr, stride_qt, stride_qh,
+            q_ptr, w_ptr, d_desc, s_desc, bt_ptr, row_ptr, nv_ptr, out_ptr, stride_qt, stride_qh,
             stride_wt, stride_bt, stride_ot, N, MAX_BLOCKS, NUM_PAGES, tiles, k_s, k_w, f0, f1, f2, f3, f4, q_s,
-            raw_d, raw_c, bars, page_s,
+            raw_d, raw_c, bars, page_s, c_s,
         ) = args  # fmt: skip
         STAGES: gl.constexpr = k_s.type.shape[0]
         BOXR: gl.constexpr = raw_d.type.shape[2]
@@ -234,52 +234,75 @@ if HAVE_GLUON:
         return (biased_exp << 23).to(gl.float32, bitcast=True)
 
     @gluon.jit
-    def _query_prep(q_ptr, w_ptr, flag_ptr, stride_qt, stride_qh, stride_wt, q_s, qbar, W: gl.constexpr,
+    def _query_prep(q_ptr, w_ptr, stride_qt, stride_qh, stride_wt, q_s, c_s, qbar, W: gl.constexpr,
                     col_l: gl.constexpr):  # fmt: skip
-        """Row t's query as e4m3 with one power-of-two scale a head: head h times 2**(127 - e_h), e_h the biased
-        exponent of its largest |value| (127 for an all-zero head), and the weights times 2**(e_h - 127 + 6) (the
-        query scale and the keys' code scale), [HEADS] fp32 in ``col_l``.  Consumer 0 stores the e4m3 query into
-        ``q_s``, arrives on ``qbar`` and sets ``flag[t]`` to 1 where the e4m3 query is not exact (0 otherwise)."""
+        """Row t's query as e4m3 for the block MMAs.  Head h times 2**(127 - e_h), e_h the biased exponent of its
+        largest |value| (127 for an all-zero head), when that is exact for every head (fp8mma's fast path, always
+        for realistic MXFP4 queries); otherwise ("general") each 32-block times 2**(127 - e_hb), e_hb its own
+        largest exponent (exact for any MXFP4 query), and block b's partial is multiplied back by
+        c_b[h] = 2**(e_hb - e_h) in the epilogue.  Consumer 0 stores the query into ``q_s`` and c into ``c_s``
+        [4, HEADS] (0 below 2**-126), then arrives on ``qbar``.
+
+        Returns (the weights times 2**(e_h - 127 + 6) -- the query's and the keys' code scale -- [HEADS] fp32 in
+        ``col_l``, general: int1 scalar)."""
         t = gl.program_id(0).to(gl.int64)
-        lq: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
-        h = gl.arange(0, _HEADS, layout=gl.SliceLayout(1, lq))
-        d = gl.arange(0, _DIM, layout=gl.SliceLayout(0, lq))
-        qf = gl.load(q_ptr + t * stride_qt + h[:, None] * stride_qh + d[None, :]).to(gl.float32)
-        e = (gl.max(gl.abs(qf), axis=1).to(gl.int32, bitcast=True) >> 23) & 255
+        l3: gl.constexpr = gl.BlockedLayout([1, 1, 16], [4, 4, 2], [4, 1, 1], [2, 1, 0])  # [head, block, element]
+        lhb: gl.constexpr = gl.SliceLayout(2, l3)
+        h = gl.arange(0, _HEADS, layout=gl.SliceLayout(1, lhb))
+        b = gl.arange(0, _DIM // _QBLOCK, layout=gl.SliceLayout(0, lhb))
+        j = gl.arange(0, _QBLOCK, layout=gl.SliceLayout(0, gl.SliceLayout(1, l3)))
+        col = (b * _QBLOCK)[None, :, None] + j[None, None, :]
+        qf = gl.load(q_ptr + t * stride_qt + h[:, None, None] * stride_qh + col).to(gl.float32)  # [64, 4, 32]
+        eb = (gl.max(gl.abs(qf), axis=2).to(gl.int32, bitcast=True) >> 23) & 255  # [64, 4]
+        e = gl.max(eb, axis=1)
         e = gl.where(e == 0, 127, e)
-        qs = qf * _pow2(254 - e)[:, None]
+        qs = qf * _pow2(254 - e)[:, None, None]
+        same = (qs.to(gl.float8e4nv).to(gl.float32) == qs).to(gl.int32)
+        general = gl.min(gl.min(gl.min(same, axis=2), axis=1), axis=0) == 0
+        qs = gl.where(general, qf * _pow2(254 - eb)[:, :, None], qs)
         if W == 0:
-            q8 = qs.to(gl.float8e4nv)
-            q_s.store(q8)
+            q_s.store(gl.reshape(qs.to(gl.float8e4nv), [_HEADS, _DIM]))
+            rel = eb - e[:, None] + 127
+            c = gl.where(rel >= 1, _pow2(gl.maximum(rel, 1)), 0.0)  # [64, 4]
+            for k in gl.static_range(_DIM // _QBLOCK):
+                c_s.index(k).store(gl.sum(gl.where(b[None, :] == k, c, 0.0), axis=1))
             fence_async_shared()
             mbarrier.arrive(qbar)
-            inexact = gl.max(gl.max((q8.to(gl.float32) != qs).to(gl.int32), axis=1), axis=0)
-            if gl.program_id(1) == 0:
-                gl.store(flag_ptr + t, inexact)
         w = gl.load(w_ptr + t * stride_wt + gl.arange(0, _HEADS, layout=col_l))
-        return w * _pow2(gl.convert_layout(e, col_l) + _CODE_SCALE_LOG2)
+        return w * _pow2(gl.convert_layout(e, col_l) + _CODE_SCALE_LOG2), general
 
     @gluon.jit
     def _consumer(W: gl.constexpr, args):
         (
-            q_ptr, w_ptr, d_desc, s_desc, bt_ptr, row_ptr, nv_ptr, out_ptr, flag_ptr, stride_qt, stride_qh,
+            q_ptr, w_ptr, d_desc, s_desc, bt_ptr, row_ptr, nv_ptr, out_ptr, stride_qt, stride_qh,
             stride_wt, stride_bt, stride_ot, N, MAX_BLOCKS, NUM_PAGES, tiles, k_s, k_w, f0, f1, f2, f3, f4, q_s,
-            raw_d, raw_c, bars, page_s,
+            raw_d, raw_c, bars, page_s, c_s,
         ) = args  # fmt: skip
+        STAGES: gl.constexpr = k_s.type.shape[0]
+        QBAR: gl.constexpr = 2 * STAGES
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 32])
+        col_l: gl.constexpr = gl.SliceLayout(0, mma)
+        first = gl.program_id(1) * tiles
+        n_my = gl.minimum(tiles, gl.cdiv(N, _TILE_N) - first)
+        wq, general = _query_prep(q_ptr, w_ptr, stride_qt, stride_qh, stride_wt, q_s, c_s, bars.index(QBAR), W, col_l)
+        mbarrier.wait(bars.index(QBAR), 0)
+        out_row = out_ptr + gl.program_id(0).to(gl.int64) * stride_ot
+        if general:  # a query that needs a scale a block (see _query_prep): one more multiply a value and block
+            _consume(W, k_s, q_s, f0, f1, f2, f3, f4, c_s, bars, wq, out_row, first, n_my, N, True)
+        else:
+            _consume(W, k_s, q_s, f0, f1, f2, f3, f4, c_s, bars, wq, out_row, first, n_my, N, False)
+
+    @gluon.jit
+    def _consume(W: gl.constexpr, k_s, q_s, f0, f1, f2, f3, f4, c_s, bars, wq, out_row, first, n_my, N,
+                 GENERAL: gl.constexpr):  # fmt: skip
+        """Consumer W's loop over the program's tiles: entries [64 W, 64 W + 64) of each stage."""
         STAGES: gl.constexpr = k_s.type.shape[0]
         READY: gl.constexpr = 0
         FREE: gl.constexpr = STAGES
-        QBAR: gl.constexpr = 2 * STAGES
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 32])
         row_l: gl.constexpr = gl.SliceLayout(1, mma)
         col_l: gl.constexpr = gl.SliceLayout(0, mma)
-        t = gl.program_id(0).to(gl.int64)
-        first = gl.program_id(1) * tiles
-        n_my = gl.minimum(tiles, gl.cdiv(N, _TILE_N) - first)
-        wq = _query_prep(q_ptr, w_ptr, flag_ptr, stride_qt, stride_qh, stride_wt, q_s, bars.index(QBAR), W, col_l)
-        mbarrier.wait(bars.index(QBAR), 0)
         zero = gl.zeros([64, _HEADS], gl.float32, mma)
-        out_row = out_ptr + t * stride_ot
         # each tile's blocks 0-1 run under the previous tile's epilogue, its blocks 2-3 under the combine of 0-1;
         # no MMA is in flight across iterations (ptxas would serialise the chain)
         acc = zero
@@ -299,9 +322,17 @@ if HAVE_GLUON:
             r3 = f3.index(st).slice(64 * W, 64).load(row_l)
             fk = f4.index(st).slice(64 * W, 64).load(row_l)
             a0, a1 = warpgroup_mma_wait(2, deps=[a0, a1])
-            acc = a0 * r0[:, None] + a1 * r1[:, None]
+            if GENERAL:  # the query's block factors re-read each tile (registers are short)
+                acc = a0 * c_s.index(0).load(col_l)[None, :] * r0[:, None]
+                acc = acc + a1 * c_s.index(1).load(col_l)[None, :] * r1[:, None]
+            else:
+                acc = a0 * r0[:, None] + a1 * r1[:, None]
             a2, a3 = warpgroup_mma_wait(0, deps=[a2, a3])
-            acc = acc + a2 * r2[:, None] + a3 * r3[:, None]
+            if GENERAL:
+                acc = acc + a2 * c_s.index(2).load(col_l)[None, :] * r2[:, None]
+                acc = acc + a3 * c_s.index(3).load(col_l)[None, :] * r3[:, None]
+            else:
+                acc = acc + a2 * r2[:, None] + a3 * r3[:, None]
             mbarrier.arrive(bars.index(FREE + st))  # the factor loads were performed before the arrive's barrier
         _write_scores(acc, fk, wq, out_row, (first + n_my - 1) * _TILE_N + rows, N, n_my > 0)
 
@@ -330,7 +361,7 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _mxfp4_scores_ws_kernel(
-        q_ptr, w_ptr, d_desc, s_desc, bt_ptr, row_ptr, nv_ptr, out_ptr, flag_ptr, stride_qt, stride_qh, stride_wt,
+        q_ptr, w_ptr, d_desc, s_desc, bt_ptr, row_ptr, nv_ptr, out_ptr, stride_qt, stride_qh, stride_wt,
         stride_bt, stride_ot, N, MAX_BLOCKS, NUM_PAGES, tiles, BS: gl.constexpr, STAGES: gl.constexpr,
         RAW: gl.constexpr, WORKER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
     ):  # fmt: skip
@@ -338,7 +369,7 @@ if HAVE_GLUON:
         Program (t, c) scores tiles [c tiles, (c + 1) tiles) of row t.  ``q`` [T, 64, 128] bf16 (last dim
         contiguous), ``w`` [T, 64] fp32, ``d_desc`` / ``s_desc``: TMA descriptors of the packed bytes [P, bs, 64]
         uint8 (box [1, BOXR, 64]) and the scale words [P, bs] int32 (box [1, BOXR]), BOXR = min(bs, 128);
-        ``flag`` [T] int32 (out: 1 where the row's query is not exact in e4m3 with one scale a head)."""
+        ``out`` [T, N] fp32 scores."""
         BOXR: gl.constexpr = s_desc.block_type.shape[1]
         NP: gl.constexpr = _TILE_N // BOXR
         k_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
@@ -360,6 +391,8 @@ if HAVE_GLUON:
         # never accessed: its shape carries the page size into the partitions as a constexpr (divisions -> shifts)
         s_l: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
         page_s = gl.allocate_shared_memory(gl.int8, [BS], s_l)
+        # the query's per-block factors c_b [4, HEADS] (see _query_prep), read only on the scale-a-block path
+        c_s = gl.allocate_shared_memory(gl.float32, [_DIM // _QBLOCK, _HEADS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         for i in gl.static_range(STAGES):
             mbarrier.init(bars.index(i), count=1)
             mbarrier.init(bars.index(STAGES + i), count=2)
@@ -367,9 +400,9 @@ if HAVE_GLUON:
         for i in gl.static_range(2 * RAW):  # raw-ready (TMA bytes), raw-free (the producer)
             mbarrier.init(bars.index(2 * STAGES + 1 + i), count=1)
         args = (
-            q_ptr, w_ptr, d_desc, s_desc, bt_ptr, row_ptr, nv_ptr, out_ptr, flag_ptr, stride_qt, stride_qh,
+            q_ptr, w_ptr, d_desc, s_desc, bt_ptr, row_ptr, nv_ptr, out_ptr, stride_qt, stride_qh,
             stride_wt, stride_bt, stride_ot, N, MAX_BLOCKS, NUM_PAGES, tiles, k_s, k_w, f0, f1, f2, f3, f4, q_s,
-            raw_d, raw_c, bars, page_s,
+            raw_d, raw_c, bars, page_s, c_s,
         )  # fmt: skip
         gl.warp_specialize(
             [(_wg0, (args,)), (_wg1, (args,)), (_producer, (args,)), (_loader, (args,))],
@@ -430,17 +463,16 @@ def gluon_unsupported(q: torch.Tensor, keys) -> str | None:
 def launch_gluon_scores(
     q, weights, keys, block_table, token_row, n_visible, max_entries: int, tiles=None, stages=None, raw=None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernel's scores [T, max_entries] fp32 and flags [T] int32 (1: the row's query is not exact in e4m3 with
-    one scale a head, its scores are not to be used).  No host sync; preconditions: ``gluon_unsupported`` is None,
-    ``block_table`` / ``token_row`` / ``n_visible`` contiguous int32, ``weights`` [T, 64] fp32 with unit stride."""
+    """The kernel's scores [T, max_entries] fp32 (-inf where not visible).  No host sync; preconditions:
+    ``gluon_unsupported`` is None, ``block_table`` / ``token_row`` / ``n_visible`` contiguous int32, ``weights``
+    [T, 64] fp32 with unit stride."""
     from dsv4.kernels.dispatch import num_sms
     from dsv4.kernels.indexer.scores import _scale_words
 
     T = q.shape[0]
     out = torch.empty(T, max_entries, dtype=torch.float32, device=q.device)
-    flag = torch.empty(T, dtype=torch.int32, device=q.device)  # the kernel sets every row
     if T == 0 or max_entries == 0:
-        return out, flag
+        return out
     q = q if q.stride(2) == 1 else q.contiguous()
     sw = _scale_words(keys.scale)
     data = keys.data
@@ -462,12 +494,12 @@ def launch_gluon_scores(
         tiles = max(1, -(-n_tiles * T // num_sms(q.device)))
     grid = (T, -(-n_tiles // tiles))
     _mxfp4_scores_ws_kernel[grid](
-        q, weights, d_desc, s_desc, block_table, token_row, n_visible, out, flag, q.stride(0), q.stride(1),
+        q, weights, d_desc, s_desc, block_table, token_row, n_visible, out, q.stride(0), q.stride(1),
         weights.stride(0), block_table.stride(0), out.stride(0), max_entries, block_table.shape[1], P, tiles, bs,
         STAGES=stages or GLUON_STAGES, RAW=raw or GLUON_RAW, WORKER_REGS=GLUON_WORKER_REGS,
         PRODUCER_REGS=GLUON_PRODUCER_REGS, LOADER_REGS=GLUON_LOADER_REGS, num_warps=4,
     )  # fmt: skip
-    return out, flag
+    return out
 
 
 def indexer_scores_gluon(
@@ -479,21 +511,16 @@ def indexer_scores_gluon(
     n_visible,
     max_entries: int,
     tiles=None,
-    check_exact: bool = True,
     stages: int = GLUON_STAGES,
     raw: int = GLUON_RAW,
 ):
-    """The scores of ``indexer_scores`` (same arguments; 64 heads) by this kernel alone (``indexer_scores`` with
-    ``impl="auto"`` / ``"gluon"`` also rescores the flagged rows).  ``tiles``: 128-entry tiles a program (None: one
-    program a SM).  ``check_exact``: refuse (ValueError, after a host sync, so not inside a CUDA graph) a call where
-    some row's query is not exact in e4m3 with one scale a head; False skips the check (benchmarks)."""
+    """The scores of ``indexer_scores`` (same arguments; 64 heads) by this kernel, with its launch knobs:
+    ``tiles`` 128-entry tiles a program (None: one program a SM), ``stages`` / ``raw`` the depths of its stage and
+    raw rings (powers of two).  ValueError where ``gluon_unsupported`` says why it cannot run."""
     why = gluon_unsupported(q, keys)
     if why is not None:
         raise ValueError(f"indexer_scores_gluon: {why}")
-    out, flag = launch_gluon_scores(
+    return launch_gluon_scores(
         q, weights, keys, block_table.contiguous(), token_row.contiguous(), n_visible.contiguous(), max_entries,
         tiles, stages, raw,
     )  # fmt: skip
-    if check_exact and bool(flag.any()):
-        raise ValueError("indexer_scores_gluon: a query row is not exact in e4m3 with one scale a head")
-    return out

@@ -27,8 +27,8 @@ one int32 word (the [P, bs, 4] scale view reinterpreted in place).  ``impl="dot_
 conversion + dots for ``tl.dot_scaled`` (performance.md "Leads"; for measurement on the H200).
 
 On sm_90 with Gluon the default is ``impl="gluon"``: the warp-specialised kernel of ``_gluon_scores`` (the fp8mma
-math in loader / converter / consumer warps, TMA key loads; 1.34x faster than fp8mma at 1M, B = 4 on the H200), with
-fp8mma rescoring the rows whose query it flags.  Elsewhere, or with a Triton launch knob given:
+math in loader / converter / consumer warps, TMA key loads; 1.34x faster than fp8mma at 1M, B = 4 on the H200).
+Elsewhere, or with a Triton launch knob given:
 ``impl="fp8mma"`` is the default (``AUTO_IMPL_ORDER``): the fastest Triton kernel on the H200 (2026-12-02,
 ``2026-12-02_h200_sweep_indexer_fold.jsonl``: 1M entries, B = 4: fp8mma 75.8 us, fold4 104.6 us, fold ~102 us
 (bench_indexer) and 6 of 1,048,576 scores off by up to 5e-5 absolute, i.e. the tensor core's truncated
@@ -556,7 +556,6 @@ def _mxfp4_scores_kernel(
     MAX_BLOCKS,
     NUM_PAGES,
     tiles,
-    flag_ptr,
     BS: tl.constexpr,
     HP: tl.constexpr,
     HALF_D: tl.constexpr,
@@ -570,17 +569,12 @@ def _mxfp4_scores_kernel(
     KSPLIT: tl.constexpr = 1,
     GENERAL: tl.constexpr = True,
     GEN_N: tl.constexpr = 1,
-    ONLY_FLAGGED: tl.constexpr = False,
 ):
     """One program: query row t, tiles [chunk*tiles, (chunk+1)*tiles) of BLOCK_N entries.  Logits are
     computed as keys @ q^T, [BLOCK_N, HP] (entries on the MMA's M side, heads on N), so the head sum is a
     reduction along axis 1, within a warp.  Tiles at or past n_visible are written -inf without loads;
-    the loop over live tiles has no branch inside, so Triton can software-pipeline its loads.
-    ONLY_FLAGGED: rows whose ``flag`` [T] int32 is 0 are left as they are (the program returns at once)."""
+    the loop over live tiles has no branch inside, so Triton can software-pipeline its loads."""
     t = tl.program_id(0)
-    if ONLY_FLAGGED:
-        if tl.load(flag_ptr + t) == 0:
-            return
     chunk = tl.program_id(1)
     row = tl.load(row_ptr + t).to(tl.int64)
     nv = tl.load(nv_ptr + t)
@@ -993,10 +987,7 @@ def _reg_cap(cfg: LaunchConfig) -> dict:
     return {} if cfg.maxnreg is None else {"maxnreg": cfg.maxnreg}
 
 
-def _launch_mxfp4(
-    impl, q, weights, data, scale32, block_table, token_row, n_visible, out, n, bs, cfg, flag=None
-) -> None:
-    """The Triton kernel with ``impl``'s math; ``flag`` [T] int32: score only the rows where it is not 0."""
+def _launch_mxfp4(impl, q, weights, data, scale32, block_table, token_row, n_visible, out, n, bs, cfg) -> None:
     interp = interpreter_enabled()
     _mxfp4_scores_kernel[cfg.grid](
         q,
@@ -1021,7 +1012,6 @@ def _launch_mxfp4(
         block_table.shape[1],
         data.shape[0],
         cfg.tiles,
-        n_visible if flag is None else flag,
         BS=bs,
         HP=cfg.hp,
         HALF_D=_FMT.data_bytes,
@@ -1034,7 +1024,6 @@ def _launch_mxfp4(
         ASM=_FP8MMA_ASM and not interp if impl == "fp8mma" else _FOLD_ASM and not interp if impl in _KSPLIT else False,
         KSPLIT=_KSPLIT.get(impl, 1),
         GEN_N=min(cfg.block_n, _GEN_N),
-        ONLY_FLAGGED=flag is not None,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **_reg_cap(cfg),
@@ -1045,10 +1034,8 @@ def _launch_mxfp4(
 _GLUON_STATE: dict[int, bool] = {}  # device -> the Gluon kernel ran (True) / failed once (False: not retried)
 
 
-def _gluon_scores_or_none(impl, q, weights, keys, block_table, token_row, n_visible, n, bs, cfg):
-    """``impl="gluon"``, or ``"auto"`` where it applies: the warp-specialised Gluon kernel (``_gluon_scores``), then
-    the Triton fp8mma kernel over the rows it flagged (a query not exact in e4m3 with one scale a head; fp8mma
-    scores those exactly) -- one extra launch whose programs return at once for unflagged rows, no host sync.
+def _gluon_scores_or_none(impl, q, weights, keys, block_table, token_row, n_visible, n):
+    """``impl="gluon"``, or ``"auto"`` where it applies: the warp-specialised Gluon kernel (``_gluon_scores``).
     None: not applicable here (auto), or failed once on this device (auto: warned, and the Triton path is used
     from then on)."""
     from dsv4.kernels.indexer import _gluon_scores as gs
@@ -1062,10 +1049,7 @@ def _gluon_scores_or_none(impl, q, weights, keys, block_table, token_row, n_visi
     if impl == "auto" and _GLUON_STATE.get(dev) is False:
         return None
     try:
-        out, flag = gs.launch_gluon_scores(q, weights, keys, block_table, token_row, n_visible, n)
-        scale32 = _scale_words(keys.scale)
-        _launch_mxfp4("fp8mma", q, weights, keys.data, scale32, block_table, token_row, n_visible, out, n, bs, cfg,
-                      flag=flag)  # fmt: skip
+        out = gs.launch_gluon_scores(q, weights, keys, block_table, token_row, n_visible, n)
     except Exception as e:  # noqa: BLE001 - auto: a kernel that fails to build falls back, once, loudly
         if impl == "gluon":
             raise
@@ -1118,9 +1102,8 @@ def indexer_scores(
             or "convert" if that fails to compile on this device (decided at the first call on a device,
             with a warning; ``AUTO_IMPL_ORDER``).
             "gluon": the warp-specialised Gluon kernel (``_gluon_scores``: sm_90, 64 heads, pages of a
-            power of two >= 64 entries; fp8mma's numbers bit for bit), plus fp8mma over the rows whose
-            query it cannot hold exactly (one extra launch, no host sync).  H200, 1M entries: B = 4
-            53.1 us vs fp8mma 71.3; B = 64 792 vs 1,077.
+            power of two >= 64 entries; fp8mma's math and numbers, both of its query paths).  H200, 1M
+            entries: B = 4 53.1 us vs fp8mma 71.3; B = 64 792 vs 1,077.
             "convert": e2m1 -> bf16 by bit manipulation in registers, bf16 ``tl.dot`` (K = 2 x 64).
             "dot_scaled": ``tl.dot_scaled(keys, scales, "e2m1", q, None, "bf16")`` (Triton lowers the
             MXFP4 operand; on sm90 by up-conversion); an experiment for the H200.
@@ -1163,7 +1146,7 @@ def indexer_scores(
     args = (q, weights, keys.data, scale32, block_table, token_row, n_visible, out, max_entries, bs, cfg)
     knobs = (block_n, tiles_per_program, num_warps, num_stages, maxnreg)
     if impl == "gluon" or (impl == "auto" and all(k is None for k in knobs)):
-        gout = _gluon_scores_or_none(impl, q, weights, keys, block_table, token_row, n_visible, max_entries, bs, cfg)
+        gout = _gluon_scores_or_none(impl, q, weights, keys, block_table, token_row, n_visible, max_entries)
         if gout is not None:
             return gout
     if impl != "auto":
