@@ -157,7 +157,7 @@ def test_gluon_indexer_matches_reference_gpu(bs, n, nv, tiles):
 def test_gluon_indexer_scale_a_block_query_gpu():
     """A head whose values span more binades than e4m3 holds under one scale (an MXFP4 query: the small value in
     another 32-block): that row takes the kernel's scale-a-block path, the other rows the one-scale path; both
-    exact.  The default ``indexer_scores`` is this kernel on sm_90 (no fall-back)."""
+    exact, also through ``indexer_scores(impl="gluon")`` (no fall-back)."""
     from dsv4.kernels.indexer import indexer_scores
     from dsv4.kernels.indexer import scores as scores_mod
     from dsv4.kernels.indexer._gluon_scores import indexer_scores_gluon
@@ -175,6 +175,8 @@ def test_gluon_indexer_scale_a_block_query_gpu():
     assert_scores_close(indexer_scores_gluon(dev[0], dev[1], kp_d, dev[2], dev[3], dev[4], 256).cpu(), ref)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no fall-back
-        out = indexer_scores(dev[0], dev[1], kp_d, dev[2], dev[3], dev[4], 256)
+        out = indexer_scores(dev[0], dev[1], kp_d, dev[2], dev[3], dev[4], 256, impl="gluon")
+        assert_scores_close(out.cpu(), ref)
+        out = indexer_scores(dev[0], dev[1], kp_d, dev[2], dev[3], dev[4], 256)  # auto: built -> fp8mma eagerly
     assert scores_mod._GLUON_STATE[torch.cuda.current_device()] is True
     assert_scores_close(out.cpu(), ref)

@@ -297,6 +297,14 @@ def test_auto_impl_falls_back_once_when_the_fast_path_fails(monkeypatch):
     assert_scores_close(indexer_scores(q, w, kp, *args, backend="triton"), ref)  # no second warning
 
 
+def test_auto_gluon_rule():
+    """impl="auto" on sm_90: the Gluon kernel in captures once built, eagerly the first time and for big calls."""
+    rule, big = scores_mod._auto_gluon, scores_mod.GLUON_EAGER_MIN_WORK
+    assert rule(None, False, 1) and rule(True, False, big) and rule(True, True, 1)
+    assert not rule(True, False, big - 1) and not rule(None, True, big) and not rule(False, False, big)
+    assert not rule(False, True, big)
+
+
 def test_launch_config_heuristic():
     cpu = torch.device("cpu")
     # 1M context, B = 4, 128-entry tiles: 8192 tiles over ~2 programs per SM of 132 -> capped at 16 tiles a program

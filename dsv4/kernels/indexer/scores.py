@@ -1032,12 +1032,30 @@ def _launch_mxfp4(impl, q, weights, data, scale32, block_table, token_row, n_vis
 
 # ---------------------------------------------------------------------------------------- public ops
 _GLUON_STATE: dict[int, bool] = {}  # device -> the Gluon kernel ran (True) / failed once (False: not retried)
+# Eager calls with fewer query rows x entries take fp8mma: the Gluon launch costs ~45 us more host time a call
+# (H200 host, 2026-12-04: indexer_scores 107 vs 61 us a call, ``study_gluon_indexer.py --host``), which the
+# kernel's ~17 ps an entry-row (53.1 vs 71.3 us at 4 x 262,144) only repays from ~2.6M entry-rows on.
+GLUON_EAGER_MIN_WORK = 1 << 21
+
+
+def _auto_gluon(state: bool | None, capturing: bool, work: int) -> bool:
+    """impl="auto"'s choice of the Gluon kernel (see ``_gluon_scores_or_none``): ``state`` the device's record
+    (None: never run, True: ran, False: failed), ``work`` query rows x entries."""
+    if state is False:
+        return False
+    if capturing:
+        return state is True  # never built inside a capture
+    return state is None or work >= GLUON_EAGER_MIN_WORK
 
 
 def _gluon_scores_or_none(impl, q, weights, keys, block_table, token_row, n_visible, n):
     """``impl="gluon"``, or ``"auto"`` where it applies: the warp-specialised Gluon kernel (``_gluon_scores``).
-    None: not applicable here (auto), or failed once on this device (auto: warned, and the Triton path is used
-    from then on)."""
+
+    auto uses it on sm_90 (``gluon_unsupported``) inside a CUDA-graph capture once it has run on the device, and
+    in eager calls the first time (which builds it: an engine's eager warm-up before capturing) and from
+    ``GLUON_EAGER_MIN_WORK`` query rows x entries on (below, fp8mma's lower host cost wins).  Both give the same
+    scores (exact, the same math).  None: not used here, or failed once on this device (auto: warned, and the
+    Triton path is used from then on)."""
     from dsv4.kernels.indexer import _gluon_scores as gs
 
     why = gs.gluon_unsupported(q, keys)
@@ -1046,7 +1064,9 @@ def _gluon_scores_or_none(impl, q, weights, keys, block_table, token_row, n_visi
             raise ValueError(f"indexer_scores: impl='gluon' {why}")
         return None
     dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    if impl == "auto" and _GLUON_STATE.get(dev) is False:
+    if impl == "auto" and not _auto_gluon(
+        _GLUON_STATE.get(dev), torch.cuda.is_current_stream_capturing(), q.shape[0] * n
+    ):
         return None
     try:
         out = gs.launch_gluon_scores(q, weights, keys, block_table, token_row, n_visible, n)
@@ -1098,7 +1118,8 @@ def indexer_scores(
             tiles per program, warps, pipelining stages, register cap a thread); None = ``launch_config``'s
             heuristic.
         impl: the kernel's inner product.
-            "auto" (default): "gluon" where it applies and no Triton launch knob is given, else "fp8mma",
+            "auto" (default): "gluon" where it applies and no Triton launch knob is given (eager calls
+            below ``GLUON_EAGER_MIN_WORK`` rows x entries: fp8mma, see ``_gluon_scores_or_none``), else "fp8mma",
             or "convert" if that fails to compile on this device (decided at the first call on a device,
             with a warning; ``AUTO_IMPL_ORDER``).
             "gluon": the warp-specialised Gluon kernel (``_gluon_scores``: sm_90, 64 heads, pages of a
