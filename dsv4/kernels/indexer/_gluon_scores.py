@@ -28,7 +28,8 @@ multiply a value and block).  Both are exact for MXFP4-simulated queries, as fp8
 
 H200 (triton 3.6, 2026-12-04, ``benchmarks/results/2026-12-04_h200_*gluon_indexer*_s11*``): 1M-token context
 (262,144 entries), 64 heads: B = 4 53.1 us (fp8mma 71.3 us in the same run), B = 64 792 us (1,077 us); scores
-equal to fp8mma's bit for bit.  The way there, B = 4: key loads carried a tile ahead in registers 144.6 us (about
+equal to fp8mma's bit for bit.  (Measured before the scale-a-block path was added; the one-scale loop is the same
+code, and the decode step measured after it took the same time: V4-Flash CSA 128K B = 64 363.8 us, 365.6 before.)  The way there, B = 4: key loads carried a tile ahead in registers 144.6 us (about
 one tile in flight an SM), cp.async ring 93.0, page size constexpr (no divisions) 78.5, TMA boxes 66.1, one-warp
 loader + per-factor buffers 61.3, MMAs overlapped with the epilogue 57.9 (tiles = 32) / 53.1 (one program an SM).
 Ring depths do not matter (stages 2-8, raw 4-8: within 1.5 us).  Nsight's stall samples (v4): consumer warps are
