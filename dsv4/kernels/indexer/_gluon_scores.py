@@ -29,9 +29,10 @@ multiply a value and block).  Both are exact for MXFP4-simulated queries, as fp8
 H200 (triton 3.6, 2026-12-04, ``benchmarks/results/2026-12-04_h200_*gluon_indexer*_s11*``): 1M-token context
 (262,144 entries), 64 heads: B = 4 53.1 us (fp8mma 71.3 us in the same run), B = 64 792 us (1,077 us); scores
 equal to fp8mma's bit for bit.  (Measured before the scale-a-block path was added; the one-scale loop is the same
-code, and the decode step measured after it took the same time: V4-Flash CSA 128K B = 64 363.8 us, 365.6 before.)  The way there, B = 4: key loads carried a tile ahead in registers 144.6 us (about
-one tile in flight an SM), cp.async ring 93.0, page size constexpr (no divisions) 78.5, TMA boxes 66.1, one-warp
-loader + per-factor buffers 61.3, MMAs overlapped with the epilogue 57.9 (tiles = 32) / 53.1 (one program an SM).
+code, and the decode step measured after it took the same time: V4-Flash CSA 128K B = 64 363.8 us, 365.6 before.)
+The way there, B = 4: key loads carried a tile ahead in registers 144.6 us (about one tile in flight an SM),
+cp.async ring 93.0, page size constexpr (no divisions) 78.5, TMA boxes 66.1, one-warp loader + per-factor buffers
+61.3, MMAs overlapped with the epilogue 57.9 (tiles = 32) / 53.1 (one program an SM).
 Ring depths do not matter (stages 2-8, raw 4-8: within 1.5 us).  Nsight's stall samples (v4): consumer warps are
 selected in ~22 % of their samples (26-31 % waiting on barriers / long scoreboard, 17 % on shared loads), producer
 warps in 18 % and ready but not selected in 31 %: the schedulers issue in ~60 % of cycles and no partition is
@@ -412,6 +413,10 @@ if HAVE_GLUON:
         )
 
 
+if HAVE_GLUON:  # the TMA boxes' shared layouts (unswizzled), built once: ~9 us of host time a call otherwise
+    _KEY_BOX_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=3)
+    _SCALE_BOX_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+
 GLUON_STAGES = 4
 GLUON_RAW = 4  # raw tiles in flight + 1 (8.5 KB each)
 GLUON_WORKER_REGS = 192
@@ -479,17 +484,8 @@ def launch_gluon_scores(
     data = keys.data
     P, bs, row_bytes = data.shape
     boxr = min(bs, TILE_N)
-    d_desc = TensorDescriptor(
-        data, [P, bs, row_bytes], list(data.stride()), [1, boxr, row_bytes],
-        gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=3),
-    )  # fmt: skip
-    s_desc = TensorDescriptor(
-        sw,
-        [P, bs],
-        list(sw.stride()),
-        [1, boxr],
-        gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2),
-    )
+    d_desc = TensorDescriptor(data, [P, bs, row_bytes], list(data.stride()), [1, boxr, row_bytes], _KEY_BOX_LAYOUT)
+    s_desc = TensorDescriptor(sw, [P, bs], list(sw.stride()), [1, boxr], _SCALE_BOX_LAYOUT)
     n_tiles = -(-max_entries // TILE_N)
     if tiles is None:
         tiles = max(1, -(-n_tiles * T // num_sms(q.device)))
