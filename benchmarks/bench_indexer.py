@@ -7,10 +7,10 @@ Scores (decode: one query row per request, B requests, Hi = 64 heads x 128, ever
 contexts 4K / 128K / 1M tokens -> entries = ctx / 4 (up to 262,144), B = 1, 4, 8, pages of 64 entries
 scattered through a shared pool.  In one run, on the same data:
 
-- ``indexer_fp4``      the default (``impl="auto"``): on sm_90 the warp-specialised Gluon kernel (68-byte MXFP4
-                       keys by TMA, re-encoded as e4m3, FP8 MMAs), elsewhere Triton's fp8mma;
-- ``indexer_fp4_fp8mma``  the Triton kernel with ``impl="fp8mma"`` (the default before session 11);
-- ``indexer_fp4_convert``  the same with ``impl="convert"`` (e2m1 -> bf16 in registers, bf16 MMAs);
+- ``indexer_fp4``      the default (``impl="auto"``: Triton's fp8mma, 68-byte MXFP4 keys re-encoded as e4m3, FP8
+                       MMAs);
+- ``indexer_fp4_gluon``  ``impl="gluon"``: the warp-specialised Gluon kernel (sm_90; same math, TMA key loads);
+- ``indexer_fp4_convert``  the Triton kernel with ``impl="convert"`` (e2m1 -> bf16 in registers, bf16 MMAs);
 - ``indexer_fp4_dot_scaled``  the same with ``tl.dot_scaled`` doing the e2m1 operand (experiment;
                        skipped with a message if it does not compile or is wrong);
 - ``indexer_fp8keys``  Triton, 132-byte FP8 keys (same values: built from the MXFP4 keys, exactly);
@@ -194,7 +194,7 @@ def bench_scores_shape(args, dev, info, rows, gen, ctx, B, compiled, with_step):
     t4, t8 = timer(run_fp4, args.smoke), timer(run_fp8, args.smoke)
     record(rows, info, "indexer_fp4", shape, t4, b4, "torch_fp8keys", t_torch, max_rel_err=err4)
     record(rows, info, "indexer_fp8keys", shape, t8, b8, "torch_fp8keys", t_torch, max_rel_err=err8)
-    for impl in ("fp8mma", "convert", "dot_scaled"):  # Triton impls (the default "auto" is the Gluon kernel on sm_90)
+    for impl in ("gluon", "convert", "dot_scaled"):  # the other impls (the default "auto" is fp8mma)
         try:
             run_x = partial(indexer_scores, q, w, keys, bt, tr, nv, entries, "triton", impl=impl, **kw)
             err_x = check_close(run_x(), indexer_scores_reference(q, w, keys, bt, tr, nv, entries), impl)

@@ -67,7 +67,7 @@ if [ "$what" = indexer_gluon ]; then  # the opt-in Gluon scores kernel: GPU test
     | tee "$OUT/${stamp}_h200_ncu_source_gluon_indexer.txt" | head -30
   gzip -f "$OUT/ncu_source_gluon_indexer.csv"
 fi
-if [ "$what" = indexer_default ]; then  # the Gluon kernel as indexer_scores' default on sm_90 (~6 min)
+if [ "$what" = indexer_default ]; then  # indexer GPU tests (model, engine too), bench_indexer scores, CSA decode step (~4 min)
   timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_indexer_scores.py \
     tests/kernels/test_gluon_indexer_scores.py tests/model tests/engine 2>&1 | tee "$OUT/${stamp}_h200_gpu_tests_indexer.txt" | tail -4
   timeout 150 python3 benchmarks/bench_indexer.py --only scores --no-compile --out "$OUT/${stamp}_h200_indexer.jsonl" \

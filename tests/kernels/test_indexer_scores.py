@@ -297,9 +297,12 @@ def test_auto_impl_falls_back_once_when_the_fast_path_fails(monkeypatch):
     assert_scores_close(indexer_scores(q, w, kp, *args, backend="triton"), ref)  # no second warning
 
 
-def test_auto_gluon_rule():
-    """impl="auto" on sm_90: the Gluon kernel in captures once built, eagerly the first time and for big calls."""
+def test_auto_gluon_rule(monkeypatch):
+    """impl="auto" on sm_90 with GLUON_AUTO: the Gluon kernel in captures once built, eagerly the first time and for
+    big calls; GLUON_AUTO off (as shipped): never."""
     rule, big = scores_mod._auto_gluon, scores_mod.GLUON_EAGER_MIN_WORK
+    assert not scores_mod.GLUON_AUTO and not rule(None, False, big) and not rule(True, True, big)
+    monkeypatch.setattr(scores_mod, "GLUON_AUTO", True)
     assert rule(None, False, 1) and rule(True, False, big) and rule(True, True, 1)
     assert not rule(True, False, big - 1) and not rule(None, True, big) and not rule(False, False, big)
     assert not rule(False, True, big)
@@ -410,7 +413,7 @@ def test_zero_columns_and_validation():
 def test_gpu_kernel_matches_reference_large(variant, wide_q, monkeypatch):
     """Every impl on the GPU at the default launch and at a second one; wide_q sends fp8mma down its
     general path (q blocks of a head too far apart for one e4m3 scale) and keys get random bytes.  On sm_90
-    "auto" at the default launch and "gluon" run the Gluon kernel (wide_q: its scale-a-block query path)."""
+    "gluon" runs the Gluon kernel (wide_q: its scale-a-block query path)."""
     if wide_q and variant in ("dot_scaled", "fp8"):
         pytest.skip("wide_q targets the fp8mma general path")
     g = torch.Generator().manual_seed(5)

@@ -26,9 +26,9 @@ nibble = even element), i.e. two K=64 dots into one accumulator.  A key's four U
 one int32 word (the [P, bs, 4] scale view reinterpreted in place).  ``impl="dot_scaled"`` swaps the
 conversion + dots for ``tl.dot_scaled`` (performance.md "Leads"; for measurement on the H200).
 
-On sm_90 with Gluon the default is ``impl="gluon"``: the warp-specialised kernel of ``_gluon_scores`` (the fp8mma
-math in loader / converter / consumer warps, TMA key loads; 1.34x faster than fp8mma at 1M, B = 4 on the H200).
-Elsewhere, or with a Triton launch knob given:
+On sm_90 with Gluon, ``impl="gluon"`` runs the warp-specialised kernel of ``_gluon_scores`` (the fp8mma math in
+loader / converter / consumer warps, TMA key loads; 1.34x faster than fp8mma at 1M, B = 4 on the H200); not yet the
+default (``GLUON_AUTO``: it does not skip the tiles past a row's n_visible).
 ``impl="fp8mma"`` is the default (``AUTO_IMPL_ORDER``): the fastest Triton kernel on the H200 (2026-12-02,
 ``2026-12-02_h200_sweep_indexer_fold.jsonl``: 1M entries, B = 4: fp8mma 75.8 us, fold4 104.6 us, fold ~102 us
 (bench_indexer) and 6 of 1,048,576 scores off by up to 5e-5 absolute, i.e. the tensor core's truncated
@@ -1036,12 +1036,18 @@ _GLUON_STATE: dict[int, bool] = {}  # device -> the Gluon kernel ran (True) / fa
 # (H200 host, 2026-12-04: indexer_scores 107 vs 61 us a call, ``study_gluon_indexer.py --host``), which the
 # kernel's ~17 ps an entry-row (53.1 vs 71.3 us at 4 x 262,144) only repays from ~2.6M entry-rows on.
 GLUON_EAGER_MIN_WORK = 1 << 21
+# auto does not pick the Gluon kernel yet (impl="gluon" does): it scores every tile up to max_entries, where fp8mma
+# skips the tiles past a row's n_visible (it only writes their -inf).  With block tables sized beyond the requests
+# (an engine's static max_blocks under CUDA graphs, causal prefill rows) that costs more than the kernel saves.
+# Measured with auto on (H200, 2026-12-04, block tables sized to the context): V4-Flash CSA decode step 128K B = 64
+# 363.8 us vs 396.7.  To switch on once the kernel skips dead tiles (and that is measured).
+GLUON_AUTO = False
 
 
 def _auto_gluon(state: bool | None, capturing: bool, work: int) -> bool:
     """impl="auto"'s choice of the Gluon kernel (see ``_gluon_scores_or_none``): ``state`` the device's record
-    (None: never run, True: ran, False: failed), ``work`` query rows x entries."""
-    if state is False:
+    (None: never run, True: ran, False: failed), ``work`` query rows x entries.  False while ``GLUON_AUTO`` is."""
+    if not GLUON_AUTO or state is False:
         return False
     if capturing:
         return state is True  # never built inside a capture
@@ -1118,13 +1124,14 @@ def indexer_scores(
             tiles per program, warps, pipelining stages, register cap a thread); None = ``launch_config``'s
             heuristic.
         impl: the kernel's inner product.
-            "auto" (default): "gluon" where it applies and no Triton launch knob is given (eager calls
-            below ``GLUON_EAGER_MIN_WORK`` rows x entries: fp8mma, see ``_gluon_scores_or_none``), else "fp8mma",
-            or "convert" if that fails to compile on this device (decided at the first call on a device,
-            with a warning; ``AUTO_IMPL_ORDER``).
+            "auto" (default): "fp8mma" (with ``GLUON_AUTO``, not yet on: "gluon" where it applies and no
+            Triton launch knob is given, see ``_gluon_scores_or_none``), or "convert" if fp8mma fails to
+            compile on this device (decided at the first call on a device, with a warning;
+            ``AUTO_IMPL_ORDER``).
             "gluon": the warp-specialised Gluon kernel (``_gluon_scores``: sm_90, 64 heads, pages of a
             power of two >= 64 entries; fp8mma's math and numbers, both of its query paths).  H200, 1M
-            entries: B = 4 53.1 us vs fp8mma 71.3; B = 64 792 vs 1,077.
+            entries: B = 4 53.1 us vs fp8mma 71.3; B = 64 792 vs 1,077.  It scores every tile up to
+            max_entries (fp8mma skips those past n_visible): for block tables sized to the requests.
             "convert": e2m1 -> bf16 by bit manipulation in registers, bf16 ``tl.dot`` (K = 2 x 64).
             "dot_scaled": ``tl.dot_scaled(keys, scales, "e2m1", q, None, "bf16")`` (Triton lowers the
             MXFP4 operand; on sm90 by up-conversion); an experiment for the H200.
