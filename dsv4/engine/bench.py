@@ -94,6 +94,8 @@ class BenchSettings:
     backend: str = "auto"
     smoke: bool = False
     seed: int = 0
+    # block tables sized for this many tokens (an engine's static max length under CUDA graphs); None: the context
+    table_context: int | None = None
 
 
 SMOKE = BenchSettings(models=("tiny",), contexts=(256, 512), batches=(1, 3), graph=False, device="cpu", smoke=True)
@@ -451,11 +453,13 @@ def run_bench(s: BenchSettings, log: Callable[[str], None] = print) -> list[dict
         for kind in s.kinds:
             for context in s.contexts:
                 t0 = time.perf_counter()
-                cfg = bench_config(model, kind, max(s.contexts))
+                cfg = bench_config(model, kind, max(*s.contexts, s.table_context or 0))
                 new = _bench_context(cfg, kind, context, s, device, graph, b_max)
                 for r in new:
                     r.update(env, date=date)
                     r["shape"] = dict(model=model, kind=kind, context=context, batch=r.pop("_batch"))
+                    if s.table_context:
+                        r["shape"]["table_context"] = max(s.table_context, context)
                 rows += new
                 log(f"  {model} {kind} ctx {context}: {time.perf_counter() - t0:.1f}s")
                 if device.type == "cuda":
@@ -474,7 +478,8 @@ def _bench_context(cfg, kind, context, s: BenchSettings, device, graph: bool, b_
     pages = {m_: (n + 1) * b_max + 4 for m_, n in per_req.items()}  # + slack: captures, a page a step
     m = KVCacheManager(cfg, max_requests=b_max + 2, num_pages=pages or 1, device=device)
     fill_cache(m, b_max, context, gen, backend)
-    max_blocks = per_req or None
+    table = max(s.table_context or context, context)  # a wider block table: -1 past each request's pages
+    max_blocks = {m_: rc.pages_for_tokens(table) for m_, rc in schema.ratio_classes.items()} or None
     rows = []
     for bsz in sorted(s.batches):
         rows += _bench_batch(blk, m, kind, context, bsz, max_blocks, s, device, graph, gen)

@@ -80,6 +80,12 @@ def add_bench_subcommand(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto = cuda when present")
     p.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"], help="dsv4 kernel backend")
     p.add_argument("--seed", type=int, default=0, help="weights, inputs and cache content seed")
+    p.add_argument(
+        "--table-context",
+        type=int,
+        default=None,
+        help="size the block tables for this many tokens (an engine's static max length; default: the context)",
+    )
     p.add_argument("--smoke", action="store_true", help="tiny model, contexts 256/512, batches 1/3, CPU, torch backend")
     p.set_defaults(func=cmd_bench)
 
@@ -100,6 +106,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             device=args.device,
             backend=args.backend,
             seed=args.seed,
+            table_context=args.table_context,
         )
     print(f"dsv4 bench: models {','.join(s.models)} kinds {','.join(s.kinds)} contexts {s.contexts} "
           f"batches {s.batches} graph {s.graph}", flush=True)  # fmt: skip

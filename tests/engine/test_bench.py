@@ -59,6 +59,19 @@ def test_smoke_cli_writes_rows_with_required_fields(tmp_path, capsys):
     assert [c for c, _ in series[("tiny", "csa")][3]["dsv4"]] == list(SMOKE.contexts)
 
 
+def test_wider_block_tables_keep_the_checks(tmp_path):
+    """--table-context: block tables sized for more tokens than the requests hold (-1 past their pages, as under
+    an engine's static max length); the step still matches the plain baseline and the rows say the table size."""
+    from dataclasses import replace
+
+    rows = run_bench(
+        replace(SMOKE, kinds=("csa",), contexts=(256,), batches=(2,), table_context=1024), log=lambda _: None
+    )
+    steps = [r for r in rows if r["name"].endswith("/step")]
+    assert len(steps) == 1 and steps[0]["match"], steps
+    assert all(r["shape"]["table_context"] == 1024 for r in rows)
+
+
 def test_plain_baseline_detects_a_wrong_cache():
     """The check can fail: corrupting the compressed entries changes the plain step's output."""
     cfg = bench_config("tiny", "hca", 512)
