@@ -41,7 +41,7 @@ def main() -> None:
         impl = case.partition(":")[2] or "auto"
         keys, bt, q, w, tr, nv = make_problem(B, n, 64, 64, dev, torch.Generator(device=dev).manual_seed(0))
         for _ in range(CALLS):
-            if impl == "gluon_ws":  # WIP: the warp-specialised Gluon kernel
+            if impl == "gluon_ws":  # the warp-specialised Gluon kernel (indexer_scores_gluon)
                 from dsv4.kernels.indexer._gluon_scores import indexer_scores_gluon
 
                 indexer_scores_gluon(q, w, keys, bt, tr, nv, n)

@@ -1,4 +1,4 @@
-"""WIP study (H200): the warp-specialised Gluon indexer-scores kernel's ring depths and program sizes.
+"""Study (H200): the warp-specialised Gluon indexer-scores kernel's ring depths and program sizes.
 
     python3 benchmarks/study_gluon_indexer.py [--batches 4 64] [--out FILE.jsonl]
     python3 benchmarks/study_gluon_indexer.py --host      # host time a call, and where it goes (cProfile)

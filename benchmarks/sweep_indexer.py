@@ -89,7 +89,7 @@ def run_fn(variant: str, prob: dict, cfg: dict):
     q, w, bt, tr, nv, n = prob["q"], prob["w"], prob["bt"], prob["tr"], prob["nv"], prob["n"]
     if variant == "fp8keys":
         return partial(indexer_scores_fp8keys, q, w, prob["fk"], bt, tr, nv, n, "triton", **kw)
-    if variant == "gluon_ws":  # WIP: the warp-specialised Gluon kernel (sm_90; launch knobs but tiles ignored)
+    if variant == "gluon_ws":  # the warp-specialised Gluon kernel (sm_90; launch knobs but tiles ignored)
         from dsv4.kernels.indexer._gluon_scores import indexer_scores_gluon
 
         tiles = None if cfg.get("default") else cfg["tiles"]

@@ -368,7 +368,8 @@ if HAVE_GLUON:
         stride_bt, stride_ot, N, MAX_BLOCKS, NUM_PAGES, tiles, BS: gl.constexpr, STAGES: gl.constexpr,
         RAW: gl.constexpr, WORKER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
     ):  # fmt: skip
-        """Grid (T, programs a row); ``num_warps=4`` (consumer W = 0) + 4 (consumer W = 1) + 4 (producer).
+        """Grid (T, programs a row); ``num_warps=4`` (consumer W = 0) + 4 (consumer W = 1) + 4 (producer) + 1
+        (loader; its warpgroup padded to 4).
         Program (t, c) scores tiles [c tiles, (c + 1) tiles) of row t.  ``q`` [T, 64, 128] bf16 (last dim
         contiguous), ``w`` [T, 64] fp32, ``d_desc`` / ``s_desc``: TMA descriptors of the packed bytes [P, bs, 64]
         uint8 (box [1, BOXR, 64]) and the scale words [P, bs] int32 (box [1, BOXR]), BOXR = min(bs, 128);
@@ -469,7 +470,7 @@ def gluon_unsupported(q: torch.Tensor, keys) -> str | None:
 
 def launch_gluon_scores(
     q, weights, keys, block_table, token_row, n_visible, max_entries: int, tiles=None, stages=None, raw=None
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> torch.Tensor:
     """The kernel's scores [T, max_entries] fp32 (-inf where not visible).  No host sync; preconditions:
     ``gluon_unsupported`` is None, ``block_table`` / ``token_row`` / ``n_visible`` contiguous int32, ``weights``
     [T, 64] fp32 with unit stride."""

@@ -1163,20 +1163,20 @@ def indexer_scores(
     block_table, token_row, n_visible = block_table.contiguous(), token_row.contiguous(), n_visible.contiguous()
 
     cfg = launch_config(T, H, max_entries, q.device, block_n, tiles_per_program, num_warps, num_stages, maxnreg)
-    out = torch.empty((T, max_entries), dtype=torch.float32, device=q.device)
     if T == 0 or max_entries == 0:
-        return out
+        return torch.empty((T, max_entries), dtype=torch.float32, device=q.device)
     if keys.data.stride(2) != 1 or keys.scale.stride(2) != 1:
         raise ValueError("keys: the last dim of data and scale must be contiguous")
     q = q if q.stride(2) == 1 else q.contiguous()
     weights = weights if weights.stride(1) == 1 else weights.contiguous()
-    scale32 = _scale_words(keys.scale)
-    args = (q, weights, keys.data, scale32, block_table, token_row, n_visible, out, max_entries, bs, cfg)
     knobs = (block_n, tiles_per_program, num_warps, num_stages, maxnreg)
     if impl == "gluon" or (impl == "auto" and all(k is None for k in knobs)):
         gout = _gluon_scores_or_none(impl, q, weights, keys, block_table, token_row, n_visible, max_entries)
-        if gout is not None:
+        if gout is not None:  # it allocates its own output and scale words
             return gout
+    out = torch.empty((T, max_entries), dtype=torch.float32, device=q.device)
+    scale32 = _scale_words(keys.scale)
+    args = (q, weights, keys.data, scale32, block_table, token_row, n_visible, out, max_entries, bs, cfg)
     if impl != "auto":
         _launch_mxfp4(impl, *args)
         return out
