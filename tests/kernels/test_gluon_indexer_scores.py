@@ -113,6 +113,23 @@ def test_kernel_model_matches_reference(bs, n, nv):
     assert_scores_close(_model(q, w, kp, bt, tr, nv_t, n), ref)
 
 
+def test_gluon_entry_point_refuses_bad_arguments():
+    """indexer_scores_gluon: indexer_scores' argument checks, its own knobs, then the device rule (CPU here)."""
+    from dsv4.kernels.indexer._gluon_scores import indexer_scores_gluon
+
+    kp, q, w, bt, tr, nv = _problem(2, 64, 64, 8, 256, torch.Generator().manual_seed(5), None)
+    with pytest.raises(ValueError, match="weights"):
+        indexer_scores_gluon(q, w.bfloat16(), kp, bt, tr, nv, 256)
+    with pytest.raises(ValueError, match="keys.scale"):
+        indexer_scores_gluon(q, w, type(kp)(kp.data, kp.scale[..., :2]), bt, tr, nv, 256)
+    with pytest.raises(ValueError, match="stages: expected a power of two, got 3"):
+        indexer_scores_gluon(q, w, kp, bt, tr, nv, 256, stages=3)
+    with pytest.raises(ValueError, match="tiles: expected an int >= 1, got 0"):
+        indexer_scores_gluon(q, w, kp, bt, tr, nv, 256, tiles=0)
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        indexer_scores_gluon(q, w, kp, bt, tr, nv, 256)
+
+
 @pytest.mark.skipif(not (HAVE_GLUON and os.path.exists(PTXAS)), reason="triton without Gluon's Hopper module / ptxas")
 def test_gluon_indexer_compiles_for_sm90(sass_report):
     out = sass_report("indexer_gluon:4:65536")  # > 1 tile a program (tiles = 1 would be specialised away)

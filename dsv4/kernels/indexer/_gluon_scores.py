@@ -515,11 +515,20 @@ def indexer_scores_gluon(
 ):
     """The scores of ``indexer_scores`` (same arguments; 64 heads) by this kernel, with its launch knobs:
     ``tiles`` 128-entry tiles a program (None: one program a SM), ``stages`` / ``raw`` the depths of its stage and
-    raw rings (powers of two).  ValueError where ``gluon_unsupported`` says why it cannot run."""
+    raw rings (powers of two).  ValueError for arguments ``indexer_scores`` refuses, for bad knobs, and where
+    ``gluon_unsupported`` says why it cannot run."""
+    from dsv4.kernels.indexer.scores import _check_common, _check_mxfp4_keys
+
+    _check_common(q, weights, block_table, token_row, n_visible, max_entries)
+    _check_mxfp4_keys(keys, q.device)
+    for name, v in (("tiles", tiles), ("stages", stages), ("raw", raw)):
+        if v is not None and (not isinstance(v, int) or v < 1 or (name != "tiles" and v & (v - 1))):
+            kind = "an int >= 1" if name == "tiles" else "a power of two"
+            raise ValueError(f"indexer_scores_gluon: {name}: expected {kind}, got {v!r}")
     why = gluon_unsupported(q, keys)
     if why is not None:
         raise ValueError(f"indexer_scores_gluon: {why}")
     return launch_gluon_scores(
-        q, weights, keys, block_table.contiguous(), token_row.contiguous(), n_visible.contiguous(), max_entries,
-        tiles, stages, raw,
+        q, weights.contiguous(), keys, block_table.contiguous(), token_row.contiguous(), n_visible.contiguous(),
+        max_entries, tiles, stages, raw,
     )  # fmt: skip

@@ -157,6 +157,15 @@ def _check_common(q, weights, block_table, token_row, n_visible, max_entries) ->
     return T, H
 
 
+def _check_mxfp4_keys(keys: KeyPages, device: torch.device) -> int:
+    """Validate MXFP4 ``keys`` (data [P, bs, 64] uint8, scale [P, bs, 4] uint8 on ``device``); returns bs."""
+    check_tensor("keys.data", keys.data, dtype=torch.uint8, ndim=3, device=device)
+    P, bs, _ = keys.data.shape
+    check_tensor("keys.data", keys.data, shape=(P, bs, _FMT.data_bytes))
+    check_tensor("keys.scale", keys.scale, dtype=torch.uint8, shape=(P, bs, _FMT.n_blocks), device=device)
+    return bs
+
+
 def _gather_pages(block_table, token_row, n_visible, bs: int, n: int, num_pages: int):
     """(page [T, N] int64 clamped to the pool, row-in-page [N], visible [T, N] bool) of logical entries 0..N-1;
     a page of -1 or outside [0, num_pages) is not visible (never read)."""
@@ -1153,10 +1162,7 @@ def indexer_scores(
     T, H = _check_common(q, weights, block_table, token_row, n_visible, max_entries)
     if impl not in ("auto", "gluon") and impl not in _IMPLS:
         raise ValueError(f"impl: expected 'auto', 'gluon' or one of {tuple(_IMPLS)}, got {impl!r}")
-    check_tensor("keys.data", keys.data, dtype=torch.uint8, ndim=3, device=q.device)
-    P, bs, _ = keys.data.shape
-    check_tensor("keys.data", keys.data, shape=(P, bs, _FMT.data_bytes))
-    check_tensor("keys.scale", keys.scale, dtype=torch.uint8, shape=(P, bs, _FMT.n_blocks), device=q.device)
+    bs = _check_mxfp4_keys(keys, q.device)
     if not use_triton(backend, q, weights, keys.data, keys.scale, block_table, token_row, n_visible):
         return indexer_scores_reference(q, weights, keys, block_table, token_row, n_visible, max_entries)
     # the kernels index these as ptr + i (block_table rows as ptr + row * stride + j)
