@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One H200 session: environment, GPU tests, then the kernel benchmarks. Results go to $OUT (or ./out).
-# Usage (on the device machine, repo root): bash benchmarks/run_h200.sh [tests|bench|all|pending|ncu|attention|attention_ncu|indexer_gluon|indexer_default]
+# Usage (on the device machine, repo root): bash benchmarks/run_h200.sh [tests|bench|all|pending|ncu|attention|attention_ncu|indexer_gluon|indexer_live|indexer_default]
 # "pending": the norm and top-k GPU tests (~4 min, most of it compiling the top-k kernels), launch D's rank
 # threshold on/off, top-k with both flush kinds, the decode step; about 8 minutes.  "ncu": Nsight Compute
 # sections of the indexer scores, dense attention and gather kernels (benchmarks/ncu_cases.py).  "attention": the
@@ -66,6 +66,21 @@ if [ "$what" = indexer_gluon ]; then  # the opt-in Gluon scores kernel: GPU test
   python3 benchmarks/ncu_source_summary.py "$OUT/ncu_source_gluon_indexer.csv" --top 40 \
     | tee "$OUT/${stamp}_h200_ncu_source_gluon_indexer.txt" | head -30
   gzip -f "$OUT/ncu_source_gluon_indexer.csv"
+fi
+if [ "$what" = indexer_live ]; then  # Gluon kernel skipping tiles past n_visible: tests, study at full / 1/8 rows, CSA decode step with wide block tables, GLUON_AUTO off / on (~7 min)
+  timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_gluon_indexer_scores.py 2>&1 \
+    | tee "$OUT/${stamp}_h200_gpu_tests_gluon_indexer.txt" | tail -4
+  for v in 1 8; do
+    timeout 90 python3 benchmarks/study_gluon_indexer.py --quick --visible $v --batches 1 4 8 64 \
+      --out "$OUT/${stamp}_h200_study_gluon_indexer_visible$v.jsonl" 2>&1 | tee "$OUT/${stamp}_h200_study_gluon_indexer_visible$v.txt"
+  done
+  for auto in False True; do
+    timeout 100 python3 -c "import sys, dsv4.kernels.indexer.scores as s; s.GLUON_AUTO = $auto; from dsv4.cli import main; sys.exit(main(sys.argv[1:]))" \
+      bench --models v4-flash --kinds csa --contexts 131072 --batches 1,8,64 --table-context 1048576 \
+      --out "$OUT/${stamp}_h200_decode_table1M_gluon$auto.jsonl" 2>&1 | tail -5
+  done
+  timeout 100 python3 -c "import sys, dsv4.kernels.indexer.scores as s; s.GLUON_AUTO = True; from dsv4.cli import main; sys.exit(main(sys.argv[1:]))" \
+    bench --models v4-flash --kinds csa --contexts 131072 --batches 1,8,64 --out "$OUT/${stamp}_h200_decode_gluonTrue.jsonl" 2>&1 | tail -5
 fi
 if [ "$what" = indexer_default ]; then  # indexer GPU tests (model, engine too), bench_indexer scores, CSA decode step (~4 min)
   timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_indexer_scores.py \

@@ -2,11 +2,15 @@
 
     python3 benchmarks/study_gluon_indexer.py [--batches 4 64] [--out FILE.jsonl]
     python3 benchmarks/study_gluon_indexer.py --host      # host time a call, and where it goes (cProfile)
+    python3 benchmarks/study_gluon_indexer.py --visible 8 --quick   # rows see 1/8 of the table (static tables)
 
 For each batch (1M-token context: 262,144 MXFP4 entries a row, 64 heads) it times ``indexer_scores_gluon`` for
 stages (converted 128-entry tiles the consumers may lag) x raw (TMA tiles in flight + 1) x tiles (128-entry tiles a
 program; "auto" = one program an SM) with ``sweep_indexer``'s CUDA-graph timer (L2 flushed between calls), next to
-the default Triton kernel (fp8mma) in the same run, and checks every output against that kernel's.
+the default Triton kernel (fp8mma) in the same run, and checks every output against that kernel's.  With
+``--visible V`` each row sees only its first entries // V entries and its block table is -1 past their pages (an
+engine's block tables sized for the longest request under CUDA graphs); ``--quick`` times only the default
+configuration.
 """
 
 from __future__ import annotations
@@ -74,6 +78,8 @@ def main() -> None:
     ap.add_argument("--entries", type=int, default=262144)
     ap.add_argument("--out")
     ap.add_argument("--host", action="store_true", help="host time a call instead (see host_study)")
+    ap.add_argument("--visible", type=int, default=1, help="rows see entries // VISIBLE entries")
+    ap.add_argument("--quick", action="store_true", help="only the default stages / raw / tiles")
     args = ap.parse_args()
     if args.host:
         host_study()
@@ -85,12 +91,16 @@ def main() -> None:
     for B in args.batches:
         n = args.entries
         keys, bt, q, w, tr, nv = make_problem(B, n, 64, 64, dev, torch.Generator(device=dev).manual_seed(0))
-        nbytes = B * n * 68 + q.numel() * 2 + B * n * 4
+        n_vis = n // args.visible
+        nv.fill_(n_vis)
+        bt[:, -(-n_vis // 64) :] = -1
+        nbytes = B * n_vis * 68 + q.numel() * 2 + B * n * 4
         ref = indexer_scores(q, w, keys, bt, tr, nv, n, "triton")
         t_ref = timer(partial(indexer_scores, q, w, keys, bt, tr, nv, n, "triton"))
-        print(f"B={B}: fp8mma (default) {t_ref * 1e6:.1f} us, roofline {nbytes / HBM_BYTES_PER_S * 1e6:.1f} us")
-        for stages, raw in CONFIGS:
-            for tiles in (None, 32, 16):
+        print(f"B={B} visible {n_vis}/{n}: fp8mma (default) {t_ref * 1e6:.1f} us, "
+              f"roofline {nbytes / HBM_BYTES_PER_S * 1e6:.1f} us")  # fmt: skip
+        for stages, raw in CONFIGS[:1] if args.quick else CONFIGS:
+            for tiles in (None,) if args.quick else (None, 32, 16):
                 fn = partial(indexer_scores_gluon, q, w, keys, bt, tr, nv, n, tiles=tiles,
                              stages=stages, raw=raw)  # fmt: skip
                 try:
@@ -101,7 +111,7 @@ def main() -> None:
                 err = float(((out - ref).abs() / ref.abs().clamp(min=1e-30)).nan_to_num(0.0).max())
                 t = timer(fn)
                 row = dict(info, name="indexer_gluon_ws", date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
-                           shape={"entries": n, "B": B, "heads": 64, "page": 64},
+                           shape={"entries": n, "visible": n_vis, "B": B, "heads": 64, "page": 64},
                            config={"stages": stages, "raw": raw, "tiles": tiles or "auto"}, time_s=t, bytes=nbytes,
                            roofline_s=nbytes / HBM_BYTES_PER_S, baseline="indexer_fp4_fp8mma", baseline_time_s=t_ref,
                            timer="graph", max_rel_err_vs_baseline=err)  # fmt: skip

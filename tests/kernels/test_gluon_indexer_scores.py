@@ -130,6 +130,19 @@ def test_gluon_entry_point_refuses_bad_arguments():
         indexer_scores_gluon(q, w, kp, bt, tr, nv, 256)
 
 
+def test_programs_per_row_fills_the_sms():
+    """The grid's programs a row: one wave where the rows' tiles fit it, and never more tiles a program than the
+    modelled cost needs (132 SMs: an H200)."""
+    from dsv4.kernels.indexer._gluon_scores import programs_per_row
+
+    assert programs_per_row(4, 2048, 132) == 33  # 132 programs of 62 tiles
+    assert programs_per_row(64, 2048, 132) == 2  # 128 programs of 1,024 (2 * 64 = 128 <= 132: one wave)
+    assert programs_per_row(1, 16, 132) == 16  # one tile a program
+    assert programs_per_row(4096, 4, 132) == 1  # prefill rows: a program a row
+    g = programs_per_row(100, 2048, 132)  # 100 rows: one program a row would leave 32 SMs idle
+    assert -(-100 * g // 132) * -(-2048 // g) < 2048
+
+
 @pytest.mark.skipif(not (HAVE_GLUON and os.path.exists(PTXAS)), reason="triton without Gluon's Hopper module / ptxas")
 def test_gluon_indexer_compiles_for_sm90(sass_report):
     out = sass_report("indexer_gluon:4:65536")  # > 1 tile a program (tiles = 1 would be specialised away)
@@ -150,11 +163,14 @@ def test_gluon_indexer_compiles_for_sm90(sass_report):
         (64, 1000, [1000, 377, 0], None),
         (128, 513, [513, 500, 1], 2),
         (256, 1100, [1100, 300, 129], 3),
+        (64, 16384, [700, 16384, 5], None),
+        (128, 8192, [130, 0, 8000], 4),
     ],
 )
 def test_gluon_indexer_matches_reference_gpu(bs, n, nv, tiles):
-    """tiles = 13: programs of 13, 13 and 6 tiles (the raw ring and the stages wrap several times); bs = 64: two
-    pages a 128-entry tile, 128: one, 256: half a page."""
+    """tiles = 13: 3 programs a row of 11, 11 and 10 strided tiles (the raw ring and the stages wrap several
+    times); bs = 64: two pages a 128-entry tile, 128: one, 256: half a page.  Rows far shorter than max_entries
+    (an engine's static block tables): their live tiles are spread over the row's programs, the rest is -inf."""
     from dsv4.kernels.indexer._gluon_scores import indexer_scores_gluon
 
     gen = torch.Generator().manual_seed(3)

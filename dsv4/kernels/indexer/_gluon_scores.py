@@ -43,6 +43,8 @@ saturated.  The remaining work is the float epilogue (~285 instructions a consum
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 try:
@@ -118,6 +120,18 @@ if HAVE_GLUON:
             return buf._reinterpret(dtype, shape, layout)
 
     @gluon.jit
+    def _my_tiles(nv, N):
+        """This program's tiles: c, c + G, c + 2 G, ... below cdiv(N, TILE_N) (c = program_id(1), G = programs a
+        row), so the live tiles of a row (those below its n_visible ``nv``) are spread over all of its programs
+        however short the row is.  Returns (c, G, n_my: tiles, n_live: the first n_live of them hold visible
+        entries)."""
+        c = gl.program_id(1)
+        G = gl.num_programs(1)
+        n_my = (gl.cdiv(N, _TILE_N) - c + G - 1) // G
+        n_live = gl.minimum(gl.maximum((gl.cdiv(nv, _TILE_N) - c + G - 1) // G, 0), n_my)
+        return c, G, n_my, n_live
+
+    @gluon.jit
     def _box_page(tile, k: gl.constexpr, row, nv, bt_ptr, stride_bt, MAX_BLOCKS, BS: gl.constexpr,
                   BOXR: gl.constexpr):  # fmt: skip
         """Block-table entry (scalar int32) of box k of ``tile`` (entries [tile TILE_N + k BOXR, + BOXR), one page's
@@ -135,7 +149,7 @@ if HAVE_GLUON:
         word 0: not visible) without touching memory, and still counts its bytes."""
         (
             q_ptr, w_ptr, d_desc, s_desc, bt_ptr, row_ptr, nv_ptr, out_ptr, stride_qt, stride_qh,
-            stride_wt, stride_bt, stride_ot, N, MAX_BLOCKS, NUM_PAGES, tiles, k_s, k_w, f0, f1, f2, f3, f4, q_s,
+            stride_wt, stride_bt, stride_ot, N, MAX_BLOCKS, NUM_PAGES, k_s, k_w, f0, f1, f2, f3, f4, q_s,
             raw_d, raw_c, bars, page_s, c_s,
         ) = args  # fmt: skip
         STAGES: gl.constexpr = k_s.type.shape[0]
@@ -148,16 +162,15 @@ if HAVE_GLUON:
         t = gl.program_id(0)
         row = gl.load(row_ptr + t).to(gl.int64)
         nv = gl.load(nv_ptr + t)
-        first = gl.program_id(1) * tiles
-        n_my = gl.minimum(tiles, gl.cdiv(N, _TILE_N) - first)
-        p0n = _box_page(first, 0, row, nv, bt_ptr, stride_bt, MAX_BLOCKS, BS, BOXR)
-        p1n = _box_page(first, NP - 1, row, nv, bt_ptr, stride_bt, MAX_BLOCKS, BS, BOXR)
-        for i in range(n_my):
-            tile = first + i
+        c, G, n_my, n_live = _my_tiles(nv, N)
+        p0n = _box_page(c, 0, row, nv, bt_ptr, stride_bt, MAX_BLOCKS, BS, BOXR)
+        p1n = _box_page(c, NP - 1, row, nv, bt_ptr, stride_bt, MAX_BLOCKS, BS, BOXR)
+        for i in range(n_live):
+            tile = c + i * G
             p0 = p0n
             p1 = p1n
-            p0n = _box_page(tile + 1, 0, row, nv, bt_ptr, stride_bt, MAX_BLOCKS, BS, BOXR)
-            p1n = _box_page(tile + 1, NP - 1, row, nv, bt_ptr, stride_bt, MAX_BLOCKS, BS, BOXR)
+            p0n = _box_page(tile + G, 0, row, nv, bt_ptr, stride_bt, MAX_BLOCKS, BS, BOXR)
+            p1n = _box_page(tile + G, NP - 1, row, nv, bt_ptr, stride_bt, MAX_BLOCKS, BS, BOXR)
             r = i % RAW
             mbarrier.wait(bars.index(RAWFREE + r), ((i // RAW) & 1) ^ 1, pred=i >= RAW)
             bar = bars.index(RAWRDY + r)
@@ -181,7 +194,7 @@ if HAVE_GLUON:
         stage-ready s (count 1), stage-free s (count 2: the consumers)."""
         (
             q_ptr, w_ptr, d_desc, s_desc, bt_ptr, row_ptr, nv_ptr, out_ptr, stride_qt, stride_qh,
-            stride_wt, stride_bt, stride_ot, N, MAX_BLOCKS, NUM_PAGES, tiles, k_s, k_w, f0, f1, f2, f3, f4, q_s,
+            stride_wt, stride_bt, stride_ot, N, MAX_BLOCKS, NUM_PAGES, k_s, k_w, f0, f1, f2, f3, f4, q_s,
             raw_d, raw_c, bars, page_s, c_s,
         ) = args  # fmt: skip
         STAGES: gl.constexpr = k_s.type.shape[0]
@@ -199,10 +212,9 @@ if HAVE_GLUON:
         raw_w = _reinterpret(raw_d, gl.int32, [RAW, _TILE_N, _DIM // 8], r_l)  # the same bytes as words
         raw_s = _reinterpret(raw_c, gl.int32, [RAW, _TILE_N], c_l)
         nv = gl.load(nv_ptr + gl.program_id(0))
-        first = gl.program_id(1) * tiles
-        n_my = gl.minimum(tiles, gl.cdiv(N, _TILE_N) - first)
+        c, G, n_my, n_live = _my_tiles(nv, N)
         e = gl.arange(0, _TILE_N, layout=sl)
-        for i in range(n_my):
+        for i in range(n_live):
             r = i % RAW
             st = i % STAGES
             mbarrier.wait(bars.index(RAWRDY + r), (i // RAW) & 1)
@@ -220,7 +232,7 @@ if HAVE_GLUON:
             f1.index(st).store(_rel_scale(b1, s0))
             f2.index(st).store(_rel_scale(b2, s0))
             f3.index(st).store(_rel_scale(b3, s0))
-            ok = (sw != 0) & ((first + i) * _TILE_N + e < nv)
+            ok = (sw != 0) & ((c + i * G) * _TILE_N + e < nv)
             f4.index(st).store(gl.where(ok, _pow2(gl.maximum(s0, 1)), 0.0))
             fence_async_shared()
             mbarrier.arrive(bars.index(READY + st))
@@ -278,27 +290,33 @@ if HAVE_GLUON:
     def _consumer(W: gl.constexpr, args):
         (
             q_ptr, w_ptr, d_desc, s_desc, bt_ptr, row_ptr, nv_ptr, out_ptr, stride_qt, stride_qh,
-            stride_wt, stride_bt, stride_ot, N, MAX_BLOCKS, NUM_PAGES, tiles, k_s, k_w, f0, f1, f2, f3, f4, q_s,
+            stride_wt, stride_bt, stride_ot, N, MAX_BLOCKS, NUM_PAGES, k_s, k_w, f0, f1, f2, f3, f4, q_s,
             raw_d, raw_c, bars, page_s, c_s,
         ) = args  # fmt: skip
         STAGES: gl.constexpr = k_s.type.shape[0]
         QBAR: gl.constexpr = 2 * STAGES
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 32])
         col_l: gl.constexpr = gl.SliceLayout(0, mma)
-        first = gl.program_id(1) * tiles
-        n_my = gl.minimum(tiles, gl.cdiv(N, _TILE_N) - first)
+        c, G, n_my, n_live = _my_tiles(gl.load(nv_ptr + gl.program_id(0)), N)
         wq, general = _query_prep(q_ptr, w_ptr, stride_qt, stride_qh, stride_wt, q_s, c_s, bars.index(QBAR), W, col_l)
         mbarrier.wait(bars.index(QBAR), 0)
         out_row = out_ptr + gl.program_id(0).to(gl.int64) * stride_ot
         if general:  # a query that needs a scale a block (see _query_prep): one more multiply a value and block
-            _consume(W, k_s, q_s, f0, f1, f2, f3, f4, c_s, bars, wq, out_row, first, n_my, N, True)
+            _consume(W, k_s, q_s, f0, f1, f2, f3, f4, c_s, bars, wq, out_row, c, G, n_live, N, True)
         else:
-            _consume(W, k_s, q_s, f0, f1, f2, f3, f4, c_s, bars, wq, out_row, first, n_my, N, False)
+            _consume(W, k_s, q_s, f0, f1, f2, f3, f4, c_s, bars, wq, out_row, c, G, n_live, N, False)
+        # the tiles past n_visible: -inf, nothing loaded
+        dead_l: gl.constexpr = gl.BlockedLayout([2], [32], [4], [0])
+        rows = 64 * W + gl.arange(0, 64, layout=dead_l)
+        for i in range(n_live, n_my):
+            offs = (c + i * G) * _TILE_N + rows
+            gl.store(out_row + offs, gl.full([64], float("-inf"), gl.float32, dead_l), mask=offs < N)
 
     @gluon.jit
-    def _consume(W: gl.constexpr, k_s, q_s, f0, f1, f2, f3, f4, c_s, bars, wq, out_row, first, n_my, N,
+    def _consume(W: gl.constexpr, k_s, q_s, f0, f1, f2, f3, f4, c_s, bars, wq, out_row, c, G, n_live, N,
                  GENERAL: gl.constexpr):  # fmt: skip
-        """Consumer W's loop over the program's tiles: entries [64 W, 64 W + 64) of each stage."""
+        """Consumer W's loop over the program's live tiles (c + i G, i < n_live): entries [64 W, 64 W + 64) of
+        each stage."""
         STAGES: gl.constexpr = k_s.type.shape[0]
         READY: gl.constexpr = 0
         FREE: gl.constexpr = STAGES
@@ -311,12 +329,12 @@ if HAVE_GLUON:
         acc = zero
         fk = gl.zeros([64], gl.float32, row_l)
         rows = 64 * W + gl.arange(0, 64, layout=row_l)
-        for i in range(n_my):
+        for i in range(n_live):
             st = i % STAGES
             mbarrier.wait(bars.index(READY + st), (i // STAGES) & 1)
             a0 = _block_mma(k_s, q_s, st, W, 0, zero)
             a1 = _block_mma(k_s, q_s, st, W, 1, zero)
-            _write_scores(acc, fk, wq, out_row, (first + i - 1) * _TILE_N + rows, N, i > 0)
+            _write_scores(acc, fk, wq, out_row, (c + (i - 1) * G) * _TILE_N + rows, N, i > 0)
             a2 = _block_mma(k_s, q_s, st, W, 2, zero)
             a3 = _block_mma(k_s, q_s, st, W, 3, zero)
             r0 = f0.index(st).slice(64 * W, 64).load(row_l)
@@ -337,7 +355,7 @@ if HAVE_GLUON:
             else:
                 acc = acc + a2 * r2[:, None] + a3 * r3[:, None]
             mbarrier.arrive(bars.index(FREE + st))  # the factor loads were performed before the arrive's barrier
-        _write_scores(acc, fk, wq, out_row, (first + n_my - 1) * _TILE_N + rows, N, n_my > 0)
+        _write_scores(acc, fk, wq, out_row, (c + (n_live - 1) * G) * _TILE_N + rows, N, n_live > 0)
 
     @gluon.jit
     def _write_scores(acc, fk, wq, out_row, offs, N, live):
@@ -365,15 +383,16 @@ if HAVE_GLUON:
     @gluon.jit
     def _mxfp4_scores_ws_kernel(
         q_ptr, w_ptr, d_desc, s_desc, bt_ptr, row_ptr, nv_ptr, out_ptr, stride_qt, stride_qh, stride_wt,
-        stride_bt, stride_ot, N, MAX_BLOCKS, NUM_PAGES, tiles, BS: gl.constexpr, STAGES: gl.constexpr,
+        stride_bt, stride_ot, N, MAX_BLOCKS, NUM_PAGES, BS: gl.constexpr, STAGES: gl.constexpr,
         RAW: gl.constexpr, WORKER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
     ):  # fmt: skip
         """Grid (T, programs a row); ``num_warps=4`` (consumer W = 0) + 4 (consumer W = 1) + 4 (producer) + 1
         (loader; its warpgroup padded to 4).
-        Program (t, c) scores tiles [c tiles, (c + 1) tiles) of row t.  ``q`` [T, 64, 128] bf16 (last dim
-        contiguous), ``w`` [T, 64] fp32, ``d_desc`` / ``s_desc``: TMA descriptors of the packed bytes [P, bs, 64]
-        uint8 (box [1, BOXR, 64]) and the scale words [P, bs] int32 (box [1, BOXR]), BOXR = min(bs, 128);
-        ``out`` [T, N] fp32 scores."""
+        Program (t, c) of G a row scores row t's tiles c, c + G, ... (``_my_tiles``): those at or past the row's
+        n_visible are written -inf without loads, the others are spread over all G programs.
+        ``q`` [T, 64, 128] bf16 (last dim contiguous), ``w`` [T, 64] fp32, ``d_desc`` / ``s_desc``: TMA descriptors
+        of the packed bytes [P, bs, 64] uint8 (box [1, BOXR, 64]) and the scale words [P, bs] int32 (box [1, BOXR]),
+        BOXR = min(bs, 128); ``out`` [T, N] fp32 scores."""
         BOXR: gl.constexpr = s_desc.block_type.shape[1]
         NP: gl.constexpr = _TILE_N // BOXR
         k_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
@@ -405,7 +424,7 @@ if HAVE_GLUON:
             mbarrier.init(bars.index(2 * STAGES + 1 + i), count=1)
         args = (
             q_ptr, w_ptr, d_desc, s_desc, bt_ptr, row_ptr, nv_ptr, out_ptr, stride_qt, stride_qh,
-            stride_wt, stride_bt, stride_ot, N, MAX_BLOCKS, NUM_PAGES, tiles, k_s, k_w, f0, f1, f2, f3, f4, q_s,
+            stride_wt, stride_bt, stride_ot, N, MAX_BLOCKS, NUM_PAGES, k_s, k_w, f0, f1, f2, f3, f4, q_s,
             raw_d, raw_c, bars, page_s, c_s,
         )  # fmt: skip
         gl.warp_specialize(
@@ -468,6 +487,24 @@ def gluon_unsupported(q: torch.Tensor, keys) -> str | None:
     return None
 
 
+PROGRAM_OVERHEAD_TILES = 2  # a program's start (query prep, ring fill) in tiles' time, for programs_per_row
+
+
+@functools.lru_cache(maxsize=4096)
+def programs_per_row(T: int, n_tiles: int, sms: int) -> int:
+    """Programs a row G for T rows of n_tiles 128-entry tiles on ``sms`` SMs (one program an SM at a time): the G
+    in [1, n_tiles] of least modelled time for rows whose tiles are all visible, waves x (tiles a program + a
+    program's start): ceil(T G / sms) x (ceil(n_tiles / G) + ``PROGRAM_OVERHEAD_TILES``); the smallest such G.
+    Rows shorter than max_entries cost less and stay spread: a program's tiles are strided (``_my_tiles``).
+    E.g. 132 SMs, 2,048 tiles (1M tokens): T = 1 -> 128, T = 4 -> 33, T = 64 -> 2, T = 100 -> 25."""
+    best, best_cost = 1, None
+    for g in range(1, min(n_tiles, 4 * sms) + 1):
+        cost = -(-T * g // sms) * (-(-n_tiles // g) + PROGRAM_OVERHEAD_TILES)
+        if best_cost is None or cost < best_cost:
+            best, best_cost = g, cost
+    return best
+
+
 def launch_gluon_scores(
     q, weights, keys, block_table, token_row, n_visible, max_entries: int, tiles=None, stages=None, raw=None
 ) -> torch.Tensor:
@@ -489,12 +526,10 @@ def launch_gluon_scores(
     d_desc = TensorDescriptor(data, [P, bs, row_bytes], list(data.stride()), [1, boxr, row_bytes], _KEY_BOX_LAYOUT)
     s_desc = TensorDescriptor(sw, [P, bs], list(sw.stride()), [1, boxr], _SCALE_BOX_LAYOUT)
     n_tiles = -(-max_entries // TILE_N)
-    if tiles is None:
-        tiles = max(1, -(-n_tiles * T // num_sms(q.device)))
-    grid = (T, -(-n_tiles // tiles))
+    grid = (T, programs_per_row(T, n_tiles, num_sms(q.device)) if tiles is None else -(-n_tiles // tiles))
     _mxfp4_scores_ws_kernel[grid](
         q, weights, d_desc, s_desc, block_table, token_row, n_visible, out, q.stride(0), q.stride(1),
-        weights.stride(0), block_table.stride(0), out.stride(0), max_entries, block_table.shape[1], P, tiles, bs,
+        weights.stride(0), block_table.stride(0), out.stride(0), max_entries, block_table.shape[1], P, bs,
         STAGES=stages or GLUON_STAGES, RAW=raw or GLUON_RAW, WORKER_REGS=GLUON_WORKER_REGS,
         PRODUCER_REGS=GLUON_PRODUCER_REGS, LOADER_REGS=GLUON_LOADER_REGS, num_warps=4,
     )  # fmt: skip
@@ -514,9 +549,10 @@ def indexer_scores_gluon(
     raw: int = GLUON_RAW,
 ):
     """The scores of ``indexer_scores`` (same arguments; 64 heads) by this kernel, with its launch knobs:
-    ``tiles`` 128-entry tiles a program (None: one program a SM), ``stages`` / ``raw`` the depths of its stage and
-    raw rings (powers of two).  ValueError for arguments ``indexer_scores`` refuses, for bad knobs, and where
-    ``gluon_unsupported`` says why it cannot run."""
+    ``tiles`` 128-entry tiles a program (programs a row = cdiv(tiles of max_entries, tiles); None:
+    ``programs_per_row``), ``stages`` / ``raw`` the depths of its stage and raw rings (powers of two).  ValueError
+    for arguments ``indexer_scores`` refuses, for bad knobs, and where ``gluon_unsupported`` says why it cannot
+    run."""
     from dsv4.kernels.indexer.scores import _check_common, _check_mxfp4_keys
 
     _check_common(q, weights, block_table, token_row, n_visible, max_entries)
