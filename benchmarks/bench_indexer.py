@@ -224,7 +224,7 @@ def bench_topk(args, dev, info, rows, gen):
     against the reference first: the default method (group-max filter) eager and from a CUDA graph, the
     radix split path and the single-program kernel from a graph, torch.topk eager; ``--topk-splits`` adds
     graph-timed split counts of the filter path.  One adversarial case (sorted rows: the filter's whole-row
-    fallback) at R = 4."""
+    fallback) at R = 4; rows that see only n / 8 of the columns (``topk_filter_graph_visible8``)."""
 
     from benchmarks.sweep_indexer import GraphTimer  # (sweep_indexer imports this module)
 
@@ -261,6 +261,15 @@ def bench_topk(args, dev, info, rows, gen):
                 if not torch.equal(run_k(), want):  # after the replays: the workspace contract held
                     raise SystemExit(f"topk {tag} R={R} k={k}: differs from the reference after replays")
                 record(rows, info, f"topk_{tag}_graph", shape, t, nbytes, "torch_topk", t_base, **extra, **kw)
+            # rows seeing 1/8 of the columns (block tables sized for a longer request; -inf past n_visible, as the
+            # scores kernels write): the filter's finer groups (topk._row_plan)
+            nv8 = torch.full((R,), n // 8, dtype=torch.int32, device=dev)
+            s8 = torch.where(torch.arange(n, device=dev)[None, :] < n // 8, s, float("-inf"))
+            run_8 = partial(topk_indices, s8, k, nv8, "triton", workspace=ws)
+            if not torch.equal(run_8(), topk_indices_reference(s8, k, nv8)):
+                raise SystemExit(f"topk visible n/8 R={R} k={k}: differs from the reference")
+            record(rows, info, "topk_filter_graph_visible8", {**shape, "visible": n // 8}, graph_timer(run_8),
+                   R * (n // 8) * 4 + R * k * 4, in_graph_time_s=in_graph(run_8))  # fmt: skip
             if R == 4 and k == 1024:  # adversarial rows: many candidates -> the filter's whole-row fallback
                 srt = torch.sort(s, dim=1).values
                 run_f = partial(topk_indices, srt, k, nv, "triton", workspace=ws)

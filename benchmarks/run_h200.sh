@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One H200 session: environment, GPU tests, then the kernel benchmarks. Results go to $OUT (or ./out).
-# Usage (on the device machine, repo root): bash benchmarks/run_h200.sh [tests|bench|all|pending|ncu|attention|attention_ncu|indexer_gluon|indexer_live|indexer_default]
+# Usage (on the device machine, repo root): bash benchmarks/run_h200.sh [tests|bench|all|pending|ncu|attention|attention_ncu|indexer_gluon|indexer_live|topk_rows|indexer_default]
 # "pending": the norm and top-k GPU tests (~4 min, most of it compiling the top-k kernels), launch D's rank
 # threshold on/off, top-k with both flush kinds, the decode step; about 8 minutes.  "ncu": Nsight Compute
 # sections of the indexer scores, dense attention and gather kernels (benchmarks/ncu_cases.py).  "attention": the
@@ -82,13 +82,21 @@ if [ "$what" = indexer_live ]; then  # Gluon kernel skipping tiles past n_visibl
   timeout 100 python3 -c "import sys, dsv4.kernels.indexer.scores as s; s.GLUON_AUTO = True; from dsv4.cli import main; sys.exit(main(sys.argv[1:]))" \
     bench --models v4-flash --kinds csa --contexts 131072 --batches 1,8,64 --out "$OUT/${stamp}_h200_decode_gluonTrue.jsonl" 2>&1 | tail -5
 fi
+if [ "$what" = topk_rows ]; then  # top-k GPU tests and bench_indexer's top-k (with rows seeing 1/8 of the columns) (~6 min)
+  timeout 330 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_topk.py 2>&1 \
+    | tee "$OUT/${stamp}_h200_gpu_tests_topk.txt" | tail -3
+  timeout 240 python3 benchmarks/bench_indexer.py --only topk --no-compile --out "$OUT/${stamp}_h200_topk.jsonl" \
+    2>&1 | tee "$OUT/${stamp}_h200_topk.txt" | grep -E "graph" | tail -40
+fi
 if [ "$what" = indexer_default ]; then  # indexer GPU tests (model, engine too), bench_indexer scores, CSA decode step (~4 min)
   timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_indexer_scores.py \
     tests/kernels/test_gluon_indexer_scores.py tests/model tests/engine 2>&1 | tee "$OUT/${stamp}_h200_gpu_tests_indexer.txt" | tail -4
   timeout 150 python3 benchmarks/bench_indexer.py --only scores --no-compile --out "$OUT/${stamp}_h200_indexer.jsonl" \
     2>&1 | tee "$OUT/${stamp}_h200_indexer.txt" | grep -E "ctx=1048576|B=4|indexer" | tail -24
   timeout 120 python3 -m dsv4.cli bench --models v4-flash --kinds csa --contexts 131072 --batches 1,8,64 \
-    --out "$OUT/${stamp}_h200_decode.jsonl" 2>&1 | tail -12
+    --out "$OUT/${stamp}_h200_decode.jsonl" 2>&1 | tail -4
+  timeout 120 python3 -m dsv4.cli bench --models v4-flash --kinds csa --contexts 131072 --batches 1,8,64 \
+    --table-context 1048576 --out "$OUT/${stamp}_h200_decode_table1M.jsonl" 2>&1 | tail -4
 fi
 if [ "$what" = attention ]; then
   timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_sparse_attention.py \

@@ -298,14 +298,15 @@ def test_auto_impl_falls_back_once_when_the_fast_path_fails(monkeypatch):
 
 
 def test_auto_gluon_rule(monkeypatch):
-    """impl="auto" on sm_90 with GLUON_AUTO: the Gluon kernel in captures once built, eagerly the first time and for
-    big calls; GLUON_AUTO off (as shipped): never."""
+    """impl="auto" on sm_90 with GLUON_AUTO (as shipped): the Gluon kernel in captures once built, eagerly the first
+    time and for big calls; GLUON_AUTO off: never."""
     rule, big = scores_mod._auto_gluon, scores_mod.GLUON_EAGER_MIN_WORK
-    assert not scores_mod.GLUON_AUTO and not rule(None, False, big) and not rule(True, True, big)
-    monkeypatch.setattr(scores_mod, "GLUON_AUTO", True)
+    assert scores_mod.GLUON_AUTO
     assert rule(None, False, 1) and rule(True, False, big) and rule(True, True, 1)
     assert not rule(True, False, big - 1) and not rule(None, True, big) and not rule(False, False, big)
     assert not rule(False, True, big)
+    monkeypatch.setattr(scores_mod, "GLUON_AUTO", False)
+    assert not rule(None, False, big) and not rule(True, True, big)
 
 
 def test_launch_config_heuristic():

@@ -357,10 +357,11 @@ def test_gpu_many_rows_and_tied_rows():
 @pytest.mark.parametrize("k", [512, 1024])
 def test_gpu_long_rows(k):
     g = torch.Generator().manual_seed(4)
-    s = torch.randn(4, 262144, generator=g)
+    s = torch.randn(7, 262144, generator=g)
     s[1] = s[1].round()  # heavy ties
     s[2, 100000:] = NEG_INF
-    nv = torch.tensor([262144, 262144, 200000, 700], dtype=torch.int32)
+    s[4, 32768:] = NEG_INF  # rows far shorter than the table (finer groups, topk._row_plan)
+    nv = torch.tensor([262144, 262144, 200000, 700, 32768, 5000, 131073], dtype=torch.int32)
     s, nv = s.cuda(), nv.cuda()
     b = topk_indices_reference(s, k, nv)
     for splits in (None, 1, 8, 64):
@@ -473,6 +474,22 @@ def test_filter_dense_copy_of_a_crowded_chunk():
     assert cnt[0] > topk_mod._COPY_COLS and plan["SB1"] < cnt[0] <= plan["SB2"], (cnt, plan)
     assert got[0].tolist() == sorted(s[0, :100].topk(k).indices.tolist())
     assert got[1].tolist() == list(range(900, 916))
+
+
+def test_filter_short_visible_rows_use_finer_groups():
+    """Rows far shorter than N (an engine's block tables sized for its longest request): the S programs share
+    the visible prefix and the group size shrinks with it, so the level stays tight and the candidates fit the
+    in-register list (with groups sized for N, 1,024 visible entries would form 4 groups of 256 < k: every
+    entry a candidate, more than SB2 -> the slow whole-row fallback)."""
+    g = torch.Generator().manual_seed(27)
+    N, k = 8192, 16
+    s = torch.randn(5, N, generator=g)
+    nv = torch.tensor([1024, 300, N, 5, 4100], dtype=torch.int32)
+    s[1, 300:] = 50.0  # hidden: never chosen
+    _, cnt, plan = filter_run(s, k, nv, splits=4)
+    assert plan["G"] == 256 and plan["LEVELS"] == 6  # groups of 256 .. 8
+    assert all(c <= plan["SB2"] for c in cnt), (cnt, plan)
+    assert cnt[0] <= plan["SB1"], cnt  # 1,024 entries: 32 groups of 32, as many as the full row's
 
 
 def test_filter_small_rows_k_above_groups_and_many_rows():

@@ -27,9 +27,9 @@ one int32 word (the [P, bs, 4] scale view reinterpreted in place).  ``impl="dot_
 conversion + dots for ``tl.dot_scaled`` (performance.md "Leads"; for measurement on the H200).
 
 On sm_90 with Gluon, ``impl="gluon"`` runs the warp-specialised kernel of ``_gluon_scores`` (the fp8mma math in
-loader / converter / consumer warps, TMA key loads; 1.34x faster than fp8mma at 1M, B = 4 on the H200); not yet the
-default (``GLUON_AUTO``: it does not skip the tiles past a row's n_visible).
-``impl="fp8mma"`` is the default (``AUTO_IMPL_ORDER``): the fastest Triton kernel on the H200 (2026-12-02,
+loader / converter / consumer warps, TMA key loads; 1.36x faster than fp8mma at 1M, B = 4 on the H200, 2.4x with
+rows of 1/8 of max_entries); ``impl="auto"``'s choice where it applies (``GLUON_AUTO``, ``_gluon_scores_or_none``).
+``impl="fp8mma"`` is the default elsewhere (``AUTO_IMPL_ORDER``): the fastest Triton kernel on the H200 (2026-12-02,
 ``2026-12-02_h200_sweep_indexer_fold.jsonl``: 1M entries, B = 4: fp8mma 75.8 us, fold4 104.6 us, fold ~102 us
 (bench_indexer) and 6 of 1,048,576 scores off by up to 5e-5 absolute, i.e. the tensor core's truncated
 accumulation over K = 128, so it is also not exact; fewer SASS instructions did not make it faster).
@@ -1045,17 +1045,17 @@ _GLUON_STATE: dict[int, bool] = {}  # device -> the Gluon kernel ran (True) / fa
 # (H200 host, 2026-12-04: indexer_scores 107 vs 61 us a call, ``study_gluon_indexer.py --host``), which the
 # kernel's ~17 ps an entry-row (53.1 vs 71.3 us at 4 x 262,144) only repays from ~2.6M entry-rows on.
 GLUON_EAGER_MIN_WORK = 1 << 21
-# auto does not pick the Gluon kernel yet (impl="gluon" does): it scores every tile up to max_entries, where fp8mma
-# skips the tiles past a row's n_visible (it only writes their -inf).  With block tables sized beyond the requests
-# (an engine's static max_blocks under CUDA graphs, causal prefill rows) that costs more than the kernel saves.
-# Measured with auto on (H200, 2026-12-04, block tables sized to the context): V4-Flash CSA decode step 128K B = 64
-# 363.8 us vs 396.7.  To switch on once the kernel skips dead tiles (and that is measured).
-GLUON_AUTO = False
+# auto picks the Gluon kernel (sm_90).  H200, 2026-12-04 (``2026-12-04_h200_*_s12``), CUDA graphs, 262,144 entries
+# a row: full rows B = 1 / 4 / 8 / 64 17.8 / 53.0 / 102.3 / 775.7 us vs fp8mma 22.6 / 71.9 / 139.1 / 1,079.9;
+# rows seeing 1/8 of them (static block tables) 6.9 / 12.9 / 20.1 / 118.9 vs 18.1 / 31.0 / 36.8 / 242.3; V4-Flash CSA
+# decode step at 128K, B = 1 / 8 / 64: 200.1 / 218.4 / 359.3 us (fp8mma: 199.7 / 223.2 / 396.7, session 10), with
+# block tables for 1M tokens 386.8 / 428.9 / 644.4 vs 395.3 / 444.9 / 767.5.  False: fp8mma only.
+GLUON_AUTO = True
 
 
 def _auto_gluon(state: bool | None, capturing: bool, work: int) -> bool:
     """impl="auto"'s choice of the Gluon kernel (see ``_gluon_scores_or_none``): ``state`` the device's record
-    (None: never run, True: ran, False: failed), ``work`` query rows x entries.  False while ``GLUON_AUTO`` is."""
+    (None: never run, True: ran, False: failed), ``work`` query rows x entries.  False when ``GLUON_AUTO`` is."""
     if not GLUON_AUTO or state is False:
         return False
     if capturing:
@@ -1133,14 +1133,14 @@ def indexer_scores(
             tiles per program, warps, pipelining stages, register cap a thread); None = ``launch_config``'s
             heuristic.
         impl: the kernel's inner product.
-            "auto" (default): "fp8mma" (with ``GLUON_AUTO``, not yet on: "gluon" where it applies and no
-            Triton launch knob is given, see ``_gluon_scores_or_none``), or "convert" if fp8mma fails to
+            "auto" (default): "gluon" where it applies and no Triton launch knob is given (``GLUON_AUTO``,
+            see ``_gluon_scores_or_none``), else "fp8mma", or "convert" if fp8mma fails to
             compile on this device (decided at the first call on a device, with a warning;
             ``AUTO_IMPL_ORDER``).
             "gluon": the warp-specialised Gluon kernel (``_gluon_scores``: sm_90, 64 heads, pages of a
             power of two >= 64 entries; fp8mma's math and numbers, both of its query paths).  H200, 1M
-            entries: B = 4 53.1 us vs fp8mma 71.3; B = 64 792 vs 1,077.  It scores every tile up to
-            max_entries (fp8mma skips those past n_visible): for block tables sized to the requests.
+            entries: B = 4 53.0 us vs fp8mma 71.9; B = 64 776 vs 1,080; tiles past a row's n_visible are
+            written -inf without loads, and a row's live tiles are spread over its programs.
             "convert": e2m1 -> bf16 by bit manipulation in registers, bf16 ``tl.dot`` (K = 2 x 64).
             "dot_scaled": ``tl.dot_scaled(keys, scales, "e2m1", q, None, "bf16")`` (Triton lowers the
             MXFP4 operand; on sm90 by up-conversion); an experiment for the H200.

@@ -17,10 +17,14 @@ no data-dependent launch sizes, CUDA-graph capturable, deterministic (atomics on
 Three Triton paths (``method``; the result never depends on the path or on ``splits``):
 
 Filter path (default for long rows; S = ``splits`` programs per row in launches A and C, each owning a
-contiguous chunk of CH = ceil(N / S) entries rounded up to whole groups of G entries).  G = the largest
-power of two in [2, 256] leaving >= 2 k groups (G = 128 for N = 262,144, k = 1,024), raised if needed so
-that NG = ceil(N / G) <= 8,192.  No histogram over the row (on the H200 the radix split path's two
-256-bin ``tl.histogram`` passes over 4 x 262,144 scores take 7.2 and 7.7 us; the group maxima 2.4 us):
+contiguous chunk of the row's visible prefix: CH_r = ceil(nv / S) entries rounded up to whole groups of G
+entries).  G = the largest power of two in [2, 256] leaving >= 2 k groups (G = 128 for N = 262,144,
+k = 1,024), raised if needed so that NG = ceil(N / G) <= 8,192.  A row with fewer visible entries nv (block
+tables sized for an engine's longest request) uses groups of G / 2^lv (down to 8 entries): the smallest that
+keeps ceil(nv / (G / 2^lv)) <= NG (``_row_plan``, the same in every launch), so it has nearly as many group
+maxima as a full row and as tight a level; with groups of G its rows of nv < k G would list every entry.
+No histogram over the row (on the H200 the radix split path's two 256-bin ``tl.histogram`` passes over
+4 x 262,144 scores take 7.2 and 7.7 us; the group maxima 2.4 us):
 
 A. ``_filter_max``, grid (T, S): reads the chunk once; GM[t, g] = max key of group g over its
    selectable entries (INT32_MIN for a group without any); W[t, s] = the chunk's selectable count.
@@ -143,6 +147,9 @@ _SINGLE_MAX_N = 4096  # method "auto", splits None: one program per row up to th
 _FILTER_PROGRAMS = 256  # filter path, auto splits: programs of launches A and C in all (about 2 per SM)
 _G_MIN, _G_MAX = 2, 256  # filter path: group size range (then raised so that NG <= _MAX_GROUPS)
 _MAX_GROUPS = 8192  # filter path: group maxima sorted by launch B at most
+# filter path: the finest group size of a short row's level (``_row_plan``).  <= 8: a row whose groups at this size
+# number fewer than kk has < 8 kk <= SB2 entries (k <= 1,024): its candidates always fit launch D's list.
+_G_FINEST = 8
 _MAX_LIST = 8192  # filter path: candidates held in registers by launch D at most (SB2)
 _LEVEL_BITS = 16  # filter path, launch B: key bits of the level searched (the rest is 0: a lower bound)
 # filter path, launches B and D: key bits resolved per step of _kth_largest.  H200 2026-12-03
@@ -345,6 +352,20 @@ def _chunk_bounds(nv_ptr, r, sp, N, CH, HAS_NV: tl.constexpr):
     lo = sp * CH
     hi = tl.minimum(lo + CH, nv)
     return lo, hi
+
+
+@triton.jit
+def _row_plan(nv, S, NG, G: tl.constexpr, ALIGN: tl.constexpr, LEVELS: tl.constexpr):
+    """The filter path's geometry of a row with nv visible entries (the same in launches A-D): its chunk
+    CH_r = ceil(nv / S) rounded up to ALIGN (the S programs share the visible prefix, however short), and its
+    level lv (groups of G >> lv entries): the smallest G >> lv (lv < LEVELS) that keeps ceil(nv / (G >> lv))
+    <= NG, the group maxima launch B has slots for (a row of N / 8 entries gets groups of G / 8: as many maxima
+    as a full row, and as tight a level)."""
+    ch = tl.cdiv(tl.cdiv(nv, S), ALIGN) * ALIGN
+    lv = nv * 0
+    for i in tl.static_range(1, LEVELS):  # fits at i -> fits at every coarser level
+        lv = tl.where(tl.cdiv(nv, G >> i) <= NG, i, lv)
+    return ch, lv
 
 
 @triton.jit
@@ -553,43 +574,48 @@ def _group_max_tile(row, gm_row, start, tile, gi, hi, end, G: tl.constexpr, MASK
 
 @triton.jit
 def _filter_max(
-    s_ptr, nv_ptr, ws_ptr, stride_s, stride_w, N, NG, CH, GM_OFF,
-    HAS_NV: tl.constexpr, G: tl.constexpr, NGB: tl.constexpr,
+    s_ptr, nv_ptr, ws_ptr, stride_s, stride_w, N, NG, S, GM_OFF,
+    HAS_NV: tl.constexpr, G: tl.constexpr, NGB: tl.constexpr, ALIGN: tl.constexpr, LEVELS: tl.constexpr,
 ):  # fmt: skip
-    """A, grid (T, S): the max key of every group of G entries of the chunk (selectable entries only;
-    INT32_MIN for a group without any) into GM[t, g], the chunk's selectable count into W[t, s] (own
-    slots)."""
+    """A, grid (T, S): the max key of every group of the row's level (G >> lv entries, ``_row_plan``) of the
+    chunk's visible entries (selectable entries only; INT32_MIN for a group without any) into GM[t, g], the
+    chunk's selectable count into W[t, s] (own slots)."""
     r = tl.program_id(0).to(tl.int64)
     sp = tl.program_id(1)
     row = s_ptr + r * stride_s
     ws_row = ws_ptr + r * stride_w
-    lo, hi = _chunk_bounds(nv_ptr, r, sp, N, CH, HAS_NV)
-    end = tl.minimum(lo + CH, N)  # groups [lo / G, end / G) are this program's (also the hidden ones)
+    nv = _visible(nv_ptr, r, N, HAS_NV)
+    ch, lv = _row_plan(nv, S, NG, G, ALIGN, LEVELS)
+    lo = sp * ch
+    hi = tl.minimum(lo + ch, nv)
+    n_ok = sp * 0
+    for i in tl.static_range(LEVELS):  # the same tile size at every level: [NGB << i, G >> i]
+        if lv == i:
+            n_ok = _group_max_chunk(row, ws_row + GM_OFF, lo, hi, G >> i, NGB << i)
+    tl.store(ws_row + _W + sp, n_ok)
+
+
+@triton.jit
+def _group_max_chunk(row, gm_row, lo, hi, G: tl.constexpr, NGB: tl.constexpr):
+    """Launch A over [lo, hi) in [NGB, G] tiles: the maxima of its groups of G; returns the selectable count."""
     gi = tl.arange(0, NGB)
     tile = gi[:, None] * G + tl.arange(0, G)[None, :]
     n_ok = 0
     n_full = (hi - lo) // (NGB * G)  # tiles with every entry visible: unmasked (vector) loads
     for t in range(0, n_full):
         start = lo + t * (NGB * G)
-        n_ok += _group_max_tile(row, ws_row + GM_OFF, start, tile, gi, hi, end, G, False)
-    for start in range(lo + n_full * (NGB * G), end, NGB * G):
-        n_ok += _group_max_tile(row, ws_row + GM_OFF, start, tile, gi, hi, end, G, True)
-    tl.store(ws_row + _W + sp, n_ok)
+        n_ok += _group_max_tile(row, gm_row, start, tile, gi, hi, hi, G, False)
+    for start in range(lo + n_full * (NGB * G), hi, NGB * G):
+        n_ok += _group_max_tile(row, gm_row, start, tile, gi, hi, hi, G, True)
+    return n_ok
 
 
 @triton.jit
 def _filter_level(
-    ws_ptr,
-    stride_w,
-    K,
-    NG,
-    S,
-    GM_OFF,
-    NGP: tl.constexpr,
-    SP: tl.constexpr,
-    BITS: tl.constexpr = 32,
-    R: tl.constexpr = 2,
-):
+    nv_ptr, ws_ptr, stride_w, N, K, NG, S, GM_OFF,
+    HAS_NV: tl.constexpr, G: tl.constexpr, ALIGN: tl.constexpr, LEVELS: tl.constexpr, NGP: tl.constexpr,
+    SP: tl.constexpr, BITS: tl.constexpr = 32, R: tl.constexpr = 2,
+):  # fmt: skip
     """B, grid (T,): kk = min(K, selectable entries of the row) and L = the kk-th largest group max, its
     low 32 - BITS key bits cleared (``_kth_largest``; INT32_MIN when fewer than kk groups hold a selectable
     entry) into META.  At least kk selectable entries have key >= L (one per such group), so every chosen
@@ -598,9 +624,12 @@ def _filter_level(
     ws_row = ws_ptr + r * stride_w
     sidx = tl.arange(0, SP)
     kk = tl.minimum(tl.sum(tl.load(ws_row + _W + sidx, mask=sidx < S, other=0), axis=0), K)
+    nv = _visible(nv_ptr, r, N, HAS_NV)
+    _, lv = _row_plan(nv, S, NG, G, ALIGN, LEVELS)
+    ng = tl.cdiv(nv, G >> lv)  # the row's groups (<= NG)
     g = tl.arange(0, NGP)
-    gm = tl.load(ws_row + GM_OFF + g, mask=g < NG, other=-2147483648)
-    level = _kth_largest(gm, g < NG, kk, BITS, R, UNROLL=True)
+    gm = tl.load(ws_row + GM_OFF + g, mask=g < ng, other=-2147483648)
+    level = _kth_largest(gm, g < ng, kk, BITS, R, UNROLL=True)
     tl.store(ws_row + _META, kk)
     tl.store(ws_row + _META + 1, level)
 
@@ -716,8 +745,8 @@ def _take_dense(
 
 @triton.jit
 def _filter_cand(
-    s_ptr, nv_ptr, ws_ptr, stride_s, stride_w, N, CH, GM_OFF, RIDX, RKEY,
-    HAS_NV: tl.constexpr, G: tl.constexpr, NGB: tl.constexpr,
+    s_ptr, nv_ptr, ws_ptr, stride_s, stride_w, N, NG, S, GM_OFF, RIDX, RKEY,
+    HAS_NV: tl.constexpr, G: tl.constexpr, NGB: tl.constexpr, ALIGN: tl.constexpr, LEVELS: tl.constexpr,
 ):  # fmt: skip
     """C, grid (T, S): lists the chunk's selectable entries with key >= L (index, key; only groups whose max
     is >= L are read) in its own region of the workspace (region s starts at the chunk start: it cannot
@@ -727,7 +756,20 @@ def _filter_cand(
     row = s_ptr + r * stride_s
     ws_row = ws_ptr + r * stride_w
     level = tl.load(ws_row + _META + 1)
-    lo, hi = _chunk_bounds(nv_ptr, r, sp, N, CH, HAS_NV)
+    nv = _visible(nv_ptr, r, N, HAS_NV)
+    ch, lv = _row_plan(nv, S, NG, G, ALIGN, LEVELS)
+    lo = sp * ch
+    hi = tl.minimum(lo + ch, nv)
+    n_c = sp * 0
+    for i in tl.static_range(LEVELS):  # the row's level, as in launch A
+        if lv == i:
+            n_c = _cand_chunk(row, ws_row, lo, hi, level, GM_OFF, RIDX, RKEY, G >> i, NGB << i)
+    tl.store(ws_row + _C + sp, n_c)
+
+
+@triton.jit
+def _cand_chunk(row, ws_row, lo, hi, level, GM_OFF, RIDX, RKEY, G: tl.constexpr, NGB: tl.constexpr):
+    """Launch C over [lo, hi) in [NGB, G] tiles (groups of G); returns the candidates listed."""
     gi = tl.arange(0, NGB)
     tile = gi[:, None] * G + tl.arange(0, G)[None, :]
     ridx = ws_row + RIDX + lo
@@ -739,13 +781,14 @@ def _filter_cand(
         n_c = _cand_tile(row, ws_row, start, tile, gi, hi, level, n_c, GM_OFF, ridx, rkey, G, False)
     for start in range(lo + n_full * (NGB * G), hi, NGB * G):
         n_c = _cand_tile(row, ws_row, start, tile, gi, hi, level, n_c, GM_OFF, ridx, rkey, G, True)
-    tl.store(ws_row + _C + sp, n_c)
+    return n_c
 
 
 @triton.jit
 def _filter_write(
-    s_ptr, nv_ptr, out_ptr, ws_ptr, stride_s, stride_o, stride_w, N, K, S, CH, RIDX, RKEY, DIDX, DKEY,
-    HAS_NV: tl.constexpr, SB1: tl.constexpr, SB2: tl.constexpr, CPB: tl.constexpr,
+    s_ptr, nv_ptr, out_ptr, ws_ptr, stride_s, stride_o, stride_w, N, K, NG, S, RIDX, RKEY, DIDX, DKEY,
+    HAS_NV: tl.constexpr, G: tl.constexpr, ALIGN: tl.constexpr, LEVELS: tl.constexpr,
+    SB1: tl.constexpr, SB2: tl.constexpr, CPB: tl.constexpr,
     BLOCK: tl.constexpr, KP: tl.constexpr, SP: tl.constexpr, R: tl.constexpr, RANK_SLOTS: tl.constexpr = 0,
 ):  # fmt: skip
     """D, grid (T,): when the listed candidates fit SB2 register slots, copies the S regions into one dense
@@ -759,9 +802,11 @@ def _filter_write(
     sidx = tl.arange(0, SP)
     c = tl.load(ws_row + _C + sidx, mask=sidx < S, other=0)
     total = tl.sum(c, axis=0)
+    nv = _visible(nv_ptr, r, N, HAS_NV)
     if total <= SB2:
+        ch, _ = _row_plan(nv, S, NG, G, ALIGN, LEVELS)
         starts = tl.cumsum(c, axis=0) - c
-        src0 = sidx.to(tl.int64)[:, None] * CH
+        src0 = sidx.to(tl.int64)[:, None] * ch
         for p0 in range(0, tl.max(c, axis=0), CPB):
             pcol = p0 + tl.arange(0, CPB)
             m = pcol[None, :] < c[:, None]
@@ -775,7 +820,7 @@ def _filter_write(
         else:
             _take_dense(ws_row, out_row, total, kk, K, DIDX, DKEY, SB2, KP, R, RANK_SLOTS)
     else:
-        _select_row(s_ptr + r * stride_s, _visible(nv_ptr, r, N, HAS_NV), out_row, ws_row + RIDX, K, BLOCK, KP)
+        _select_row(s_ptr + r * stride_s, nv, out_row, ws_row + RIDX, K, BLOCK, KP)
 
 
 # ---------------------------------------------------------------------------------------- public ops
@@ -934,7 +979,9 @@ def _filter_plan(N: int, k: int, splits: int, interp: bool) -> dict:
     sb2 = max(sb1, min(_MAX_LIST, 4 * sb1))
     dn = _dense_slots(N)
     gm = _WS_LIST + 2 * dn  # after the dense list (indices, keys)
+    levels = 1 + (g // min(g, _G_FINEST)).bit_length() - 1  # G, G / 2, ..., min(G, _G_FINEST)
     return dict(G=g, NG=ng, NGP=triton.next_power_of_2(ng), CH=ch, NGB=tile // g, KP=kp, SB1=sb1, SB2=sb2,
+                ALIGN=align, LEVELS=levels,
                 DIDX=_WS_LIST, DKEY=_WS_LIST + dn, GM=gm, RIDX=gm + ng, RKEY=gm + ng + N)  # fmt: skip
 
 
@@ -943,17 +990,17 @@ def _launch_filter(scores, nv, out, ws, k, splits, has_nv, interp):
     ss, so, sw = scores.stride(0), out.stride(0), ws.stride(0)
     p = _filter_plan(N, k, splits, interp)
     grid = (T, splits)
-    geo = dict(HAS_NV=has_nv, G=p["G"], NGB=p["NGB"], num_warps=8)
-    _filter_max[grid](scores, nv, ws, ss, sw, N, p["NG"], p["CH"], p["GM"], **geo)
+    row = dict(HAS_NV=has_nv, G=p["G"], ALIGN=p["ALIGN"], LEVELS=p["LEVELS"], num_warps=8)
+    _filter_max[grid](scores, nv, ws, ss, sw, N, p["NG"], splits, p["GM"], NGB=p["NGB"], **row)
     _filter_level[(T,)](
-        ws, sw, k, p["NG"], splits, p["GM"], NGP=p["NGP"], SP=_MAX_SPLITS, BITS=_LEVEL_BITS, R=_RADIX_STEP_BITS,
-        num_warps=8,
+        nv, ws, sw, N, k, p["NG"], splits, p["GM"], NGP=p["NGP"], SP=_MAX_SPLITS, BITS=_LEVEL_BITS,
+        R=_RADIX_STEP_BITS, **row,
     )  # fmt: skip
-    _filter_cand[grid](scores, nv, ws, ss, sw, N, p["CH"], p["GM"], p["RIDX"], p["RKEY"], **geo)
+    _filter_cand[grid](scores, nv, ws, ss, sw, N, p["NG"], splits, p["GM"], p["RIDX"], p["RKEY"], NGB=p["NGB"], **row)
     _filter_write[(T,)](
-        scores, nv, out, ws, ss, so, sw, N, k, splits, p["CH"], p["RIDX"], p["RKEY"], p["DIDX"], p["DKEY"],
-        HAS_NV=has_nv, SB1=p["SB1"], SB2=p["SB2"], CPB=_COPY_COLS, BLOCK=1024 if interp else 4096, KP=p["KP"],
-        SP=_MAX_SPLITS, R=_RADIX_STEP_BITS, RANK_SLOTS=_RANK_SLOTS, num_warps=8,
+        scores, nv, out, ws, ss, so, sw, N, k, p["NG"], splits, p["RIDX"], p["RKEY"], p["DIDX"], p["DKEY"],
+        SB1=p["SB1"], SB2=p["SB2"], CPB=_COPY_COLS, BLOCK=1024 if interp else 4096, KP=p["KP"],
+        SP=_MAX_SPLITS, R=_RADIX_STEP_BITS, RANK_SLOTS=_RANK_SLOTS, **row,
     )  # fmt: skip
 
 
