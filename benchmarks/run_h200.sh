@@ -88,15 +88,15 @@ if [ "$what" = topk_rows ]; then  # top-k GPU tests and bench_indexer's top-k (w
   timeout 240 python3 benchmarks/bench_indexer.py --only topk --no-compile --out "$OUT/${stamp}_h200_topk.jsonl" \
     2>&1 | tee "$OUT/${stamp}_h200_topk.txt" | grep -E "graph" | tail -40
 fi
-if [ "$what" = indexer_default ]; then  # indexer GPU tests (model, engine too), bench_indexer scores, CSA decode step (~4 min)
-  timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_indexer_scores.py \
+if [ "$what" = indexer_default ]; then  # indexer GPU tests (model, engine too), CSA decode step (block tables for the context and for 1M tokens), bench_indexer scores (~6 min)
+  timeout 270 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_indexer_scores.py \
     tests/kernels/test_gluon_indexer_scores.py tests/model tests/engine 2>&1 | tee "$OUT/${stamp}_h200_gpu_tests_indexer.txt" | tail -4
-  timeout 150 python3 benchmarks/bench_indexer.py --only scores --no-compile --out "$OUT/${stamp}_h200_indexer.jsonl" \
-    2>&1 | tee "$OUT/${stamp}_h200_indexer.txt" | grep -E "ctx=1048576|B=4|indexer" | tail -24
-  timeout 120 python3 -m dsv4.cli bench --models v4-flash --kinds csa --contexts 131072 --batches 1,8,64 \
+  timeout 100 python3 -m dsv4.cli bench --models v4-flash --kinds csa --contexts 131072 --batches 1,8,64 \
     --out "$OUT/${stamp}_h200_decode.jsonl" 2>&1 | tail -4
-  timeout 120 python3 -m dsv4.cli bench --models v4-flash --kinds csa --contexts 131072 --batches 1,8,64 \
+  timeout 100 python3 -m dsv4.cli bench --models v4-flash --kinds csa --contexts 131072 --batches 1,8,64 \
     --table-context 1048576 --out "$OUT/${stamp}_h200_decode_table1M.jsonl" 2>&1 | tail -4
+  timeout 120 python3 benchmarks/bench_indexer.py --only scores --no-compile --out "$OUT/${stamp}_h200_indexer.jsonl" \
+    2>&1 | tee "$OUT/${stamp}_h200_indexer.txt" | grep -E "ctx=1048576|B=4|indexer" | tail -24
 fi
 if [ "$what" = attention ]; then
   timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_sparse_attention.py \
