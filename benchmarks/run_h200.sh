@@ -54,7 +54,7 @@ if [ "$what" = attention_ncu ]; then  # where the fused Gluon attention kernel's
     | tee "$OUT/${stamp}_h200_ncu_source_gluon_fused.txt" | head -30
   gzip -f "$OUT/ncu_source_gluon_fused.csv"
 fi
-if [ "$what" = indexer_gluon ]; then  # the opt-in Gluon scores kernel: GPU tests, sweep vs fp8mma, Nsight source counters
+if [ "$what" = indexer_gluon ]; then  # the Gluon scores kernel: GPU tests, sweep vs fp8mma, Nsight source counters
   timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_gluon_indexer_scores.py 2>&1 \
     | tee "$OUT/${stamp}_h200_gpu_tests_gluon_indexer.txt" | tail -15
   timeout 240 python3 benchmarks/sweep_indexer.py --batches 4 64 --entries 262144 --variants fp4_fp8mma gluon_ws \

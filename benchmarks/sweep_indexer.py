@@ -6,7 +6,7 @@
 
 Variants: fp4_{convert,dot_scaled,fp8mma,fold,fold4} (``indexer_scores(impl=...)``), fp4_fp8mma_noasm /
 fp4_fold_noasm (the byte re-encoding in Triton integer ops instead of inline PTX), fp8keys
-(``indexer_scores_fp8keys``), gluon_ws (opt-in, sm_90, not in the default list: the warp-specialised Gluon kernel of
+(``indexer_scores_fp8keys``), gluon_ws (sm_90, not in the default list: the warp-specialised Gluon kernel of
 ``_gluon_scores``; the launch knobs other than tiles do not apply to it).
 
 Shape: 1M-token context (262,144 entries), Hi = 64 heads x 128, pages of 64 entries shuffled through one

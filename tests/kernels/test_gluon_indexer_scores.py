@@ -1,4 +1,4 @@
-"""The warp-specialised Gluon indexer-scores kernel (``_gluon_scores``, opt-in ``indexer_scores_gluon``).
+"""The warp-specialised Gluon indexer-scores kernel (``_gluon_scores``; impl="auto"'s choice on sm_90).
 
 CPU: the query preparation is exact where it says so, a torch model of the kernel's arithmetic (e4m3 re-encoding of
 the e2m1 codes, four exact block dots, the block-scale combine, ReLU, weighted head sum, the scale words' 0 sentinel)

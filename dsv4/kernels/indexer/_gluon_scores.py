@@ -1,7 +1,8 @@
 """A warp-specialised Gluon (sm_90) kernel for the lightning-indexer scores over MXFP4 keys: the fp8mma math of
 ``scores._mxfp4_scores_kernel`` split across warps: ``indexer_scores(impl="gluon")`` on sm_90, or with its launch
-knobs ``indexer_scores_gluon``.  Not yet ``impl="auto"``'s choice (``scores.GLUON_AUTO``): it scores every tile up to
-max_entries, where fp8mma skips the tiles past a row's n_visible.
+knobs ``indexer_scores_gluon``; ``impl="auto"``'s choice where it applies (``scores.GLUON_AUTO``).  A row's tiles
+are strided over its programs and those at or past its n_visible are written -inf without loads (``_my_tiles``), so
+rows far shorter than max_entries (static block tables) cost what their visible entries cost.
 
 Why: the Triton fp8mma kernel is latency-bound (~70 us at 1M entries, B = 4, H200): one warpgroup runs the serial
 chain block-table load -> key load -> re-encode -> shared memory -> MMA -> wait -> epilogue per 128-entry tile.  The
