@@ -3,6 +3,7 @@
     python3 benchmarks/study_gluon_indexer.py [--batches 4 64] [--out FILE.jsonl]
     python3 benchmarks/study_gluon_indexer.py --host      # host time a call, and where it goes (cProfile)
     python3 benchmarks/study_gluon_indexer.py --visible 8 --quick   # rows see 1/8 of the table (static tables)
+    python3 benchmarks/study_gluon_indexer.py --prefill 8192 --entries 2048 16384   # causal prefill rows
 
 For each batch (1M-token context: 262,144 MXFP4 entries a row, 64 heads) it times ``indexer_scores_gluon`` for
 stages (converted 128-entry tiles the consumers may lag) x raw (TMA tiles in flight + 1) x tiles (128-entry tiles a
@@ -72,10 +73,40 @@ def host_study() -> None:
     pstats.Stats(prof).sort_stats("tottime").print_stats(18)
 
 
+def prefill_study(rows: int, entries: list[int], timer, info) -> list[dict]:
+    """Causal prefill of one request: ``rows`` query rows over ``entries`` entries, row t seeing
+    max(1, (t + 1) entries / rows) of them (the last chunk of a prompt of 4 x entries tokens); the Gluon kernel
+    and fp8mma (``impl="auto"`` takes the Gluon kernel from 2**21 rows x entries), graph-timed, outputs
+    compared."""
+    dev = torch.device("cuda")
+    out_rows = []
+    for n in entries:
+        gen = torch.Generator(device=dev).manual_seed(1)
+        keys, bt, _, _, _, _ = make_problem(1, n, 64, 64, dev, gen)
+        _, _, q, w, _, _ = make_problem(rows, 64, 64, 64, dev, gen)  # rows queries (and unused keys)
+        tr = torch.zeros(rows, dtype=torch.int32, device=dev)
+        nv = torch.clamp((torch.arange(1, rows + 1, device=dev) * n) // rows, min=1).to(torch.int32)
+        f8 = partial(indexer_scores, q, w, keys, bt, tr, nv, n, "triton", impl="fp8mma")
+        fg = partial(indexer_scores_gluon, q, w, keys, bt, tr, nv, n)
+        ref = f8()
+        err = float(((fg() - ref).abs() / ref.abs().clamp(min=1e-30)).nan_to_num(0.0).max())
+        t8, tg = timer(f8), timer(fg)
+        print(f"prefill rows={rows} entries={n}: fp8mma {t8 * 1e6:.1f} us, gluon {tg * 1e6:.1f} us (rel err {err:.1e})")
+        nbytes = int(nv.sum()) * 68 + rows * n * 4
+        out_rows.append(dict(info, name="indexer_gluon_ws_prefill",
+                             date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                             shape={"rows": rows, "entries": n, "visible": "causal", "heads": 64, "page": 64},
+                             time_s=tg, bytes=nbytes, roofline_s=nbytes / HBM_BYTES_PER_S,
+                             baseline="indexer_fp4_fp8mma", baseline_time_s=t8, timer="graph",
+                             max_rel_err_vs_baseline=err))  # fmt: skip
+    return out_rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", nargs="+", type=int, default=[4, 64])
-    ap.add_argument("--entries", type=int, default=262144)
+    ap.add_argument("--entries", type=int, nargs="+", default=[262144])
+    ap.add_argument("--prefill", type=int, default=0, help="causal prefill study with this many query rows")
     ap.add_argument("--out")
     ap.add_argument("--host", action="store_true", help="host time a call instead (see host_study)")
     ap.add_argument("--visible", type=int, default=1, help="rows see entries // VISIBLE entries")
@@ -88,8 +119,10 @@ def main() -> None:
     timer = GraphTimer()
     info = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}
     rows = []
-    for B in args.batches:
-        n = args.entries
+    if args.prefill:
+        rows = prefill_study(args.prefill, args.entries, timer, info)
+    for B in [] if args.prefill else args.batches:
+        n = args.entries[0]
         keys, bt, q, w, tr, nv = make_problem(B, n, 64, 64, dev, torch.Generator(device=dev).manual_seed(0))
         n_vis = n // args.visible
         nv.fill_(n_vis)
