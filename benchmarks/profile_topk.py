@@ -43,8 +43,11 @@ def main(argv=None) -> None:
     ap.add_argument(
         "--rank-slots", type=int, nargs="*", default=[None], help="filter path: topk._RANK_SLOTS values to try"
     )
+    ap.add_argument("--groups-per-k", type=int, default=None, help="filter path: topk._GROUPS_PER_K")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args(argv)
+    if args.groups_per_k is not None:
+        topk_mod._GROUPS_PER_K = args.groups_per_k
     cuda = torch.cuda.is_available() and not args.smoke
     dev = torch.device("cuda" if cuda else "cpu")
     n, k, rows = (2048, 64, [2]) if args.smoke else (args.n, args.k, args.rows)
@@ -66,7 +69,8 @@ def main(argv=None) -> None:
                 times = kernel_times(run, 1 if args.smoke else args.reps, cuda)
                 total = sum(t for t, _ in times.values())
                 g = f"graph {timer(run) * 1e6:.1f} us, " if timer else ""
-                tag = f" rank_slots {topk_mod._RANK_SLOTS}" if name != "radix" else ""
+                tag = f" rank_slots {topk_mod._RANK_SLOTS} groups_per_k {topk_mod._GROUPS_PER_K}"
+                tag = tag if name != "radix" else ""
                 print(f"== rows {r} n {n} k {k} {name}{tag} splits {sp}: {g}device {total * 1e6:.1f} us")
                 for kname, (t, c) in sorted(times.items(), key=lambda x: -x[1][0]):
                     print(f"   {t * 1e6:8.1f} us  x{c:g}  {kname[:90]}")

@@ -146,6 +146,7 @@ _SINGLE_MAX_N = 4096  # method "auto", splits None: one program per row up to th
 # 430.4 at 1 / 4 / 8 / 64 rows; k = 512: filter 23.4 / 27.1 / 34.4 / 149.1 vs radix 26.2 / 40.2 / 65.5 / 422.0.
 _FILTER_PROGRAMS = 256  # filter path, auto splits: programs of launches A and C in all (about 2 per SM)
 _G_MIN, _G_MAX = 2, 256  # filter path: group size range (then raised so that NG <= _MAX_GROUPS)
+_GROUPS_PER_K = 2  # filter path: G = the largest that leaves >= _GROUPS_PER_K k groups (launch C reads ~1 / this)
 _MAX_GROUPS = 8192  # filter path: group maxima sorted by launch B at most
 # filter path: the finest group size of a short row's level (``_row_plan``).  <= 8: a row whose groups at this size
 # number fewer than kk has < 8 kk <= SB2 entries (k <= 1,024): its candidates always fit launch D's list.
@@ -967,7 +968,7 @@ def _filter_plan(N: int, k: int, splits: int, interp: bool) -> dict:
     """Host ints of the filter path (see the module docstring): group size G, groups NG, chunk CH, tile,
     register slot counts SB1 <= SB2 of launch D, and the workspace offsets (see the module docstring)."""
     g = _G_MIN
-    while g < _G_MAX and triton.cdiv(N, 2 * g) >= 2 * k:  # the largest G with >= 2 k groups
+    while g < _G_MAX and triton.cdiv(N, 2 * g) >= _GROUPS_PER_K * k:  # the largest G with >= _GROUPS_PER_K k groups
         g *= 2
     g = max(g, triton.next_power_of_2(triton.cdiv(N, _MAX_GROUPS)))  # level sort of <= _MAX_GROUPS maxima
     ng = triton.cdiv(N, g)
