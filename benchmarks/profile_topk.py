@@ -47,7 +47,7 @@ def main(argv=None) -> None:
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args(argv)
     if args.groups_per_k is not None:
-        topk_mod._GROUPS_PER_K = args.groups_per_k
+        topk_mod._GROUPS_PER_K = topk_mod._GROUPS_PER_K_MANY = args.groups_per_k
     cuda = torch.cuda.is_available() and not args.smoke
     dev = torch.device("cuda" if cuda else "cpu")
     n, k, rows = (2048, 64, [2]) if args.smoke else (args.n, args.k, args.rows)

@@ -492,6 +492,18 @@ def test_filter_short_visible_rows_use_finer_groups():
     assert cnt[0] <= plan["SB1"], cnt  # 1,024 entries: 32 groups of 32, as many as the full row's
 
 
+def test_filter_many_rows_use_more_groups():
+    """From _MANY_ROWS rows on the filter path plans _GROUPS_PER_K_MANY k groups (smaller G: launch C re-reads less
+    of each row); the result is the same."""
+    g = torch.Generator().manual_seed(28)
+    N, k, T = 2048, 16, topk_mod._MANY_ROWS
+    few, many = topk_mod._filter_plan(N, k, 4, True, 1), topk_mod._filter_plan(N, k, 4, True, T)
+    assert N // few["G"] >= 2 * k and N // many["G"] >= topk_mod._GROUPS_PER_K_MANY * k and many["G"] < few["G"]
+    s = torch.randn(T, N, generator=g)
+    nv = torch.randint(0, N + 1, (T,), generator=g, dtype=torch.int32)
+    filter_run(s, k, nv, splits=4)
+
+
 def test_filter_small_rows_k_above_groups_and_many_rows():
     """Fewer groups than k (level = INT32_MIN: every selectable entry is a candidate), k > N, T > 1."""
     g = torch.Generator().manual_seed(23)

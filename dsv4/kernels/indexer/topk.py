@@ -19,10 +19,11 @@ Three Triton paths (``method``; the result never depends on the path or on ``spl
 Filter path (default for long rows; S = ``splits`` programs per row in launches A and C, each owning a
 contiguous chunk of the row's visible prefix: CH_r = ceil(nv / S) entries rounded up to whole groups of G
 entries).  G = the largest power of two in [2, 256] leaving >= 2 k groups (G = 128 for N = 262,144,
-k = 1,024), raised if needed so that NG = ceil(N / G) <= 8,192.  A row with fewer visible entries nv (block
-tables sized for an engine's longest request) uses groups of G / 2^lv (down to 8 entries): the smallest that
-keeps ceil(nv / (G / 2^lv)) <= NG (``_row_plan``, the same in every launch), so it has nearly as many group
-maxima as a full row and as tight a level; with groups of G its rows of nv < k G would list every entry.
+k = 1,024; >= 16 k groups from 32 rows on, ``_GROUPS_PER_K_MANY``), raised if needed so that
+NG = ceil(N / G) <= 8,192.  A row with fewer visible entries nv (block tables sized for an engine's longest
+request) uses groups of G / 2^lv (down to 8 entries): the smallest that keeps ceil(nv / (G / 2^lv)) <= NG
+(``_row_plan``, the same in every launch), so it has nearly as many group maxima as a full row and as tight a
+level; with groups of G its rows of nv < k G would list every entry.
 No histogram over the row (on the H200 the radix split path's two 256-bin ``tl.histogram`` passes over
 4 x 262,144 scores take 7.2 and 7.7 us; the group maxima 2.4 us):
 
@@ -146,7 +147,14 @@ _SINGLE_MAX_N = 4096  # method "auto", splits None: one program per row up to th
 # 430.4 at 1 / 4 / 8 / 64 rows; k = 512: filter 23.4 / 27.1 / 34.4 / 149.1 vs radix 26.2 / 40.2 / 65.5 / 422.0.
 _FILTER_PROGRAMS = 256  # filter path, auto splits: programs of launches A and C in all (about 2 per SM)
 _G_MIN, _G_MAX = 2, 256  # filter path: group size range (then raised so that NG <= _MAX_GROUPS)
-_GROUPS_PER_K = 2  # filter path: G = the largest that leaves >= _GROUPS_PER_K k groups (launch C reads ~1 / this)
+# filter path: G = the largest that leaves >= (groups a k) k groups; launch C re-reads ~1 / (groups a k) of a
+# row, launch B searches more maxima.  H200 2026-12-04 (2026-12-04_h200_profile_topk_groups_s12.txt, 262,144
+# columns, graph time, groups a k 2 / 4 / 8 / 16): 1 row k = 512 21.6 / 22.7 / 23.2 / 30.4 us; 8 rows 31.5 /
+# 33.6 / 32.8 / 36.6; 64 rows 150.5 / 135.8 / 131.4 / 118.3 (k = 1,024: 151.7 / 143.9 / 124.2 / 125.5).
+# Between 8 and 64 rows: not measured.
+_GROUPS_PER_K = 2  # fewer than _MANY_ROWS rows
+_GROUPS_PER_K_MANY = 16  # _MANY_ROWS rows or more
+_MANY_ROWS = 32
 _MAX_GROUPS = 8192  # filter path: group maxima sorted by launch B at most
 # filter path: the finest group size of a short row's level (``_row_plan``).  <= 8: a row whose groups at this size
 # number fewer than kk has < 8 kk <= SB2 entries (k <= 1,024): its candidates always fit launch D's list.
@@ -964,11 +972,12 @@ def topk_indices(
     return out
 
 
-def _filter_plan(N: int, k: int, splits: int, interp: bool) -> dict:
-    """Host ints of the filter path (see the module docstring): group size G, groups NG, chunk CH, tile,
+def _filter_plan(N: int, k: int, splits: int, interp: bool, T: int = 1) -> dict:
+    """Host ints of the filter path for T rows (see the module docstring): group size G, groups NG, chunk CH, tile,
     register slot counts SB1 <= SB2 of launch D, and the workspace offsets (see the module docstring)."""
     g = _G_MIN
-    while g < _G_MAX and triton.cdiv(N, 2 * g) >= _GROUPS_PER_K * k:  # the largest G with >= _GROUPS_PER_K k groups
+    per_k = _GROUPS_PER_K if T < _MANY_ROWS else _GROUPS_PER_K_MANY
+    while g < _G_MAX and triton.cdiv(N, 2 * g) >= per_k * k:  # the largest G with >= per_k k groups
         g *= 2
     g = max(g, triton.next_power_of_2(triton.cdiv(N, _MAX_GROUPS)))  # level sort of <= _MAX_GROUPS maxima
     ng = triton.cdiv(N, g)
@@ -989,7 +998,7 @@ def _filter_plan(N: int, k: int, splits: int, interp: bool) -> dict:
 def _launch_filter(scores, nv, out, ws, k, splits, has_nv, interp):
     T, N = scores.shape
     ss, so, sw = scores.stride(0), out.stride(0), ws.stride(0)
-    p = _filter_plan(N, k, splits, interp)
+    p = _filter_plan(N, k, splits, interp, T)
     grid = (T, splits)
     row = dict(HAS_NV=has_nv, G=p["G"], ALIGN=p["ALIGN"], LEVELS=p["LEVELS"], num_warps=8)
     _filter_max[grid](scores, nv, ws, ss, sw, N, p["NG"], splits, p["GM"], NGB=p["NGB"], **row)
