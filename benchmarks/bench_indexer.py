@@ -7,9 +7,11 @@ Scores (decode: one query row per request, B requests, Hi = 64 heads x 128, ever
 contexts 4K / 128K / 1M tokens -> entries = ctx / 4 (up to 262,144), B = 1, 4, 8, pages of 64 entries
 scattered through a shared pool.  In one run, on the same data:
 
-- ``indexer_fp4``      the default (``impl="auto"``: Triton's fp8mma, 68-byte MXFP4 keys re-encoded as e4m3, FP8
-                       MMAs);
+- ``indexer_fp4``      the default (``impl="auto"``: on sm_90 the Gluon kernel, in eager calls from 2**21 rows x
+                       entries on, else Triton's fp8mma: 68-byte MXFP4 keys re-encoded as e4m3, FP8 MMAs);
 - ``indexer_fp4_gluon``  ``impl="gluon"``: the warp-specialised Gluon kernel (sm_90; same math, TMA key loads);
+- ``indexer_fp4_fp8mma``  ``impl="fp8mma"``: the Triton kernel alone;
+- ``indexer_fp4_gluon_fold``  ``impl="gluon_fold"``: the Gluon kernel's fold variant (not exact: FP8 accumulation);
 - ``indexer_fp4_convert``  the Triton kernel with ``impl="convert"`` (e2m1 -> bf16 in registers, bf16 MMAs);
 - ``indexer_fp4_dot_scaled``  the same with ``tl.dot_scaled`` doing the e2m1 operand (experiment;
                        skipped with a message if it does not compile or is wrong);
@@ -194,7 +196,7 @@ def bench_scores_shape(args, dev, info, rows, gen, ctx, B, compiled, with_step):
     t4, t8 = timer(run_fp4, args.smoke), timer(run_fp8, args.smoke)
     record(rows, info, "indexer_fp4", shape, t4, b4, "torch_fp8keys", t_torch, max_rel_err=err4)
     record(rows, info, "indexer_fp8keys", shape, t8, b8, "torch_fp8keys", t_torch, max_rel_err=err8)
-    for impl in ("gluon", "convert", "dot_scaled"):  # the other impls (the default "auto" is fp8mma)
+    for impl in ("gluon", "fp8mma", "gluon_fold", "convert", "dot_scaled"):  # the impls next to the default
         try:
             run_x = partial(indexer_scores, q, w, keys, bt, tr, nv, entries, "triton", impl=impl, **kw)
             err_x = check_close(run_x(), indexer_scores_reference(q, w, keys, bt, tr, nv, entries), impl)

@@ -162,13 +162,15 @@ def main() -> None:
 
                 def tri(q=q, caches=caches, sink=sink, kw=variant):
                     sparse_attention_triton(q, caches, sink, 0.0625, **kw)
-            elif op == "indexer_gluon":  # indexer_gluon:B:entries, the warp-specialised Gluon scores kernel
+            elif op in ("indexer_gluon", "indexer_gluon_fold"):  # op:B:entries, the warp-specialised Gluon kernel
                 from dsv4.kernels.indexer._gluon_scores import launch_gluon_scores
 
                 keys, bt, q, w, tr, nv = make_problem(int(mode), int(n), 64, 64, torch.device("cpu"), gen)
 
-                def tri(keys=keys, bt=bt, q=q, w=w, tr=tr, nv=nv, n=int(n)):
-                    launch_gluon_scores(q, w, keys, bt, tr, nv, n)  # no device check: CPU tensors, compile only
+                fold = op.endswith("fold")
+
+                def tri(keys=keys, bt=bt, q=q, w=w, tr=tr, nv=nv, n=int(n), fold=fold):
+                    launch_gluon_scores(q, w, keys, bt, tr, nv, n, fold=fold)  # CPU tensors: compile only
             elif op == "indexer":  # indexer:B:entries (MXFP4 scores, 64 heads, the bench_indexer problem)
                 keys, bt, q, w, tr, nv = make_problem(int(mode), int(n), 64, 64, torch.device("cpu"), gen)
 

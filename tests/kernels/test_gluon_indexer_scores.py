@@ -4,7 +4,9 @@ CPU: the query preparation is exact where it says so, a torch model of the kerne
 the e2m1 codes, four exact block dots, the block-scale combine, ReLU, weighted head sum, the scale words' 0 sentinel)
 matches the reference, and the kernel compiles for sm_90 without spills or a serialised wgmma chain.  GPU (sm_90):
 the kernel against the reference (partly visible rows, pages outside the pool, 64 / 128 / 256-entry pages, programs
-whose rings wrap, queries on the scale-a-block path), also as ``indexer_scores``' default.
+whose rings wrap, queries on the scale-a-block path), also as ``indexer_scores``' default.  The fold variant
+(``fold=True``, ``impl="gluon_fold"``): its word conversion's PTX (modelled bit for bit) and a torch model of its
+arithmetic on the CPU; on sm_90 against the reference within the FP8 accumulation's bound.
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ import torch
 import triton
 from test_indexer_scores import assert_scores_close, make_keys, make_query  # same folder
 
-from dsv4.formats import MXFP4KeyFormat
+from dsv4.formats import MXFP4KeyFormat, e2m1_decode
 from dsv4.kernels.indexer import indexer_scores_reference
+from dsv4.kernels.indexer import scores as scores_mod
 from dsv4.kernels.indexer._gluon_scores import CODE_SCALE_LOG2, HAVE_GLUON, QBLOCK, _prep_query
 
 FMT = MXFP4KeyFormat()
@@ -90,6 +93,91 @@ def test_word_conversion_ptx_gives_e4m3_in_element_order():
     )
 
 
+def _prmt(a: int, b: int, c: int) -> int:
+    """PTX ``prmt.b32`` (default mode): byte i = byte (c >> 4 i) & 7 of {b, a}, or its sign bit replicated when
+    selector bit 3 is set."""
+    src = [(a >> 8 * i) & 0xFF for i in range(4)] + [(b >> 8 * i) & 0xFF for i in range(4)]
+    out = 0
+    for i in range(4):
+        sel = (c >> 4 * i) & 15
+        byte = src[sel & 7]
+        out |= ((0xFF if byte & 0x80 else 0) if sel & 8 else byte) << 8 * i
+    return out
+
+
+def _fold_ptx_words(w: int, lo: int, hi: int) -> tuple[int, int]:
+    """``_fold_words``' PTX on one word, in Python integers (lop3 0xF8 = a | (b & c))."""
+    y = (w << 4) & 0xFFFFFFFF
+    out = []
+    for x, sign_sel in ((w, 0x9D8C), (w >> 16, 0xBFAE)):
+        m = _prmt(lo, hi, x & 0x7777)
+        out.append(m | (_prmt(w, y, sign_sel) & 0x80808080))
+    return out[0], out[1]
+
+
+def _fold_tables(d: int) -> tuple[int, int]:
+    """The producer's tables for a block d binades below its key's largest (0 past ``_FOLD_MAX_D``: flushed)."""
+    if d > scores_mod._FOLD_MAX_D:
+        return 0, 0
+    b = scores_mod._FOLD_B0 - (d << 3)
+    return scores_mod._FOLD_LO_OFF + b * 0x01010100, scores_mod._FOLD_HI_OFF + b * 0x01010101
+
+
+def test_fold_word_conversion_ptx_gives_scaled_e4m3_in_element_order():
+    """Every byte value in every position of a word, every shift d: the output words are the e4m3 bytes of e2m1
+    value * 2**(6 - d) of elements 8c .. 8c + 7 in order (exact up to d = 11); past that every magnitude is 0."""
+    words = [v << (8 * i) | 0x5A5A5A5A & ~(0xFF << (8 * i)) for v in range(256) for i in range(4)]
+    for d in range(scores_mod._FOLD_MAX_D + 3):
+        lo, hi = _fold_tables(d)
+        for w in words[::7] if d else words:
+            codes = torch.tensor([(w >> (4 * k)) & 15 for k in range(8)], dtype=torch.uint8)
+            val = e2m1_decode(codes) * 2.0 ** (6 - d) if d <= scores_mod._FOLD_MAX_D else e2m1_decode(codes) * 0.0
+            w0, w1 = _fold_ptx_words(w, lo, hi)
+            got = torch.tensor([(x >> 8 * i) & 0xFF for x in (w0, w1) for i in range(4)], dtype=torch.uint8)
+            torch.testing.assert_close(got.view(torch.float8_e4m3fn).float(), val, rtol=0, atol=0)
+
+
+def _fold_model(q, w, kp, bt, tr, nv, n):
+    """The fold kernel's arithmetic in torch: keys v * 2**(6 - d_b) (0 past d = 11), one exact dot a key (the GPU's
+    FP8 accumulation rounds it), ReLU, weights * 2**(e - 127 - 6), head sum, times 2**(s_max - 127)."""
+    q8, wq, _ = _prep_query(q, w)
+    wq = wq * 2.0 ** (-CODE_SCALE_LOG2 - scores_mod._FOLD_C)
+    bs = kp.entries_per_page
+    out = torch.full((q.shape[0], n), float("-inf"))
+    j = torch.arange(n)
+    for t in range(q.shape[0]):
+        page = bt[int(tr[t])].long()[j // bs]
+        ok = (j < int(nv[t])) & (page >= 0) & (page < kp.data.shape[0])
+        pg = torch.where(ok, page, 0)
+        packed = kp.data[pg, j % bs]  # [n, 64]
+        codes = torch.stack([packed & 15, packed >> 4], -1).reshape(n, 128)
+        s = kp.scale[pg, j % bs].int()  # [n, 4]
+        s0 = s.amax(-1)
+        d = (s0[:, None] - s).repeat_interleave(QBLOCK, -1)
+        k = torch.where(d <= scores_mod._FOLD_MAX_D, e2m1_decode(codes).double() * torch.exp2(6.0 - d), 0.0)
+        acc = (k @ q8[t].double().T).float()
+        val = (torch.relu(acc) * wq[t][None, :]).sum(-1) * torch.exp2((s0 - 127).float())
+        out[t] = torch.where(ok & (s0 > 0), val, float("-inf"))
+    return out
+
+
+def test_fold_model_matches_reference_and_flushes_far_blocks():
+    """Quantised keys (blocks a few binades apart): the fold arithmetic is the reference's.  A key whose block 1
+    sits 14 binades below its largest: scored as if that block were zero."""
+    gen = torch.Generator().manual_seed(12)
+    kp = make_keys(8, 64, gen=gen)  # quantised keys (random scale bytes would flush many blocks)
+    q, w = make_query(2, 64, gen)
+    bt = torch.stack([torch.randperm(8, generator=gen)[:4] for _ in range(2)]).int()
+    tr, nv = torch.arange(2, dtype=torch.int32), torch.tensor([256, 100], dtype=torch.int32)
+    ref = indexer_scores_reference(q, w, kp, bt, tr, nv, 256)
+    assert_scores_close(_fold_model(q, w, kp, bt, tr, nv, 256), ref)
+    page, row = int(bt[0, 0]), 3
+    kp.scale[page, row] = torch.tensor([130, 116, 129, 128], dtype=torch.uint8)
+    got = _fold_model(q, w, kp, bt, tr, nv, 256)
+    kp.data[page, row, 16:32] = 0  # block 1 (elements 32..63 = bytes 16..31) zeroed
+    assert_scores_close(got, indexer_scores_reference(q, w, kp, bt, tr, nv, 256))
+
+
 def test_prep_query_is_exact_and_scaled():
     gen = torch.Generator().manual_seed(1)
     q, w = make_query(3, 64, gen)
@@ -144,8 +232,9 @@ def test_programs_per_row_fills_the_sms():
 
 
 @pytest.mark.skipif(not (HAVE_GLUON and os.path.exists(PTXAS)), reason="triton without Gluon's Hopper module / ptxas")
-def test_gluon_indexer_compiles_for_sm90(sass_report):
-    out = sass_report("indexer_gluon:4:65536")  # > 1 tile a program (tiles = 1 would be specialised away)
+@pytest.mark.parametrize("case", ["indexer_gluon", "indexer_gluon_fold"])
+def test_gluon_indexer_compiles_for_sm90(sass_report, case):
+    out = sass_report(f"{case}:4:65536")  # > 1 tile a program (tiles = 1 would be specialised away)
     m = re.search(r"_mxfp4_scores_ws_kernel\s+regs\s+(\d+)\s+stack\s+(\d+) B.*local\s+(\d+) B\s+warps (\d+)", out)
     assert m, out
     assert int(m[2]) <= 16 and int(m[3]) == 0 and int(m[4]) == 16, out  # 4 + 4 + 4 + the loader (padded)
@@ -213,3 +302,42 @@ def test_gluon_indexer_scale_a_block_query_gpu():
         out = indexer_scores(dev[0], dev[1], kp_d, dev[2], dev[3], dev[4], 256)  # auto: built -> fp8mma eagerly
     assert scores_mod._GLUON_STATE[torch.cuda.current_device()] is True
     assert_scores_close(out.cpu(), ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (on_sm90 and HAVE_GLUON), reason="needs an sm_90 GPU and Gluon")
+@pytest.mark.parametrize(
+    "bs,n,nv,tiles", [(64, 4096, None, None), (64, 4096, None, 13), (128, 8192, [130, 0, 8000], 4)]
+)
+def test_gluon_fold_matches_reference_gpu(bs, n, nv, tiles):
+    """The fold variant (quantised keys: no block is flushed), odd and even live-tile counts a program (its
+    consumers take tiles in pairs), and a row on the scale-a-block path, against the reference: within 1e-3 of
+    the row's largest |score| (Hopper's FP8 wgmma accumulates a K = 128 chain in reduced precision; the
+    reference's own scores are bf16, ~4e-3 relative), and against the torch model of the same arithmetic."""
+    from dsv4.kernels.indexer import indexer_scores
+    from dsv4.kernels.indexer._gluon_scores import indexer_scores_gluon
+
+    gen = torch.Generator().manual_seed(14)
+    T = 3
+    nv_t = None if nv is None else torch.tensor(nv, dtype=torch.int32)
+    pages = 200
+    kp = make_keys(pages, bs, gen=gen)
+    q, w = make_query(T, 64, gen)
+    q[2] *= torch.tensor([2.0**-30, 1.0, 2.0**17, 2.0**-5]).repeat_interleave(32)  # scale-a-block row
+    per_row = -(-n // bs)
+    bt = torch.stack([torch.randperm(pages, generator=gen)[:per_row] for _ in range(T)]).int()
+    tr = torch.arange(T, dtype=torch.int32)
+    nv_t = torch.full((T,), n, dtype=torch.int32) if nv_t is None else nv_t
+    ref = indexer_scores_reference(q, w, kp, bt, tr, nv_t, n)
+    dev = [x.cuda() for x in (q, w, bt, tr, nv_t)]
+    kp_d = type(kp)(kp.data.cuda(), kp.scale.cuda())
+    out = indexer_scores_gluon(dev[0], dev[1], kp_d, dev[2], dev[3], dev[4], n, tiles=tiles, fold=True).cpu()
+    assert torch.equal(torch.isneginf(out), torch.isneginf(ref))
+    fin = torch.isfinite(ref)
+    scale = ref.where(fin, 0.0).abs().amax(-1, keepdim=True).expand_as(ref)[fin]
+    assert ((out[fin] - ref[fin]).abs() <= 1e-3 * scale + 1e-6).all()
+    model = _fold_model(q[:2], w[:2], kp, bt, tr[:2], nv_t[:2], n)  # the one-scale rows
+    fin2 = torch.isfinite(model)
+    assert ((out[:2][fin2] - model[fin2]).abs() <= 1e-3 * scale.new_tensor(1.0) * model[fin2].abs().max()).all()
+    got = indexer_scores(dev[0], dev[1], kp_d, dev[2], dev[3], dev[4], n, impl="gluon_fold").cpu()
+    assert torch.equal(got.isneginf(), out.isneginf())

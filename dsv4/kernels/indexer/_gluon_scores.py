@@ -48,6 +48,8 @@ import functools
 
 import torch
 
+from dsv4.kernels.indexer import scores as _scores
+
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -71,6 +73,10 @@ HEADS = 64  # index heads (wgmma N)
 DIM = 128  # key / query dims
 QBLOCK = 32  # elements a UE8M0 block = one FP8 wgmma's K
 CODE_SCALE_LOG2 = 6  # the e4m3 re-encoding stores e2m1 value * 2**-6
+# fold (``fold=True``): the Triton fold impl's encoding (``scores._fold_tables``): e2m1 value v of a block d =
+# s_max - s_b binades below its key's largest block is stored as the e4m3 byte of v * 2**(6 - d), exact for
+# d <= scores._FOLD_MAX_D (11; the tables are affine in d there); blocks further down are flushed to zero here
+# (the Triton fold impls score such keys exactly in a second loop instead).
 
 if HAVE_GLUON:
     _TILE_N = gl.constexpr(TILE_N)
@@ -78,6 +84,11 @@ if HAVE_GLUON:
     _DIM = gl.constexpr(DIM)
     _QBLOCK = gl.constexpr(QBLOCK)
     _CODE_SCALE_LOG2 = gl.constexpr(CODE_SCALE_LOG2)
+    _FOLD_MAX_D = gl.constexpr(_scores._FOLD_MAX_D)
+    _FOLD_B0 = gl.constexpr(_scores._FOLD_B0)
+    _FOLD_LO_OFF = gl.constexpr(_scores._FOLD_LO_OFF)
+    _FOLD_HI_OFF = gl.constexpr(_scores._FOLD_HI_OFF)
+    _FOLD_CODE_SCALE = gl.constexpr(2.0**-_scores._FOLD_C)
 
     @gluon.jit
     def _e2m1_words_to_e4m3(w):
@@ -103,6 +114,36 @@ if HAVE_GLUON:
             """,
             constraints="=r,=r,r",
             args=[w],
+            dtype=(gl.int32, gl.int32),
+            is_pure=True,
+            pack=1,
+        )
+
+    @gluon.jit
+    def _fold_words(w, lo, hi):
+        """A word of 4 packed e2m1 bytes (elements 8c .. 8c + 7, low nibble first) -> two words of e4m3 bytes in
+        element order: each magnitude code (3 bits) replaced by its byte of the table {hi, lo} (``prmt``; the
+        selector's low 16 bits, nibbles with bit 3 clear), each sign bit replicated over its byte by ``prmt``'s
+        sign mode and kept as bit 7 (``lop3``): the sequence of ``scores._fold_bytes_asm``, 10 instructions a
+        word."""
+        return gl.inline_asm_elementwise(
+            asm="""
+            {
+            .reg .b32 m, s, x, y;
+            shl.b32 y, $2, 4;
+            and.b32 m, $2, 0x7777;
+            prmt.b32 m, $3, $4, m;
+            prmt.b32 s, $2, y, 0x9D8C;
+            lop3.b32 $0, m, s, 0x80808080, 0xF8;
+            shr.u32 x, $2, 16;
+            and.b32 m, x, 0x7777;
+            prmt.b32 m, $3, $4, m;
+            prmt.b32 s, $2, y, 0xBFAE;
+            lop3.b32 $1, m, s, 0x80808080, 0xF8;
+            }
+            """,
+            constraints="=r,=r,r,r,r",
+            args=[w, lo, hi],
             dtype=(gl.int32, gl.int32),
             is_pure=True,
             pack=1,
@@ -151,7 +192,7 @@ if HAVE_GLUON:
         (
             q_ptr, w_ptr, d_desc, s_desc, bt_ptr, row_ptr, nv_ptr, out_ptr, stride_qt, stride_qh,
             stride_wt, stride_bt, stride_ot, N, MAX_BLOCKS, NUM_PAGES, k_s, k_w, f0, f1, f2, f3, f4, q_s,
-            raw_d, raw_c, bars, page_s, c_s,
+            raw_d, raw_c, bars, page_s, c_s, fold_s,
         ) = args  # fmt: skip
         STAGES: gl.constexpr = k_s.type.shape[0]
         BOXR: gl.constexpr = raw_d.type.shape[2]
@@ -196,7 +237,7 @@ if HAVE_GLUON:
         (
             q_ptr, w_ptr, d_desc, s_desc, bt_ptr, row_ptr, nv_ptr, out_ptr, stride_qt, stride_qh,
             stride_wt, stride_bt, stride_ot, N, MAX_BLOCKS, NUM_PAGES, k_s, k_w, f0, f1, f2, f3, f4, q_s,
-            raw_d, raw_c, bars, page_s, c_s,
+            raw_d, raw_c, bars, page_s, c_s, fold_s,
         ) = args  # fmt: skip
         STAGES: gl.constexpr = k_s.type.shape[0]
         BOXR: gl.constexpr = raw_d.type.shape[2]
@@ -214,30 +255,78 @@ if HAVE_GLUON:
         raw_s = _reinterpret(raw_c, gl.int32, [RAW, _TILE_N], c_l)
         nv = gl.load(nv_ptr + gl.program_id(0))
         c, G, n_my, n_live = _my_tiles(nv, N)
+        if fold_s.type.shape[0] == 2:
+            _produce_fold(raw_d, raw_c, k_w, f4, bars, nv, c, G, n_live, STAGES, RAW)
+        else:
+            e = gl.arange(0, _TILE_N, layout=sl)
+            for i in range(n_live):
+                r = i % RAW
+                st = i % STAGES
+                mbarrier.wait(bars.index(RAWRDY + r), (i // RAW) & 1)
+                packed = raw_w.index(r).load(lp)
+                sw = raw_s.index(r).load(sl)
+                mbarrier.wait(bars.index(FREE + st), ((i // STAGES) & 1) ^ 1, pred=i >= STAGES)
+                w0, w1 = _e2m1_words_to_e4m3(packed)  # elements 8c .. 8c + 3 and 8c + 4 .. 8c + 7 of word c
+                k_w.index(st).store(gl.reshape(gl.join(w0, w1), [_TILE_N, _DIM // 4]))
+                b0 = sw & 255
+                b1 = (sw >> 8) & 255
+                b2 = (sw >> 16) & 255
+                b3 = (sw >> 24) & 255
+                s0 = gl.maximum(gl.maximum(b0, b1), gl.maximum(b2, b3))
+                f0.index(st).store(_rel_scale(b0, s0))
+                f1.index(st).store(_rel_scale(b1, s0))
+                f2.index(st).store(_rel_scale(b2, s0))
+                f3.index(st).store(_rel_scale(b3, s0))
+                ok = (sw != 0) & ((c + i * G) * _TILE_N + e < nv)
+                f4.index(st).store(gl.where(ok, _pow2(gl.maximum(s0, 1)), 0.0))
+                fence_async_shared()
+                mbarrier.arrive(bars.index(READY + st))
+                mbarrier.arrive(bars.index(RAWFREE + r))  # every read of the raw slot ended before the arrive's barrier
+
+    @gluon.jit
+    def _produce_fold(raw_d, raw_c, k_w, f4, bars, nv, c, G, n_live, STAGES: gl.constexpr, RAW: gl.constexpr):
+        """The producer with fold: each raw tile's codes re-encoded with their block's shift folded in
+        (``_fold_words``, the tables built once a (entry, block)), and only ``f4`` (2**(s_max - 127), 0 when not
+        visible) stored: the consumers need no per-block factors."""
+        READY: gl.constexpr = 0
+        FREE: gl.constexpr = STAGES
+        RAWRDY: gl.constexpr = 2 * STAGES + 1
+        RAWFREE: gl.constexpr = RAWRDY + RAW
+        # [entry, block, word of the block]: a thread's 4 words are one block's, as the [128, 16] layout of the
+        # one-scale producer; the tables [entry, block] broadcast over the words
+        l3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [8, 4, 1], [4, 1, 1], [2, 1, 0])
+        lb: gl.constexpr = gl.SliceLayout(2, l3)
+        sl: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        r3_l: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[2, 1, 0])
+        c_l: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+        raw_w = _reinterpret(raw_d, gl.int32, [RAW, _TILE_N, _DIM // _QBLOCK, _QBLOCK // 8], r3_l)
+        raw_s = _reinterpret(raw_c, gl.int32, [RAW, _TILE_N], c_l)
         e = gl.arange(0, _TILE_N, layout=sl)
+        sh = 8 * gl.arange(0, _DIM // _QBLOCK, layout=gl.SliceLayout(0, lb))
         for i in range(n_live):
             r = i % RAW
             st = i % STAGES
             mbarrier.wait(bars.index(RAWRDY + r), (i // RAW) & 1)
-            packed = raw_w.index(r).load(lp)
+            packed = raw_w.index(r).load(l3)
+            sw_b = raw_s.index(r).load(gl.SliceLayout(1, lb))
             sw = raw_s.index(r).load(sl)
             mbarrier.wait(bars.index(FREE + st), ((i // STAGES) & 1) ^ 1, pred=i >= STAGES)
-            w0, w1 = _e2m1_words_to_e4m3(packed)  # elements 8c .. 8c + 3 and 8c + 4 .. 8c + 7 of word c
+            sb = (sw_b[:, None] >> sh[None, :]) & 255  # [entry, block] UE8M0 bytes
+            s0b = gl.maximum(gl.maximum(sw_b & 255, (sw_b >> 8) & 255), gl.maximum((sw_b >> 16) & 255, sw_b >> 24))
+            d = s0b[:, None] - sb  # (every thread holds its entries' whole scale word: no shuffles)
+            b = _FOLD_B0 - (d << 3)  # the byte of 0.5 * 2**(6 - d); the tables are affine in it
+            near = d <= _FOLD_MAX_D
+            lo = gl.where(near, _FOLD_LO_OFF + b * 0x01010100, 0)
+            hi = gl.where(near, _FOLD_HI_OFF + b * 0x01010101, 0)
+            zero = gl.zeros_like(packed)
+            w0, w1 = _fold_words(packed, lo[:, :, None] + zero, hi[:, :, None] + zero)
             k_w.index(st).store(gl.reshape(gl.join(w0, w1), [_TILE_N, _DIM // 4]))
-            b0 = sw & 255
-            b1 = (sw >> 8) & 255
-            b2 = (sw >> 16) & 255
-            b3 = (sw >> 24) & 255
-            s0 = gl.maximum(gl.maximum(b0, b1), gl.maximum(b2, b3))
-            f0.index(st).store(_rel_scale(b0, s0))
-            f1.index(st).store(_rel_scale(b1, s0))
-            f2.index(st).store(_rel_scale(b2, s0))
-            f3.index(st).store(_rel_scale(b3, s0))
+            s0 = gl.maximum(gl.maximum(sw & 255, (sw >> 8) & 255), gl.maximum((sw >> 16) & 255, (sw >> 24) & 255))
             ok = (sw != 0) & ((c + i * G) * _TILE_N + e < nv)
             f4.index(st).store(gl.where(ok, _pow2(gl.maximum(s0, 1)), 0.0))
             fence_async_shared()
             mbarrier.arrive(bars.index(READY + st))
-            mbarrier.arrive(bars.index(RAWFREE + r))  # every read of the raw slot ended before the arrive's barrier
+            mbarrier.arrive(bars.index(RAWFREE + r))
 
     @gluon.jit
     def _rel_scale(b, s0):
@@ -251,7 +340,7 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _query_prep(q_ptr, w_ptr, stride_qt, stride_qh, stride_wt, q_s, c_s, qbar, W: gl.constexpr,
-                    col_l: gl.constexpr):  # fmt: skip
+                    col_l: gl.constexpr, FOLD: gl.constexpr):  # fmt: skip
         """Row t's query as e4m3 for the block MMAs.  Head h times 2**(127 - e_h), e_h the biased exponent of its
         largest |value| (127 for an all-zero head), when that is exact for every head (fp8mma's fast path, always
         for realistic MXFP4 queries); otherwise ("general") each 32-block times 2**(127 - e_hb), e_hb its own
@@ -285,24 +374,36 @@ if HAVE_GLUON:
             fence_async_shared()
             mbarrier.arrive(qbar)
         w = gl.load(w_ptr + t * stride_wt + gl.arange(0, _HEADS, layout=col_l))
-        return w * _pow2(gl.convert_layout(e, col_l) + _CODE_SCALE_LOG2), general
+        if FOLD:  # codes v * 2**(6 - d): 2**(e - 127) * 2**-6
+            wq = (w * _pow2(gl.convert_layout(e, col_l))) * _FOLD_CODE_SCALE
+        else:
+            wq = w * _pow2(gl.convert_layout(e, col_l) + _CODE_SCALE_LOG2)
+        return wq, general
 
     @gluon.jit
     def _consumer(W: gl.constexpr, args):
         (
             q_ptr, w_ptr, d_desc, s_desc, bt_ptr, row_ptr, nv_ptr, out_ptr, stride_qt, stride_qh,
             stride_wt, stride_bt, stride_ot, N, MAX_BLOCKS, NUM_PAGES, k_s, k_w, f0, f1, f2, f3, f4, q_s,
-            raw_d, raw_c, bars, page_s, c_s,
+            raw_d, raw_c, bars, page_s, c_s, fold_s,
         ) = args  # fmt: skip
         STAGES: gl.constexpr = k_s.type.shape[0]
         QBAR: gl.constexpr = 2 * STAGES
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 32])
         col_l: gl.constexpr = gl.SliceLayout(0, mma)
         c, G, n_my, n_live = _my_tiles(gl.load(nv_ptr + gl.program_id(0)), N)
-        wq, general = _query_prep(q_ptr, w_ptr, stride_qt, stride_qh, stride_wt, q_s, c_s, bars.index(QBAR), W, col_l)
+        FOLD: gl.constexpr = fold_s.type.shape[0] == 2
+        wq, general = _query_prep(
+            q_ptr, w_ptr, stride_qt, stride_qh, stride_wt, q_s, c_s, bars.index(QBAR), W, col_l, FOLD
+        )
         mbarrier.wait(bars.index(QBAR), 0)
         out_row = out_ptr + gl.program_id(0).to(gl.int64) * stride_ot
-        if general:  # a query that needs a scale a block (see _query_prep): one more multiply a value and block
+        if FOLD:
+            if general:
+                _consume_fold(W, k_s, q_s, f4, c_s, bars, wq, out_row, c, G, n_live, N, True)
+            else:
+                _consume_fold_pairs(W, k_s, q_s, f4, bars, wq, out_row, c, G, n_live, N)
+        elif general:  # a query that needs a scale a block (see _query_prep): one more multiply a value and block
             _consume(W, k_s, q_s, f0, f1, f2, f3, f4, c_s, bars, wq, out_row, c, G, n_live, N, True)
         else:
             _consume(W, k_s, q_s, f0, f1, f2, f3, f4, c_s, bars, wq, out_row, c, G, n_live, N, False)
@@ -359,6 +460,90 @@ if HAVE_GLUON:
         _write_scores(acc, fk, wq, out_row, (c + (n_live - 1) * G) * _TILE_N + rows, N, n_live > 0)
 
     @gluon.jit
+    def _consume_fold(W: gl.constexpr, k_s, q_s, f4, c_s, bars, wq, out_row, c, G, n_live, N,
+                      GENERAL: gl.constexpr):  # fmt: skip
+        """Consumer W's loop with fold (the keys carry their block scales): one K = 128 wgmma chain a tile into
+        one accumulator (the tensor core's FP8 accumulation: not exact, unlike the K = 32 blocks from zero), under
+        the previous tile's epilogue; with a scale-a-block query (GENERAL) four blocks from zero times the
+        query's c_b."""
+        STAGES: gl.constexpr = k_s.type.shape[0]
+        READY: gl.constexpr = 0
+        FREE: gl.constexpr = STAGES
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 32])
+        row_l: gl.constexpr = gl.SliceLayout(1, mma)
+        col_l: gl.constexpr = gl.SliceLayout(0, mma)
+        zero = gl.zeros([64, _HEADS], gl.float32, mma)
+        acc = zero
+        fk = gl.zeros([64], gl.float32, row_l)
+        rows = 64 * W + gl.arange(0, 64, layout=row_l)
+        for i in range(n_live):
+            st = i % STAGES
+            mbarrier.wait(bars.index(READY + st), (i // STAGES) & 1)
+            if GENERAL:
+                a0 = _block_mma(k_s, q_s, st, W, 0, zero)
+                a1 = _block_mma(k_s, q_s, st, W, 1, zero)
+                a2 = _block_mma(k_s, q_s, st, W, 2, zero)
+                a3 = _block_mma(k_s, q_s, st, W, 3, zero)
+            else:
+                kt = k_s.index(st).slice(64 * W, 64, dim=0)
+                a = warpgroup_mma(kt, q_s.permute((1, 0)), zero, use_acc=False, is_async=True)
+            _write_scores(acc, fk, wq, out_row, (c + (i - 1) * G) * _TILE_N + rows, N, i > 0)
+            fk = f4.index(st).slice(64 * W, 64).load(row_l)
+            if GENERAL:
+                a0, a1, a2, a3 = warpgroup_mma_wait(0, deps=[a0, a1, a2, a3])
+                acc = a0 * c_s.index(0).load(col_l)[None, :] + a1 * c_s.index(1).load(col_l)[None, :]
+                acc = acc + a2 * c_s.index(2).load(col_l)[None, :] + a3 * c_s.index(3).load(col_l)[None, :]
+            else:
+                acc = warpgroup_mma_wait(0, deps=[a])
+            mbarrier.arrive(bars.index(FREE + st))  # the wgmmas and the factor load are done with the stage
+        _write_scores(acc, fk, wq, out_row, (c + (n_live - 1) * G) * _TILE_N + rows, N, n_live > 0)
+
+    @gluon.jit
+    def _fold_mma(k_s, q_s, f4, bars, i, W: gl.constexpr, zero):
+        """Waits for stage i % STAGES, issues its K = 128 wgmma chain (async) for consumer W's 64 entries; returns
+        (the MMA's token, the stage, the entries' f4 factors)."""
+        STAGES: gl.constexpr = k_s.type.shape[0]
+        row_l: gl.constexpr = gl.SliceLayout(1, zero.type.layout)
+        st = i % STAGES
+        mbarrier.wait(bars.index(st), (i // STAGES) & 1)
+        a = warpgroup_mma(k_s.index(st).slice(64 * W, 64, dim=0), q_s.permute((1, 0)), zero, use_acc=False,
+                          is_async=True)  # fmt: skip
+        return a, st, f4.index(st).slice(64 * W, 64).load(row_l)
+
+    @gluon.jit
+    def _consume_fold_pairs(W: gl.constexpr, k_s, q_s, f4, bars, wq, out_row, c, G, n_live, N):
+        """``_consume_fold``'s one-scale loop two tiles an iteration: each tile's MMA runs under the other
+        accumulator's epilogue, and the two accumulators alternate without register copies (one accumulator
+        carried across iterations costs a copy of its 32 registers a tile)."""
+        STAGES: gl.constexpr = k_s.type.shape[0]
+        FREE: gl.constexpr = STAGES
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 32])
+        row_l: gl.constexpr = gl.SliceLayout(1, mma)
+        zero = gl.zeros([64, _HEADS], gl.float32, mma)
+        rows = 64 * W + gl.arange(0, 64, layout=row_l)
+        acc_b = zero
+        fk_b = gl.zeros([64], gl.float32, row_l)
+        for p in range(n_live // 2):
+            i = 2 * p
+            a, st, fk_a = _fold_mma(k_s, q_s, f4, bars, i, W, zero)
+            _write_scores(acc_b, fk_b, wq, out_row, (c + (i - 1) * G) * _TILE_N + rows, N, i > 0)
+            acc_a = warpgroup_mma_wait(0, deps=[a])
+            mbarrier.arrive(bars.index(FREE + st))
+            b, st, fk_b = _fold_mma(k_s, q_s, f4, bars, i + 1, W, zero)
+            _write_scores(acc_a, fk_a, wq, out_row, (c + i * G) * _TILE_N + rows, N, True)
+            acc_b = warpgroup_mma_wait(0, deps=[b])
+            mbarrier.arrive(bars.index(FREE + st))
+        i = n_live - 1  # the last tile (its predecessor's epilogue still pending when n_live is odd)
+        if n_live % 2 == 1:
+            a, st, fk_a = _fold_mma(k_s, q_s, f4, bars, i, W, zero)
+            _write_scores(acc_b, fk_b, wq, out_row, (c + (i - 1) * G) * _TILE_N + rows, N, i > 0)
+            acc_a = warpgroup_mma_wait(0, deps=[a])
+            mbarrier.arrive(bars.index(FREE + st))
+            _write_scores(acc_a, fk_a, wq, out_row, (c + i * G) * _TILE_N + rows, N, True)
+        else:
+            _write_scores(acc_b, fk_b, wq, out_row, (c + i * G) * _TILE_N + rows, N, n_live > 0)
+
+    @gluon.jit
     def _write_scores(acc, fk, wq, out_row, offs, N, live):
         """ReLU, head weights and head sum of one consumer's [64 entries, 64 heads] logits, times each entry's
         2**(s_max - 127) (``fk``; 0 -> -inf: not visible), stored at ``offs`` (< N, and only when ``live``)."""
@@ -386,6 +571,7 @@ if HAVE_GLUON:
         q_ptr, w_ptr, d_desc, s_desc, bt_ptr, row_ptr, nv_ptr, out_ptr, stride_qt, stride_qh, stride_wt,
         stride_bt, stride_ot, N, MAX_BLOCKS, NUM_PAGES, BS: gl.constexpr, STAGES: gl.constexpr,
         RAW: gl.constexpr, WORKER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
+        FOLD: gl.constexpr = False,
     ):  # fmt: skip
         """Grid (T, programs a row); ``num_warps=4`` (consumer W = 0) + 4 (consumer W = 1) + 4 (producer) + 1
         (loader; its warpgroup padded to 4).
@@ -417,6 +603,8 @@ if HAVE_GLUON:
         page_s = gl.allocate_shared_memory(gl.int8, [BS], s_l)
         # the query's per-block factors c_b [4, HEADS] (see _query_prep), read only on the scale-a-block path
         c_s = gl.allocate_shared_memory(gl.float32, [_DIM // _QBLOCK, _HEADS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        # never accessed: its shape (2 with fold, else 1) carries FOLD into the partitions
+        fold_s = gl.allocate_shared_memory(gl.int8, [2 if FOLD else 1], s_l)
         for i in gl.static_range(STAGES):
             mbarrier.init(bars.index(i), count=1)
             mbarrier.init(bars.index(STAGES + i), count=2)
@@ -426,7 +614,7 @@ if HAVE_GLUON:
         args = (
             q_ptr, w_ptr, d_desc, s_desc, bt_ptr, row_ptr, nv_ptr, out_ptr, stride_qt, stride_qh,
             stride_wt, stride_bt, stride_ot, N, MAX_BLOCKS, NUM_PAGES, k_s, k_w, f0, f1, f2, f3, f4, q_s,
-            raw_d, raw_c, bars, page_s, c_s,
+            raw_d, raw_c, bars, page_s, c_s, fold_s,
         )  # fmt: skip
         gl.warp_specialize(
             [(_wg0, (args,)), (_wg1, (args,)), (_producer, (args,)), (_loader, (args,))],
@@ -507,11 +695,15 @@ def programs_per_row(T: int, n_tiles: int, sms: int) -> int:
 
 
 def launch_gluon_scores(
-    q, weights, keys, block_table, token_row, n_visible, max_entries: int, tiles=None, stages=None, raw=None
-) -> torch.Tensor:
+    q, weights, keys, block_table, token_row, n_visible, max_entries: int, tiles=None, stages=None, raw=None,
+    fold: bool = False,
+) -> torch.Tensor:  # fmt: skip
     """The kernel's scores [T, max_entries] fp32 (-inf where not visible).  No host sync; preconditions:
     ``gluon_unsupported`` is None, ``block_table`` / ``token_row`` / ``n_visible`` contiguous int32, ``weights``
-    [T, 64] fp32 with unit stride."""
+    [T, 64] fp32 with unit stride.  ``fold``: the block scales folded into the keys' e4m3 codes and one K = 128
+    wgmma chain an entry tile (the encoding of ``scores._fold_tables``): not exact (the tensor core's FP8
+    accumulation, and blocks more than ``scores._FOLD_MAX_D`` binades below their key's largest flushed to
+    zero)."""
     from dsv4.kernels.dispatch import num_sms
     from dsv4.kernels.indexer.scores import _scale_words
 
@@ -532,7 +724,7 @@ def launch_gluon_scores(
         q, weights, d_desc, s_desc, block_table, token_row, n_visible, out, q.stride(0), q.stride(1),
         weights.stride(0), block_table.stride(0), out.stride(0), max_entries, block_table.shape[1], P, bs,
         STAGES=stages or GLUON_STAGES, RAW=raw or GLUON_RAW, WORKER_REGS=GLUON_WORKER_REGS,
-        PRODUCER_REGS=GLUON_PRODUCER_REGS, LOADER_REGS=GLUON_LOADER_REGS, num_warps=4,
+        PRODUCER_REGS=GLUON_PRODUCER_REGS, LOADER_REGS=GLUON_LOADER_REGS, FOLD=bool(fold), num_warps=4,
     )  # fmt: skip
     return out
 
@@ -548,10 +740,12 @@ def indexer_scores_gluon(
     tiles=None,
     stages: int = GLUON_STAGES,
     raw: int = GLUON_RAW,
+    fold: bool = False,
 ):
     """The scores of ``indexer_scores`` (same arguments; 64 heads) by this kernel, with its launch knobs:
     ``tiles`` 128-entry tiles a program (programs a row = cdiv(tiles of max_entries, tiles); None:
-    ``programs_per_row``), ``stages`` / ``raw`` the depths of its stage and raw rings (powers of two).  ValueError
+    ``programs_per_row``), ``stages`` / ``raw`` the depths of its stage and raw rings (powers of two), ``fold``
+    (``launch_gluon_scores``; not measured on a GPU yet).  ValueError
     for arguments ``indexer_scores`` refuses, for bad knobs, and where ``gluon_unsupported`` says why it cannot
     run."""
     from dsv4.kernels.indexer.scores import _check_common, _check_mxfp4_keys
@@ -567,5 +761,5 @@ def indexer_scores_gluon(
         raise ValueError(f"indexer_scores_gluon: {why}")
     return launch_gluon_scores(
         q, weights.contiguous(), keys, block_table.contiguous(), token_row.contiguous(), n_visible.contiguous(),
-        max_entries, tiles, stages, raw,
+        max_entries, tiles, stages, raw, fold,
     )  # fmt: skip

@@ -1064,7 +1064,8 @@ def _auto_gluon(state: bool | None, capturing: bool, work: int) -> bool:
 
 
 def _gluon_scores_or_none(impl, q, weights, keys, block_table, token_row, n_visible, n):
-    """``impl="gluon"``, or ``"auto"`` where it applies: the warp-specialised Gluon kernel (``_gluon_scores``).
+    """``impl="gluon"`` / ``"gluon_fold"``, or ``"auto"`` where it applies: the warp-specialised Gluon kernel
+    (``_gluon_scores``; gluon_fold: its fold variant, ``launch_gluon_scores(fold=True)``).
 
     auto uses it on sm_90 (``gluon_unsupported``) inside a CUDA-graph capture once it has run on the device, and
     in eager calls the first time (which builds it: an engine's eager warm-up before capturing) and from
@@ -1075,8 +1076,8 @@ def _gluon_scores_or_none(impl, q, weights, keys, block_table, token_row, n_visi
 
     why = gs.gluon_unsupported(q, keys)
     if why is not None:
-        if impl == "gluon":
-            raise ValueError(f"indexer_scores: impl='gluon' {why}")
+        if impl != "auto":
+            raise ValueError(f"indexer_scores: impl={impl!r} {why}")
         return None
     dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
     if impl == "auto" and not _auto_gluon(
@@ -1084,9 +1085,9 @@ def _gluon_scores_or_none(impl, q, weights, keys, block_table, token_row, n_visi
     ):
         return None
     try:
-        out = gs.launch_gluon_scores(q, weights, keys, block_table, token_row, n_visible, n)
+        out = gs.launch_gluon_scores(q, weights, keys, block_table, token_row, n_visible, n, fold=impl == "gluon_fold")
     except Exception as e:  # noqa: BLE001 - auto: a kernel that fails to build falls back, once, loudly
-        if impl == "gluon":
+        if impl != "auto":
             raise
         warnings.warn(
             f"indexer_scores: the Gluon kernel failed ({type(e).__name__}: {str(e)[:300]}); using Triton's fp8mma",
@@ -1141,6 +1142,10 @@ def indexer_scores(
             power of two >= 64 entries; fp8mma's math and numbers, both of its query paths).  H200, 1M
             entries: B = 4 53.0 us vs fp8mma 71.9; B = 64 776 vs 1,080; tiles past a row's n_visible are
             written -inf without loads, and a row's live tiles are spread over its programs.
+            "gluon_fold": that kernel with the block scales folded into the keys' e4m3 codes (the "fold"
+            encoding) and one K = 128 wgmma chain a tile: ~1.5x fewer instructions a tile (static SASS,
+            ``sass_report.py``), not exact (FP8 tensor-core accumulation; blocks > 11 binades below their key's
+            largest flushed to zero), not yet run on a GPU.
             "convert": e2m1 -> bf16 by bit manipulation in registers, bf16 ``tl.dot`` (K = 2 x 64).
             "dot_scaled": ``tl.dot_scaled(keys, scales, "e2m1", q, None, "bf16")`` (Triton lowers the
             MXFP4 operand; on sm90 by up-conversion); an experiment for the H200.
@@ -1160,8 +1165,8 @@ def indexer_scores(
         [T, N] fp32 scores; -inf for entries at or past n_visible (or on page -1).
     """
     T, H = _check_common(q, weights, block_table, token_row, n_visible, max_entries)
-    if impl not in ("auto", "gluon") and impl not in _IMPLS:
-        raise ValueError(f"impl: expected 'auto', 'gluon' or one of {tuple(_IMPLS)}, got {impl!r}")
+    if impl not in ("auto", "gluon", "gluon_fold") and impl not in _IMPLS:
+        raise ValueError(f"impl: expected 'auto', 'gluon', 'gluon_fold' or one of {tuple(_IMPLS)}, got {impl!r}")
     bs = _check_mxfp4_keys(keys, q.device)
     if not use_triton(backend, q, weights, keys.data, keys.scale, block_table, token_row, n_visible):
         return indexer_scores_reference(q, weights, keys, block_table, token_row, n_visible, max_entries)
@@ -1176,7 +1181,7 @@ def indexer_scores(
     q = q if q.stride(2) == 1 else q.contiguous()
     weights = weights if weights.stride(1) == 1 else weights.contiguous()
     knobs = (block_n, tiles_per_program, num_warps, num_stages, maxnreg)
-    if impl == "gluon" or (impl == "auto" and all(k is None for k in knobs)):
+    if impl in ("gluon", "gluon_fold") or (impl == "auto" and all(k is None for k in knobs)):
         gout = _gluon_scores_or_none(impl, q, weights, keys, block_table, token_row, n_visible, max_entries)
         if gout is not None:  # it allocates its own output and scale words
             return gout
