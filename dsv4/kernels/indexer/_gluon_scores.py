@@ -40,6 +40,15 @@ selected in ~22 % of their samples (26-31 % waiting on barriers / long scoreboar
 warps in 18 % and ready but not selected in 31 %: the schedulers issue in ~60 % of cycles and no partition is
 saturated.  The remaining work is the float epilogue (~285 instructions a consumer warp a tile) and the conversion
 (~240 a producer warp).
+
+``fold=True`` (``impl="gluon_fold"``; not yet run on a GPU) trades exactness for instructions: the producer folds each
+block's scale into the e4m3 codes (the Triton fold encoding, ``scores._fold_tables``; ``_fold_words``, 10
+instructions a word, blocks more than 11 binades below their key's largest flushed to zero), so a consumer runs one
+K = 128 wgmma chain a tile into one accumulator (the tensor core's FP8 accumulation: not exact, as DeepSeek's own FP8
+indexer kernels; the reference computes these scores in bf16) and needs no block combine; it takes its tiles in pairs
+so the two accumulators alternate without register copies.  Static SASS of the loops (triton 3.6, sm_90,
+``sass_report.py``): 122.5 instructions a consumer warp a tile (283 exact) and 290 a producer warp (245), ~2,240 a
+tile an SM against ~3,340: about 1.5x fewer, if the schedulers stay as busy.
 """
 
 from __future__ import annotations
@@ -312,7 +321,9 @@ if HAVE_GLUON:
             sw = raw_s.index(r).load(sl)
             mbarrier.wait(bars.index(FREE + st), ((i // STAGES) & 1) ^ 1, pred=i >= STAGES)
             sb = (sw_b[:, None] >> sh[None, :]) & 255  # [entry, block] UE8M0 bytes
-            s0b = gl.maximum(gl.maximum(sw_b & 255, (sw_b >> 8) & 255), gl.maximum((sw_b >> 16) & 255, sw_b >> 24))
+            s0b = gl.maximum(
+                gl.maximum(sw_b & 255, (sw_b >> 8) & 255), gl.maximum((sw_b >> 16) & 255, (sw_b >> 24) & 255)
+            )
             d = s0b[:, None] - sb  # (every thread holds its entries' whole scale word: no shuffles)
             b = _FOLD_B0 - (d << 3)  # the byte of 0.5 * 2**(6 - d); the tables are affine in it
             near = d <= _FOLD_MAX_D
