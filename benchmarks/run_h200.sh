@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One H200 session: environment, GPU tests, then the kernel benchmarks. Results go to $OUT (or ./out).
-# Usage (on the device machine, repo root): bash benchmarks/run_h200.sh [tests|bench|all|pending|ncu|attention|attention_ncu|indexer_gluon|indexer_live|indexer_fold|topk_rows|indexer_default]
+# Usage (on the device machine, repo root): bash benchmarks/run_h200.sh [tests|bench|all|pending|ncu|attention|attention_ncu|indexer_gluon|indexer_live|indexer_fold|pending_s12|topk_rows|indexer_default]
 # "pending": the norm and top-k GPU tests (~4 min, most of it compiling the top-k kernels), launch D's rank
 # threshold on/off, top-k with both flush kinds, the decode step; about 8 minutes.  "ncu": Nsight Compute
 # sections of the indexer scores, dense attention and gather kernels (benchmarks/ncu_cases.py).  "attention": the
@@ -89,6 +89,11 @@ if [ "$what" = indexer_fold ]; then  # the Gluon indexer's fold variant (not yet
     timeout 120 python3 benchmarks/study_gluon_indexer.py --quick --fold --visible $v --batches 1 4 8 64 \
       --out "$OUT/${stamp}_h200_study_gluon_fold_visible$v.jsonl" 2>&1 | tail -12
   done
+fi
+if [ "$what" = pending_s12 ]; then  # what session 12 left unrun: the top-k GPU tests under the many-rows rule, then indexer_fold (~8 min)
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_topk.py -k "filter_real_shapes or many_rows" \
+    2>&1 | tee "$OUT/${stamp}_h200_gpu_tests_topk_many_rows.txt" | tail -3
+  bash "$0" indexer_fold
 fi
 if [ "$what" = topk_rows ]; then  # top-k GPU tests and bench_indexer's top-k (with rows seeing 1/8 of the columns) (~6 min)
   timeout 330 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_topk.py 2>&1 \
