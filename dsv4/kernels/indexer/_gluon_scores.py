@@ -410,14 +410,14 @@ if HAVE_GLUON:
         mbarrier.wait(bars.index(QBAR), 0)
         out_row = out_ptr + gl.program_id(0).to(gl.int64) * stride_ot
         if FOLD:
-            if general:
-                _consume_fold(W, k_s, q_s, f4, c_s, bars, wq, out_row, c, G, n_live, N, True)
+            if general:  # four blocks from zero times the query's c_b (the keys carry their block scales)
+                _consume(W, k_s, q_s, f0, f1, f2, f3, f4, c_s, bars, wq, out_row, c, G, n_live, N, True, True)
             else:
                 _consume_fold_pairs(W, k_s, q_s, f4, bars, wq, out_row, c, G, n_live, N)
         elif general:  # a query that needs a scale a block (see _query_prep): one more multiply a value and block
-            _consume(W, k_s, q_s, f0, f1, f2, f3, f4, c_s, bars, wq, out_row, c, G, n_live, N, True)
+            _consume(W, k_s, q_s, f0, f1, f2, f3, f4, c_s, bars, wq, out_row, c, G, n_live, N, True, False)
         else:
-            _consume(W, k_s, q_s, f0, f1, f2, f3, f4, c_s, bars, wq, out_row, c, G, n_live, N, False)
+            _consume(W, k_s, q_s, f0, f1, f2, f3, f4, c_s, bars, wq, out_row, c, G, n_live, N, False, False)
         # the tiles past n_visible: -inf, nothing loaded
         dead_l: gl.constexpr = gl.BlockedLayout([2], [32], [4], [0])
         rows = 64 * W + gl.arange(0, 64, layout=dead_l)
@@ -427,9 +427,9 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _consume(W: gl.constexpr, k_s, q_s, f0, f1, f2, f3, f4, c_s, bars, wq, out_row, c, G, n_live, N,
-                 GENERAL: gl.constexpr):  # fmt: skip
+                 GENERAL: gl.constexpr, FOLD: gl.constexpr):  # fmt: skip
         """Consumer W's loop over the program's live tiles (c + i G, i < n_live): entries [64 W, 64 W + 64) of
-        each stage."""
+        each stage.  FOLD (with GENERAL only): the keys carry their block scales, no ``f0``-``f3`` factors."""
         STAGES: gl.constexpr = k_s.type.shape[0]
         READY: gl.constexpr = 0
         FREE: gl.constexpr = STAGES
@@ -450,63 +450,29 @@ if HAVE_GLUON:
             _write_scores(acc, fk, wq, out_row, (c + (i - 1) * G) * _TILE_N + rows, N, i > 0)
             a2 = _block_mma(k_s, q_s, st, W, 2, zero)
             a3 = _block_mma(k_s, q_s, st, W, 3, zero)
-            r0 = f0.index(st).slice(64 * W, 64).load(row_l)
-            r1 = f1.index(st).slice(64 * W, 64).load(row_l)
-            r2 = f2.index(st).slice(64 * W, 64).load(row_l)
-            r3 = f3.index(st).slice(64 * W, 64).load(row_l)
+            if not FOLD:
+                r0 = f0.index(st).slice(64 * W, 64).load(row_l)
+                r1 = f1.index(st).slice(64 * W, 64).load(row_l)
+                r2 = f2.index(st).slice(64 * W, 64).load(row_l)
+                r3 = f3.index(st).slice(64 * W, 64).load(row_l)
             fk = f4.index(st).slice(64 * W, 64).load(row_l)
             a0, a1 = warpgroup_mma_wait(2, deps=[a0, a1])
-            if GENERAL:  # the query's block factors re-read each tile (registers are short)
+            if FOLD:
+                acc = a0 * c_s.index(0).load(col_l)[None, :] + a1 * c_s.index(1).load(col_l)[None, :]
+            elif GENERAL:  # the query's block factors re-read each tile (registers are short)
                 acc = a0 * c_s.index(0).load(col_l)[None, :] * r0[:, None]
                 acc = acc + a1 * c_s.index(1).load(col_l)[None, :] * r1[:, None]
             else:
                 acc = a0 * r0[:, None] + a1 * r1[:, None]
             a2, a3 = warpgroup_mma_wait(0, deps=[a2, a3])
-            if GENERAL:
+            if FOLD:
+                acc = acc + a2 * c_s.index(2).load(col_l)[None, :] + a3 * c_s.index(3).load(col_l)[None, :]
+            elif GENERAL:
                 acc = acc + a2 * c_s.index(2).load(col_l)[None, :] * r2[:, None]
                 acc = acc + a3 * c_s.index(3).load(col_l)[None, :] * r3[:, None]
             else:
                 acc = acc + a2 * r2[:, None] + a3 * r3[:, None]
             mbarrier.arrive(bars.index(FREE + st))  # the factor loads were performed before the arrive's barrier
-        _write_scores(acc, fk, wq, out_row, (c + (n_live - 1) * G) * _TILE_N + rows, N, n_live > 0)
-
-    @gluon.jit
-    def _consume_fold(W: gl.constexpr, k_s, q_s, f4, c_s, bars, wq, out_row, c, G, n_live, N,
-                      GENERAL: gl.constexpr):  # fmt: skip
-        """Consumer W's loop with fold (the keys carry their block scales): one K = 128 wgmma chain a tile into
-        one accumulator (the tensor core's FP8 accumulation: not exact, unlike the K = 32 blocks from zero), under
-        the previous tile's epilogue; with a scale-a-block query (GENERAL) four blocks from zero times the
-        query's c_b."""
-        STAGES: gl.constexpr = k_s.type.shape[0]
-        READY: gl.constexpr = 0
-        FREE: gl.constexpr = STAGES
-        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 32])
-        row_l: gl.constexpr = gl.SliceLayout(1, mma)
-        col_l: gl.constexpr = gl.SliceLayout(0, mma)
-        zero = gl.zeros([64, _HEADS], gl.float32, mma)
-        acc = zero
-        fk = gl.zeros([64], gl.float32, row_l)
-        rows = 64 * W + gl.arange(0, 64, layout=row_l)
-        for i in range(n_live):
-            st = i % STAGES
-            mbarrier.wait(bars.index(READY + st), (i // STAGES) & 1)
-            if GENERAL:
-                a0 = _block_mma(k_s, q_s, st, W, 0, zero)
-                a1 = _block_mma(k_s, q_s, st, W, 1, zero)
-                a2 = _block_mma(k_s, q_s, st, W, 2, zero)
-                a3 = _block_mma(k_s, q_s, st, W, 3, zero)
-            else:
-                kt = k_s.index(st).slice(64 * W, 64, dim=0)
-                a = warpgroup_mma(kt, q_s.permute((1, 0)), zero, use_acc=False, is_async=True)
-            _write_scores(acc, fk, wq, out_row, (c + (i - 1) * G) * _TILE_N + rows, N, i > 0)
-            fk = f4.index(st).slice(64 * W, 64).load(row_l)
-            if GENERAL:
-                a0, a1, a2, a3 = warpgroup_mma_wait(0, deps=[a0, a1, a2, a3])
-                acc = a0 * c_s.index(0).load(col_l)[None, :] + a1 * c_s.index(1).load(col_l)[None, :]
-                acc = acc + a2 * c_s.index(2).load(col_l)[None, :] + a3 * c_s.index(3).load(col_l)[None, :]
-            else:
-                acc = warpgroup_mma_wait(0, deps=[a])
-            mbarrier.arrive(bars.index(FREE + st))  # the wgmmas and the factor load are done with the stage
         _write_scores(acc, fk, wq, out_row, (c + (n_live - 1) * G) * _TILE_N + rows, N, n_live > 0)
 
     @gluon.jit
@@ -523,9 +489,11 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _consume_fold_pairs(W: gl.constexpr, k_s, q_s, f4, bars, wq, out_row, c, G, n_live, N):
-        """``_consume_fold``'s one-scale loop two tiles an iteration: each tile's MMA runs under the other
-        accumulator's epilogue, and the two accumulators alternate without register copies (one accumulator
-        carried across iterations costs a copy of its 32 registers a tile)."""
+        """Consumer W's loop with fold and a one-scale query: one K = 128 wgmma chain a tile into one accumulator
+        (the tensor core's FP8 accumulation: not exact, unlike the K = 32 blocks from zero), two tiles an
+        iteration: each tile's MMA runs under the other accumulator's epilogue, and the two accumulators alternate
+        without register copies (one accumulator carried across iterations costs a copy of its 32 registers a
+        tile)."""
         STAGES: gl.constexpr = k_s.type.shape[0]
         FREE: gl.constexpr = STAGES
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 32])
