@@ -98,6 +98,7 @@ if HAVE_GLUON:
     _FOLD_LO_OFF = gl.constexpr(_scores._FOLD_LO_OFF)
     _FOLD_HI_OFF = gl.constexpr(_scores._FOLD_HI_OFF)
     _FOLD_CODE_SCALE = gl.constexpr(2.0**-_scores._FOLD_C)
+    _FOLD_WORD_PTX = gl.constexpr(_scores.fold_lookup_ptx("$3", "$4"))  # pack = 1: w, lo, hi are $2, $3, $4
 
     @gluon.jit
     def _e2m1_words_to_e4m3(w):
@@ -133,24 +134,9 @@ if HAVE_GLUON:
         """A word of 4 packed e2m1 bytes (elements 8c .. 8c + 7, low nibble first) -> two words of e4m3 bytes in
         element order: each magnitude code (3 bits) replaced by its byte of the table {hi, lo} (``prmt``; the
         selector's low 16 bits, nibbles with bit 3 clear), each sign bit replicated over its byte by ``prmt``'s
-        sign mode and kept as bit 7 (``lop3``): the sequence of ``scores._fold_bytes_asm``, 10 instructions a
-        word."""
+        sign mode and kept as bit 7 (``lop3``): ``scores.fold_lookup_ptx``, 10 instructions a word."""
         return gl.inline_asm_elementwise(
-            asm="""
-            {
-            .reg .b32 m, s, x, y;
-            shl.b32 y, $2, 4;
-            and.b32 m, $2, 0x7777;
-            prmt.b32 m, $3, $4, m;
-            prmt.b32 s, $2, y, 0x9D8C;
-            lop3.b32 $0, m, s, 0x80808080, 0xF8;
-            shr.u32 x, $2, 16;
-            and.b32 m, x, 0x7777;
-            prmt.b32 m, $3, $4, m;
-            prmt.b32 s, $2, y, 0xBFAE;
-            lop3.b32 $1, m, s, 0x80808080, 0xF8;
-            }
-            """,
+            asm=_FOLD_WORD_PTX,
             constraints="=r,=r,r,r,r",
             args=[w, lo, hi],
             dtype=(gl.int32, gl.int32),

@@ -453,29 +453,39 @@ def _fold_words(d):
     return lo, hi
 
 
-@triton.jit
-def _fold_bytes_asm(pc, lo, hi):
-    """e4m3 bytes of 4 packed e2m1 bytes p (8 codes, elements 0..7 of a 32-bit register) looked up in the
-    key-block's table (lo, hi): one ``prmt`` for 4 magnitudes (selector = code & 7); one ``prmt`` in sign
-    mode (selector bit 3) replicating each element's sign bit -- bit 7 of a byte of p (odd elements) or of
-    p << 4 (even elements) -- over its output byte; one lop3 m | (s & 0x80808080).  5 instructions for 4
-    elements.  Returns (elements 0-3, elements 4-7) as 4 bytes each.  GPU only (inline PTX)."""
-    return tl.inline_asm_elementwise(
-        asm="""
-        {
+def fold_lookup_ptx(lo: str, hi: str) -> str:
+    """The fold impls' PTX for one 32-bit word of 4 packed e2m1 bytes (``$2``; 8 codes, low nibble first) and the
+    key-block's table words ``lo`` / ``hi`` (operand names: the Triton and Gluon kernels number them differently):
+    one ``prmt`` for 4 magnitudes (selector = code & 7); one ``prmt`` in sign mode (selector bit 3) replicating
+    each element's sign bit -- bit 7 of a byte of p (odd elements) or of p << 4 (even elements) -- over its output
+    byte; one lop3 m | (s & 0x80808080).  Outputs ``$0`` (elements 0-3) and ``$1`` (4-7), 10 instructions."""
+    return f"""
+        {{
         .reg .b32 m, s, x, y;
         shl.b32 y, $2, 4;
         and.b32 m, $2, 0x7777;
-        prmt.b32 m, $3, $7, m;
+        prmt.b32 m, {lo}, {hi}, m;
         prmt.b32 s, $2, y, 0x9D8C;
         lop3.b32 $0, m, s, 0x80808080, 0xF8;
         shr.u32 x, $2, 16;
         and.b32 m, x, 0x7777;
-        prmt.b32 m, $3, $7, m;
+        prmt.b32 m, {lo}, {hi}, m;
         prmt.b32 s, $2, y, 0xBFAE;
         lop3.b32 $1, m, s, 0x80808080, 0xF8;
-        }
-        """,
+        }}
+        """
+
+
+_FOLD_PTX = tl.constexpr(fold_lookup_ptx("$3", "$7"))  # pack = 4: lo, hi are $3..$6, $7..$10 (one value each)
+
+
+@triton.jit
+def _fold_bytes_asm(pc, lo, hi):
+    """e4m3 bytes of 4 packed e2m1 bytes p (8 codes, elements 0..7 of a 32-bit register) looked up in the
+    key-block's table (lo, hi) (``fold_lookup_ptx``: 5 instructions for 4 elements).  Returns (elements 0-3,
+    elements 4-7) as 4 bytes each.  GPU only (inline PTX)."""
+    return tl.inline_asm_elementwise(
+        asm=_FOLD_PTX,
         constraints="=r,=r,r,r,r,r,r,r,r,r,r",
         args=[pc, lo, hi],
         dtype=(tl.uint8, tl.uint8),
