@@ -4,6 +4,7 @@ ptxas made of each: registers, spill / local-memory bytes, shared memory, SASS i
     python benchmarks/sass_report.py csa_indexer:prefill:8192           # any bench_write op:mode:n
     python benchmarks/sass_report.py hca:decode:64 --sass /tmp/sass      # also write each kernel's SASS
     python benchmarks/sass_report.py attention:v4-pro:64 --tune attention:dense=gluon   # decode attention
+    python benchmarks/sass_report.py topk:4:262144                      # top-k's kernels (k = 1,024)
 
 The operation is built by ``bench_write``'s case builders on CPU tensors; every Triton launch is replaced by
 a compile-only ``warmup`` against a stand-in driver that reports an H100/H200 (``GPUTarget("cuda", 90, 32)``),
@@ -176,6 +177,14 @@ def main() -> None:
 
                 def tri(keys=keys, bt=bt, q=q, w=w, tr=tr, nv=nv, n=int(n), kw=variant):
                     indexer_scores(q, w, keys, bt, tr, nv, n, "triton", **kw)
+            elif op == "topk":  # topk:rows:n (k = 1,024, n_visible given: the decode step's selection)
+                from dsv4.kernels.indexer import topk_indices
+
+                sc = torch.randn(int(mode), int(n), generator=gen)
+                nvk = torch.full((int(mode),), int(n), dtype=torch.int32)
+
+                def tri(sc=sc, nvk=nvk):
+                    topk_indices(sc, 1024, nvk, "triton")
             elif op == "store_window":
                 fmt = FP8EntryFormat(cfg.head_dim, cfg.rope_head_dim)
                 tri, *_ = bw.case_store_window(fmt, mode, int(n), torch.device("cpu"), gen, variant)
