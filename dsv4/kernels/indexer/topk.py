@@ -378,6 +378,17 @@ def _row_plan(nv, S, NG, G: tl.constexpr, ALIGN: tl.constexpr, LEVELS: tl.conste
 
 
 @triton.jit
+def _row_chunk(nv_ptr, r, sp, N, S, NG, HAS_NV: tl.constexpr, G: tl.constexpr, ALIGN: tl.constexpr,
+               LEVELS: tl.constexpr):  # fmt: skip
+    """[lo, hi) of split sp of row r on the filter path (its chunk of the visible prefix, ``_row_plan``) and the
+    row's level lv (launches A and C)."""
+    nv = _visible(nv_ptr, r, N, HAS_NV)
+    ch, lv = _row_plan(nv, S, NG, G, ALIGN, LEVELS)
+    lo = sp * ch
+    return lo, tl.minimum(lo + ch, nv), lv
+
+
+@triton.jit
 def _load_keys(row, offs, hi):
     """Keys of entries offs (< hi) and whether each is selectable (in range, not -inf, not NaN)."""
     m = offs < hi
@@ -564,8 +575,8 @@ def _split_write(
 
 # ---------------------------------------------------------------------------------------- filter path
 @triton.jit
-def _group_max_tile(row, gm_row, start, tile, gi, hi, end, G: tl.constexpr, MASKED: tl.constexpr):
-    """Launch A on one [NGB, G] tile at start: stores the group maxima (groups below end), returns the
+def _group_max_tile(row, gm_row, start, tile, gi, hi, G: tl.constexpr, MASKED: tl.constexpr):
+    """Launch A on one [NGB, G] tile at start: stores the group maxima (groups starting below hi), returns the
     number of selectable entries.  MASKED False: every entry of the tile is < hi (no load mask)."""
     offs = start + tile
     if MASKED:
@@ -577,7 +588,7 @@ def _group_max_tile(row, gm_row, start, tile, gi, hi, end, G: tl.constexpr, MASK
         ok = x > float("-inf")
     gmax = tl.max(tl.where(ok, _order_key(x), -2147483648), axis=1)
     g = start // G + gi
-    tl.store(gm_row + g, gmax, mask=g * G < end)
+    tl.store(gm_row + g, gmax, mask=g * G < hi)
     return tl.sum(tl.sum(ok.to(tl.int32), axis=1), axis=0)
 
 
@@ -593,10 +604,7 @@ def _filter_max(
     sp = tl.program_id(1)
     row = s_ptr + r * stride_s
     ws_row = ws_ptr + r * stride_w
-    nv = _visible(nv_ptr, r, N, HAS_NV)
-    ch, lv = _row_plan(nv, S, NG, G, ALIGN, LEVELS)
-    lo = sp * ch
-    hi = tl.minimum(lo + ch, nv)
+    lo, hi, lv = _row_chunk(nv_ptr, r, sp, N, S, NG, HAS_NV, G, ALIGN, LEVELS)
     n_ok = sp * 0
     for i in tl.static_range(LEVELS):  # the same tile size at every level: [NGB << i, G >> i]
         if lv == i:
@@ -613,9 +621,9 @@ def _group_max_chunk(row, gm_row, lo, hi, G: tl.constexpr, NGB: tl.constexpr):
     n_full = (hi - lo) // (NGB * G)  # tiles with every entry visible: unmasked (vector) loads
     for t in range(0, n_full):
         start = lo + t * (NGB * G)
-        n_ok += _group_max_tile(row, gm_row, start, tile, gi, hi, hi, G, False)
+        n_ok += _group_max_tile(row, gm_row, start, tile, gi, hi, G, False)
     for start in range(lo + n_full * (NGB * G), hi, NGB * G):
-        n_ok += _group_max_tile(row, gm_row, start, tile, gi, hi, hi, G, True)
+        n_ok += _group_max_tile(row, gm_row, start, tile, gi, hi, G, True)
     return n_ok
 
 
@@ -765,10 +773,7 @@ def _filter_cand(
     row = s_ptr + r * stride_s
     ws_row = ws_ptr + r * stride_w
     level = tl.load(ws_row + _META + 1)
-    nv = _visible(nv_ptr, r, N, HAS_NV)
-    ch, lv = _row_plan(nv, S, NG, G, ALIGN, LEVELS)
-    lo = sp * ch
-    hi = tl.minimum(lo + ch, nv)
+    lo, hi, lv = _row_chunk(nv_ptr, r, sp, N, S, NG, HAS_NV, G, ALIGN, LEVELS)
     n_c = sp * 0
     for i in tl.static_range(LEVELS):  # the row's level, as in launch A
         if lv == i:
@@ -989,7 +994,7 @@ def _filter_plan(N: int, k: int, splits: int, interp: bool, T: int = 1) -> dict:
     sb2 = max(sb1, min(_MAX_LIST, 4 * sb1))
     dn = _dense_slots(N)
     gm = _WS_LIST + 2 * dn  # after the dense list (indices, keys)
-    levels = 1 + (g // min(g, _G_FINEST)).bit_length() - 1  # G, G / 2, ..., min(G, _G_FINEST)
+    levels = (g // min(g, _G_FINEST)).bit_length()  # G, G / 2, ..., min(G, _G_FINEST)
     return dict(G=g, NG=ng, NGP=triton.next_power_of_2(ng), CH=ch, NGB=tile // g, KP=kp, SB1=sb1, SB2=sb2,
                 ALIGN=align, LEVELS=levels,
                 DIDX=_WS_LIST, DKEY=_WS_LIST + dn, GM=gm, RIDX=gm + ng, RKEY=gm + ng + N)  # fmt: skip
