@@ -272,8 +272,7 @@ if HAVE_GLUON:
                 f1.index(st).store(_rel_scale(b1, s0))
                 f2.index(st).store(_rel_scale(b2, s0))
                 f3.index(st).store(_rel_scale(b3, s0))
-                ok = (sw != 0) & ((c + i * G) * _TILE_N + e < nv)
-                f4.index(st).store(gl.where(ok, _pow2(gl.maximum(s0, 1)), 0.0))
+                _store_key_factor(f4, st, sw, s0, (c + i * G) * _TILE_N + e, nv)
                 fence_async_shared()
                 mbarrier.arrive(bars.index(READY + st))
                 mbarrier.arrive(bars.index(RAWFREE + r))  # every read of the raw slot ended before the arrive's barrier
@@ -307,10 +306,7 @@ if HAVE_GLUON:
             sw = raw_s.index(r).load(sl)
             mbarrier.wait(bars.index(FREE + st), ((i // STAGES) & 1) ^ 1, pred=i >= STAGES)
             sb = (sw_b[:, None] >> sh[None, :]) & 255  # [entry, block] UE8M0 bytes
-            s0b = gl.maximum(
-                gl.maximum(sw_b & 255, (sw_b >> 8) & 255), gl.maximum((sw_b >> 16) & 255, (sw_b >> 24) & 255)
-            )
-            d = s0b[:, None] - sb  # (every thread holds its entries' whole scale word: no shuffles)
+            d = _max_scale_byte(sw_b)[:, None] - sb  # (every thread holds its entries' whole scale word: no shuffles)
             b = _FOLD_B0 - (d << 3)  # the byte of 0.5 * 2**(6 - d); the tables are affine in it
             near = d <= _FOLD_MAX_D
             lo = gl.where(near, _FOLD_LO_OFF + b * 0x01010100, 0)
@@ -318,12 +314,22 @@ if HAVE_GLUON:
             zero = gl.zeros_like(packed)
             w0, w1 = _fold_words(packed, lo[:, :, None] + zero, hi[:, :, None] + zero)
             k_w.index(st).store(gl.reshape(gl.join(w0, w1), [_TILE_N, _DIM // 4]))
-            s0 = gl.maximum(gl.maximum(sw & 255, (sw >> 8) & 255), gl.maximum((sw >> 16) & 255, (sw >> 24) & 255))
-            ok = (sw != 0) & ((c + i * G) * _TILE_N + e < nv)
-            f4.index(st).store(gl.where(ok, _pow2(gl.maximum(s0, 1)), 0.0))
+            _store_key_factor(f4, st, sw, _max_scale_byte(sw), (c + i * G) * _TILE_N + e, nv)
             fence_async_shared()
             mbarrier.arrive(bars.index(READY + st))
             mbarrier.arrive(bars.index(RAWFREE + r))
+
+    @gluon.jit
+    def _max_scale_byte(sw):
+        """The largest of the four UE8M0 bytes of scale words ``sw`` (int32)."""
+        return gl.maximum(gl.maximum(sw & 255, (sw >> 8) & 255), gl.maximum((sw >> 16) & 255, (sw >> 24) & 255))
+
+    @gluon.jit
+    def _store_key_factor(f4, st, sw, s0, offs, nv):
+        """Stage ``st``'s key factors 2**(s0 - 127), 0 for an entry that is not visible: at or past ``nv``
+        (``offs``: the entries' indices), or zero-filled by the loader (scale word 0)."""
+        ok = (sw != 0) & (offs < nv)
+        f4.index(st).store(gl.where(ok, _pow2(gl.maximum(s0, 1)), 0.0))
 
     @gluon.jit
     def _rel_scale(b, s0):
@@ -466,9 +472,10 @@ if HAVE_GLUON:
         """Waits for stage i % STAGES, issues its K = 128 wgmma chain (async) for consumer W's 64 entries; returns
         (the MMA's token, the stage, the entries' f4 factors)."""
         STAGES: gl.constexpr = k_s.type.shape[0]
+        READY: gl.constexpr = 0
         row_l: gl.constexpr = gl.SliceLayout(1, zero.type.layout)
         st = i % STAGES
-        mbarrier.wait(bars.index(st), (i // STAGES) & 1)
+        mbarrier.wait(bars.index(READY + st), (i // STAGES) & 1)
         a = warpgroup_mma(k_s.index(st).slice(64 * W, 64, dim=0), q_s.permute((1, 0)), zero, use_acc=False,
                           is_async=True)  # fmt: skip
         return a, st, f4.index(st).slice(64 * W, 64).load(row_l)
@@ -670,14 +677,13 @@ def launch_gluon_scores(
     accumulation, and blocks more than ``scores._FOLD_MAX_D`` binades below their key's largest flushed to
     zero)."""
     from dsv4.kernels.dispatch import num_sms
-    from dsv4.kernels.indexer.scores import _scale_words
 
     T = q.shape[0]
     out = torch.empty(T, max_entries, dtype=torch.float32, device=q.device)
     if T == 0 or max_entries == 0:
         return out
     q = q if q.stride(2) == 1 else q.contiguous()
-    sw = _scale_words(keys.scale)
+    sw = _scores._scale_words(keys.scale)
     data = keys.data
     P, bs, row_bytes = data.shape
     boxr = min(bs, TILE_N)
@@ -710,17 +716,16 @@ def indexer_scores_gluon(
     """The scores of ``indexer_scores`` (same arguments; 64 heads) by this kernel, with its launch knobs:
     ``tiles`` 128-entry tiles a program (programs a row = cdiv(tiles of max_entries, tiles); None:
     ``programs_per_row``), ``stages`` / ``raw`` the depths of its stage and raw rings (powers of two), ``fold``
-    (``launch_gluon_scores``; not measured on a GPU yet).  ValueError
-    for arguments ``indexer_scores`` refuses, for bad knobs, and where ``gluon_unsupported`` says why it cannot
-    run."""
-    from dsv4.kernels.indexer.scores import _check_common, _check_mxfp4_keys
-
-    _check_common(q, weights, block_table, token_row, n_visible, max_entries)
-    _check_mxfp4_keys(keys, q.device)
+    (``launch_gluon_scores``; not measured on a GPU yet).  ValueError for arguments ``indexer_scores`` refuses,
+    for bad knobs, and where ``gluon_unsupported`` says why it cannot run."""
+    _scores._check_common(q, weights, block_table, token_row, n_visible, max_entries)
+    _scores._check_mxfp4_keys(keys, q.device)
     for name, v in (("tiles", tiles), ("stages", stages), ("raw", raw)):
         if v is not None and (not isinstance(v, int) or v < 1 or (name != "tiles" and v & (v - 1))):
             kind = "an int >= 1" if name == "tiles" else "a power of two"
             raise ValueError(f"indexer_scores_gluon: {name}: expected {kind}, got {v!r}")
+    if not isinstance(fold, bool):
+        raise ValueError(f"indexer_scores_gluon: fold: expected a bool, got {fold!r}")
     why = gluon_unsupported(q, keys)
     if why is not None:
         raise ValueError(f"indexer_scores_gluon: {why}")
