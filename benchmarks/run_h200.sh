@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One H200 session: environment, GPU tests, then the kernel benchmarks. Results go to $OUT (or ./out).
-# Usage (on the device machine, repo root): bash benchmarks/run_h200.sh [tests|bench|all|pending|ncu|attention|attention_ncu|indexer_gluon|indexer_live|indexer_fold|pending_s12|topk_rows|indexer_default]
+# Usage (on the device machine, repo root): bash benchmarks/run_h200.sh [tests|bench|all|pending|ncu|attention|attention_ncu|indexer_gluon|indexer_live|indexer_fold|pending_s12|topk_rows|indexer_default|indexer_p2]
 # "pending": the norm and top-k GPU tests (~4 min, most of it compiling the top-k kernels), launch D's rank
 # threshold on/off, top-k with both flush kinds, the decode step; about 8 minutes.  "ncu": Nsight Compute
 # sections of the indexer scores, dense attention and gather kernels (benchmarks/ncu_cases.py).  "attention": the
@@ -88,6 +88,14 @@ if [ "$what" = indexer_fold ]; then  # the Gluon indexer's fold variant (not yet
   for v in 1 8; do
     timeout 120 python3 benchmarks/study_gluon_indexer.py --quick --fold --visible $v --batches 1 4 8 64 \
       --out "$OUT/${stamp}_h200_study_gluon_fold_visible$v.jsonl" 2>&1 | tail -12
+  done
+fi
+if [ "$what" = indexer_p2 ]; then  # two producer warpgroups (alternate tiles): Gluon GPU tests, study exact / fold x 1 / 2 (~4 min)
+  timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_gluon_indexer_scores.py 2>&1 \
+    | tee "$OUT/${stamp}_h200_gpu_tests_gluon_p2.txt" | tail -4
+  for v in 1 8; do
+    timeout 150 python3 benchmarks/study_gluon_indexer.py --quick --fold --producers 1 2 --visible $v --batches 1 4 8 64 \
+      --out "$OUT/${stamp}_h200_study_gluon_p2_visible$v.jsonl" 2>&1 | tail -20
   done
 fi
 if [ "$what" = pending_s12 ]; then  # what session 12 left unrun: the top-k GPU tests under the many-rows rule, then indexer_fold (~8 min)

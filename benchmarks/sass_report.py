@@ -163,15 +163,15 @@ def main() -> None:
 
                 def tri(q=q, caches=caches, sink=sink, kw=variant):
                     sparse_attention_triton(q, caches, sink, 0.0625, **kw)
-            elif op in ("indexer_gluon", "indexer_gluon_fold"):  # op:B:entries, the warp-specialised Gluon kernel
+            elif op.startswith("indexer_gluon"):  # indexer_gluon[_fold][_p2]:B:entries, the Gluon kernel
                 from dsv4.kernels.indexer._gluon_scores import launch_gluon_scores
 
                 keys, bt, q, w, tr, nv = make_problem(int(mode), int(n), 64, 64, torch.device("cpu"), gen)
 
-                fold = op.endswith("fold")
+                fold, producers = "_fold" in op, 2 if op.endswith("_p2") else 1
 
-                def tri(keys=keys, bt=bt, q=q, w=w, tr=tr, nv=nv, n=int(n), fold=fold):
-                    launch_gluon_scores(q, w, keys, bt, tr, nv, n, fold=fold)  # CPU tensors: compile only
+                def tri(keys=keys, bt=bt, q=q, w=w, tr=tr, nv=nv, n=int(n), fold=fold, producers=producers):
+                    launch_gluon_scores(q, w, keys, bt, tr, nv, n, fold=fold, producers=producers)  # compile only
             elif op == "indexer":  # indexer:B:entries (MXFP4 scores, 64 heads, the bench_indexer problem)
                 keys, bt, q, w, tr, nv = make_problem(int(mode), int(n), 64, 64, torch.device("cpu"), gen)
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import os
 import sys
@@ -112,6 +113,8 @@ def main() -> None:
     ap.add_argument("--visible", type=int, default=1, help="rows see entries // VISIBLE entries")
     ap.add_argument("--quick", action="store_true", help="only the default stages / raw / tiles")
     ap.add_argument("--fold", action="store_true", help="also the fold variant (fold=True) of each configuration")
+    ap.add_argument("--producers", type=int, nargs="+", default=[1], help="producer warpgroups to try (1, 2)")
+    ap.add_argument("--regs", nargs="+", default=[None], help="(consumer,producer) registers to try, e.g. 176,48")
     args = ap.parse_args()
     if args.host:
         host_study()
@@ -137,14 +140,21 @@ def main() -> None:
         print(f"B={B} visible {n_vis}/{n}: fp8mma {t_ref * 1e6:.1f} us, "
               f"roofline {nbytes / HBM_BYTES_PER_S * 1e6:.1f} us")  # fmt: skip
         for stages, raw in CONFIGS[:1] if args.quick else CONFIGS:
-            for tiles, fold in [(t, f) for t in ((None,) if args.quick else (None, 32, 16))
-                                for f in ((False, True) if args.fold else (False,))]:  # fmt: skip
+            variants = itertools.product(
+                (None,) if args.quick else (None, 32, 16),
+                (False, True) if args.fold else (False,),
+                args.producers,
+                [None if r is None else tuple(int(x) for x in r.split(",")) for r in args.regs],
+            )
+            for tiles, fold, producers, regs in variants:
                 fn = partial(indexer_scores_gluon, q, w, keys, bt, tr, nv, n, tiles=tiles,
-                             stages=stages, raw=raw, fold=fold)  # fmt: skip
+                             stages=stages, raw=raw, fold=fold, producers=producers, regs=regs)  # fmt: skip
+                cfg = f"stages={stages} raw={raw} tiles={tiles or 'auto':>4} fold={fold:d} producers={producers}"
+                cfg += f" regs={regs[0]},{regs[1]}" if regs else ""
                 try:
                     out = fn()
                 except Exception as exc:  # a configuration that does not compile (e.g. shared memory): reported
-                    print(f"  stages={stages} raw={raw} tiles={tiles or 'auto'} fold={fold}: failed: {str(exc)[:200]}")
+                    print(f"  {cfg}: failed: {str(exc)[:200]}")
                     continue
                 if not torch.equal(torch.isneginf(out), torch.isneginf(ref)):
                     raise SystemExit(f"B={B} fold={fold}: -inf entries differ from fp8mma's")
@@ -152,13 +162,13 @@ def main() -> None:
                 t = timer(fn)
                 row = dict(info, name="indexer_gluon_ws", date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
                            shape={"entries": n, "visible": n_vis, "B": B, "heads": 64, "page": 64},
-                           config={"stages": stages, "raw": raw, "tiles": tiles or "auto", "fold": fold}, time_s=t,
+                           config={"stages": stages, "raw": raw, "tiles": tiles or "auto", "fold": fold,
+                                   "producers": producers, "regs": regs}, time_s=t,
                            bytes=nbytes,
                            roofline_s=nbytes / HBM_BYTES_PER_S, baseline="indexer_fp4_fp8mma", baseline_time_s=t_ref,
                            timer="graph", max_abs_err_over_max_vs_baseline=err)  # fmt: skip
                 rows.append(row)
-                print(f"  stages={stages} raw={raw} tiles={tiles or 'auto':>4} fold={fold:d}: {t * 1e6:7.1f} us  "
-                      f"(max |diff| / max |fp8mma| {err:.1e})")  # fmt: skip
+                print(f"  {cfg}: {t * 1e6:7.1f} us  (max |diff| / max |fp8mma| {err:.1e})")
     if args.out:
         with open(args.out, "w") as f:
             for r in rows:

@@ -224,11 +224,24 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _producer(args):
-        """Four warps: re-encode each raw tile into a stage and decode each entry's scale word into the consumers'
-        factors: ``f0``-``f3`` 2**(s_b - s_max) for the four blocks (0 when below 2**-126), ``f4`` 2**(s_max - 127)
-        (0 for an entry that is not visible: past n_visible, or zero-filled by the loader; the format never writes
-        a scale word of 0, every UE8M0 byte being >= 1).  Barriers: raw-ready r (TMA bytes), raw-free r (count 1),
-        stage-ready s (count 1), stage-free s (count 2: the consumers)."""
+        _producer_of(0, 1, args)
+
+    @gluon.jit
+    def _producer0of2(args):
+        _producer_of(0, 2, args)
+
+    @gluon.jit
+    def _producer1of2(args):
+        _producer_of(1, 2, args)
+
+    @gluon.jit
+    def _producer_of(P: gl.constexpr, NPROD: gl.constexpr, args):
+        """Producer P of NPROD (four warps each; tiles i = P, P + NPROD, ... of the program's live tiles): re-encode
+        each raw tile into a stage and decode each entry's scale word into the consumers' factors: ``f0``-``f3`` 2**(s_b
+        - s_max) for the four blocks (0 when below 2**-126), ``f4`` 2**(s_max - 127) (0 for an entry that is not
+        visible: past n_visible, or zero-filled by the loader; the format never writes a scale word of 0, every UE8M0
+        byte being >= 1).  Barriers: raw-ready r (TMA bytes), raw-free r (count 1), stage-ready s (count 1), stage-free
+        s (count 2: the consumers)."""
         (
             q_ptr, w_ptr, d_desc, s_desc, bt_ptr, row_ptr, nv_ptr, out_ptr, stride_qt, stride_qh,
             stride_wt, stride_bt, stride_ot, N, MAX_BLOCKS, NUM_PAGES, k_s, k_w, f0, f1, f2, f3, f4, q_s,
@@ -251,10 +264,10 @@ if HAVE_GLUON:
         nv = gl.load(nv_ptr + gl.program_id(0))
         c, G, n_my, n_live = _my_tiles(nv, N)
         if fold_s.type.shape[0] == 2:
-            _produce_fold(raw_d, raw_c, k_w, f4, bars, nv, c, G, n_live, STAGES, RAW)
+            _produce_fold(raw_d, raw_c, k_w, f4, bars, nv, c, G, n_live, STAGES, RAW, P, NPROD)
         else:
             e = gl.arange(0, _TILE_N, layout=sl)
-            for i in range(n_live):
+            for i in range(P, n_live, NPROD):
                 r = i % RAW
                 st = i % STAGES
                 mbarrier.wait(bars.index(RAWRDY + r), (i // RAW) & 1)
@@ -278,7 +291,8 @@ if HAVE_GLUON:
                 mbarrier.arrive(bars.index(RAWFREE + r))  # every read of the raw slot ended before the arrive's barrier
 
     @gluon.jit
-    def _produce_fold(raw_d, raw_c, k_w, f4, bars, nv, c, G, n_live, STAGES: gl.constexpr, RAW: gl.constexpr):
+    def _produce_fold(raw_d, raw_c, k_w, f4, bars, nv, c, G, n_live, STAGES: gl.constexpr, RAW: gl.constexpr,
+                      P: gl.constexpr, NPROD: gl.constexpr):  # fmt: skip
         """The producer with fold: each raw tile's codes re-encoded with their block's shift folded in
         (``_fold_words``, the tables built once a (entry, block)), and only ``f4`` (2**(s_max - 127), 0 when not
         visible) stored: the consumers need no per-block factors."""
@@ -297,7 +311,7 @@ if HAVE_GLUON:
         raw_s = _reinterpret(raw_c, gl.int32, [RAW, _TILE_N], c_l)
         e = gl.arange(0, _TILE_N, layout=sl)
         sh = 8 * gl.arange(0, _DIM // _QBLOCK, layout=gl.SliceLayout(0, lb))
-        for i in range(n_live):
+        for i in range(P, n_live, NPROD):
             r = i % RAW
             st = i % STAGES
             mbarrier.wait(bars.index(RAWRDY + r), (i // RAW) & 1)
@@ -543,7 +557,7 @@ if HAVE_GLUON:
         q_ptr, w_ptr, d_desc, s_desc, bt_ptr, row_ptr, nv_ptr, out_ptr, stride_qt, stride_qh, stride_wt,
         stride_bt, stride_ot, N, MAX_BLOCKS, NUM_PAGES, BS: gl.constexpr, STAGES: gl.constexpr,
         RAW: gl.constexpr, WORKER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
-        FOLD: gl.constexpr = False,
+        FOLD: gl.constexpr = False, PRODUCERS: gl.constexpr = 1,
     ):  # fmt: skip
         """Grid (T, programs a row); ``num_warps=4`` (consumer W = 0) + 4 (consumer W = 1) + 4 (producer) + 1
         (loader; its warpgroup padded to 4).
@@ -588,11 +602,19 @@ if HAVE_GLUON:
             stride_wt, stride_bt, stride_ot, N, MAX_BLOCKS, NUM_PAGES, k_s, k_w, f0, f1, f2, f3, f4, q_s,
             raw_d, raw_c, bars, page_s, c_s, fold_s,
         )  # fmt: skip
-        gl.warp_specialize(
-            [(_wg0, (args,)), (_wg1, (args,)), (_producer, (args,)), (_loader, (args,))],
-            [4, 4, 1],
-            [WORKER_REGS, PRODUCER_REGS, LOADER_REGS],
-        )
+        if PRODUCERS == 2:  # alternate tiles, each its own stages and raw slots (STAGES, RAW even)
+            gl.warp_specialize(
+                [(_wg0, (args,)), (_wg1, (args,)), (_producer0of2, (args,)), (_producer1of2, (args,)),
+                 (_loader, (args,))],
+                [4, 4, 4, 1],
+                [WORKER_REGS, PRODUCER_REGS, PRODUCER_REGS, LOADER_REGS],
+            )  # fmt: skip
+        else:
+            gl.warp_specialize(
+                [(_wg0, (args,)), (_wg1, (args,)), (_producer, (args,)), (_loader, (args,))],
+                [4, 4, 1],
+                [WORKER_REGS, PRODUCER_REGS, LOADER_REGS],
+            )
 
 
 if HAVE_GLUON:  # the TMA boxes' shared layouts (unswizzled), built once: ~9 us of host time a call otherwise
@@ -604,6 +626,10 @@ GLUON_RAW = 4  # raw tiles in flight + 1 (8.5 KB each)
 GLUON_WORKER_REGS = 192
 GLUON_PRODUCER_REGS = 96
 GLUON_LOADER_REGS = 32
+GLUON_PRODUCERS = 1  # producer warpgroups (1 or 2: alternate tiles)
+# (consumer, producer) registers a thread with two producers: 8 + 8 + 4 (the loader's padded warpgroup) warps share
+# 64 K registers, so consumer + producer <= 240; the exact consumer keeps four block accumulators live (168)
+GLUON_REGS_TWO_PRODUCERS = {False: (176, 48), True: (176, 48)}  # by fold
 
 
 def _prep_query(q: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -668,15 +694,20 @@ def programs_per_row(T: int, n_tiles: int, sms: int) -> int:
 
 def launch_gluon_scores(
     q, weights, keys, block_table, token_row, n_visible, max_entries: int, tiles=None, stages=None, raw=None,
-    fold: bool = False,
+    fold: bool = False, producers: int | None = None, regs: tuple[int, int] | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """The kernel's scores [T, max_entries] fp32 (-inf where not visible).  No host sync; preconditions:
     ``gluon_unsupported`` is None, ``block_table`` / ``token_row`` / ``n_visible`` contiguous int32, ``weights``
     [T, 64] fp32 with unit stride.  ``fold``: the block scales folded into the keys' e4m3 codes and one K = 128
     wgmma chain an entry tile (the encoding of ``scores._fold_tables``): not exact (the tensor core's FP8
     accumulation, and blocks more than ``scores._FOLD_MAX_D`` binades below their key's largest flushed to
-    zero)."""
+    zero).  ``producers``: producer warpgroups (1, or 2 taking alternate tiles; ``GLUON_PRODUCERS``), ``regs``:
+    (consumer, producer) registers a thread (default by producers and fold)."""
     from dsv4.kernels.dispatch import num_sms
+
+    producers = producers or GLUON_PRODUCERS
+    if regs is None:
+        regs = (GLUON_WORKER_REGS, GLUON_PRODUCER_REGS) if producers == 1 else GLUON_REGS_TWO_PRODUCERS[bool(fold)]
 
     T = q.shape[0]
     out = torch.empty(T, max_entries, dtype=torch.float32, device=q.device)
@@ -694,8 +725,8 @@ def launch_gluon_scores(
     _mxfp4_scores_ws_kernel[grid](
         q, weights, d_desc, s_desc, block_table, token_row, n_visible, out, q.stride(0), q.stride(1),
         weights.stride(0), block_table.stride(0), out.stride(0), max_entries, block_table.shape[1], P, bs,
-        STAGES=stages or GLUON_STAGES, RAW=raw or GLUON_RAW, WORKER_REGS=GLUON_WORKER_REGS,
-        PRODUCER_REGS=GLUON_PRODUCER_REGS, LOADER_REGS=GLUON_LOADER_REGS, FOLD=bool(fold), num_warps=4,
+        STAGES=stages or GLUON_STAGES, RAW=raw or GLUON_RAW, WORKER_REGS=regs[0], PRODUCER_REGS=regs[1],
+        LOADER_REGS=GLUON_LOADER_REGS, FOLD=bool(fold), PRODUCERS=producers, num_warps=4,
     )  # fmt: skip
     return out
 
@@ -712,6 +743,8 @@ def indexer_scores_gluon(
     stages: int = GLUON_STAGES,
     raw: int = GLUON_RAW,
     fold: bool = False,
+    producers: int = GLUON_PRODUCERS,
+    regs: tuple[int, int] | None = None,
 ):
     """The scores of ``indexer_scores`` (same arguments; 64 heads) by this kernel, with its launch knobs:
     ``tiles`` 128-entry tiles a program (programs a row = cdiv(tiles of max_entries, tiles); None:
@@ -726,10 +759,20 @@ def indexer_scores_gluon(
             raise ValueError(f"indexer_scores_gluon: {name}: expected {kind}, got {v!r}")
     if not isinstance(fold, bool):
         raise ValueError(f"indexer_scores_gluon: fold: expected a bool, got {fold!r}")
+    if producers not in (1, 2):
+        raise ValueError(f"indexer_scores_gluon: producers: expected 1 or 2, got {producers!r}")
+    if producers == 2 and (stages < 2 or raw < 2):
+        raise ValueError(f"indexer_scores_gluon: two producers need stages and raw >= 2, got {stages}, {raw}")
+    if regs is not None and (
+        len(regs) != 2 or any(not isinstance(r, int) or r % 8 or not 24 <= r <= 256 for r in regs)
+    ):
+        raise ValueError(
+            f"indexer_scores_gluon: regs: expected (consumer, producer) multiples of 8 in [24, 256], got {regs!r}"
+        )
     why = gluon_unsupported(q, keys)
     if why is not None:
         raise ValueError(f"indexer_scores_gluon: {why}")
     return launch_gluon_scores(
         q, weights.contiguous(), keys, block_table.contiguous(), token_row.contiguous(), n_visible.contiguous(),
-        max_entries, tiles, stages, raw, fold,
+        max_entries, tiles, stages, raw, fold, producers, regs,
     )  # fmt: skip
