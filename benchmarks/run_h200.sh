@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One H200 session: environment, GPU tests, then the kernel benchmarks. Results go to $OUT (or ./out).
-# Usage (on the device machine, repo root): bash benchmarks/run_h200.sh [tests|bench|all|pending|ncu|attention|attention_ncu|indexer_gluon|indexer_live|indexer_fold|pending_s12|topk_rows|indexer_default|indexer_p2]
+# Usage (on the device machine, repo root): bash benchmarks/run_h200.sh [tests|bench|all|pending|ncu|attention|attention_ncu|indexer_gluon|indexer_live|indexer_fold|pending_s12|topk_rows|indexer_default|indexer_p2|indexer_look]
 # "pending": the norm and top-k GPU tests (~4 min, most of it compiling the top-k kernels), launch D's rank
 # threshold on/off, top-k with both flush kinds, the decode step; about 8 minutes.  "ncu": Nsight Compute
 # sections of the indexer scores, dense attention and gather kernels (benchmarks/ncu_cases.py).  "attention": the
@@ -97,6 +97,12 @@ if [ "$what" = indexer_p2 ]; then  # two producer warpgroups (alternate tiles): 
     timeout 150 python3 benchmarks/study_gluon_indexer.py --quick --fold --producers 1 2 --visible $v --batches 1 4 8 64 \
       --out "$OUT/${stamp}_h200_study_gluon_p2_visible$v.jsonl" 2>&1 | tail -20
   done
+fi
+if [ "$what" = indexer_look ]; then  # Gluon GPU tests; two producers x loader lookahead 1 / 4 x ring depths, B = 4 / 64 (~4 min)
+  timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_gluon_indexer_scores.py 2>&1 \
+    | tee "$OUT/${stamp}_h200_gpu_tests_gluon_look.txt" | tail -4
+  timeout 300 python3 benchmarks/study_gluon_indexer.py --quick --fold --producers 2 --lookahead 1 4 --configs 4,4 4,8 8,8 \
+    --batches 4 64 --out "$OUT/${stamp}_h200_study_gluon_look.jsonl" 2>&1 | tail -30
 fi
 if [ "$what" = pending_s12 ]; then  # what session 12 left unrun: the top-k GPU tests under the many-rows rule, then indexer_fold (~8 min)
   timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_topk.py -k "filter_real_shapes or many_rows" \

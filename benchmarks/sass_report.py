@@ -170,8 +170,8 @@ def main() -> None:
 
                 fold, producers = "_fold" in op, 2 if op.endswith("_p2") else 1
 
-                def tri(keys=keys, bt=bt, q=q, w=w, tr=tr, nv=nv, n=int(n), fold=fold, producers=producers):
-                    launch_gluon_scores(q, w, keys, bt, tr, nv, n, fold=fold, producers=producers)  # compile only
+                def tri(keys=keys, bt=bt, q=q, w=w, tr=tr, nv=nv, n=int(n), fold=fold, producers=producers, kw=variant):
+                    launch_gluon_scores(q, w, keys, bt, tr, nv, n, fold=fold, producers=producers, **kw)  # compile only
             elif op == "indexer":  # indexer:B:entries (MXFP4 scores, 64 heads, the bench_indexer problem)
                 keys, bt, q, w, tr, nv = make_problem(int(mode), int(n), 64, 64, torch.device("cpu"), gen)
 

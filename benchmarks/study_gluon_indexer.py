@@ -114,6 +114,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="only the default stages / raw / tiles")
     ap.add_argument("--fold", action="store_true", help="also the fold variant (fold=True) of each configuration")
     ap.add_argument("--producers", type=int, nargs="+", default=[1], help="producer warpgroups to try (1, 2)")
+    ap.add_argument("--lookahead", type=int, nargs="+", default=[1], help="loader block-table lookahead (1, 4)")
+    ap.add_argument("--configs", nargs="+", help="stages,raw pairs to try (default: 4,4 with --quick, else CONFIGS)")
     ap.add_argument("--regs", nargs="+", default=[None], help="(consumer,producer) registers to try, e.g. 176,48")
     args = ap.parse_args()
     if args.host:
@@ -139,18 +141,20 @@ def main() -> None:
         top = ref.where(fin, 0.0).abs().amax().clamp(min=1e-30)
         print(f"B={B} visible {n_vis}/{n}: fp8mma {t_ref * 1e6:.1f} us, "
               f"roofline {nbytes / HBM_BYTES_PER_S * 1e6:.1f} us")  # fmt: skip
-        for stages, raw in CONFIGS[:1] if args.quick else CONFIGS:
+        configs = [tuple(int(x) for x in c.split(",")) for c in args.configs] if args.configs else None
+        for stages, raw in configs or (CONFIGS[:1] if args.quick else CONFIGS):
             variants = itertools.product(
                 (None,) if args.quick else (None, 32, 16),
                 (False, True) if args.fold else (False,),
                 args.producers,
                 [None if r is None else tuple(int(x) for x in r.split(",")) for r in args.regs],
+                args.lookahead,
             )
-            for tiles, fold, producers, regs in variants:
-                fn = partial(indexer_scores_gluon, q, w, keys, bt, tr, nv, n, tiles=tiles,
-                             stages=stages, raw=raw, fold=fold, producers=producers, regs=regs)  # fmt: skip
+            for tiles, fold, producers, regs, look in variants:
+                knobs = dict(stages=stages, raw=raw, fold=fold, producers=producers, regs=regs, lookahead=look)
+                fn = partial(indexer_scores_gluon, q, w, keys, bt, tr, nv, n, tiles=tiles, **knobs)
                 cfg = f"stages={stages} raw={raw} tiles={tiles or 'auto':>4} fold={fold:d} producers={producers}"
-                cfg += f" regs={regs[0]},{regs[1]}" if regs else ""
+                cfg += (f" regs={regs[0]},{regs[1]}" if regs else "") + (f" lookahead={look}" if look != 1 else "")
                 try:
                     out = fn()
                 except Exception as exc:  # a configuration that does not compile (e.g. shared memory): reported
@@ -163,7 +167,7 @@ def main() -> None:
                 row = dict(info, name="indexer_gluon_ws", date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
                            shape={"entries": n, "visible": n_vis, "B": B, "heads": 64, "page": 64},
                            config={"stages": stages, "raw": raw, "tiles": tiles or "auto", "fold": fold,
-                                   "producers": producers, "regs": regs}, time_s=t,
+                                   "producers": producers, "regs": regs, "lookahead": look}, time_s=t,
                            bytes=nbytes,
                            roofline_s=nbytes / HBM_BYTES_PER_S, baseline="indexer_fp4_fp8mma", baseline_time_s=t_ref,
                            timer="graph", max_abs_err_over_max_vs_baseline=err)  # fmt: skip

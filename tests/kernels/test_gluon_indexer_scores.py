@@ -216,6 +216,8 @@ def test_gluon_entry_point_refuses_bad_arguments():
         indexer_scores_gluon(q, w, kp, bt, tr, nv, 256, tiles=0)
     with pytest.raises(ValueError, match="fold: expected a bool, got 'yes'"):
         indexer_scores_gluon(q, w, kp, bt, tr, nv, 256, fold="yes")
+    with pytest.raises(ValueError, match="lookahead: expected 1 or 4, got 2"):
+        indexer_scores_gluon(q, w, kp, bt, tr, nv, 256, lookahead=2)
     with pytest.raises(ValueError, match="producers: expected 1 or 2, got 3"):
         indexer_scores_gluon(q, w, kp, bt, tr, nv, 256, producers=3)
     with pytest.raises(ValueError, match=r"regs: expected \(consumer, producer\) multiples of 8"):
@@ -253,25 +255,29 @@ def test_gluon_indexer_compiles_for_sm90(sass_report, case):
 @pytest.mark.gpu
 @pytest.mark.skipif(not (on_sm90 and HAVE_GLUON), reason="needs an sm_90 GPU and Gluon")
 @pytest.mark.parametrize(
-    "bs,n,nv,tiles,producers",
+    "bs,n,nv,tiles,knobs",
     [
-        (64, 4096, None, None, 1),
-        (64, 4096, None, 13, 1),
-        (64, 1000, [1000, 377, 0], None, 1),
-        (128, 513, [513, 500, 1], 2, 1),
-        (256, 1100, [1100, 300, 129], 3, 1),
-        (64, 16384, [700, 16384, 5], None, 1),
-        (128, 8192, [130, 0, 8000], 4, 1),
-        (64, 4096, None, 13, 2),
-        (64, 1000, [1000, 377, 0], None, 2),
-        (128, 8192, [130, 0, 8000], 5, 2),
+        (64, 4096, None, None, {}),
+        (64, 4096, None, 13, {}),
+        (64, 1000, [1000, 377, 0], None, {}),
+        (128, 513, [513, 500, 1], 2, {}),
+        (256, 1100, [1100, 300, 129], 3, {}),
+        (64, 16384, [700, 16384, 5], None, {}),
+        (128, 8192, [130, 0, 8000], 4, {}),
+        (64, 4096, None, 13, {"producers": 2}),
+        (64, 1000, [1000, 377, 0], None, {"producers": 2}),
+        (128, 8192, [130, 0, 8000], 5, {"producers": 2}),
+        (64, 4096, None, 13, {"producers": 2, "lookahead": 4}),
+        (256, 1100, [1100, 300, 129], 3, {"lookahead": 4}),
+        (128, 8192, [130, 0, 8000], 4, {"lookahead": 4, "producers": 1}),
     ],
 )
-def test_gluon_indexer_matches_reference_gpu(bs, n, nv, tiles, producers):
+def test_gluon_indexer_matches_reference_gpu(bs, n, nv, tiles, knobs):
     """tiles = 13: 3 programs a row of 11, 11 and 10 strided tiles (the raw ring and the stages wrap several
     times); bs = 64: two pages a 128-entry tile, 128: one, 256: half a page.  Rows far shorter than max_entries
     (an engine's static block tables): their live tiles are spread over the row's programs, the rest is -inf.
-    producers = 2: two producer warpgroups taking alternate tiles (odd and even live-tile counts a program)."""
+    producers = 2: two producer warpgroups taking alternate tiles (odd and even live-tile counts a program);
+    lookahead = 4: the loader's block-table entries 3 tiles further ahead (rows of 1 - 3 live tiles a program)."""
     from dsv4.kernels.indexer._gluon_scores import indexer_scores_gluon
 
     gen = torch.Generator().manual_seed(3)
@@ -282,7 +288,7 @@ def test_gluon_indexer_matches_reference_gpu(bs, n, nv, tiles, producers):
     ref = indexer_scores_reference(q, w, kp, bt, tr, nv_t, n)
     dev = [x.cuda() for x in (q, w, bt, tr, nv_t)]
     kp_d = type(kp)(kp.data.cuda(), kp.scale.cuda())
-    out = indexer_scores_gluon(dev[0], dev[1], kp_d, dev[2], dev[3], dev[4], n, tiles=tiles, producers=producers)
+    out = indexer_scores_gluon(dev[0], dev[1], kp_d, dev[2], dev[3], dev[4], n, tiles=tiles, **knobs)
     assert_scores_close(out.cpu(), ref)
 
 

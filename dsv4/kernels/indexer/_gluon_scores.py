@@ -187,7 +187,7 @@ if HAVE_GLUON:
         (
             q_ptr, w_ptr, d_desc, s_desc, bt_ptr, row_ptr, nv_ptr, out_ptr, stride_qt, stride_qh,
             stride_wt, stride_bt, stride_ot, N, MAX_BLOCKS, NUM_PAGES, k_s, k_w, f0, f1, f2, f3, f4, q_s,
-            raw_d, raw_c, bars, page_s, c_s, fold_s,
+            raw_d, raw_c, bars, page_s, c_s, fold_s, look_s,
         ) = args  # fmt: skip
         STAGES: gl.constexpr = k_s.type.shape[0]
         BOXR: gl.constexpr = raw_d.type.shape[2]
@@ -199,15 +199,29 @@ if HAVE_GLUON:
         t = gl.program_id(0)
         row = gl.load(row_ptr + t).to(gl.int64)
         nv = gl.load(nv_ptr + t)
+        LOOKAHEAD: gl.constexpr = look_s.type.shape[0]
         c, G, n_my, n_live = _my_tiles(nv, N)
         p0n = _box_page(c, 0, row, nv, bt_ptr, stride_bt, MAX_BLOCKS, BS, BOXR)
         p1n = _box_page(c, NP - 1, row, nv, bt_ptr, stride_bt, MAX_BLOCKS, BS, BOXR)
+        if LOOKAHEAD == 4:  # the block-table entries of tiles i + 1 .. i + 3 in flight (their latency over 3 tiles)
+            p0b = _box_page(c + G, 0, row, nv, bt_ptr, stride_bt, MAX_BLOCKS, BS, BOXR)
+            p1b = _box_page(c + G, NP - 1, row, nv, bt_ptr, stride_bt, MAX_BLOCKS, BS, BOXR)
+            p0c = _box_page(c + 2 * G, 0, row, nv, bt_ptr, stride_bt, MAX_BLOCKS, BS, BOXR)
+            p1c = _box_page(c + 2 * G, NP - 1, row, nv, bt_ptr, stride_bt, MAX_BLOCKS, BS, BOXR)
         for i in range(n_live):
             tile = c + i * G
             p0 = p0n
             p1 = p1n
-            p0n = _box_page(tile + G, 0, row, nv, bt_ptr, stride_bt, MAX_BLOCKS, BS, BOXR)
-            p1n = _box_page(tile + G, NP - 1, row, nv, bt_ptr, stride_bt, MAX_BLOCKS, BS, BOXR)
+            if LOOKAHEAD == 4:
+                p0n = p0b
+                p1n = p1b
+                p0b = p0c
+                p1b = p1c
+                p0c = _box_page(tile + 3 * G, 0, row, nv, bt_ptr, stride_bt, MAX_BLOCKS, BS, BOXR)
+                p1c = _box_page(tile + 3 * G, NP - 1, row, nv, bt_ptr, stride_bt, MAX_BLOCKS, BS, BOXR)
+            else:
+                p0n = _box_page(tile + G, 0, row, nv, bt_ptr, stride_bt, MAX_BLOCKS, BS, BOXR)
+                p1n = _box_page(tile + G, NP - 1, row, nv, bt_ptr, stride_bt, MAX_BLOCKS, BS, BOXR)
             r = i % RAW
             mbarrier.wait(bars.index(RAWFREE + r), ((i // RAW) & 1) ^ 1, pred=i >= RAW)
             bar = bars.index(RAWRDY + r)
@@ -245,7 +259,7 @@ if HAVE_GLUON:
         (
             q_ptr, w_ptr, d_desc, s_desc, bt_ptr, row_ptr, nv_ptr, out_ptr, stride_qt, stride_qh,
             stride_wt, stride_bt, stride_ot, N, MAX_BLOCKS, NUM_PAGES, k_s, k_w, f0, f1, f2, f3, f4, q_s,
-            raw_d, raw_c, bars, page_s, c_s, fold_s,
+            raw_d, raw_c, bars, page_s, c_s, fold_s, look_s,
         ) = args  # fmt: skip
         STAGES: gl.constexpr = k_s.type.shape[0]
         BOXR: gl.constexpr = raw_d.type.shape[2]
@@ -402,7 +416,7 @@ if HAVE_GLUON:
         (
             q_ptr, w_ptr, d_desc, s_desc, bt_ptr, row_ptr, nv_ptr, out_ptr, stride_qt, stride_qh,
             stride_wt, stride_bt, stride_ot, N, MAX_BLOCKS, NUM_PAGES, k_s, k_w, f0, f1, f2, f3, f4, q_s,
-            raw_d, raw_c, bars, page_s, c_s, fold_s,
+            raw_d, raw_c, bars, page_s, c_s, fold_s, look_s,
         ) = args  # fmt: skip
         STAGES: gl.constexpr = k_s.type.shape[0]
         QBAR: gl.constexpr = 2 * STAGES
@@ -557,7 +571,7 @@ if HAVE_GLUON:
         q_ptr, w_ptr, d_desc, s_desc, bt_ptr, row_ptr, nv_ptr, out_ptr, stride_qt, stride_qh, stride_wt,
         stride_bt, stride_ot, N, MAX_BLOCKS, NUM_PAGES, BS: gl.constexpr, STAGES: gl.constexpr,
         RAW: gl.constexpr, WORKER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
-        FOLD: gl.constexpr = False, PRODUCERS: gl.constexpr = 1,
+        FOLD: gl.constexpr = False, PRODUCERS: gl.constexpr = 1, LOOKAHEAD: gl.constexpr = 1,
     ):  # fmt: skip
         """Grid (T, programs a row); ``num_warps=4`` (consumer W = 0) + 4 (consumer W = 1) + 4 (producer) + 1
         (loader; its warpgroup padded to 4).
@@ -591,6 +605,8 @@ if HAVE_GLUON:
         c_s = gl.allocate_shared_memory(gl.float32, [_DIM // _QBLOCK, _HEADS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         # never accessed: its shape (2 with fold, else 1) carries FOLD into the partitions
         fold_s = gl.allocate_shared_memory(gl.int8, [2 if FOLD else 1], s_l)
+        # never accessed: its shape carries the loader's block-table lookahead in tiles (1 or 4) into the partitions
+        look_s = gl.allocate_shared_memory(gl.int8, [LOOKAHEAD], s_l)
         for i in gl.static_range(STAGES):
             mbarrier.init(bars.index(i), count=1)
             mbarrier.init(bars.index(STAGES + i), count=2)
@@ -600,7 +616,7 @@ if HAVE_GLUON:
         args = (
             q_ptr, w_ptr, d_desc, s_desc, bt_ptr, row_ptr, nv_ptr, out_ptr, stride_qt, stride_qh,
             stride_wt, stride_bt, stride_ot, N, MAX_BLOCKS, NUM_PAGES, k_s, k_w, f0, f1, f2, f3, f4, q_s,
-            raw_d, raw_c, bars, page_s, c_s, fold_s,
+            raw_d, raw_c, bars, page_s, c_s, fold_s, look_s,
         )  # fmt: skip
         if PRODUCERS == 2:  # alternate tiles, each its own stages and raw slots (STAGES, RAW even)
             gl.warp_specialize(
@@ -627,6 +643,7 @@ GLUON_WORKER_REGS = 192
 GLUON_PRODUCER_REGS = 96
 GLUON_LOADER_REGS = 32
 GLUON_PRODUCERS = 1  # producer warpgroups (1 or 2: alternate tiles)
+GLUON_LOOKAHEAD = 1  # tiles ahead the loader loads block-table entries (1 or 4)
 # (consumer, producer) registers a thread with two producers: 8 + 8 + 4 (the loader's padded warpgroup) warps share
 # 64 K registers, so consumer + producer <= 240; the exact consumer keeps four block accumulators live (168)
 GLUON_REGS_TWO_PRODUCERS = {False: (176, 48), True: (176, 48)}  # by fold
@@ -694,7 +711,7 @@ def programs_per_row(T: int, n_tiles: int, sms: int) -> int:
 
 def launch_gluon_scores(
     q, weights, keys, block_table, token_row, n_visible, max_entries: int, tiles=None, stages=None, raw=None,
-    fold: bool = False, producers: int | None = None, regs: tuple[int, int] | None = None,
+    fold: bool = False, producers: int | None = None, regs: tuple[int, int] | None = None, lookahead: int | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """The kernel's scores [T, max_entries] fp32 (-inf where not visible).  No host sync; preconditions:
     ``gluon_unsupported`` is None, ``block_table`` / ``token_row`` / ``n_visible`` contiguous int32, ``weights``
@@ -702,7 +719,8 @@ def launch_gluon_scores(
     wgmma chain an entry tile (the encoding of ``scores._fold_tables``): not exact (the tensor core's FP8
     accumulation, and blocks more than ``scores._FOLD_MAX_D`` binades below their key's largest flushed to
     zero).  ``producers``: producer warpgroups (1, or 2 taking alternate tiles; ``GLUON_PRODUCERS``), ``regs``:
-    (consumer, producer) registers a thread (default by producers and fold)."""
+    (consumer, producer) registers a thread (default by producers and fold), ``lookahead``: tiles ahead the loader
+    loads the block-table entries (1 or 4; ``GLUON_LOOKAHEAD``)."""
     from dsv4.kernels.dispatch import num_sms
 
     producers = producers or GLUON_PRODUCERS
@@ -726,7 +744,8 @@ def launch_gluon_scores(
         q, weights, d_desc, s_desc, block_table, token_row, n_visible, out, q.stride(0), q.stride(1),
         weights.stride(0), block_table.stride(0), out.stride(0), max_entries, block_table.shape[1], P, bs,
         STAGES=stages or GLUON_STAGES, RAW=raw or GLUON_RAW, WORKER_REGS=regs[0], PRODUCER_REGS=regs[1],
-        LOADER_REGS=GLUON_LOADER_REGS, FOLD=bool(fold), PRODUCERS=producers, num_warps=4,
+        LOADER_REGS=GLUON_LOADER_REGS, FOLD=bool(fold), PRODUCERS=producers, LOOKAHEAD=lookahead or GLUON_LOOKAHEAD,
+        num_warps=4,
     )  # fmt: skip
     return out
 
@@ -745,6 +764,7 @@ def indexer_scores_gluon(
     fold: bool = False,
     producers: int = GLUON_PRODUCERS,
     regs: tuple[int, int] | None = None,
+    lookahead: int = GLUON_LOOKAHEAD,
 ):
     """The scores of ``indexer_scores`` (same arguments; 64 heads) by this kernel, with its launch knobs:
     ``tiles`` 128-entry tiles a program (programs a row = cdiv(tiles of max_entries, tiles); None:
@@ -761,6 +781,8 @@ def indexer_scores_gluon(
         raise ValueError(f"indexer_scores_gluon: fold: expected a bool, got {fold!r}")
     if producers not in (1, 2):
         raise ValueError(f"indexer_scores_gluon: producers: expected 1 or 2, got {producers!r}")
+    if lookahead not in (1, 4):
+        raise ValueError(f"indexer_scores_gluon: lookahead: expected 1 or 4, got {lookahead!r}")
     if producers == 2 and (stages < 2 or raw < 2):
         raise ValueError(f"indexer_scores_gluon: two producers need stages and raw >= 2, got {stages}, {raw}")
     if regs is not None and (
@@ -774,5 +796,5 @@ def indexer_scores_gluon(
         raise ValueError(f"indexer_scores_gluon: {why}")
     return launch_gluon_scores(
         q, weights.contiguous(), keys, block_table.contiguous(), token_row.contiguous(), n_visible.contiguous(),
-        max_entries, tiles, stages, raw, fold, producers, regs,
+        max_entries, tiles, stages, raw, fold, producers, regs, lookahead,
     )  # fmt: skip
