@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One H200 session: environment, GPU tests, then the kernel benchmarks. Results go to $OUT (or ./out).
-# Usage (on the device machine, repo root): bash benchmarks/run_h200.sh [tests|bench|all|pending|ncu|attention|attention_ncu|indexer_gluon|indexer_live|indexer_fold|pending_s12|topk_rows|indexer_default|indexer_p2|indexer_look]
+# Usage (on the device machine, repo root): bash benchmarks/run_h200.sh [tests|bench|all|pending|ncu|attention|attention_ncu|indexer_gluon|indexer_live|indexer_fold|pending_s12|topk_rows|indexer_default|indexer_p2|indexer_ablate]
 # "pending": the norm and top-k GPU tests (~4 min, most of it compiling the top-k kernels), launch D's rank
 # threshold on/off, top-k with both flush kinds, the decode step; about 8 minutes.  "ncu": Nsight Compute
 # sections of the indexer scores, dense attention and gather kernels (benchmarks/ncu_cases.py).  "attention": the
@@ -98,11 +98,15 @@ if [ "$what" = indexer_p2 ]; then  # two producer warpgroups (alternate tiles): 
       --out "$OUT/${stamp}_h200_study_gluon_p2_visible$v.jsonl" 2>&1 | tail -20
   done
 fi
-if [ "$what" = indexer_look ]; then  # Gluon GPU tests; two producers x loader lookahead 1 / 4 x ring depths, B = 4 / 64 (~4 min)
-  timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_gluon_indexer_scores.py 2>&1 \
-    | tee "$OUT/${stamp}_h200_gpu_tests_gluon_look.txt" | tail -4
-  timeout 300 python3 benchmarks/study_gluon_indexer.py --quick --fold --producers 2 --lookahead 1 4 --configs 4,4 4,8 8,8 \
-    --batches 4 64 --out "$OUT/${stamp}_h200_study_gluon_look.jsonl" 2>&1 | tail -30
+if [ "$what" = indexer_ablate ]; then  # GPU tests (indexer, model, engine); which partition bounds the Gluon kernel (ablations); decode step (~6 min)
+  timeout 270 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_indexer_scores.py \
+    tests/kernels/test_gluon_indexer_scores.py tests/model tests/engine 2>&1 | tee "$OUT/${stamp}_h200_gpu_tests_indexer.txt" | tail -4
+  timeout 200 python3 benchmarks/study_gluon_indexer.py --quick --fold --producers 2 --ablate 0 1 2 4 6 7 \
+    --batches 4 64 --out "$OUT/${stamp}_h200_study_gluon_ablate.jsonl" 2>&1 | tail -30
+  for t in 131072 1048576; do
+    timeout 100 python3 -m dsv4.cli bench --models v4-flash --kinds csa --contexts 131072 --batches 1,8,64 \
+      --table-context $t --out "$OUT/${stamp}_h200_decode_table$t.jsonl" 2>&1 | tail -4
+  done
 fi
 if [ "$what" = pending_s12 ]; then  # what session 12 left unrun: the top-k GPU tests under the many-rows rule, then indexer_fold (~8 min)
   timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_topk.py -k "filter_real_shapes or many_rows" \

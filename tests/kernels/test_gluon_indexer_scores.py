@@ -216,8 +216,8 @@ def test_gluon_entry_point_refuses_bad_arguments():
         indexer_scores_gluon(q, w, kp, bt, tr, nv, 256, tiles=0)
     with pytest.raises(ValueError, match="fold: expected a bool, got 'yes'"):
         indexer_scores_gluon(q, w, kp, bt, tr, nv, 256, fold="yes")
-    with pytest.raises(ValueError, match="lookahead: expected 1 or 4, got 2"):
-        indexer_scores_gluon(q, w, kp, bt, tr, nv, 256, lookahead=2)
+    with pytest.raises(ValueError, match=r"ablate: expected bits of ABLATE_\* \(0-7\), got 8"):
+        indexer_scores_gluon(q, w, kp, bt, tr, nv, 256, ablate=8)
     with pytest.raises(ValueError, match="producers: expected 1 or 2, got 3"):
         indexer_scores_gluon(q, w, kp, bt, tr, nv, 256, producers=3)
     with pytest.raises(ValueError, match=r"regs: expected \(consumer, producer\) multiples of 8"):
@@ -240,12 +240,12 @@ def test_programs_per_row_fills_the_sms():
 
 
 @pytest.mark.skipif(not (HAVE_GLUON and os.path.exists(PTXAS)), reason="triton without Gluon's Hopper module / ptxas")
-@pytest.mark.parametrize("case", ["indexer_gluon", "indexer_gluon_fold", "indexer_gluon_p2", "indexer_gluon_fold_p2"])
+@pytest.mark.parametrize("case", ["indexer_gluon", "indexer_gluon_fold", "indexer_gluon_p1", "indexer_gluon_fold_p1"])
 def test_gluon_indexer_compiles_for_sm90(sass_report, case):
     out = sass_report(f"{case}:4:65536")  # > 1 tile a program (tiles = 1 would be specialised away)
     m = re.search(r"_mxfp4_scores_ws_kernel\s+regs\s+(\d+)\s+stack\s+(\d+) B.*local\s+(\d+) B\s+warps (\d+)", out)
     assert m, out
-    warps = 20 if case.endswith("_p2") else 16  # 4 + 4 + 4 (+ 4: a second producer) + the loader (padded)
+    warps = 16 if case.endswith("_p1") else 20  # 4 + 4 + 4 (+ 4: the default's second producer) + the loader (padded)
     # a few words of stack: partition arguments (triton 3.9 passes some through local memory), not loop spills
     assert int(m[2]) <= 32 and int(m[3]) == 0 and int(m[4]) == warps, out
     w = re.search(r"wgmma (\d+), waits (\d+)", out)  # ptxas serialises the chain on some code shapes (C7514)
@@ -264,20 +264,17 @@ def test_gluon_indexer_compiles_for_sm90(sass_report, case):
         (256, 1100, [1100, 300, 129], 3, {}),
         (64, 16384, [700, 16384, 5], None, {}),
         (128, 8192, [130, 0, 8000], 4, {}),
-        (64, 4096, None, 13, {"producers": 2}),
-        (64, 1000, [1000, 377, 0], None, {"producers": 2}),
-        (128, 8192, [130, 0, 8000], 5, {"producers": 2}),
-        (64, 4096, None, 13, {"producers": 2, "lookahead": 4}),
-        (256, 1100, [1100, 300, 129], 3, {"lookahead": 4}),
-        (128, 8192, [130, 0, 8000], 4, {"lookahead": 4, "producers": 1}),
+        (64, 4096, None, 13, {"producers": 1}),
+        (64, 1000, [1000, 377, 0], None, {"producers": 1}),
+        (128, 8192, [130, 0, 8000], 5, {"producers": 1}),
     ],
 )
 def test_gluon_indexer_matches_reference_gpu(bs, n, nv, tiles, knobs):
     """tiles = 13: 3 programs a row of 11, 11 and 10 strided tiles (the raw ring and the stages wrap several
     times); bs = 64: two pages a 128-entry tile, 128: one, 256: half a page.  Rows far shorter than max_entries
     (an engine's static block tables): their live tiles are spread over the row's programs, the rest is -inf.
-    producers = 2: two producer warpgroups taking alternate tiles (odd and even live-tile counts a program);
-    lookahead = 4: the loader's block-table entries 3 tiles further ahead (rows of 1 - 3 live tiles a program)."""
+    The default takes two producer warpgroups (alternate tiles: odd and even live-tile counts a program); some
+    cases also with one."""
     from dsv4.kernels.indexer._gluon_scores import indexer_scores_gluon
 
     gen = torch.Generator().manual_seed(3)

@@ -187,7 +187,7 @@ if HAVE_GLUON:
         (
             q_ptr, w_ptr, d_desc, s_desc, bt_ptr, row_ptr, nv_ptr, out_ptr, stride_qt, stride_qh,
             stride_wt, stride_bt, stride_ot, N, MAX_BLOCKS, NUM_PAGES, k_s, k_w, f0, f1, f2, f3, f4, q_s,
-            raw_d, raw_c, bars, page_s, c_s, fold_s, look_s,
+            raw_d, raw_c, bars, page_s, c_s, fold_s, abl_s,
         ) = args  # fmt: skip
         STAGES: gl.constexpr = k_s.type.shape[0]
         BOXR: gl.constexpr = raw_d.type.shape[2]
@@ -199,29 +199,15 @@ if HAVE_GLUON:
         t = gl.program_id(0)
         row = gl.load(row_ptr + t).to(gl.int64)
         nv = gl.load(nv_ptr + t)
-        LOOKAHEAD: gl.constexpr = look_s.type.shape[0]
         c, G, n_my, n_live = _my_tiles(nv, N)
         p0n = _box_page(c, 0, row, nv, bt_ptr, stride_bt, MAX_BLOCKS, BS, BOXR)
         p1n = _box_page(c, NP - 1, row, nv, bt_ptr, stride_bt, MAX_BLOCKS, BS, BOXR)
-        if LOOKAHEAD == 4:  # the block-table entries of tiles i + 1 .. i + 3 in flight (their latency over 3 tiles)
-            p0b = _box_page(c + G, 0, row, nv, bt_ptr, stride_bt, MAX_BLOCKS, BS, BOXR)
-            p1b = _box_page(c + G, NP - 1, row, nv, bt_ptr, stride_bt, MAX_BLOCKS, BS, BOXR)
-            p0c = _box_page(c + 2 * G, 0, row, nv, bt_ptr, stride_bt, MAX_BLOCKS, BS, BOXR)
-            p1c = _box_page(c + 2 * G, NP - 1, row, nv, bt_ptr, stride_bt, MAX_BLOCKS, BS, BOXR)
         for i in range(n_live):
             tile = c + i * G
             p0 = p0n
             p1 = p1n
-            if LOOKAHEAD == 4:
-                p0n = p0b
-                p1n = p1b
-                p0b = p0c
-                p1b = p1c
-                p0c = _box_page(tile + 3 * G, 0, row, nv, bt_ptr, stride_bt, MAX_BLOCKS, BS, BOXR)
-                p1c = _box_page(tile + 3 * G, NP - 1, row, nv, bt_ptr, stride_bt, MAX_BLOCKS, BS, BOXR)
-            else:
-                p0n = _box_page(tile + G, 0, row, nv, bt_ptr, stride_bt, MAX_BLOCKS, BS, BOXR)
-                p1n = _box_page(tile + G, NP - 1, row, nv, bt_ptr, stride_bt, MAX_BLOCKS, BS, BOXR)
+            p0n = _box_page(tile + G, 0, row, nv, bt_ptr, stride_bt, MAX_BLOCKS, BS, BOXR)
+            p1n = _box_page(tile + G, NP - 1, row, nv, bt_ptr, stride_bt, MAX_BLOCKS, BS, BOXR)
             r = i % RAW
             mbarrier.wait(bars.index(RAWFREE + r), ((i // RAW) & 1) ^ 1, pred=i >= RAW)
             bar = bars.index(RAWRDY + r)
@@ -259,7 +245,7 @@ if HAVE_GLUON:
         (
             q_ptr, w_ptr, d_desc, s_desc, bt_ptr, row_ptr, nv_ptr, out_ptr, stride_qt, stride_qh,
             stride_wt, stride_bt, stride_ot, N, MAX_BLOCKS, NUM_PAGES, k_s, k_w, f0, f1, f2, f3, f4, q_s,
-            raw_d, raw_c, bars, page_s, c_s, fold_s, look_s,
+            raw_d, raw_c, bars, page_s, c_s, fold_s, abl_s,
         ) = args  # fmt: skip
         STAGES: gl.constexpr = k_s.type.shape[0]
         BOXR: gl.constexpr = raw_d.type.shape[2]
@@ -269,6 +255,7 @@ if HAVE_GLUON:
         FREE: gl.constexpr = STAGES
         RAWRDY: gl.constexpr = 2 * STAGES + 1
         RAWFREE: gl.constexpr = RAWRDY + RAW
+        NO_CONVERT: gl.constexpr = (abl_s.type.shape[0] & 0xAA) != 0  # ablate & ABLATE_CONVERT
         lp: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0])
         sl: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
         r_l: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
@@ -278,7 +265,7 @@ if HAVE_GLUON:
         nv = gl.load(nv_ptr + gl.program_id(0))
         c, G, n_my, n_live = _my_tiles(nv, N)
         if fold_s.type.shape[0] == 2:
-            _produce_fold(raw_d, raw_c, k_w, f4, bars, nv, c, G, n_live, STAGES, RAW, P, NPROD)
+            _produce_fold(raw_d, raw_c, k_w, f4, bars, nv, c, G, n_live, STAGES, RAW, P, NPROD, NO_CONVERT)
         else:
             e = gl.arange(0, _TILE_N, layout=sl)
             for i in range(P, n_live, NPROD):
@@ -288,8 +275,9 @@ if HAVE_GLUON:
                 packed = raw_w.index(r).load(lp)
                 sw = raw_s.index(r).load(sl)
                 mbarrier.wait(bars.index(FREE + st), ((i // STAGES) & 1) ^ 1, pred=i >= STAGES)
-                w0, w1 = _e2m1_words_to_e4m3(packed)  # elements 8c .. 8c + 3 and 8c + 4 .. 8c + 7 of word c
-                k_w.index(st).store(gl.reshape(gl.join(w0, w1), [_TILE_N, _DIM // 4]))
+                if not NO_CONVERT:
+                    w0, w1 = _e2m1_words_to_e4m3(packed)  # elements 8c .. 8c + 3 and 8c + 4 .. 8c + 7 of word c
+                    k_w.index(st).store(gl.reshape(gl.join(w0, w1), [_TILE_N, _DIM // 4]))
                 b0 = sw & 255
                 b1 = (sw >> 8) & 255
                 b2 = (sw >> 16) & 255
@@ -306,7 +294,7 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _produce_fold(raw_d, raw_c, k_w, f4, bars, nv, c, G, n_live, STAGES: gl.constexpr, RAW: gl.constexpr,
-                      P: gl.constexpr, NPROD: gl.constexpr):  # fmt: skip
+                      P: gl.constexpr, NPROD: gl.constexpr, NO_CONVERT: gl.constexpr):  # fmt: skip
         """The producer with fold: each raw tile's codes re-encoded with their block's shift folded in
         (``_fold_words``, the tables built once a (entry, block)), and only ``f4`` (2**(s_max - 127), 0 when not
         visible) stored: the consumers need no per-block factors."""
@@ -340,8 +328,9 @@ if HAVE_GLUON:
             lo = gl.where(near, _FOLD_LO_OFF + b * 0x01010100, 0)
             hi = gl.where(near, _FOLD_HI_OFF + b * 0x01010101, 0)
             zero = gl.zeros_like(packed)
-            w0, w1 = _fold_words(packed, lo[:, :, None] + zero, hi[:, :, None] + zero)
-            k_w.index(st).store(gl.reshape(gl.join(w0, w1), [_TILE_N, _DIM // 4]))
+            if not NO_CONVERT:
+                w0, w1 = _fold_words(packed, lo[:, :, None] + zero, hi[:, :, None] + zero)
+                k_w.index(st).store(gl.reshape(gl.join(w0, w1), [_TILE_N, _DIM // 4]))
             _store_key_factor(f4, st, sw, _max_scale_byte(sw), (c + i * G) * _TILE_N + e, nv)
             fence_async_shared()
             mbarrier.arrive(bars.index(READY + st))
@@ -416,7 +405,7 @@ if HAVE_GLUON:
         (
             q_ptr, w_ptr, d_desc, s_desc, bt_ptr, row_ptr, nv_ptr, out_ptr, stride_qt, stride_qh,
             stride_wt, stride_bt, stride_ot, N, MAX_BLOCKS, NUM_PAGES, k_s, k_w, f0, f1, f2, f3, f4, q_s,
-            raw_d, raw_c, bars, page_s, c_s, fold_s, look_s,
+            raw_d, raw_c, bars, page_s, c_s, fold_s, abl_s,
         ) = args  # fmt: skip
         STAGES: gl.constexpr = k_s.type.shape[0]
         QBAR: gl.constexpr = 2 * STAGES
@@ -433,7 +422,7 @@ if HAVE_GLUON:
             if general:  # four blocks from zero times the query's c_b (the keys carry their block scales)
                 _consume(W, k_s, q_s, f0, f1, f2, f3, f4, c_s, bars, wq, out_row, c, G, n_live, N, True, True)
             else:
-                _consume_fold_pairs(W, k_s, q_s, f4, bars, wq, out_row, c, G, n_live, N)
+                _consume_fold_pairs(W, k_s, q_s, f4, bars, wq, out_row, c, G, n_live, N, abl_s.type.shape[0])
         elif general:  # a query that needs a scale a block (see _query_prep): one more multiply a value and block
             _consume(W, k_s, q_s, f0, f1, f2, f3, f4, c_s, bars, wq, out_row, c, G, n_live, N, True, False)
         else:
@@ -496,27 +485,32 @@ if HAVE_GLUON:
         _write_scores(acc, fk, wq, out_row, (c + (n_live - 1) * G) * _TILE_N + rows, N, n_live > 0)
 
     @gluon.jit
-    def _fold_mma(k_s, q_s, f4, bars, i, W: gl.constexpr, zero):
+    def _fold_mma(k_s, q_s, f4, bars, i, W: gl.constexpr, zero, SKIP: gl.constexpr):
         """Waits for stage i % STAGES, issues its K = 128 wgmma chain (async) for consumer W's 64 entries; returns
-        (the MMA's token, the stage, the entries' f4 factors)."""
+        (the MMA's token, the stage, the entries' f4 factors).  SKIP (an ablation): no MMA, ``zero`` instead."""
         STAGES: gl.constexpr = k_s.type.shape[0]
         READY: gl.constexpr = 0
         row_l: gl.constexpr = gl.SliceLayout(1, zero.type.layout)
         st = i % STAGES
         mbarrier.wait(bars.index(READY + st), (i // STAGES) & 1)
-        a = warpgroup_mma(k_s.index(st).slice(64 * W, 64, dim=0), q_s.permute((1, 0)), zero, use_acc=False,
-                          is_async=True)  # fmt: skip
+        if SKIP:
+            a = zero
+        else:
+            a = warpgroup_mma(k_s.index(st).slice(64 * W, 64, dim=0), q_s.permute((1, 0)), zero, use_acc=False,
+                              is_async=True)  # fmt: skip
         return a, st, f4.index(st).slice(64 * W, 64).load(row_l)
 
     @gluon.jit
-    def _consume_fold_pairs(W: gl.constexpr, k_s, q_s, f4, bars, wq, out_row, c, G, n_live, N):
+    def _consume_fold_pairs(W: gl.constexpr, k_s, q_s, f4, bars, wq, out_row, c, G, n_live, N, ABL: gl.constexpr):
         """Consumer W's loop with fold and a one-scale query: one K = 128 wgmma chain a tile into one accumulator
         (the tensor core's FP8 accumulation: not exact, unlike the K = 32 blocks from zero), two tiles an
         iteration: each tile's MMA runs under the other accumulator's epilogue, and the two accumulators alternate
         without register copies (one accumulator carried across iterations costs a copy of its 32 registers a
-        tile)."""
+        tile).  ABL: 2**ablate (``ABLATE_EPILOGUE``, ``ABLATE_MMA``)."""
         STAGES: gl.constexpr = k_s.type.shape[0]
         FREE: gl.constexpr = STAGES
+        NO_EPI: gl.constexpr = (ABL & 0xCC) != 0  # ablate & ABLATE_EPILOGUE
+        NO_MMA: gl.constexpr = (ABL & 0xF0) != 0  # ablate & ABLATE_MMA
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 32])
         row_l: gl.constexpr = gl.SliceLayout(1, mma)
         zero = gl.zeros([64, _HEADS], gl.float32, mma)
@@ -525,30 +519,40 @@ if HAVE_GLUON:
         fk_b = gl.zeros([64], gl.float32, row_l)
         for p in range(n_live // 2):
             i = 2 * p
-            a, st, fk_a = _fold_mma(k_s, q_s, f4, bars, i, W, zero)
-            _write_scores(acc_b, fk_b, wq, out_row, (c + (i - 1) * G) * _TILE_N + rows, N, i > 0)
-            acc_a = warpgroup_mma_wait(0, deps=[a])
+            a, st, fk_a = _fold_mma(k_s, q_s, f4, bars, i, W, zero, NO_MMA)
+            _write_scores(acc_b, fk_b, wq, out_row, (c + (i - 1) * G) * _TILE_N + rows, N, i > 0, NO_EPI)
+            acc_a = _mma_done(a, NO_MMA)
             mbarrier.arrive(bars.index(FREE + st))
-            b, st, fk_b = _fold_mma(k_s, q_s, f4, bars, i + 1, W, zero)
-            _write_scores(acc_a, fk_a, wq, out_row, (c + i * G) * _TILE_N + rows, N, True)
-            acc_b = warpgroup_mma_wait(0, deps=[b])
+            b, st, fk_b = _fold_mma(k_s, q_s, f4, bars, i + 1, W, zero, NO_MMA)
+            _write_scores(acc_a, fk_a, wq, out_row, (c + i * G) * _TILE_N + rows, N, True, NO_EPI)
+            acc_b = _mma_done(b, NO_MMA)
             mbarrier.arrive(bars.index(FREE + st))
         i = n_live - 1  # the last tile (its predecessor's epilogue still pending when n_live is odd)
         if n_live % 2 == 1:
-            a, st, fk_a = _fold_mma(k_s, q_s, f4, bars, i, W, zero)
-            _write_scores(acc_b, fk_b, wq, out_row, (c + (i - 1) * G) * _TILE_N + rows, N, i > 0)
-            acc_a = warpgroup_mma_wait(0, deps=[a])
+            a, st, fk_a = _fold_mma(k_s, q_s, f4, bars, i, W, zero, NO_MMA)
+            _write_scores(acc_b, fk_b, wq, out_row, (c + (i - 1) * G) * _TILE_N + rows, N, i > 0, NO_EPI)
+            acc_a = _mma_done(a, NO_MMA)
             mbarrier.arrive(bars.index(FREE + st))
-            _write_scores(acc_a, fk_a, wq, out_row, (c + i * G) * _TILE_N + rows, N, True)
+            _write_scores(acc_a, fk_a, wq, out_row, (c + i * G) * _TILE_N + rows, N, True, NO_EPI)
         else:
-            _write_scores(acc_b, fk_b, wq, out_row, (c + i * G) * _TILE_N + rows, N, n_live > 0)
+            _write_scores(acc_b, fk_b, wq, out_row, (c + i * G) * _TILE_N + rows, N, n_live > 0, NO_EPI)
 
     @gluon.jit
-    def _write_scores(acc, fk, wq, out_row, offs, N, live):
+    def _write_scores(acc, fk, wq, out_row, offs, N, live, SKIP: gl.constexpr = False):
         """ReLU, head weights and head sum of one consumer's [64 entries, 64 heads] logits, times each entry's
-        2**(s_max - 127) (``fk``; 0 -> -inf: not visible), stored at ``offs`` (< N, and only when ``live``)."""
-        s = gl.sum(gl.maximum(acc, 0.0) * wq[None, :], axis=1)
-        gl.store(out_row + offs, gl.where(fk > 0.0, s * fk, float("-inf")), mask=(offs < N) & live)
+        2**(s_max - 127) (``fk``; 0 -> -inf: not visible), stored at ``offs`` (< N, and only when ``live``).  SKIP
+        (an ablation): nothing."""
+        if not SKIP:
+            s = gl.sum(gl.maximum(acc, 0.0) * wq[None, :], axis=1)
+            gl.store(out_row + offs, gl.where(fk > 0.0, s * fk, float("-inf")), mask=(offs < N) & live)
+
+    @gluon.jit
+    def _mma_done(a, SKIP: gl.constexpr):
+        """The accumulator of async MMA ``a`` once it has completed (SKIP: ``a`` is no MMA)."""
+        if SKIP:
+            return a
+        else:
+            return warpgroup_mma_wait(0, deps=[a])
 
     @gluon.jit
     def _block_mma(k_s, q_s, st, W: gl.constexpr, b: gl.constexpr, zero):
@@ -571,7 +575,7 @@ if HAVE_GLUON:
         q_ptr, w_ptr, d_desc, s_desc, bt_ptr, row_ptr, nv_ptr, out_ptr, stride_qt, stride_qh, stride_wt,
         stride_bt, stride_ot, N, MAX_BLOCKS, NUM_PAGES, BS: gl.constexpr, STAGES: gl.constexpr,
         RAW: gl.constexpr, WORKER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
-        FOLD: gl.constexpr = False, PRODUCERS: gl.constexpr = 1, LOOKAHEAD: gl.constexpr = 1,
+        FOLD: gl.constexpr = False, PRODUCERS: gl.constexpr = 1, ABLATE: gl.constexpr = 0,
     ):  # fmt: skip
         """Grid (T, programs a row); ``num_warps=4`` (consumer W = 0) + 4 (consumer W = 1) + 4 (producer) + 1
         (loader; its warpgroup padded to 4).
@@ -605,8 +609,8 @@ if HAVE_GLUON:
         c_s = gl.allocate_shared_memory(gl.float32, [_DIM // _QBLOCK, _HEADS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         # never accessed: its shape (2 with fold, else 1) carries FOLD into the partitions
         fold_s = gl.allocate_shared_memory(gl.int8, [2 if FOLD else 1], s_l)
-        # never accessed: its shape carries the loader's block-table lookahead in tiles (1 or 4) into the partitions
-        look_s = gl.allocate_shared_memory(gl.int8, [LOOKAHEAD], s_l)
+        # never accessed: its shape (2**ABLATE) carries ABLATE into the partitions
+        abl_s = gl.allocate_shared_memory(gl.int8, [1 << ABLATE], s_l)
         for i in gl.static_range(STAGES):
             mbarrier.init(bars.index(i), count=1)
             mbarrier.init(bars.index(STAGES + i), count=2)
@@ -616,7 +620,7 @@ if HAVE_GLUON:
         args = (
             q_ptr, w_ptr, d_desc, s_desc, bt_ptr, row_ptr, nv_ptr, out_ptr, stride_qt, stride_qh,
             stride_wt, stride_bt, stride_ot, N, MAX_BLOCKS, NUM_PAGES, k_s, k_w, f0, f1, f2, f3, f4, q_s,
-            raw_d, raw_c, bars, page_s, c_s, fold_s, look_s,
+            raw_d, raw_c, bars, page_s, c_s, fold_s, abl_s,
         )  # fmt: skip
         if PRODUCERS == 2:  # alternate tiles, each its own stages and raw slots (STAGES, RAW even)
             gl.warp_specialize(
@@ -642,8 +646,11 @@ GLUON_RAW = 4  # raw tiles in flight + 1 (8.5 KB each)
 GLUON_WORKER_REGS = 192
 GLUON_PRODUCER_REGS = 96
 GLUON_LOADER_REGS = 32
-GLUON_PRODUCERS = 1  # producer warpgroups (1 or 2: alternate tiles)
-GLUON_LOOKAHEAD = 1  # tiles ahead the loader loads block-table entries (1 or 4)
+GLUON_PRODUCERS = 2  # producer warpgroups (1 or 2: alternate tiles; 2 measured 10-13 % faster at 1M B = 4-64, H200)
+# ``ablate`` (timing studies only: the scores are wrong): bits of work left out, to see which partition bounds the time
+ABLATE_CONVERT = 1  # the producers store no keys (their factors still)
+ABLATE_EPILOGUE = 2  # the consumers write nothing (their MMAs still run)
+ABLATE_MMA = 4  # the consumers run no MMA (the epilogue on zeros)
 # (consumer, producer) registers a thread with two producers: 8 + 8 + 4 (the loader's padded warpgroup) warps share
 # 64 K registers, so consumer + producer <= 240; the exact consumer keeps four block accumulators live (168)
 GLUON_REGS_TWO_PRODUCERS = {False: (176, 48), True: (176, 48)}  # by fold
@@ -711,7 +718,7 @@ def programs_per_row(T: int, n_tiles: int, sms: int) -> int:
 
 def launch_gluon_scores(
     q, weights, keys, block_table, token_row, n_visible, max_entries: int, tiles=None, stages=None, raw=None,
-    fold: bool = False, producers: int | None = None, regs: tuple[int, int] | None = None, lookahead: int | None = None,
+    fold: bool = False, producers: int | None = None, regs: tuple[int, int] | None = None, ablate: int = 0,
 ) -> torch.Tensor:  # fmt: skip
     """The kernel's scores [T, max_entries] fp32 (-inf where not visible).  No host sync; preconditions:
     ``gluon_unsupported`` is None, ``block_table`` / ``token_row`` / ``n_visible`` contiguous int32, ``weights``
@@ -719,8 +726,8 @@ def launch_gluon_scores(
     wgmma chain an entry tile (the encoding of ``scores._fold_tables``): not exact (the tensor core's FP8
     accumulation, and blocks more than ``scores._FOLD_MAX_D`` binades below their key's largest flushed to
     zero).  ``producers``: producer warpgroups (1, or 2 taking alternate tiles; ``GLUON_PRODUCERS``), ``regs``:
-    (consumer, producer) registers a thread (default by producers and fold), ``lookahead``: tiles ahead the loader
-    loads the block-table entries (1 or 4; ``GLUON_LOOKAHEAD``)."""
+    (consumer, producer) registers a thread (default by producers and fold), ``ablate``: bits of ``ABLATE_*`` (work
+    left out, for timing studies; the scores are then wrong)."""
     from dsv4.kernels.dispatch import num_sms
 
     producers = producers or GLUON_PRODUCERS
@@ -744,7 +751,7 @@ def launch_gluon_scores(
         q, weights, d_desc, s_desc, block_table, token_row, n_visible, out, q.stride(0), q.stride(1),
         weights.stride(0), block_table.stride(0), out.stride(0), max_entries, block_table.shape[1], P, bs,
         STAGES=stages or GLUON_STAGES, RAW=raw or GLUON_RAW, WORKER_REGS=regs[0], PRODUCER_REGS=regs[1],
-        LOADER_REGS=GLUON_LOADER_REGS, FOLD=bool(fold), PRODUCERS=producers, LOOKAHEAD=lookahead or GLUON_LOOKAHEAD,
+        LOADER_REGS=GLUON_LOADER_REGS, FOLD=bool(fold), PRODUCERS=producers, ABLATE=ablate,
         num_warps=4,
     )  # fmt: skip
     return out
@@ -764,7 +771,7 @@ def indexer_scores_gluon(
     fold: bool = False,
     producers: int = GLUON_PRODUCERS,
     regs: tuple[int, int] | None = None,
-    lookahead: int = GLUON_LOOKAHEAD,
+    ablate: int = 0,
 ):
     """The scores of ``indexer_scores`` (same arguments; 64 heads) by this kernel, with its launch knobs:
     ``tiles`` 128-entry tiles a program (programs a row = cdiv(tiles of max_entries, tiles); None:
@@ -781,8 +788,8 @@ def indexer_scores_gluon(
         raise ValueError(f"indexer_scores_gluon: fold: expected a bool, got {fold!r}")
     if producers not in (1, 2):
         raise ValueError(f"indexer_scores_gluon: producers: expected 1 or 2, got {producers!r}")
-    if lookahead not in (1, 4):
-        raise ValueError(f"indexer_scores_gluon: lookahead: expected 1 or 4, got {lookahead!r}")
+    if ablate not in range(8):
+        raise ValueError(f"indexer_scores_gluon: ablate: expected bits of ABLATE_* (0-7), got {ablate!r}")
     if producers == 2 and (stages < 2 or raw < 2):
         raise ValueError(f"indexer_scores_gluon: two producers need stages and raw >= 2, got {stages}, {raw}")
     if regs is not None and (
@@ -796,5 +803,5 @@ def indexer_scores_gluon(
         raise ValueError(f"indexer_scores_gluon: {why}")
     return launch_gluon_scores(
         q, weights.contiguous(), keys, block_table.contiguous(), token_row.contiguous(), n_visible.contiguous(),
-        max_entries, tiles, stages, raw, fold, producers, regs, lookahead,
+        max_entries, tiles, stages, raw, fold, producers, regs, ablate,
     )  # fmt: skip
