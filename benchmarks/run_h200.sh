@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One H200 session: environment, GPU tests, then the kernel benchmarks. Results go to $OUT (or ./out).
-# Usage (on the device machine, repo root): bash benchmarks/run_h200.sh [tests|bench|all|pending|ncu|attention|attention_ncu|indexer_gluon|indexer_live|indexer_fold|pending_s12|topk_rows|indexer_default|indexer_p2|indexer_ablate]
+# Usage (on the device machine, repo root): bash benchmarks/run_h200.sh [tests|bench|all|pending|ncu|attention|attention_ncu|indexer_gluon|indexer_live|indexer_fold|pending_s12|topk_rows|indexer_default|indexer_p2|indexer_ablate|flush_topk]
 # "pending": the norm and top-k GPU tests (~4 min, most of it compiling the top-k kernels), launch D's rank
 # threshold on/off, top-k with both flush kinds, the decode step; about 8 minutes.  "ncu": Nsight Compute
 # sections of the indexer scores, dense attention and gather kernels (benchmarks/ncu_cases.py).  "attention": the
@@ -107,6 +107,18 @@ if [ "$what" = indexer_ablate ]; then  # GPU tests (indexer, model, engine); whi
     timeout 100 python3 -m dsv4.cli bench --models v4-flash --kinds csa --contexts 131072 --batches 1,8,64 \
       --table-context $t --out "$OUT/${stamp}_h200_decode_table$t.jsonl" 2>&1 | tail -4
   done
+fi
+if [ "$what" = flush_topk ]; then  # the Gluon indexer under each L2 flush kind; top-k GPU tests (many rows); decode step (~6 min)
+  for fl in write read none; do
+    timeout 150 python3 benchmarks/study_gluon_indexer.py --quick --fold --ablate 0 7 --flush $fl --batches 1 4 8 64 \
+      --out "$OUT/${stamp}_h200_study_gluon_flush_$fl.jsonl" 2>&1 | grep -v "ablate=7" | tail -12
+  done
+  for t in 131072 1048576; do
+    timeout 100 python3 -m dsv4.cli bench --models v4-flash --kinds csa --contexts 131072 --batches 1,8,64 \
+      --table-context $t --out "$OUT/${stamp}_h200_decode_table$t.jsonl" 2>&1 | tail -4
+  done
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_topk.py -k "filter_real_shapes or many_rows" \
+    2>&1 | tee "$OUT/${stamp}_h200_gpu_tests_topk_many_rows.txt" | tail -3
 fi
 if [ "$what" = pending_s12 ]; then  # what session 12 left unrun: the top-k GPU tests under the many-rows rule, then indexer_fold (~8 min)
   timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_topk.py -k "filter_real_shapes or many_rows" \

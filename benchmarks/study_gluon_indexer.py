@@ -33,7 +33,7 @@ import triton  # noqa: E402
 from benchmarks.bench_indexer import HBM_BYTES_PER_S, make_problem  # noqa: E402
 from benchmarks.sweep_indexer import GraphTimer  # noqa: E402
 from dsv4.kernels.indexer import indexer_scores  # noqa: E402
-from dsv4.kernels.indexer._gluon_scores import indexer_scores_gluon  # noqa: E402
+from dsv4.kernels.indexer._gluon_scores import GLUON_PRODUCERS, indexer_scores_gluon  # noqa: E402
 
 CONFIGS = [(4, 4), (2, 4), (4, 8), (8, 4), (2, 8)]  # (stages, raw): powers of two, shared memory <= ~200 KB
 
@@ -113,7 +113,9 @@ def main() -> None:
     ap.add_argument("--visible", type=int, default=1, help="rows see entries // VISIBLE entries")
     ap.add_argument("--quick", action="store_true", help="only the default stages / raw / tiles")
     ap.add_argument("--fold", action="store_true", help="also the fold variant (fold=True) of each configuration")
-    ap.add_argument("--producers", type=int, nargs="+", default=[1], help="producer warpgroups to try (1, 2)")
+    ap.add_argument("--producers", type=int, nargs="+", default=[GLUON_PRODUCERS], help="producer warpgroups (1, 2)")
+    flush_help = "L2 flush before each call: write (dirty lines the kernel may write back), read (clean), none"
+    ap.add_argument("--flush", choices=["write", "read", "none"], default="write", help=flush_help)
     ap.add_argument("--ablate", type=int, nargs="+", default=[0], help="bits of ABLATE_* to time (scores unchecked)")
     ap.add_argument("--configs", nargs="+", help="stages,raw pairs to try (default: 4,4 with --quick, else CONFIGS)")
     ap.add_argument("--regs", nargs="+", default=[None], help="(consumer,producer) registers to try, e.g. 176,48")
@@ -122,7 +124,7 @@ def main() -> None:
         host_study()
         return
     dev = torch.device("cuda")
-    timer = GraphTimer()
+    timer = GraphTimer(flush=args.flush != "none", flush_mode="read" if args.flush == "read" else "write")
     info = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}
     rows = []
     if args.prefill:
@@ -173,7 +175,7 @@ def main() -> None:
                                    "producers": producers, "regs": regs, "ablate": ablate}, time_s=t,
                            bytes=nbytes,
                            roofline_s=nbytes / HBM_BYTES_PER_S, baseline="indexer_fp4_fp8mma", baseline_time_s=t_ref,
-                           timer="graph", max_abs_err_over_max_vs_baseline=err)  # fmt: skip
+                           timer="graph", flush=args.flush, max_abs_err_over_max_vs_baseline=err)  # fmt: skip
                 rows.append(row)
                 print(f"  {cfg}: {t * 1e6:7.1f} us  (max |diff| / max |fp8mma| {err:.1e})")
     if args.out:

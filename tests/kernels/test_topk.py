@@ -493,12 +493,17 @@ def test_filter_short_visible_rows_use_finer_groups():
 
 
 def test_filter_many_rows_use_more_groups():
-    """From _MANY_ROWS rows on the filter path plans _GROUPS_PER_K_MANY k groups (smaller G: launch C re-reads less
-    of each row); the result is the same."""
+    """From _MANY_ROWS rows on the filter path plans up to _GROUPS_PER_K_MANY k groups (smaller G: launch C re-reads
+    less of each row), but groups of >= _G_MANY_MIN entries (a short row keeps fewer, larger groups); the result is
+    the same."""
     g = torch.Generator().manual_seed(28)
-    N, k, T = 2048, 16, topk_mod._MANY_ROWS
+    N, k, T = 8192, 16, topk_mod._MANY_ROWS
     few, many = topk_mod._filter_plan(N, k, 4, True, 1), topk_mod._filter_plan(N, k, 4, True, T)
     assert N // few["G"] >= 2 * k and N // many["G"] >= topk_mod._GROUPS_PER_K_MANY * k and many["G"] < few["G"]
+    assert many["G"] >= topk_mod._G_MANY_MIN
+    short = topk_mod._filter_plan(N // 4, k, 4, True, T)  # 2,048 entries: 4 k groups of 32
+    assert short["G"] == topk_mod._G_MANY_MIN and N // 4 // short["G"] == 4 * k
+    assert topk_mod._filter_plan(N // 8, k, 4, True, T)["G"] == topk_mod._filter_plan(N // 8, k, 4, True, 1)["G"]
     s = torch.randn(T, N, generator=g)
     nv = torch.randint(0, N + 1, (T,), generator=g, dtype=torch.int32)
     filter_run(s, k, nv, splits=4)

@@ -19,7 +19,7 @@ Three Triton paths (``method``; the result never depends on the path or on ``spl
 Filter path (default for long rows; S = ``splits`` programs per row in launches A and C, each owning a
 contiguous chunk of the row's visible prefix: CH_r = ceil(nv / S) entries rounded up to whole groups of G
 entries).  G = the largest power of two in [2, 256] leaving >= 2 k groups (G = 128 for N = 262,144,
-k = 1,024; >= 16 k groups from 32 rows on, ``_GROUPS_PER_K_MANY``), raised if needed so that
+k = 1,024; from 32 rows on up to 16 k groups of >= 32 entries, ``_GROUPS_PER_K_MANY``), raised if needed so that
 NG = ceil(N / G) <= 8,192.  A row with fewer visible entries nv (block tables sized for an engine's longest
 request) uses groups of G / 2^lv (down to 8 entries): the smallest that keeps ceil(nv / (G / 2^lv)) <= NG
 (``_row_plan``, the same in every launch), so it has nearly as many group maxima as a full row and as tight a
@@ -155,6 +155,9 @@ _G_MIN, _G_MAX = 2, 256  # filter path: group size range (then raised so that NG
 _GROUPS_PER_K = 2  # fewer than _MANY_ROWS rows
 _GROUPS_PER_K_MANY = 16  # _MANY_ROWS rows or more
 _MANY_ROWS = 32
+# groups of at least this many entries with many rows: 64 rows of 32,768, k = 512 (the decode step's top-k, V4-Flash
+# 128K): 36.8 us with 16 k groups of 4 entries against 30.6 with 2 k of 16 (H200, graph time; sessions 12-13)
+_G_MANY_MIN = 32
 _MAX_GROUPS = 8192  # filter path: group maxima sorted by launch B at most
 # filter path: the finest group size of a short row's level (``_row_plan``).  <= 8: a row whose groups at this size
 # number fewer than kk has < 8 kk <= SB2 entries (k <= 1,024): its candidates always fit launch D's list.
@@ -981,7 +984,9 @@ def _filter_plan(N: int, k: int, splits: int, interp: bool, T: int = 1) -> dict:
     """Host ints of the filter path for T rows (see the module docstring): group size G, groups NG, chunk CH, tile,
     register slot counts SB1 <= SB2 of launch D, and the workspace offsets (see the module docstring)."""
     g = _G_MIN
-    per_k = _GROUPS_PER_K if T < _MANY_ROWS else _GROUPS_PER_K_MANY
+    per_k = _GROUPS_PER_K
+    if T >= _MANY_ROWS:  # more, smaller groups, but groups of >= _G_MANY_MIN entries (short rows: more cost more)
+        per_k = min(_GROUPS_PER_K_MANY, max(_GROUPS_PER_K, N // (_G_MANY_MIN * k)))
     while g < _G_MAX and triton.cdiv(N, 2 * g) >= per_k * k:  # the largest G with >= per_k k groups
         g *= 2
     g = max(g, triton.next_power_of_2(triton.cdiv(N, _MAX_GROUPS)))  # level sort of <= _MAX_GROUPS maxima
