@@ -129,8 +129,7 @@ def main() -> None:
     rows = []
     if args.prefill:
         rows = prefill_study(args.prefill, args.entries, timer, info)
-    for B in [] if args.prefill else args.batches:
-        n = args.entries[0]
+    for B, n in [] if args.prefill else itertools.product(args.batches, args.entries):
         keys, bt, q, w, tr, nv = make_problem(B, n, 64, 64, dev, torch.Generator(device=dev).manual_seed(0))
         n_vis = n // args.visible
         nv.fill_(n_vis)
