@@ -8,14 +8,15 @@ Why: the Triton fp8mma kernel is latency-bound (~70 us at 1M entries, B = 4, H20
 chain block-table load -> key load -> re-encode -> shared memory -> MMA -> wait -> epilogue per 128-entry tile.  The
 work itself is small: 71 MB of keys (17 us of HBM), 17 GFLOP of FP8 MMA (~9 us), and ~6 CUDA-core operations per
 (entry, head) for the block-scale combine, ReLU and weighted head sum (~12 us at 1M x 64).  Here they overlap, in
-four partitions (16 warps, one program an SM by default):
+five partitions (20 warps, one program an SM by default):
 
 - **Loader** (1 warp): per 128-entry tile, the block-table entries a tile ahead, then TMA of the tile's boxes (one
   page's rows each: packed bytes [1, rows, 64] and scale words [1, rows]) into a raw ring.  A box whose page is -1
   or outside the pool is read at an out-of-range page: TMA zero-fills it without touching memory.
-- **Producer** (4 warps): re-encodes the raw tile's e2m1 bytes as e4m3 (exact: value * 2**-6) into a 128-byte-
+- **Producers** P = 0, 1 (4 warps each, tiles P, P + 2, ...; ``producers=1``: one producer, 16 warps): re-encode
+  the raw tile's e2m1 bytes as e4m3 (exact: value * 2**-6) into a 128-byte-
   swizzled stage (``_e2m1_words_to_e4m3``: 10 instructions for the two e4m3 words of a packed word's 8 elements, in
-  element order; the int32 stage is read back as e4m3 by the wgmmas), and decodes each entry's scale word into five
+  element order; the int32 stage is read back as e4m3 by the wgmmas), and decode each entry's scale word into five
   factors (2**(s_b - s_max) for its four 32-blocks, flushed below 2**-126, and 2**(s_max - 127), 0 when the entry
   is not visible), each factor row its own buffer (Triton puts a warpgroup barrier between stores to one buffer).
 - **Consumers** W = 0, 1 (4 warps each): entries [64 W, 64 W + 64) of every tile: four m64 n64 k32 FP8 wgmmas (one a
@@ -41,14 +42,27 @@ warps in 18 % and ready but not selected in 31 %: the schedulers issue in ~60 % 
 saturated.  The remaining work is the float epilogue (~285 instructions a consumer warp a tile) and the conversion
 (~240 a producer warp).
 
-``fold=True`` (``impl="gluon_fold"``; not yet run on a GPU) trades exactness for instructions: the producer folds each
+Session 13 (``..._s13*``): a second producer warpgroup (alternate tiles; registers 176 a consumer thread, 48 a
+producer thread, the 20-warp pool being 96 x 640) took B = 4 from 53.6 to 48.1 us and B = 64 from 782 to 679 (exact,
+same run), so it is the default.  Ablations at B = 4 / 64 (``ablate``, two producers, clean L2 where noted):
+without the key conversion the exact kernel takes 40.5 / 523 us; the fold variant 42.5 / 578 in full, 37.8 / 395
+without the conversion, 36.9 / 382 without the epilogue, 37.1 / 406 without the MMAs, and 28-35 / 300-312 with none
+of the three (loads and hand-offs only).  That skeleton is ~8 us a launch plus ~0.3 us a tile an SM (3.8 TB/s; at
+B = 64 it runs at 97 % of the HBM roofline), so 1M-token B = 4 (62 tiles an SM) cannot go below ~27 us in this
+structure, and every partition's work shows in the time: the SM is issue- and latency-bound as a whole, with no
+single partition to unblock.  Neither the loader's block-table lookahead (1 or 4 tiles) nor the ring depths
+(stages 4-8, raw 4-16) nor the L2 flush kind changed the time.
+
+``fold=True`` (``impl="gluon_fold"``) trades exactness for instructions: the producer folds each
 block's scale into the e4m3 codes (the Triton fold encoding, ``scores._fold_tables``; ``_fold_words``, 10
 instructions a word, blocks more than 11 binades below their key's largest flushed to zero), so a consumer runs one
 K = 128 wgmma chain a tile into one accumulator (the tensor core's FP8 accumulation: not exact, as DeepSeek's own FP8
 indexer kernels; the reference computes these scores in bf16) and needs no block combine; it takes its tiles in pairs
 so the two accumulators alternate without register copies.  Static SASS of the loops (triton 3.6, sm_90,
 ``sass_report.py``): 122.5 instructions a consumer warp a tile (283 exact) and 290 a producer warp (245), ~2,240 a
-tile an SM against ~3,340: about 1.5x fewer, if the schedulers stay as busy.
+tile an SM against ~3,340: about 1.5x fewer, if the schedulers stay as busy.  Measured (H200, session 13, two
+producers): B = 1 / 4 / 8 / 64 at 1M 15.5 / 42.2 / 79.5 / 572 us against the exact kernel's 17.3 / 48.1 / 90.8 /
+679; within 2.4e-5 of the row's largest |score| of fp8mma's exact scores.  It stays opt-in.
 """
 
 from __future__ import annotations
@@ -776,8 +790,8 @@ def indexer_scores_gluon(
     """The scores of ``indexer_scores`` (same arguments; 64 heads) by this kernel, with its launch knobs:
     ``tiles`` 128-entry tiles a program (programs a row = cdiv(tiles of max_entries, tiles); None:
     ``programs_per_row``), ``stages`` / ``raw`` the depths of its stage and raw rings (powers of two), ``fold``
-    (``launch_gluon_scores``; not measured on a GPU yet).  ValueError for arguments ``indexer_scores`` refuses,
-    for bad knobs, and where ``gluon_unsupported`` says why it cannot run."""
+    (``launch_gluon_scores``), ``producers``, ``regs``, ``ablate`` (``launch_gluon_scores``).  ValueError for
+    arguments ``indexer_scores`` refuses, for bad knobs, and where ``gluon_unsupported`` says why it cannot run."""
     _scores._check_common(q, weights, block_table, token_row, n_visible, max_entries)
     _scores._check_mxfp4_keys(keys, q.device)
     for name, v in (("tiles", tiles), ("stages", stages), ("raw", raw)):

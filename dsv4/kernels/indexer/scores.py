@@ -1150,12 +1150,14 @@ def indexer_scores(
             ``AUTO_IMPL_ORDER``).
             "gluon": the warp-specialised Gluon kernel (``_gluon_scores``: sm_90, 64 heads, pages of a
             power of two >= 64 entries; fp8mma's math and numbers, both of its query paths).  H200, 1M
-            entries: B = 4 53.0 us vs fp8mma 71.9; B = 64 776 vs 1,080; tiles past a row's n_visible are
-            written -inf without loads, and a row's live tiles are spread over its programs.
+            entries, two producer warpgroups (session 13): B = 4 47.9 us vs fp8mma 72.0; B = 64 676 vs 1,079;
+            tiles past a row's n_visible are written -inf without loads, and a row's live tiles are spread over
+            its programs.
             "gluon_fold": that kernel with the block scales folded into the keys' e4m3 codes (the "fold"
             encoding) and one K = 128 wgmma chain a tile: ~1.5x fewer instructions a tile (static SASS,
             ``sass_report.py``), not exact (FP8 tensor-core accumulation; blocks > 11 binades below their key's
-            largest flushed to zero), not yet run on a GPU.
+            largest flushed to zero; within 2.4e-5 of a row's largest |score| on the benchmark's keys).  H200,
+            1M entries: B = 4 42.5 us, B = 64 570 (the exact kernel 47.9 / 676 in the same run).
             "convert": e2m1 -> bf16 by bit manipulation in registers, bf16 ``tl.dot`` (K = 2 x 64).
             "dot_scaled": ``tl.dot_scaled(keys, scales, "e2m1", q, None, "bf16")`` (Triton lowers the
             MXFP4 operand; on sm90 by up-conversion); an experiment for the H200.
