@@ -21,10 +21,9 @@ contiguous chunk of the row's visible prefix: CH_r = ceil(nv / S) entries rounde
 entries).  G = the largest power of two in [2, 256] leaving >= 2 k groups (G = 128 for N = 262,144,
 k = 1,024; from 32 rows on up to 16 k groups of >= 32 entries, ``_GROUPS_PER_K_MANY``), raised if needed so that
 NG = ceil(N / G) <= 8,192.  A row with fewer visible entries nv (block tables sized for an engine's longest
-request) uses groups of G / 2^lv (down to 8 entries), the same in every launch (``_row_plan``): with fewer than
-32 rows, the smallest that keeps ceil(nv / (G / 2^lv)) <= NG, so it has nearly as many group maxima as a full row
-and as tight a level (with groups of G its rows of nv < k G would list every entry); from 32 rows on, the groups a
-table of nv columns would get (>= 2 k groups of >= 32 entries where the row is long enough).
+request) uses groups of G / 2^lv (down to 8 entries): the smallest that keeps ceil(nv / (G / 2^lv)) <= NG
+(``_row_plan``, the same in every launch), so it has nearly as many group maxima as a full row and as tight a
+level; with groups of G its rows of nv < k G would list every entry.
 No histogram over the row (on the H200 the radix split path's two 256-bin ``tl.histogram`` passes over
 4 x 262,144 scores take 7.2 and 7.7 us; the group maxima 2.4 us):
 
@@ -368,37 +367,26 @@ def _chunk_bounds(nv_ptr, r, sp, N, CH, HAS_NV: tl.constexpr):
 
 
 @triton.jit
-def _row_span(nv, S, ALIGN: tl.constexpr):
-    """CH_r = ceil(nv / S) rounded up to ALIGN: each of a row's S programs' share of its visible prefix."""
-    return tl.cdiv(tl.cdiv(nv, S), ALIGN) * ALIGN
-
-
-@triton.jit
-def _row_plan(nv, S, NG, KMIN, GDIV, G: tl.constexpr, ALIGN: tl.constexpr, LEVELS: tl.constexpr):
-    """The filter path's geometry of a row with nv visible entries (the same in launches A-C): its chunk
-    (``_row_span``: the S programs share the visible prefix, however short), and its level lv (groups of
-    G >> lv entries): the coarsest level (lv < LEVELS) with at least KR = min(NG, max(KMIN, nv // GDIV)) groups,
-    but no finer than the finest with ceil(nv / (G >> lv)) <= NG, the group maxima launch B has slots for.
-    Few rows (KMIN = NG): the finest that fits (a row of N / 8 entries gets groups of G / 8: as many maxima as a
-    full row, and as tight a level).  Many rows (KMIN = 2 k, GDIV = ``_G_MANY_MIN``): the groups a table of nv
-    columns would get (``_filter_plan``), so a short row is not cut into groups of 8."""
-    fine = nv * 0
+def _row_plan(nv, S, NG, G: tl.constexpr, ALIGN: tl.constexpr, LEVELS: tl.constexpr):
+    """The filter path's geometry of a row with nv visible entries (the same in launches A-D): its chunk
+    CH_r = ceil(nv / S) rounded up to ALIGN (the S programs share the visible prefix, however short), and its
+    level lv (groups of G >> lv entries): the smallest G >> lv (lv < LEVELS) that keeps ceil(nv / (G >> lv))
+    <= NG, the group maxima launch B has slots for (a row of N / 8 entries gets groups of G / 8: as many maxima
+    as a full row, and as tight a level)."""
+    ch = tl.cdiv(tl.cdiv(nv, S), ALIGN) * ALIGN
+    lv = nv * 0
     for i in tl.static_range(1, LEVELS):  # fits at i -> fits at every coarser level
-        fine = tl.where(tl.cdiv(nv, G >> i) <= NG, i, fine)
-    kr = tl.minimum(NG, tl.maximum(KMIN, nv // GDIV))
-    lv = fine
-    for i in tl.static_range(LEVELS):  # ascending: the first level with >= kr groups
-        lv = tl.where((i < lv) & (tl.cdiv(nv, G >> i) >= kr), i, lv)
-    return _row_span(nv, S, ALIGN), lv
+        lv = tl.where(tl.cdiv(nv, G >> i) <= NG, i, lv)
+    return ch, lv
 
 
 @triton.jit
-def _row_chunk(nv_ptr, r, sp, N, S, NG, KMIN, GDIV, HAS_NV: tl.constexpr, G: tl.constexpr, ALIGN: tl.constexpr,
+def _row_chunk(nv_ptr, r, sp, N, S, NG, HAS_NV: tl.constexpr, G: tl.constexpr, ALIGN: tl.constexpr,
                LEVELS: tl.constexpr):  # fmt: skip
     """[lo, hi) of split sp of row r on the filter path (its chunk of the visible prefix, ``_row_plan``) and the
     row's level lv (launches A and C)."""
     nv = _visible(nv_ptr, r, N, HAS_NV)
-    ch, lv = _row_plan(nv, S, NG, KMIN, GDIV, G, ALIGN, LEVELS)
+    ch, lv = _row_plan(nv, S, NG, G, ALIGN, LEVELS)
     lo = sp * ch
     return lo, tl.minimum(lo + ch, nv), lv
 
@@ -609,7 +597,7 @@ def _group_max_tile(row, gm_row, start, tile, gi, hi, G: tl.constexpr, MASKED: t
 
 @triton.jit
 def _filter_max(
-    s_ptr, nv_ptr, ws_ptr, stride_s, stride_w, N, NG, KMIN, GDIV, S, GM_OFF,
+    s_ptr, nv_ptr, ws_ptr, stride_s, stride_w, N, NG, S, GM_OFF,
     HAS_NV: tl.constexpr, G: tl.constexpr, NGB: tl.constexpr, ALIGN: tl.constexpr, LEVELS: tl.constexpr,
 ):  # fmt: skip
     """A, grid (T, S): the max key of every group of the row's level (G >> lv entries, ``_row_plan``) of the
@@ -619,7 +607,7 @@ def _filter_max(
     sp = tl.program_id(1)
     row = s_ptr + r * stride_s
     ws_row = ws_ptr + r * stride_w
-    lo, hi, lv = _row_chunk(nv_ptr, r, sp, N, S, NG, KMIN, GDIV, HAS_NV, G, ALIGN, LEVELS)
+    lo, hi, lv = _row_chunk(nv_ptr, r, sp, N, S, NG, HAS_NV, G, ALIGN, LEVELS)
     n_ok = sp * 0
     for i in tl.static_range(LEVELS):  # the same tile size at every level: [NGB << i, G >> i]
         if lv == i:
@@ -644,7 +632,7 @@ def _group_max_chunk(row, gm_row, lo, hi, G: tl.constexpr, NGB: tl.constexpr):
 
 @triton.jit
 def _filter_level(
-    nv_ptr, ws_ptr, stride_w, N, K, NG, KMIN, GDIV, S, GM_OFF,
+    nv_ptr, ws_ptr, stride_w, N, K, NG, S, GM_OFF,
     HAS_NV: tl.constexpr, G: tl.constexpr, ALIGN: tl.constexpr, LEVELS: tl.constexpr, NGP: tl.constexpr,
     SP: tl.constexpr, BITS: tl.constexpr = 32, R: tl.constexpr = 2,
 ):  # fmt: skip
@@ -657,7 +645,7 @@ def _filter_level(
     sidx = tl.arange(0, SP)
     kk = tl.minimum(tl.sum(tl.load(ws_row + _W + sidx, mask=sidx < S, other=0), axis=0), K)
     nv = _visible(nv_ptr, r, N, HAS_NV)
-    _, lv = _row_plan(nv, S, NG, KMIN, GDIV, G, ALIGN, LEVELS)
+    _, lv = _row_plan(nv, S, NG, G, ALIGN, LEVELS)
     ng = tl.cdiv(nv, G >> lv)  # the row's groups (<= NG)
     g = tl.arange(0, NGP)
     gm = tl.load(ws_row + GM_OFF + g, mask=g < ng, other=-2147483648)
@@ -777,7 +765,7 @@ def _take_dense(
 
 @triton.jit
 def _filter_cand(
-    s_ptr, nv_ptr, ws_ptr, stride_s, stride_w, N, NG, KMIN, GDIV, S, GM_OFF, RIDX, RKEY,
+    s_ptr, nv_ptr, ws_ptr, stride_s, stride_w, N, NG, S, GM_OFF, RIDX, RKEY,
     HAS_NV: tl.constexpr, G: tl.constexpr, NGB: tl.constexpr, ALIGN: tl.constexpr, LEVELS: tl.constexpr,
 ):  # fmt: skip
     """C, grid (T, S): lists the chunk's selectable entries with key >= L (index, key; only groups whose max
@@ -788,7 +776,7 @@ def _filter_cand(
     row = s_ptr + r * stride_s
     ws_row = ws_ptr + r * stride_w
     level = tl.load(ws_row + _META + 1)
-    lo, hi, lv = _row_chunk(nv_ptr, r, sp, N, S, NG, KMIN, GDIV, HAS_NV, G, ALIGN, LEVELS)
+    lo, hi, lv = _row_chunk(nv_ptr, r, sp, N, S, NG, HAS_NV, G, ALIGN, LEVELS)
     n_c = sp * 0
     for i in tl.static_range(LEVELS):  # the row's level, as in launch A
         if lv == i:
@@ -833,7 +821,7 @@ def _filter_write(
     total = tl.sum(c, axis=0)
     nv = _visible(nv_ptr, r, N, HAS_NV)
     if total <= SB2:
-        ch = _row_span(nv, S, ALIGN)
+        ch, _ = _row_plan(nv, S, NG, G, ALIGN, LEVELS)
         starts = tl.cumsum(c, axis=0) - c
         src0 = sidx.to(tl.int64)[:, None] * ch
         for p0 in range(0, tl.max(c, axis=0), CPB):
@@ -1012,9 +1000,8 @@ def _filter_plan(N: int, k: int, splits: int, interp: bool, T: int = 1) -> dict:
     dn = _dense_slots(N)
     gm = _WS_LIST + 2 * dn  # after the dense list (indices, keys)
     levels = (g // min(g, _G_FINEST)).bit_length()  # G, G / 2, ..., min(G, _G_FINEST)
-    many = T >= _MANY_ROWS  # a short row's level: see _row_plan (KMIN = NG: the finest that fits)
     return dict(G=g, NG=ng, NGP=triton.next_power_of_2(ng), CH=ch, NGB=tile // g, KP=kp, SB1=sb1, SB2=sb2,
-                ALIGN=align, LEVELS=levels, KMIN=_GROUPS_PER_K * k if many else ng, GDIV=_G_MANY_MIN if many else 1,
+                ALIGN=align, LEVELS=levels,
                 DIDX=_WS_LIST, DKEY=_WS_LIST + dn, GM=gm, RIDX=gm + ng, RKEY=gm + ng + N)  # fmt: skip
 
 
@@ -1024,13 +1011,12 @@ def _launch_filter(scores, nv, out, ws, k, splits, has_nv, interp):
     p = _filter_plan(N, k, splits, interp, T)
     grid = (T, splits)
     row = dict(HAS_NV=has_nv, G=p["G"], ALIGN=p["ALIGN"], LEVELS=p["LEVELS"], num_warps=8)
-    lvl = (p["NG"], p["KMIN"], p["GDIV"])  # a row's level (``_row_plan``), the same in launches A-C
-    _filter_max[grid](scores, nv, ws, ss, sw, N, *lvl, splits, p["GM"], NGB=p["NGB"], **row)
+    _filter_max[grid](scores, nv, ws, ss, sw, N, p["NG"], splits, p["GM"], NGB=p["NGB"], **row)
     _filter_level[(T,)](
-        nv, ws, sw, N, k, *lvl, splits, p["GM"], NGP=p["NGP"], SP=_MAX_SPLITS, BITS=_LEVEL_BITS,
+        nv, ws, sw, N, k, p["NG"], splits, p["GM"], NGP=p["NGP"], SP=_MAX_SPLITS, BITS=_LEVEL_BITS,
         R=_RADIX_STEP_BITS, **row,
     )  # fmt: skip
-    _filter_cand[grid](scores, nv, ws, ss, sw, N, *lvl, splits, p["GM"], p["RIDX"], p["RKEY"], NGB=p["NGB"], **row)
+    _filter_cand[grid](scores, nv, ws, ss, sw, N, p["NG"], splits, p["GM"], p["RIDX"], p["RKEY"], NGB=p["NGB"], **row)
     _filter_write[(T,)](
         scores, nv, out, ws, ss, so, sw, N, k, p["NG"], splits, p["RIDX"], p["RKEY"], p["DIDX"], p["DKEY"],
         SB1=p["SB1"], SB2=p["SB2"], CPB=_COPY_COLS, BLOCK=1024 if interp else 4096, KP=p["KP"],
