@@ -309,6 +309,32 @@ def test_auto_gluon_rule(monkeypatch):
     assert not rule(None, False, big) and not rule(True, True, big)
 
 
+def test_auto_takes_the_fold_variant_only_when_set(monkeypatch):
+    """GLUON_AUTO_FOLD (off as shipped) makes impl="auto" launch the Gluon kernel's fold variant; "gluon" stays exact
+    and "gluon_fold" is always the fold variant (the launch recorded in place of a GPU)."""
+    from dsv4.kernels.indexer import _gluon_scores as gs
+
+    calls = []
+
+    def launch(*args, fold=False, **kw):
+        calls.append(fold)
+        return torch.zeros(1)
+
+    monkeypatch.setattr(gs, "gluon_unsupported", lambda q, keys: None)
+    monkeypatch.setattr(gs, "launch_gluon_scores", launch)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(scores_mod, "_GLUON_STATE", {})
+    q = torch.zeros(1, 64, 128)
+    assert not scores_mod.GLUON_AUTO_FOLD
+    for impl in ("auto", "gluon", "gluon_fold"):
+        scores_mod._gluon_scores_or_none(impl, q, None, None, None, None, None, 1 << 22)
+    monkeypatch.setattr(scores_mod, "GLUON_AUTO_FOLD", True)
+    for impl in ("auto", "gluon", "gluon_fold"):
+        scores_mod._gluon_scores_or_none(impl, q, None, None, None, None, None, 1 << 22)
+    assert calls == [False, False, True, True, False, True]
+
+
 def test_launch_config_heuristic():
     cpu = torch.device("cpu")
     # 1M context, B = 4, 128-entry tiles: 8192 tiles over ~2 programs per SM of 132 -> capped at 16 tiles a program

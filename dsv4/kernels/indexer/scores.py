@@ -1061,6 +1061,12 @@ GLUON_EAGER_MIN_WORK = 1 << 21
 # decode step at 128K, B = 1 / 8 / 64: 200.1 / 218.4 / 359.3 us (fp8mma: 199.7 / 223.2 / 396.7, session 10), with
 # block tables for 1M tokens 386.8 / 428.9 / 644.4 vs 395.3 / 444.9 / 767.5.  False: fp8mma only.
 GLUON_AUTO = True
+# auto takes the Gluon kernel's fold variant (``impl="gluon_fold"``) instead of the exact one.  H200, session 13, two
+# producers, 1M entries: B = 1 / 4 / 8 / 64 15.5 / 42.2 / 79.5 / 572 us against 17.3 / 48.1 / 90.8 / 679, within
+# 2.4e-5 of a row's largest |score| (the reference's own bf16 scores are ~4e-3); its GPU unit tests pass.  Off until
+# the decode step's real-shape check (``dsv4 bench``) has run with it: the tiny model's 4 index heads never reach
+# the Gluon kernel, so the model and engine GPU tests do not cover it.
+GLUON_AUTO_FOLD = False
 
 
 def _auto_gluon(state: bool | None, capturing: bool, work: int) -> bool:
@@ -1077,11 +1083,11 @@ def _gluon_scores_or_none(impl, q, weights, keys, block_table, token_row, n_visi
     """``impl="gluon"`` / ``"gluon_fold"``, or ``"auto"`` where it applies: the warp-specialised Gluon kernel
     (``_gluon_scores``; gluon_fold: its fold variant, ``launch_gluon_scores(fold=True)``).
 
-    auto uses it on sm_90 (``gluon_unsupported``) inside a CUDA-graph capture once it has run on the device, and
-    in eager calls the first time (which builds it: an engine's eager warm-up before capturing) and from
-    ``GLUON_EAGER_MIN_WORK`` query rows x entries on (below, fp8mma's lower host cost wins).  Both give the same
-    scores (exact, the same math).  None: not used here, or failed once on this device (auto: warned, and the
-    Triton path is used from then on)."""
+    auto uses it on sm_90 (``gluon_unsupported``) inside a CUDA-graph capture once it has run on the device, and in
+    eager calls the first time (which builds it: an engine's eager warm-up before capturing) and from
+    ``GLUON_EAGER_MIN_WORK`` query rows x entries on (below, fp8mma's lower host cost wins).  Both give the same scores
+    (exact, the same math), unless ``GLUON_AUTO_FOLD`` makes auto take the fold variant.  None: not used here, or failed
+    once on this device (auto: warned, and the Triton path is used from then on)."""
     from dsv4.kernels.indexer import _gluon_scores as gs
 
     why = gs.gluon_unsupported(q, keys)
@@ -1095,7 +1101,8 @@ def _gluon_scores_or_none(impl, q, weights, keys, block_table, token_row, n_visi
     ):
         return None
     try:
-        out = gs.launch_gluon_scores(q, weights, keys, block_table, token_row, n_visible, n, fold=impl == "gluon_fold")
+        fold = impl == "gluon_fold" or (impl == "auto" and GLUON_AUTO_FOLD)
+        out = gs.launch_gluon_scores(q, weights, keys, block_table, token_row, n_visible, n, fold=fold)
     except Exception as e:  # noqa: BLE001 - auto: a kernel that fails to build falls back, once, loudly
         if impl != "auto":
             raise
