@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One H200 session: environment, GPU tests, then the kernel benchmarks. Results go to $OUT (or ./out).
-# Usage (on the device machine, repo root): bash benchmarks/run_h200.sh [tests|bench|all|pending|ncu|attention|attention_ncu|indexer_gluon|indexer_live|indexer_fold|pending_s12|topk_rows|indexer_default|indexer_p2|indexer_ablate|flush_topk|skeleton|topk_short]
+# Usage (on the device machine, repo root): bash benchmarks/run_h200.sh [tests|bench|all|pending|ncu|attention|attention_ncu|indexer_gluon|indexer_live|indexer_fold|pending_s12|topk_rows|indexer_default|indexer_p2|indexer_ablate|flush_topk|skeleton|topk_short|fold_auto]
 # "pending": the norm and top-k GPU tests (~4 min, most of it compiling the top-k kernels), launch D's rank
 # threshold on/off, top-k with both flush kinds, the decode step; about 8 minutes.  "ncu": Nsight Compute
 # sections of the indexer scores, dense attention and gather kernels (benchmarks/ncu_cases.py).  "attention": the
@@ -129,6 +129,13 @@ if [ "$what" = topk_short ]; then  # top-k GPU tests (filter shapes, many rows);
     2>&1 | tee "$OUT/${stamp}_h200_gpu_tests_topk_short.txt" | tail -3
   timeout 100 python3 -m dsv4.cli bench --models v4-flash --kinds csa --contexts 131072 --batches 1,8,64 \
     --table-context 1048576 --out "$OUT/${stamp}_h200_decode_table1048576_short.jsonl" 2>&1 | tail -4
+fi
+if [ "$what" = fold_auto ]; then  # the decode step (real shapes, with its check) with auto taking the fold variant, then as shipped (~3 min)
+  for fold in True False; do
+    timeout 120 python3 -c "import sys; import dsv4.kernels.indexer.scores as s; s.GLUON_AUTO_FOLD = $fold; \
+from dsv4.cli import main; sys.exit(main(sys.argv[1:]))" bench --models v4-flash --kinds csa --contexts 131072,1048576 \
+      --batches 1,4,64 --out "$OUT/${stamp}_h200_decode_fold$fold.jsonl" 2>&1 | tail -7
+  done
 fi
 if [ "$what" = pending_s12 ]; then  # what session 12 left unrun: the top-k GPU tests under the many-rows rule, then indexer_fold (~8 min)
   timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_topk.py -k "filter_real_shapes or many_rows" \
