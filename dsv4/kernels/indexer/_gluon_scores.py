@@ -663,8 +663,8 @@ GLUON_LOADER_REGS = 32
 GLUON_PRODUCERS = 2  # producer warpgroups (1 or 2: alternate tiles; 2 measured 10-13 % faster at 1M B = 4-64, H200)
 # ``ablate`` (timing studies only: the scores are wrong): bits of work left out, to see which partition bounds the time
 ABLATE_CONVERT = 1  # the producers store no keys (their factors still)
-ABLATE_EPILOGUE = 2  # the consumers write nothing (their MMAs still run)
-ABLATE_MMA = 4  # the consumers run no MMA (the epilogue on zeros)
+ABLATE_EPILOGUE = 2  # the consumers write nothing (their MMAs still run); fold's one-scale loop only
+ABLATE_MMA = 4  # the consumers run no MMA (the epilogue on zeros); fold's one-scale loop only
 # (consumer, producer) registers a thread with two producers: 8 + 8 + 4 (the loader's padded warpgroup) warps share
 # 64 K registers, so consumer + producer <= 240; the exact consumer keeps four block accumulators live (168)
 GLUON_REGS_TWO_PRODUCERS = {False: (176, 48), True: (176, 48)}  # by fold
