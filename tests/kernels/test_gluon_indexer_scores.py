@@ -220,10 +220,14 @@ def test_gluon_entry_point_refuses_bad_arguments():
         indexer_scores_gluon(q, w, kp, bt, tr, nv, 256, ablate=8)
     with pytest.raises(ValueError, match="producers: expected 1 or 2, got 3"):
         indexer_scores_gluon(q, w, kp, bt, tr, nv, 256, producers=3)
+    with pytest.raises(ValueError, match="two producers need stages and raw >= 2, got 1, None"):
+        indexer_scores_gluon(q, w, kp, bt, tr, nv, 256, stages=1, raw=None, producers=2)
     with pytest.raises(ValueError, match=r"regs: expected \(consumer, producer\) multiples of 8"):
         indexer_scores_gluon(q, w, kp, bt, tr, nv, 256, regs=(176, 50))
     with pytest.raises(ValueError, match="needs a CUDA device"):
         indexer_scores_gluon(q, w, kp, bt, tr, nv, 256)
+    with pytest.raises(ValueError, match="needs a CUDA device"):  # None: the default depths
+        indexer_scores_gluon(q, w, kp, bt, tr, nv, 256, stages=None, raw=None, producers=2)
 
 
 def test_programs_per_row_fills_the_sms():
@@ -245,9 +249,11 @@ def test_gluon_indexer_compiles_for_sm90(sass_report, case):
     out = sass_report(f"{case}:4:65536")  # > 1 tile a program (tiles = 1 would be specialised away)
     m = re.search(r"_mxfp4_scores_ws_kernel\s+regs\s+(\d+)\s+stack\s+(\d+) B.*local\s+(\d+) B\s+warps (\d+)", out)
     assert m, out
-    warps = 16 if case.endswith("_p1") else 20  # 4 + 4 + 4 (+ 4: the default's second producer) + the loader (padded)
-    # a few words of stack: partition arguments (triton 3.9 passes some through local memory), not loop spills
-    assert int(m[2]) <= 32 and int(m[3]) == 0 and int(m[4]) == warps, out
+    one = case.endswith("_p1")
+    warps = 16 if one else 20  # 4 + 4 + 4 (+ 4: the default's second producer) + the loader (padded)
+    # two producers: a few more words of stack (triton 3.9 passes partition arguments through local memory; no
+    # local loads or stores inside the loops)
+    assert int(m[2]) <= (16 if one else 32) and int(m[3]) == 0 and int(m[4]) == warps, out
     w = re.search(r"wgmma (\d+), waits (\d+)", out)  # ptxas serialises the chain on some code shapes (C7514)
     assert w and int(w[2]) < int(w[1]), out
 

@@ -665,9 +665,11 @@ GLUON_PRODUCERS = 2  # producer warpgroups (1 or 2: alternate tiles; 2 measured 
 ABLATE_CONVERT = 1  # the producers store no keys (their factors still)
 ABLATE_EPILOGUE = 2  # the consumers write nothing (their MMAs still run); fold's one-scale loop only
 ABLATE_MMA = 4  # the consumers run no MMA (the epilogue on zeros); fold's one-scale loop only
-# (consumer, producer) registers a thread with two producers: 8 + 8 + 4 (the loader's padded warpgroup) warps share
-# 64 K registers, so consumer + producer <= 240; the exact consumer keeps four block accumulators live (168)
-GLUON_REGS_TWO_PRODUCERS = {False: (176, 48), True: (176, 48)}  # by fold
+# (consumer, producer) registers a thread with two producers: the 20 warps (8 consumer, 8 producer, the loader's
+# padded 4) launch at 96 registers a thread, a pool of 20 x 96 a lane that the partitions share, so consumer +
+# producer <= 224 with the loader at 32.  The consumers' scale-a-block loop keeps four block accumulators live
+# (spills below ~176); the producers do not spill at 48 (sass_report, triton 3.6, exact and fold).
+GLUON_REGS_TWO_PRODUCERS = (176, 48)
 
 
 def _prep_query(q: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -746,7 +748,7 @@ def launch_gluon_scores(
 
     producers = producers or GLUON_PRODUCERS
     if regs is None:
-        regs = (GLUON_WORKER_REGS, GLUON_PRODUCER_REGS) if producers == 1 else GLUON_REGS_TWO_PRODUCERS[bool(fold)]
+        regs = (GLUON_WORKER_REGS, GLUON_PRODUCER_REGS) if producers == 1 else GLUON_REGS_TWO_PRODUCERS
 
     T = q.shape[0]
     out = torch.empty(T, max_entries, dtype=torch.float32, device=q.device)
@@ -804,7 +806,7 @@ def indexer_scores_gluon(
         raise ValueError(f"indexer_scores_gluon: producers: expected 1 or 2, got {producers!r}")
     if ablate not in range(8):
         raise ValueError(f"indexer_scores_gluon: ablate: expected bits of ABLATE_* (0-7), got {ablate!r}")
-    if producers == 2 and (stages < 2 or raw < 2):
+    if producers == 2 and ((stages or GLUON_STAGES) < 2 or (raw or GLUON_RAW) < 2):
         raise ValueError(f"indexer_scores_gluon: two producers need stages and raw >= 2, got {stages}, {raw}")
     if regs is not None and (
         len(regs) != 2 or any(not isinstance(r, int) or r % 8 or not 24 <= r <= 256 for r in regs)
