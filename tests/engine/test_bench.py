@@ -97,6 +97,32 @@ def test_plain_baseline_detects_a_wrong_cache():
     assert (y2.float() - ref.float()).abs().mean() > 1e-2
 
 
+def test_plain_step_index_qr_feeds_the_indexer_only():
+    """``index_qr`` (the second check of a failing CSA row): the step's own latent gives the same output, and
+    another latent moves the indexer's selection while the attention query keeps its own."""
+    cfg = bench_config("tiny", "csa", 512)
+    gen = torch.Generator().manual_seed(2)
+    from dsv4.cache.manager import KVCacheManager
+    from dsv4.model.attention import AttentionSubBlock
+    from dsv4.model.weights import random_attention_weights
+
+    blk = AttentionSubBlock(cfg, 0, random_attention_weights(cfg, 0, seed=2), backend="torch")
+    m = KVCacheManager(cfg, max_requests=2, num_pages=8)
+    fill_cache(m, 1, 512, gen, "torch")
+    x = torch.randn(1, cfg.dim, generator=gen).to(torch.bfloat16)
+    slots, pos = torch.tensor([m.slot_of(0)]), torch.tensor([511])
+    bt = torch.tensor([m.block_ids(0, 4)])
+    aux: dict = {}
+    y = plain_decode_step(blk, m, slots, pos, bt, x, aux=aux)
+    assert aux["qr"].shape == (1, cfg.q_lora_rank) and aux["topk"].shape == (1, min(cfg.index_topk, 128))
+    assert torch.equal(plain_decode_step(blk, m, slots, pos, bt, x, index_qr=aux["qr"].clone()), y)
+    aux2: dict = {}
+    y2 = plain_decode_step(blk, m, slots, pos, bt, x, aux=aux2, index_qr=aux["qr"].flip(-1).contiguous())
+    assert torch.equal(aux2["qr"], aux["qr"])  # the attention query's latent is the step's own
+    assert not torch.equal(aux2["q_idx"], aux["q_idx"]) and not torch.equal(aux2["topk"], aux["topk"])
+    assert not torch.equal(y2, y)
+
+
 def test_roofline_costs_and_bad_settings():
     cfg = bench_config("v4-flash", "csa", 1 << 20)
     assert cfg.max_seq_len == 1 << 20 and cfg.n_layers == 1 and cfg.compress_ratios == (4,)

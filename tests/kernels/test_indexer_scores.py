@@ -310,7 +310,7 @@ def test_auto_gluon_rule(monkeypatch):
 
 
 def test_auto_takes_the_fold_variant_only_when_set(monkeypatch):
-    """GLUON_AUTO_FOLD (off as shipped) makes impl="auto" launch the Gluon kernel's fold variant; "gluon" stays exact
+    """GLUON_AUTO_FOLD (on as shipped) makes impl="auto" launch the Gluon kernel's fold variant; "gluon" stays exact
     and "gluon_fold" is always the fold variant (the launch recorded in place of a GPU)."""
     from dsv4.kernels.indexer import _gluon_scores as gs
 
@@ -326,7 +326,8 @@ def test_auto_takes_the_fold_variant_only_when_set(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(scores_mod, "_GLUON_STATE", {})
     q = torch.zeros(1, 64, 128)
-    assert not scores_mod.GLUON_AUTO_FOLD
+    assert scores_mod.GLUON_AUTO_FOLD
+    monkeypatch.setattr(scores_mod, "GLUON_AUTO_FOLD", False)
     for impl in ("auto", "gluon", "gluon_fold"):
         scores_mod._gluon_scores_or_none(impl, q, None, None, None, None, None, 1 << 22)
     monkeypatch.setattr(scores_mod, "GLUON_AUTO_FOLD", True)
