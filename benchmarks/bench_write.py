@@ -10,7 +10,9 @@ Ops (each = what one layer does per step on the write path):
   ``out`` rows, as ``append_window`` does for the chunk's own keys);
 - ``csa_main``: compressor_step (m=4, overlap, d=head_dim) + emit_entries(kind="main");
 - ``csa_indexer``: compressor_step (m=4, overlap, d=index_head_dim) + emit_entries(kind="indexer");
-- ``hca``: compressor_step (m=128, d=head_dim) + emit_entries(kind="main").
+- ``hca``: compressor_step (m=128, d=head_dim) + emit_entries(kind="main"), the reference state layout (128 rows);
+- ``hca_online``: the same with the online state (``state_pos``: the running softmax of the open chunk before its
+  newest row, that row raw and its position; the cache's default for HCA).
 Shapes: decode B = 1, 8, 64 (one token per request, at a position where it emits: the worst case) and
 prefill of one request of 8K / 64K tokens from position 0, for the V4-Flash and V4-Pro configs (their
 write-path widths are the same: head_dim 512, rope 64, index_head_dim 128).  In one process and on the
@@ -36,9 +38,12 @@ Bytes (``bytes``: the minimum the op must move; roofline_s = bytes / 4.17e12, H2
   ``two_launch=1`` compressor_step + emit_entries): read kv + score of the step (B x c*d fp32 each), read the
   (c*m - 1) x d state values the pooling takes from the ring (kv + score), write the step's state row
   (c*d, kv + score), [two_launch: pass ``pooled`` between the two kernels (B x d fp32, written + read)],
-  write B entries;
+  write B entries; ``hca_online``: read the row (kv + score), read the state's prefix (max, den, acc: 3 x d fp32)
+  and position, write prefix + raw row (5 x d) and position, write B entries (the timed calls re-run the same
+  positions, so the raw row is replaced, not read: a first run reads 2 x d x 4 bytes a request more);
 - compressor prefill (T tokens from 0, E = T/m entries): read kv + score once, write the last c*m rows
-  of the state, pooled written + read (E x d fp32), write E entries.
+  of the state (``hca_online``: the 5 x d state + position a request), pooled written + read (E x d fp32), write E
+  entries.
 The norm weights and inv_freq (< 3 KB) are not counted.
 """
 
@@ -64,7 +69,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from dsv4.config import get_preset  # noqa: E402
 from dsv4.engine.graphs import capture_graph  # noqa: E402
 from dsv4.formats import FP8EntryFormat, MXFP4KeyFormat  # noqa: E402
-from dsv4.kernels.cache.compressor import compress_decode, compressor_step, emit_entries  # noqa: E402
+from dsv4.kernels.cache.compressor import compress_decode, compressor_step, emit_entries, online_state  # noqa: E402
 from dsv4.kernels.cache.store import store_window  # noqa: E402
 
 PEAK_HBM_BYTES = 4.17e12
@@ -221,6 +226,7 @@ def case_store_window(fmt, mode, n, device, gen, tune=None):
 def case_compressor(kind, cfg, mode, n, device, gen, tune=None):
     fmt8, fmt4 = FP8EntryFormat(cfg.head_dim, cfg.rope_head_dim), MXFP4KeyFormat(cfg.index_head_dim)
     ratio, overlap = (4, True) if kind.startswith("csa") else (128, False)
+    online = kind == "hca_online"
     c = 2 if overlap else 1
     d = cfg.index_head_dim if kind == "csa_indexer" else cfg.head_dim
     fmt, ekind = (fmt4, "indexer") if kind == "csa_indexer" else (fmt8, "main")
@@ -244,13 +250,25 @@ def case_compressor(kind, cfg, mode, n, device, gen, tune=None):
     )
     if mode == "prefill":
         st0 = (torch.zeros_like(st0[0]), torch.full_like(st0[1], float("-inf")))
+    sp0 = None
+    if online:  # fresh for a prefill; for a decode a running state of random rows, its raw row the previous token's
+        k0, s0, sp0 = online_state(n_req, d, device)
+        if mode == "decode":
+            k0.copy_(torch.randn(k0.shape, generator=g2).to(device))
+            k0[:, 1].abs_().add_(1.0)
+            s0.copy_(torch.randn(s0.shape, generator=g2).to(device))
+            sp0[tslot.long()] = (pos - 1).to(torch.int32)
+        st0 = (k0, s0)
 
     def make():
         flat = torch.zeros(fmt.page_bytes(bs) * pages_n, dtype=torch.uint8, device=device)
         pages = fmt.entry_pages(flat, pages_n, bs) if ekind == "main" else fmt.key_pages(flat, pages_n, bs)
-        return flat, pages, st0[0].clone(), st0[1].clone()
+        if online:
+            buf = torch.cat(st0, 1).clone()
+            return flat, pages, buf[:, 0:3], buf[:, 3:5], sp0.clone()
+        return flat, pages, st0[0].clone(), st0[1].clone(), None
 
-    (fk, pk, ksk, ssk), (fr, pr, ksr, ssr) = make(), make()
+    (fk, pk, ksk, ssk, spk), (fr, pr, ksr, ssr, spr) = make(), make()
 
     tune = dict(tune or {})
     emit_kw = {k[len("emit_") :]: tune.pop(k) for k in list(tune) if k.startswith("emit_")}
@@ -258,8 +276,10 @@ def case_compressor(kind, cfg, mode, n, device, gen, tune=None):
     two_launch = bool(tune.pop("two_launch", 0))
     counters = torch.zeros(n_req, dtype=torch.int32, device=device)
 
-    def run(backend, pages, ks, ss):
+    def run(backend, pages, ks, ss, spos):
         kw_s, kw_e = (tune, emit_kw) if backend == "triton" else ({}, {})
+        if spos is not None:
+            kw_s = {**kw_s, "state_pos": spos}
 
         def f():
             if mode == "decode" and not two_launch:  # what a layer's decode step runs: one fused launch
@@ -276,14 +296,22 @@ def case_compressor(kind, cfg, mode, n, device, gen, tune=None):
         return f
 
     # correctness on this data (from the same initial state), before timing
-    run("triton", pk, ksk, ssk)()
-    run("torch", pr, ksr, ssr)()
+    run("triton", pk, ksk, ssk, spk)()
+    run("torch", pr, ksr, ssr, spr)()
     same = (fk == fr).float().mean().item()
     state_ok = torch.equal(ksk, ksr) and torch.equal(ssk, ssr)
+    if online:  # the prefix sums round differently in fp32; the max, raw rows and positions are exact
+        state_ok = torch.equal(ssk, ssr) and torch.equal(spk, spr) and torch.allclose(ksk, ksr, rtol=1e-5, atol=1e-5)
     ok = same > 0.999 and state_ok
     e = n_entries
     rows_in = t * c * d * 4 * 2  # kv + score of every token, read once
-    if mode == "prefill":
+    if online and mode == "prefill":
+        state = n_req * (5 * d * 4 + 4)  # prefix + raw row + position a request
+        state_reads = 0
+    elif online:
+        state = t * (5 * d * 4 + 4)  # prefix + raw row + position written
+        state_reads = t * (3 * d * 4 + 4)  # prefix + position read (a re-run: the raw row is replaced)
+    elif mode == "prefill":
         state = min(t, c * ratio) * n_req * c * d * 4 * 2  # the last c*m rows written
         state_reads = 0
     else:
@@ -293,8 +321,8 @@ def case_compressor(kind, cfg, mode, n, device, gen, tune=None):
     handoff = e * d * 4 * 2 if mode == "prefill" or two_launch else 0  # pooled rows between launches
     nbytes = rows_in + state + state_reads + handoff + e * entry_w + idx
     return (
-        run("triton", pk, ksk, ssk),
-        run("torch", pr, ksr, ssr),
+        run("triton", pk, ksk, ssk, spk),
+        run("torch", pr, ksr, ssr, spr),
         ok,
         f"bytes equal {same:.6f}, state {state_ok}",
         nbytes,
@@ -310,7 +338,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", help="append JSON lines here")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU interpreter friendly)")
-    ap.add_argument("--ops", default="store_window,csa_main,csa_indexer,hca", help="comma-separated subset")
+    ap.add_argument("--ops", default="store_window,csa_main,csa_indexer,hca,hca_online", help="comma-separated subset")
     ap.add_argument("--models", default=None, help="comma-separated presets (default: v4-flash,v4-pro)")
     ap.add_argument("--modes", default="decode,prefill", help="comma-separated subset of decode,prefill")
     ap.add_argument(
@@ -346,11 +374,11 @@ def main() -> None:
                 if mode not in modes:
                     continue
                 if args.prefill_only and mode == "decode":
-                    if op != "hca":
+                    if not op.startswith("hca"):
                         continue
                     sizes = sizes[-1:]
                 for n, variant in [(n, v) for n in sizes for v in tune.get(op, [{}])]:
-                    if op == "hca" and mode == "prefill" and args.smoke:
+                    if op.startswith("hca") and mode == "prefill" and args.smoke:
                         n = 130  # at least one HCA entry
                     gen = torch.Generator().manual_seed(0)
                     if op == "store_window":

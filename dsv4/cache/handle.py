@@ -221,7 +221,7 @@ class LayerCacheHandle:
         st = self._compressor(which)
         return compressor_step(
             kv, score, self.plan.positions, self.plan.token_slots, st.kv, st.score,
-            st.shape.ratio, st.shape.overlap, decode=self.plan.is_decode, backend=backend,
+            st.shape.ratio, st.shape.overlap, decode=self.plan.is_decode, backend=backend, state_pos=st.positions,
         )  # fmt: skip
 
     def emit_compressed(
@@ -276,7 +276,7 @@ class LayerCacheHandle:
         compress_decode(
             kv, score, self.plan.positions, self.plan.token_slots, st.kv, st.score, st.counters, st.shape.ratio,
             st.shape.overlap, norm_weight, self.schema.config.norm_eps, inv_freq, rp.emit_slots, pages, fmt,
-            kind=which, backend=backend, ape=ape,
+            kind=which, backend=backend, ape=ape, state_pos=st.positions,
         )  # fmt: skip
 
     def _emit_target(self, which: str):

@@ -34,7 +34,7 @@ import torch
 from dsv4.cache.handle import LayerCacheHandle
 from dsv4.cache.paged_cache import PagedKVPool
 from dsv4.cache.plan import RatioPlan, StepPlan
-from dsv4.cache.schema import DEFAULT_BLOCK_TOKENS, CacheSchema
+from dsv4.cache.schema import DEFAULT_BLOCK_TOKENS, ONLINE_STATE, CacheSchema
 from dsv4.cache.state_cache import StateCachePool
 from dsv4.config import ModelConfig
 
@@ -96,6 +96,8 @@ class KVCacheManager:
         block_tokens: raw tokens per logical block (page) in every ratio class.
         device: where the cache lives.
         debug: run ``check_invariants`` after every mutation (host-side only; never syncs the device).
+        online_state: HCA compressors keep the running softmax of the open chunk instead of its rows
+            (``CacheSchema``; default ``ONLINE_STATE``).
     """
 
     def __init__(
@@ -107,8 +109,9 @@ class KVCacheManager:
         block_tokens: int = DEFAULT_BLOCK_TOKENS,
         device: torch.device | str = "cpu",
         debug: bool = False,
+        online_state: bool = ONLINE_STATE,
     ) -> None:
-        self.schema = CacheSchema(config, block_tokens)
+        self.schema = CacheSchema(config, block_tokens, online_state)
         self.config = config
         self.device = torch.device(device)
         self.debug = debug
@@ -135,6 +138,7 @@ class KVCacheManager:
         max_requests: int,
         budget_bytes: int,
         block_tokens: int = DEFAULT_BLOCK_TOKENS,
+        online_state: bool = ONLINE_STATE,
         **kwargs,
     ) -> KVCacheManager:
         """Size the page pools so that slots + pages fit ``budget_bytes``.
@@ -142,7 +146,7 @@ class KVCacheManager:
         After the per-slot state, the remaining bytes are split so that every ratio class can hold
         the same number of tokens (pages per class = tokens / block_tokens).
         """
-        schema = CacheSchema(config, block_tokens)
+        schema = CacheSchema(config, block_tokens, online_state)
         left = budget_bytes - max_requests * schema.per_request_fixed_bytes()
         per_block = sum(rc.block_bytes for rc in schema.ratio_classes.values())
         if left < 0 or (per_block and left < per_block):
@@ -150,7 +154,10 @@ class KVCacheManager:
                 f"budget_bytes: {budget_bytes} cannot hold {max_requests} request slots and one page per ratio class"
             )
         n = left // per_block if per_block else 0
-        return cls(config, max_requests=max_requests, num_pages=n, block_tokens=block_tokens, **kwargs)
+        return cls(
+            config, max_requests=max_requests, num_pages=n, block_tokens=block_tokens, online_state=online_state,
+            **kwargs,
+        )  # fmt: skip
 
     # ------------------------------------------------------------------ queries
     def __contains__(self, rid: Hashable) -> bool:

@@ -13,7 +13,11 @@ same layer buffer, the MXFP4 indexer keys of the same entries.
 Per request, independent of length (``StateCachePool``): the window ring of every layer (one MODEL1
 page of ``window_size`` entries, plus int32 positions and a head), and the fp32 compressor state of
 every CSA/HCA layer: ``[c*m, c*d]`` kv and score rows (c = 2 with CSA's overlap), and for CSA the
-same for the indexer's d = ``index_head_dim`` compressor (spec §3.1).
+same for the indexer's d = ``index_head_dim`` compressor (spec §3.1).  With ``online_state`` (the default,
+``ONLINE_STATE``) a compressor without overlap (HCA) keeps instead the running softmax of its open chunk
+before the newest row (max, denominator, weighted sum) and that row (kv, score) raw, 5 x d fp32 + an int32
+position (10 KiB at d = 512 instead of the reference layout's 512 KiB; ``dsv4.kernels.cache.compressor``,
+"online state").
 """
 
 from __future__ import annotations
@@ -25,17 +29,36 @@ from dsv4.config import LayerKind, ModelConfig
 from dsv4.formats import FP8EntryFormat, MXFP4KeyFormat, entry_format, key_format
 
 DEFAULT_BLOCK_TOKENS = 256
+# non-overlapping compressors (HCA) keep the running softmax of the open chunk, not its rows (module docstring)
+ONLINE_STATE = True
 _INT32_BYTES = 4
 _FP32_BYTES = 4
 
 
 @dataclass(frozen=True)
 class CompressorShape:
-    """One compressor's state geometry: rows = c*m (ring indexed by position mod rows), width = c*d."""
+    """One compressor's state geometry: rows = c*m (ring indexed by position mod rows), width = c*d; ``online``
+    (no overlap only): kv rows (acc, den, raw kv) and score rows (max, raw score) of width d, and an int32
+    position, instead (``dsv4.kernels.cache.compressor``, "online state")."""
 
     ratio: int
     head_dim: int
     overlap: bool
+    online: bool = False
+
+    def __post_init__(self) -> None:
+        if self.online and self.overlap:
+            raise ValueError("online: expected a compressor without overlap (HCA)")
+
+    @property
+    def kv_rows(self) -> int:
+        """Rows of the kv state: c*m ring rows, or 3 (acc, den, raw kv) online."""
+        return 3 if self.online else self.rows
+
+    @property
+    def score_rows(self) -> int:
+        """Rows of the score state: c*m ring rows, or 2 (max, raw score) online."""
+        return 2 if self.online else self.rows
 
     @property
     def coff(self) -> int:
@@ -51,8 +74,8 @@ class CompressorShape:
 
     @property
     def state_bytes(self) -> int:
-        """kv + score, fp32."""
-        return 2 * self.rows * self.width * _FP32_BYTES
+        """kv + score, fp32 (+ the int32 position online)."""
+        return (self.kv_rows + self.score_rows) * self.width * _FP32_BYTES + (_INT32_BYTES if self.online else 0)
 
 
 @dataclass(frozen=True)
@@ -115,7 +138,9 @@ class LayerSchema:
 class CacheSchema:
     """Per-layer cache geometry of a model (see module docstring)."""
 
-    def __init__(self, config: ModelConfig, block_tokens: int = DEFAULT_BLOCK_TOKENS) -> None:
+    def __init__(
+        self, config: ModelConfig, block_tokens: int = DEFAULT_BLOCK_TOKENS, online_state: bool = ONLINE_STATE
+    ) -> None:
         if not isinstance(config, ModelConfig):
             raise ValueError(f"config: expected a ModelConfig, got {type(config).__name__}")
         if not isinstance(block_tokens, int) or block_tokens <= 0:
@@ -127,6 +152,7 @@ class CacheSchema:
                 )
         self.config = config
         self.block_tokens = block_tokens
+        self.online_state = bool(online_state)
         self.entry_fmt = entry_format(config)
         self.key_fmt = key_format(config)
 
@@ -146,7 +172,8 @@ class CacheSchema:
         out = []
         for i in range(cfg.num_cache_layers):
             m, kind = cfg.ratio(i), cfg.layer_kind(i)
-            comp = CompressorShape(m, cfg.head_dim, cfg.overlap(m)) if m else None
+            ov = cfg.overlap(m)
+            comp = CompressorShape(m, cfg.head_dim, ov, self.online_state and not ov) if m else None
             idx = CompressorShape(m, cfg.index_head_dim, cfg.overlap(m)) if kind is LayerKind.CSA else None
             out.append(LayerSchema(i, kind, m, cfg.is_mtp(i), comp, idx))
         return tuple(out)

@@ -5,9 +5,12 @@ slot (entry of position ``t`` in row ``t mod ring_size``), the absolute position
 (-1 = empty) and the ring head (next row to write = tokens written mod ring_size).
 
 For every CSA/HCA layer the **compressor state** (spec §3.1): fp32 ``kv`` and ``score`` rows of shape
-``[c*m, c*d]`` per slot, and for CSA the same for the indexer's compressor.  Rows form a ring indexed
-by *absolute position mod c*m* (as vLLM does), not the reference's "previous chunk | open chunk"
-halves: the same bytes, but no row copy at a chunk boundary and chunked prefill needs no special
+``[c*m, c*d]`` per slot, and for CSA the same for the indexer's compressor; an online compressor (HCA, as
+``CacheSchema.online_state`` makes them) keeps ``kv`` [3, d] (acc, den, raw kv) and ``score`` [2, d] (max, raw
+score) per slot, views of one [5, d] buffer, and ``positions`` (int32, the raw row's; -1 fresh)
+(``dsv4.kernels.cache.compressor``, "online state"); fresh: kv 0, score -inf.
+Rows form a ring indexed by *absolute position mod c*m* (as vLLM does), not the reference's "previous
+chunk | open chunk" halves: the same bytes, but no row copy at a chunk boundary and chunked prefill needs no special
 case.  A fresh slot has kv 0 and score -inf, so rows of positions < 0 (CSA entry 0's missing previous
 chunk) get zero weight; ``reset`` restores that when a slot is reused (the reference never does).
 
@@ -28,7 +31,8 @@ from dsv4.formats import EntryPages
 
 @dataclass(frozen=True)
 class CompressorState:
-    """One compressor's state views: ``kv``/``score`` fp32 [num_slots, rows, width]; ``counters`` int32
+    """One compressor's state views: ``kv``/``score`` fp32 [num_slots, rows, width] (online: [num_slots, 3, d] and
+    [num_slots, 2, d], ``shape.online``, with ``positions``); ``counters`` int32
     [num_slots], all 0 between launches: the fused decode kernel's per-slot arrival counters
     (``dsv4.kernels.cache.compressor.compress_decode``)."""
 
@@ -36,6 +40,7 @@ class CompressorState:
     kv: torch.Tensor
     score: torch.Tensor
     counters: torch.Tensor
+    positions: torch.Tensor | None = None  # online: int32 [num_slots], the raw row's position (-1 = none)
 
 
 @dataclass(frozen=True)
@@ -76,6 +81,7 @@ class StateCachePool:
         # Compressor states grouped by shape, so one fill resets every layer of a kind.
         self._comp: dict[CompressorShape, tuple[torch.Tensor, torch.Tensor]] = {}
         self._counters: dict[CompressorShape, torch.Tensor] = {}
+        self._comp_pos: dict[CompressorShape, torch.Tensor] = {}  # online states: position of the raw row
         index_in_group: dict[tuple[int, str], tuple[CompressorShape, int]] = {}
         group_sizes: dict[CompressorShape, int] = {}
         for ls in schema.layers:
@@ -84,8 +90,14 @@ class StateCachePool:
                     index_in_group[(ls.layer_id, role)] = (shape, group_sizes.get(shape, 0))
                     group_sizes[shape] = group_sizes.get(shape, 0) + 1
         for shape, n in group_sizes.items():
-            kv = torch.zeros(n, num_slots, shape.rows, shape.width, dtype=torch.float32, device=dev)
-            score = torch.full_like(kv, float("-inf"))
+            if shape.online:  # (acc, den, raw kv | max, raw score) rows of one buffer: equal strides for the kernels
+                buf = torch.zeros(n, num_slots, 5, shape.width, dtype=torch.float32, device=dev)
+                kv, score = buf[:, :, 0:3], buf[:, :, 3:5]
+                score.fill_(float("-inf"))
+                self._comp_pos[shape] = torch.full((n, num_slots), -1, dtype=torch.int32, device=dev)
+            else:
+                kv = torch.zeros(n, num_slots, shape.rows, shape.width, dtype=torch.float32, device=dev)
+                score = torch.full_like(kv, float("-inf"))
             self._comp[shape] = (kv, score)
             self._counters[shape] = torch.zeros(n, num_slots, dtype=torch.int32, device=dev)
 
@@ -94,7 +106,8 @@ class StateCachePool:
                 return None
             shape, i = index_in_group[(layer_id, role)]
             kv, score = self._comp[shape]
-            return CompressorState(shape, kv[i], score[i], self._counters[shape][i])
+            pos = self._comp_pos[shape][i] if shape.online else None
+            return CompressorState(shape, kv[i], score[i], self._counters[shape][i], pos)
 
         self.layers: tuple[LayerState, ...] = tuple(
             LayerState(
@@ -143,6 +156,8 @@ class StateCachePool:
         for kv, score in self._comp.values():
             kv.index_fill_(1, idx, 0.0)
             score.index_fill_(1, idx, float("-inf"))
+        for pos in self._comp_pos.values():
+            pos.index_fill_(1, idx, -1)
 
     def layer(self, layer_id: int) -> LayerState:
         self.schema.layer(layer_id)
@@ -151,5 +166,5 @@ class StateCachePool:
     @property
     def total_bytes(self) -> int:
         t = [self._ring_buf, self._pos, self._head, *(x for pair in self._comp.values() for x in pair)]
-        t += list(self._counters.values())
+        t += list(self._counters.values()) + list(self._comp_pos.values())
         return sum(x.numel() * x.element_size() for x in t)

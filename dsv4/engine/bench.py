@@ -187,6 +187,9 @@ def fill_cache(m: KVCacheManager, n_requests: int, context: int, gen: torch.Gene
         if comp is not None:
             comp.kv.copy_(randn(*comp.kv.shape, dtype=torch.float32))
             comp.score.copy_(randn(*comp.score.shape, dtype=torch.float32))
+            if comp.positions is not None:  # online: a denominator >= 1, the raw row is the newest cached token's
+                comp.kv[:, 1].abs_().add_(1.0)
+                comp.positions.fill_(cached - 1)
     ring = schema.ring_size
     fill_rows(st.ring.num_slots, efmt.head_dim, partial(_store_e, pages=st.ring, fmt=efmt, backend=backend))
     last = cached - 1  # position of the newest cached token
@@ -313,11 +316,16 @@ def _store_keys(keys, fmt, y, pg, rw, hadamard: bool = False) -> None:
 
 def _plain_compress(cfg, cw, state, pos, slots, x, ratio, inv, block_table, bs, store) -> None:
     """Compressor decode: state row pos % (c*m) <- this token; pool the last c*m rows where an entry
-    completes; norm, RoPE at the entry position, store into the entry's page."""
+    completes; norm, RoPE at the entry position, store into the entry's page.  An online state
+    (``state.positions``): prefix + raw row -> new prefix, this token -> raw row, pooled = prefix + token."""
     overlap = cfg.overlap(ratio)
     c = 2 if overlap else 1
     cm = c * ratio
     kv, score = F.compressor_project(x, cw.wkv, cw.wgate, cw.ape, pos, ratio)
+    if state.positions is not None:
+        pooled = _plain_online(state, kv, score, pos, slots, ratio)
+        _plain_emit(cfg, cw, pooled, pos, ratio, inv, block_table, bs, store)
+        return
     state.kv[slots, pos % cm] = kv
     state.score[slots, pos % cm] = score
     rows = pos[:, None] - cm + 1 + torch.arange(cm, device=x.device)  # [B, cm] positions, oldest first
@@ -329,10 +337,42 @@ def _plain_compress(cfg, cw, state, pos, slots, x, ratio, inv, block_table, bs, 
         gk = torch.cat([gk[:, :ratio, :d], gk[:, ratio:, d:]], 1)
         gs = torch.cat([gs[:, :ratio, :d], gs[:, ratio:, d:]], 1)
     pooled = (gk * gs.softmax(1)).sum(1)
+    _plain_emit(cfg, cw, pooled, pos, ratio, inv, block_table, bs, store)
+
+
+def _plain_emit(cfg, cw, pooled, pos, ratio, inv, block_table, bs, store) -> None:
     sel = ((pos + 1) % ratio == 0).nonzero().squeeze(1)  # requests whose entry completes (a host sync)
     e = pos[sel] // ratio
     y = F.apply_rope(F.rms_norm(pooled[sel].to(torch.bfloat16), cw.norm, cfg.norm_eps), e * ratio, inv)
     store(y, block_table[sel, e // bs], e % bs)
+
+
+def _plain_online(state, kv, score, pos, slots, ratio) -> torch.Tensor:
+    """One decode token a request into an online state (max, den, acc of the chunk before the newest row; that row
+    raw; its position): returns the pooled rows [B, d] (meaningful where the token completes an entry)."""
+    inf = float("-inf")
+    tag = state.positions[slots].long()[:, None]
+    p = pos[:, None]
+    use = p % ratio != 0  # the chunk began before this token
+    raw = use & (tag < p) & (tag >= p - p % ratio)  # the raw row is an older token's (not a re-run of this one)
+    mx = state.score[slots, 0].masked_fill(~use, inf)
+    den = state.kv[slots, 1].masked_fill(~use, 0.0)
+    acc = state.kv[slots, 0].masked_fill(~use, 0.0)
+    r_sc = state.score[slots, 1].masked_fill(~raw, inf)
+    r_kv = state.kv[slots, 2].masked_fill(~raw, 0.0)
+
+    def fold(mx, den, acc, s, one, v):
+        m = torch.maximum(mx, s)
+        ref = m.masked_fill(m == inf, 0.0)
+        fa, fb = torch.exp(mx - ref), torch.exp(s - ref)
+        return m, den * fa + one * fb, acc * fa + v * fb
+
+    mx, den, acc = fold(mx, den, acc, r_sc, raw.float(), r_kv)
+    state.score[slots, 0], state.kv[slots, 1], state.kv[slots, 0] = mx, den, acc
+    state.score[slots, 1], state.kv[slots, 2] = score, kv
+    state.positions[slots] = pos.to(torch.int32)
+    _, den, acc = fold(mx, den, acc, score, torch.ones_like(score), kv)
+    return acc / den
 
 
 # ---------------------------------------------------------------------------------------------- dsv4 parts

@@ -24,9 +24,12 @@ def test_ratio_class_paging():
 def test_per_request_state_bytes():
     s = CacheSchema(get_preset("v4-pro"))
     assert s.compressor_state_bytes(2) == 65536 + 16384  # CSA main + indexer
-    assert s.compressor_state_bytes(3) == 524288  # HCA
+    assert s.compressor_state_bytes(3) == 5 * 512 * 4 + 4  # HCA, online: max, den, acc, raw kv + score, position
+    ring = CacheSchema(get_preset("v4-pro"), online_state=False)  # the reference layout: 128 kv + score rows
+    assert ring.compressor_state_bytes(3) == 524288 and ring.compressor_state_bytes(2) == 65536 + 16384
     assert s.compressor_state_bytes(61) == 0  # MTP, SWA-only
-    assert s.per_request_fixed_bytes_by_region()["compressor_state"] == 30 * 81920 + 31 * 524288
+    assert s.per_request_fixed_bytes_by_region()["compressor_state"] == 30 * 81920 + 31 * 10244  # 2.6 MiB
+    assert ring.per_request_fixed_bytes_by_region()["compressor_state"] == 30 * 81920 + 31 * 524288  # 17.8 MiB
     assert s.ring_page_bytes == 74880  # 128 * 584 = 74752, padded to a multiple of 576
 
 

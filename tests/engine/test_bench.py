@@ -9,6 +9,7 @@ import torch
 
 from dsv4.cli import main
 from dsv4.engine.bench import (
+    MATCH_MEAN_ABS,
     PARTS,
     SMOKE,
     _part_cost,
@@ -94,7 +95,7 @@ def test_plain_baseline_detects_a_wrong_cache():
     assert d.max() <= 0.05 and d.mean() <= 3e-3
     m.pools[128].layer(0).entries.rope.mul_(-1)  # flip the rope half of every compressed entry
     y2 = plain_decode_step(blk, m, slots, pos, bt, x)
-    assert (y2.float() - ref.float()).abs().mean() > 1e-2
+    assert (y2.float() - ref.float()).abs().mean() > 2 * MATCH_MEAN_ABS  # fails the bench's check, by a margin
 
 
 def test_plain_step_index_qr_feeds_the_indexer_only():

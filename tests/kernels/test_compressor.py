@@ -40,6 +40,25 @@ def fresh_state(n_slots, ratio, overlap, d, device, garbage=False):
     return torch.zeros(shape, device=device), torch.full(shape, float("-inf"), device=device)
 
 
+def next_step(step, hist, slot_map, width, g):
+    """One step of (request, n_tokens): its positions (each request continues its history), state slots, requests
+    and random kv / score rows [T, width], which are appended to ``hist`` {request: ([kv...], [score...])}."""
+    pos, slot, req = [], [], []
+    for r, n in step:
+        start = sum(x.shape[0] for x in hist[r][0])
+        pos += list(range(start, start + n))
+        slot += [slot_map[r]] * n
+        req += [r] * n
+    kv = torch.randn(len(pos), width, generator=g)
+    sc = torch.randn(len(pos), width, generator=g) * 2
+    off = 0
+    for r, n in step:
+        hist[r][0].append(kv[off : off + n])
+        hist[r][1].append(sc[off : off + n])
+        off += n
+    return pos, slot, req, kv, sc
+
+
 def run_steps(chunks, ratio, overlap, d, backend, device, garbage=False, slot_map=None):
     """chunks: list of steps, each a list of (request, n_tokens).  Returns pooled per (request, entry), state."""
     c = 2 if overlap else 1
@@ -50,20 +69,7 @@ def run_steps(chunks, ratio, overlap, d, backend, device, garbage=False, slot_ma
     hist = {r: ([], []) for r in range(n_req)}
     got = {}
     for step in chunks:
-        pos, slot, req = [], [], []
-        for r, n in step:
-            start = sum(x.shape[0] for x in hist[r][0])
-            pos += list(range(start, start + n))
-            slot += [slot_map[r]] * n
-            req += [r] * n
-        t = len(pos)
-        kv = torch.randn(t, c * d, generator=g)
-        sc = torch.randn(t, c * d, generator=g) * 2
-        off = 0
-        for r, n in step:
-            hist[r][0].append(kv[off : off + n])
-            hist[r][1].append(sc[off : off + n])
-            off += n
+        pos, slot, req, kv, sc = next_step(step, hist, slot_map, c * d, g)
         pos_t = torch.tensor(pos, dtype=torch.int32, device=device)
         pooled, emits = compressor_step(
             kv.to(device), sc.to(device), pos_t, torch.tensor(slot, dtype=torch.int32, device=device),

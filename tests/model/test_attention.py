@@ -211,6 +211,7 @@ def test_gpu_triton_path_matches_dense(kind):
 def _cache_bytes(m):
     st = m.state
     parts = [st._ring_buf, st._pos[:, :-1], st._head[:, :-1], *(x for pair in st._comp.values() for x in pair)]
+    parts += list(st._comp_pos.values())
     parts += [layer.buffer for pool in m.pools.values() for layer in pool.layers.values()]
     return [p.clone() for p in parts]
 
@@ -239,6 +240,40 @@ def test_padded_decode_step_equals_unpadded_and_writes_nothing_for_padding(backe
         caches.append(_cache_bytes(m))
     for i in (1, 2):
         assert torch.equal(outs[0][i], outs[1][i])
+    for a, b in zip(caches[0], caches[1], strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_cancelled_decode_step_run_again_equals_one_run(backend):
+    """``KVCacheManager.cancel`` allows re-running a decode step that ran: with HCA's online compressor state (its
+    newest row kept raw) the second run replaces the row instead of folding it twice, so outputs and every cache
+    byte equal a single run -- at a step that completes an HCA entry (position 255) and at the next one."""
+    x = torch.randn(1, 258, TINY.dim, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    outs, caches = [], []
+    for rerun in (False, True):
+        m = KVCacheManager(TINY, max_requests=2, num_pages=4, block_tokens=256, debug=True)
+        assert m.state.layer(2).compressor.positions is not None  # HCA: online state
+        w = random_attention_weights(TINY, 2, seed=4)
+        blocks = {2: AttentionSubBlock(TINY, 2, w, backend=backend)}
+        m.add(0)
+        plan = m.plan({0: 255})
+        AttentionSubBlock(TINY, 2, w, backend="torch")(x[0, :255], m.acquire(2, plan))  # (the prefill: either path)
+        m.commit(plan)
+        ys = []
+        for p in (255, 256):
+            plan = m.plan({0: 1})
+            if rerun:
+                for i, blk in blocks.items():
+                    blk(x[0, p : p + 1], m.acquire(i, plan))
+                m.cancel(plan)
+                plan = m.plan({0: 1})
+            ys.append({i: blk(x[0, p : p + 1], m.acquire(i, plan)) for i, blk in blocks.items()})
+            m.commit(plan)
+        outs.append(ys)
+        caches.append(_cache_bytes(m))
+    for a, b in zip(outs[0], outs[1], strict=True):
+        assert torch.equal(a[2], b[2])
     for a, b in zip(caches[0], caches[1], strict=True):
         assert torch.equal(a, b)
 

@@ -7,6 +7,20 @@ State layout (fixed by the cache): per CSA/HCA layer, fp32 ``kv_state`` and ``sc
 of position ``pos`` (a ring indexed by absolute position, like vLLM's; not the reference's
 previous/current halves).  A fresh slot holds kv 0 / score -inf; score rows already include ``ape``.
 
+**Online state** (``state_pos`` given; non-overlapping compressors only: HCA).  Instead of the last m rows the
+state holds, per channel, the running softmax of the open chunk's rows before the newest -- ``max`` (the
+largest score), ``den`` (sum of exp(score - max)) and ``acc`` (sum of exp(score - max) * kv) -- plus the newest
+row itself (raw kv and score) and its position (``state_pos``, int32 per slot).  kv_state [S, 3, d] = (acc, den,
+raw kv) and score_state [S, 2, d] = (max, raw score) are views of one fp32 [S, 5, d] buffer (``online_state``).
+Combining running softmaxes: M = max(max_a, max_b), den = den_a exp(max_a - M) + den_b exp(max_b - M), acc
+likewise; the entry is acc / den over the chunk's m rows.  A step whose request starts at p0 uses the state only
+if its chunk began before p0: the prefix, and the raw row when its position is < p0.  Keeping the newest row raw
+makes a step re-runnable: re-running position p0 (a cancelled decode step, ``KVCacheManager.cancel``) replaces
+the row instead of folding it twice, and a replayed CUDA graph gives the same result each time.  The state of
+HCA (d = 512) shrinks from 2 x 128 x 512 fp32 (512 KiB) a request and layer to 5 x 512 + 1 (10 KiB), and a decode
+step that emits reads ~10 KiB a request instead of 512 KiB.  The pooled values equal the softmax pooling up to
+fp32 rounding (the exp-weighted sums are summed in another order: ~1e-6 relative).
+
 Pooling of the entry completed at position t (t + 1 ≡ 0 mod m; entry index t // m)::
 
     HCA:  rows t-m+1 .. t          channels [0, d)
@@ -75,6 +89,8 @@ from dsv4.kernels.dispatch import interpreter_enabled, num_sms, use_triton
 from dsv4.model.functional import ape_rows, apply_rope, hadamard, rms_norm
 
 __all__ = [
+    "online_combine",
+    "online_state",
     "compress_decode",
     "compressor_step",
     "compressor_step_reference",
@@ -125,6 +141,12 @@ _POOL_ROW_LOADS = False
 _WRITE_BLOCK_T = 32
 _WRITE_BLOCK_D = 128
 _WRITE_WARPS = 4
+# Online state (HCA): a decode program takes all d channels (``_online_block_d``: d = 512, one program a token, the
+# emit in the same program, no counters); the non-decode state write scans _ONLINE_WRITE_BLOCK_T tokens a program
+# for each request's last one (one per request: most programs exit after their index loads).  H200, V4-Flash HCA
+# prefill of 65,536 tokens (2026-12-04_h200_write_hca_online_wbt_s14.txt): 118.2 us with 128, 112.4 with 512,
+# 113.1 with 2,048 (the reference-layout kernels: 94.3 us).
+_ONLINE_WRITE_BLOCK_T = 512
 
 
 def _geometry(ratio: int, overlap: bool) -> tuple[int, int]:
@@ -150,11 +172,14 @@ def compressor_step_reference(
     score_state: torch.Tensor,
     ratio: int,
     overlap: bool,
+    state_pos: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """PyTorch definition of ``compressor_step`` (a loop over the step's requests; syncs to the host).
 
     Rows of ``pooled`` for tokens that do not emit are 0 here (unspecified for the Triton path).
     """
+    if state_pos is not None:
+        return _online_step_reference(kv, score, positions, token_slot, kv_state, score_state, state_pos, ratio)
     c, cm = _geometry(ratio, overlap)
     d = kv.shape[1] // c
     t_all = kv.shape[0]
@@ -191,7 +216,165 @@ def compressor_step_reference(
     return pooled, emits
 
 
+def online_state(
+    num_state_slots: int, d: int, device: torch.device | str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A fresh online state (module docstring): kv_state [S, 3, d] (acc 0, den 0, raw kv 0) and score_state
+    [S, 2, d] (max -inf, raw score -inf), views of one fp32 [S, 5, d] buffer, and state_pos int32 [S] (-1)."""
+    buf = torch.zeros(num_state_slots, 5, d, dtype=torch.float32, device=device)
+    buf[:, 3:] = float("-inf")
+    return buf[:, 0:3], buf[:, 3:5], torch.full((num_state_slots,), -1, dtype=torch.int32, device=device)
+
+
+Running = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (max, den, acc), each [d] fp32
+
+
+def online_combine(a: Running, b: Running) -> Running:
+    """Two running softmaxes (max, den, acc) of disjoint row sets -> the one of their union (fp32).  A set with
+    max -inf holds no rows and contributes nothing (two empty sets give an empty one)."""
+    mx = torch.maximum(a[0], b[0])
+    ref = torch.where(mx == float("-inf"), 0.0, mx)  # (both empty: exp(-inf - 0) = 0, no inf - inf)
+    fa, fb = torch.exp(a[0] - ref), torch.exp(b[0] - ref)
+    return mx, a[1] * fa + b[1] * fb, a[2] * fa + b[2] * fb
+
+
+def _online_rows(kv: torch.Tensor, sc: torch.Tensor) -> Running:
+    """(max, den, acc) of rows kv, sc [n, d] fp32 (n = 0: the empty set, max -inf)."""
+    if kv.shape[0] == 0:
+        z = torch.zeros(kv.shape[1], dtype=torch.float32, device=kv.device)
+        return torch.full_like(z, float("-inf")), z, z.clone()
+    mx = sc.max(0).values
+    e = torch.exp(sc - mx)
+    return mx, e.sum(0), (e * kv).sum(0)
+
+
+def _online_step_reference(kv, score, positions, token_slot, kv_state, score_state, state_pos, ratio):
+    """``compressor_step_reference`` with an online state (module docstring): per request and chunk the step
+    touches, the running softmax of the chunk's rows before its last one in the step -- the state's prefix (and
+    its raw row when older than the step) if the chunk began before the step, then the step's rows -- combined
+    with that last row; an emitting chunk pools acc / den; the state keeps the request's last chunk."""
+    t_all, d = kv.shape
+    pooled = torch.zeros(t_all, d, dtype=torch.float32, device=kv.device)
+    emits = (positions.long() + 1) % ratio == 0
+    for s in torch.unique(token_slot).tolist():
+        if not 0 <= s < kv_state.shape[0]:
+            continue
+        idx = (token_slot == s).nonzero().squeeze(1)
+        pos = positions[idx].long()
+        p0, tag = int(pos[0]), int(state_pos[s])
+        chunk = pos // ratio
+        for ch in torch.unique(chunk).tolist():
+            sel, c0 = idx[chunk == ch], ch * ratio
+            part = _online_rows(kv[:0].float(), score[:0].float())
+            if c0 < p0:  # the chunk's rows before the step are in the state
+                part = (score_state[s, 0], kv_state[s, 1], kv_state[s, 0])
+                if c0 <= tag < p0:  # its raw row is one of them (not a re-run of the step's first position)
+                    part = online_combine(part, _online_rows(kv_state[s, 2:3], score_state[s, 1:2]))
+            excl = online_combine(part, _online_rows(kv[sel[:-1]].float(), score[sel[:-1]].float()))
+            last = sel[-1]
+            if emits[last]:
+                full = online_combine(excl, _online_rows(kv[last : last + 1].float(), score[last : last + 1].float()))
+                pooled[last] = full[2] / full[1]
+        score_state[s, 0], kv_state[s, 1], kv_state[s, 0] = excl
+        kv_state[s, 2], score_state[s, 1] = kv[last].float(), score[last].float()
+        state_pos[s] = int(pos[-1])
+    return pooled, emits
+
+
 # ============================================================================ Triton
+@triton.jit
+def _online_combine(mx_a, den_a, acc_a, mx_b, den_b, acc_b):
+    """``online_combine`` in a kernel (max -inf: an empty set)."""
+    mx = tl.maximum(mx_a, mx_b)
+    ref = tl.where(mx == float("-inf"), 0.0, mx)  # (both empty: exp(-inf - 0) = 0, no inf - inf)
+    fa = tl.exp(mx_a - ref)
+    fb = tl.exp(mx_b - ref)
+    return mx, den_a * fa + den_b * fb, acc_a * fa + acc_b * fb
+
+
+@triton.jit
+def _vec_flag(ch, flag):
+    """A scalar condition as a [BLOCK_D] mask (the interpreter rejects masks made of a vector & a scalar)."""
+    return (ch * 0 + flag.to(tl.int32)) != 0
+
+
+@triton.jit
+def _online_state_part(slot, t, p0, ch, chm, kvs_ptr, scs_ptr, st_ss, st_sr, spos_ptr, M: tl.constexpr):
+    """The state's share of the chunk of position t for a step whose request starts at p0: nothing if the chunk
+    begins in the step; else its prefix, combined with its raw row when that row is older than the step (a
+    re-run of position p0 replaces it)."""
+    c0 = t - t % M
+    use = _vec_flag(ch, c0 < p0) & chm
+    tag = tl.load(spos_ptr + slot).to(tl.int64)
+    raw = use & _vec_flag(ch, (tag < p0) & (tag >= c0))
+    base = slot * st_ss + ch
+    mx = tl.load(scs_ptr + base, mask=use, other=float("-inf"))
+    den = tl.load(kvs_ptr + base + st_sr, mask=use, other=0.0)
+    acc = tl.load(kvs_ptr + base, mask=use, other=0.0)
+    r_sc = tl.load(scs_ptr + base + st_sr, mask=raw, other=float("-inf"))
+    r_kv = tl.load(kvs_ptr + base + 2 * st_sr, mask=raw, other=0.0)
+    return _online_combine(mx, den, acc, r_sc, tl.where(raw, 1.0, 0.0), r_kv)
+
+
+@triton.jit
+def _rows_in_step(j, p, jin, slot, i0, tslot_ptr, pos_ptr, ROW_LOADS: tl.constexpr):
+    """Which candidate rows (batch index j, position p; ``jin``: j is a valid index) are this request's tokens in
+    the step: with ``ROW_LOADS`` by loading their slots and positions, else by the step contract: j >= i0, the
+    batch index of the request's first token in the step."""
+    if ROW_LOADS:
+        js = tl.load(tslot_ptr + j, mask=jin, other=-1).to(tl.int64)
+        jp = tl.load(pos_ptr + j, mask=jin, other=-1).to(tl.int64)
+        in_step = jin & (js == slot) & (jp == p)
+    else:
+        in_step = jin & (j >= i0)
+    return in_step
+
+
+@triton.jit
+def _online_prefix(
+    i, t, slot, ch, chm, kv_ptr, sc_ptr, stride_kv, stride_sc, pos_ptr, tslot_ptr, kvs_ptr, scs_ptr, st_ss, st_sr,
+    spos_ptr, M: tl.constexpr, BLOCK_R: tl.constexpr, i0=0, ROW_LOADS: tl.constexpr = True,
+):  # fmt: skip
+    """Online state, non-decode: the running softmax (max, den, acc) [BLOCK_D] of channels ``ch`` over the rows of
+    token i's chunk *before* position t: those in this step combined with the state's share
+    (``_online_state_part``, as it was before the step).  Which rows are in the step: with ``ROW_LOADS`` by loading
+    their tokens' slots and positions, else from ``i0``, the batch index of the request's first token in the step
+    (the caller's registers, as ``_pool_token``)."""
+    k = 1 + tl.arange(0, BLOCK_R)  # row k: position t - k, batch index i - k if it is in this step
+    p = t - k
+    j = i - k
+    jin = (k <= t % M) & (j >= 0)
+    in_step = _rows_in_step(j, p, jin, slot, i0, tslot_ptr, pos_ptr, ROW_LOADS)
+    m2 = in_step[:, None] & chm[None, :]
+    kv_r = tl.load(kv_ptr + j[:, None] * stride_kv + ch[None, :], mask=m2, other=0.0)
+    sc_r = tl.load(sc_ptr + j[:, None] * stride_sc + ch[None, :], mask=m2, other=float("-inf"))
+    mx = tl.max(sc_r, axis=0)
+    e = tl.where(m2, tl.exp(sc_r - tl.where(mx == float("-inf"), 0.0, mx)[None, :]), 0.0)
+    p0 = t - tl.sum(in_step.to(tl.int64), axis=0)  # the request's first position in the step
+    mx_s, den_s, acc_s = _online_state_part(slot, t, p0, ch, chm, kvs_ptr, scs_ptr, st_ss, st_sr, spos_ptr, M)
+    return _online_combine(mx_s, den_s, acc_s, mx, tl.sum(e, axis=0), tl.sum(e * kv_r, axis=0))
+
+
+@triton.jit
+def _pool_token_online(
+    i, t, slot, b, kv_ptr, sc_ptr, stride_kv, stride_sc, pos_ptr, tslot_ptr, kvs_ptr, scs_ptr, st_ss, st_sr,
+    spos_ptr, pooled_ptr, M: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, i0,
+    ROW_LOADS: tl.constexpr,
+):  # fmt: skip
+    """``_pool_token`` for an online state (non-decode): ``_online_prefix`` of the entry's chunk combined with the
+    emitting token's own row, then acc / den."""
+    ch = b * BLOCK_D + tl.arange(0, BLOCK_D)
+    chm = ch < D
+    mx, den, acc = _online_prefix(
+        i, t, slot, ch, chm, kv_ptr, sc_ptr, stride_kv, stride_sc, pos_ptr, tslot_ptr, kvs_ptr, scs_ptr, st_ss, st_sr,
+        spos_ptr, M, BLOCK_R, i0, ROW_LOADS,
+    )  # fmt: skip
+    kv_t = tl.load(kv_ptr + i * stride_kv + ch, mask=chm, other=0.0)
+    sc_t = tl.load(sc_ptr + i * stride_sc + ch, mask=chm, other=0.0)
+    _, den, acc = _online_combine(mx, den, acc, sc_t, tl.full([BLOCK_D], 1.0, tl.float32), kv_t)
+    tl.store(pooled_ptr + i * D + ch, acc / den, mask=chm)
+
+
 @triton.jit
 def _pool_token(
     i,
@@ -236,12 +419,8 @@ def _pool_token(
     jin = rmask & (j >= 0) & (j < T)
     if DECODE:  # one token per request: only the token's own row (k = CM - 1, j = i) is in the step
         in_step = rmask & (k == CM - 1)
-    elif ROW_LOADS:
-        js = tl.load(tslot_ptr + j, mask=jin, other=-1).to(tl.int64)
-        jp = tl.load(pos_ptr + j, mask=jin, other=-1).to(tl.int64)
-        in_step = jin & (js == slot) & (jp == p)
     else:
-        in_step = jin & (j >= i0)
+        in_step = _rows_in_step(j, p, jin, slot, i0, tslot_ptr, pos_ptr, ROW_LOADS)
     from_state = rmask & (in_step == 0) & (p >= 0)
     ch = b * BLOCK_D + tl.arange(0, BLOCK_D)
     chm = ch < D
@@ -317,17 +496,62 @@ def _decode_pool_write(
 
 
 @triton.jit
+def _decode_online(
+    i, b, kv_ptr, sc_ptr, stride_kv, stride_sc, pos_ptr, tslot_ptr, kvs_ptr, scs_ptr, st_ss, st_sr, num_state_slots,
+    spos_ptr, pooled_ptr, emits_ptr, M: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, ape_ptr=None,
+    HAS_APE: tl.constexpr = False,
+):  # fmt: skip
+    """``_decode_pool_write`` for an online state, one program a token over all D channels (BLOCK_D >= D: the
+    program reads its slot's ``state_pos`` before it writes it): the prefix of token i's chunk before position t
+    (``_online_state_part`` with p0 = t) becomes the state's prefix, the token's row its raw row, t its position;
+    an emitting token stores prefix + row as acc / den.  Returns (pooled, slot) as ``_decode_pool_write``."""
+    t = tl.load(pos_ptr + i).to(tl.int64)
+    slot = tl.load(tslot_ptr + i).to(tl.int64)
+    work = (slot >= 0) & (slot < num_state_slots) & (t >= 0)
+    emit = ((t + 1) % M) == 0
+    if b == 0:
+        tl.store(emits_ptr + i, emit.to(tl.uint8))
+    ch = b * BLOCK_D + tl.arange(0, BLOCK_D)
+    chm = ch < D
+    if work:
+        kv_o = tl.load(kv_ptr + i * stride_kv + ch, mask=chm, other=0.0)
+        sc_o = tl.load(sc_ptr + i * stride_sc + ch, mask=chm, other=0.0)
+        if HAS_APE:
+            sc_o += tl.load(ape_ptr + (t % M) * D + ch, mask=chm, other=0.0)
+        mx, den, acc = _online_state_part(slot, t, t, ch, chm, kvs_ptr, scs_ptr, st_ss, st_sr, spos_ptr, M)
+        tl.debug_barrier()  # every thread has read the state (and state_pos) before any writes it
+        base = slot * st_ss + ch
+        tl.store(scs_ptr + base, mx, mask=chm)
+        tl.store(kvs_ptr + base + st_sr, den, mask=chm)
+        tl.store(kvs_ptr + base, acc, mask=chm)
+        tl.store(scs_ptr + base + st_sr, sc_o, mask=chm)
+        tl.store(kvs_ptr + base + 2 * st_sr, kv_o, mask=chm)
+        tl.store(spos_ptr + slot, t.to(tl.int32))
+        if emit:
+            _, den, acc = _online_combine(mx, den, acc, sc_o, tl.full([BLOCK_D], 1.0, tl.float32), kv_o)
+            tl.store(pooled_ptr + i * D + ch, acc / den, mask=chm)
+    return emit & work & (b * BLOCK_D < D), slot
+
+
+@triton.jit
 def _compressor_decode_kernel(
     kv_ptr, sc_ptr, stride_kv, stride_sc, pos_ptr, tslot_ptr, kvs_ptr, scs_ptr, st_ss, st_sr, num_state_slots,
-    pooled_ptr, emits_ptr, T, M: tl.constexpr, CM: tl.constexpr, D: tl.constexpr, OVERLAP: tl.constexpr,
-    C: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+    pooled_ptr, emits_ptr, T, spos_ptr, M: tl.constexpr, CM: tl.constexpr, D: tl.constexpr,
+    OVERLAP: tl.constexpr, C: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, ONLINE: tl.constexpr = False,
 ):  # fmt: skip
-    """decode=True, program (token i, channel block b): ``_decode_pool_write``."""
-    _decode_pool_write(
-        tl.program_id(0).to(tl.int64), tl.program_id(1), kv_ptr, sc_ptr, stride_kv, stride_sc, pos_ptr, tslot_ptr,
-        kvs_ptr, scs_ptr, st_ss, st_sr, num_state_slots, pooled_ptr, emits_ptr, T, M, CM, D, OVERLAP, C, BLOCK_R,
-        BLOCK_D,
-    )  # fmt: skip
+    """decode=True, program (token i, channel block b): ``_decode_pool_write`` (``ONLINE``: ``_decode_online``;
+    ``spos_ptr``: its ``state_pos``, unused otherwise)."""
+    i = tl.program_id(0).to(tl.int64)
+    if ONLINE:
+        _decode_online(
+            i, tl.program_id(1), kv_ptr, sc_ptr, stride_kv, stride_sc, pos_ptr, tslot_ptr, kvs_ptr, scs_ptr, st_ss,
+            st_sr, num_state_slots, spos_ptr, pooled_ptr, emits_ptr, M, D, BLOCK_D,
+        )  # fmt: skip
+    else:
+        _decode_pool_write(
+            i, tl.program_id(1), kv_ptr, sc_ptr, stride_kv, stride_sc, pos_ptr, tslot_ptr, kvs_ptr, scs_ptr, st_ss,
+            st_sr, num_state_slots, pooled_ptr, emits_ptr, T, M, CM, D, OVERLAP, C, BLOCK_R, BLOCK_D,
+        )  # fmt: skip
 
 
 @triton.jit
@@ -335,8 +559,10 @@ def _last_arrival(pooled, cnt_ptr, slot, N_POOL: tl.constexpr):
     """Whether this program is the last of the N_POOL channel-block programs of its entry to finish pooling
     (``pooled``: this program pooled one): ``last_arrival`` on the entry's counter ``cnt_ptr[slot]`` (int32,
     the state slot's: one token per slot in a decode step), so the last one observes every other program's
-    pooled values; the counters start and end each launch at 0.  N_POOL = 1: no atomics."""
+    pooled values; the counters start and end each launch at 0.  N_POOL = 1: no atomics, a CTA barrier (the
+    emit reads back values other threads of this program stored)."""
     if N_POOL == 1:
+        tl.debug_barrier()
         last = pooled
     else:
         last = pooled & False
@@ -348,21 +574,28 @@ def _last_arrival(pooled, cnt_ptr, slot, N_POOL: tl.constexpr):
 @triton.jit
 def _compressor_decode_emit_main_kernel(
     kv_ptr, sc_ptr, stride_kv, stride_sc, pos_ptr, tslot_ptr, kvs_ptr, scs_ptr, st_ss, st_sr, num_state_slots,
-    pooled_ptr, emits_ptr, T, cnt_ptr, ape_ptr, w_ptr, eps, inv_ptr, eslot_ptr, num_slots, bs, nope_ptr, nope_sp,
-    nope_sr, rope_ptr, rope_sp, rope_sr, scale_ptr, scale_sp, scale_sr, M: tl.constexpr, CM: tl.constexpr,
+    pooled_ptr, emits_ptr, T, cnt_ptr, ape_ptr, spos_ptr, w_ptr, eps, inv_ptr, eslot_ptr, num_slots, bs, nope_ptr,
+    nope_sp, nope_sr, rope_ptr, rope_sp, rope_sr, scale_ptr, scale_sp, scale_sr, M: tl.constexpr, CM: tl.constexpr,
     D: tl.constexpr, OVERLAP: tl.constexpr, C: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
     N_POOL: tl.constexpr, INTERP: tl.constexpr, NOPE: tl.constexpr, NT: tl.constexpr, NT_PAD: tl.constexpr,
     TILE: tl.constexpr, HR: tl.constexpr, FLOOR: tl.constexpr, QMAX: tl.constexpr, Q_EXP: tl.constexpr,
-    Q_MANT: tl.constexpr, VEC_RUNS: tl.constexpr, HAS_APE: tl.constexpr = False,
+    Q_MANT: tl.constexpr, VEC_RUNS: tl.constexpr, HAS_APE: tl.constexpr = False, ONLINE: tl.constexpr = False,
 ):  # fmt: skip
-    """Decode step of a main compressor in one launch: ``_decode_pool_write``, then the last channel-block
-    program of each emitting token (``_last_arrival``) reads the token's pooled row back and emits its
-    FP8 entry (``_norm_rope_rows``: RMSNorm -> RoPE at the entry position -> quantise -> store)."""
+    """Decode step of a main compressor in one launch: ``_decode_pool_write`` (``ONLINE``: ``_decode_online``),
+    then the last channel-block program of each emitting token (``_last_arrival``) reads the token's pooled row
+    back and emits its FP8 entry (``_norm_rope_rows``: RMSNorm -> RoPE at the entry position -> quantise ->
+    store)."""
     i = tl.program_id(0).to(tl.int64)
-    pooled, slot = _decode_pool_write(
-        i, tl.program_id(1), kv_ptr, sc_ptr, stride_kv, stride_sc, pos_ptr, tslot_ptr, kvs_ptr, scs_ptr, st_ss, st_sr,
-        num_state_slots, pooled_ptr, emits_ptr, T, M, CM, D, OVERLAP, C, BLOCK_R, BLOCK_D, ape_ptr, HAS_APE,
-    )  # fmt: skip
+    if ONLINE:
+        pooled, slot = _decode_online(
+            i, tl.program_id(1), kv_ptr, sc_ptr, stride_kv, stride_sc, pos_ptr, tslot_ptr, kvs_ptr, scs_ptr, st_ss,
+            st_sr, num_state_slots, spos_ptr, pooled_ptr, emits_ptr, M, D, BLOCK_D, ape_ptr, HAS_APE,
+        )  # fmt: skip
+    else:
+        pooled, slot = _decode_pool_write(
+            i, tl.program_id(1), kv_ptr, sc_ptr, stride_kv, stride_sc, pos_ptr, tslot_ptr, kvs_ptr, scs_ptr, st_ss,
+            st_sr, num_state_slots, pooled_ptr, emits_ptr, T, M, CM, D, OVERLAP, C, BLOCK_R, BLOCK_D, ape_ptr, HAS_APE,
+        )  # fmt: skip
     if _last_arrival(pooled, cnt_ptr, slot, N_POOL):
         noff, tin, roff, rin = _fp8_row_offsets(D, NOPE, NT, NT_PAD, TILE, HR, VEC_RUNS)
         ii = i + tl.arange(0, 1)
@@ -380,12 +613,12 @@ def _compressor_decode_emit_main_kernel(
 @triton.jit
 def _compressor_decode_emit_indexer_kernel(
     kv_ptr, sc_ptr, stride_kv, stride_sc, pos_ptr, tslot_ptr, kvs_ptr, scs_ptr, st_ss, st_sr, num_state_slots,
-    pooled_ptr, emits_ptr, T, cnt_ptr, ape_ptr, w_ptr, eps, inv_ptr, eslot_ptr, num_slots, bs, data_ptr, data_sp,
-    data_sr, scale_ptr, scale_sp, scale_sr, M: tl.constexpr, CM: tl.constexpr, D: tl.constexpr, OVERLAP: tl.constexpr,
-    C: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, N_POOL: tl.constexpr, INTERP: tl.constexpr,
-    NOPE: tl.constexpr, HR: tl.constexpr, HAD_SCALE: tl.constexpr, KB: tl.constexpr, NA: tl.constexpr, RA: tl.constexpr,
-    NB: tl.constexpr, HB: tl.constexpr, FLOOR: tl.constexpr, Q_EXP: tl.constexpr, Q_MANT: tl.constexpr,
-    HAS_APE: tl.constexpr = False,
+    pooled_ptr, emits_ptr, T, cnt_ptr, ape_ptr, spos_ptr, w_ptr, eps, inv_ptr, eslot_ptr, num_slots, bs, data_ptr,
+    data_sp, data_sr, scale_ptr, scale_sp, scale_sr, M: tl.constexpr, CM: tl.constexpr, D: tl.constexpr,
+    OVERLAP: tl.constexpr, C: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, N_POOL: tl.constexpr,
+    INTERP: tl.constexpr, NOPE: tl.constexpr, HR: tl.constexpr, HAD_SCALE: tl.constexpr, KB: tl.constexpr,
+    NA: tl.constexpr, RA: tl.constexpr, NB: tl.constexpr, HB: tl.constexpr, FLOOR: tl.constexpr, Q_EXP: tl.constexpr,
+    Q_MANT: tl.constexpr, HAS_APE: tl.constexpr = False,
 ):  # fmt: skip
     """``_compressor_decode_emit_main_kernel`` for the CSA indexer's compressor: the emit is
     ``_emit_indexer_rows`` (RMSNorm -> RoPE -> Hadamard -> MXFP4 key)."""
@@ -420,6 +653,7 @@ def _compressor_pool_kernel(
     pooled_ptr,
     emits_ptr,
     T,
+    spos_ptr,
     M: tl.constexpr,
     CM: tl.constexpr,
     D: tl.constexpr,
@@ -428,6 +662,7 @@ def _compressor_pool_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
     ROW_LOADS: tl.constexpr = False,
+    ONLINE: tl.constexpr = False,
 ):
     """Program (token block a, channel block b): write ``emits`` of tokens [a*BLOCK_T, ...) (b == 0) and
     pool channels [b*BLOCK_D, ...) of each emitting token with a state slot, one after another (visiting
@@ -458,9 +693,7 @@ def _compressor_pool_kernel(
     # visit the emitting tokens only; their position / slot come from the registers loaded above
     k = tl.min(tl.where(work, kk, BLOCK_T), axis=0)
     while k < BLOCK_T:
-        sel = kk == k
-        t = tl.sum(tl.where(sel, tt, 0), axis=0)
-        slot = tl.sum(tl.where(sel, ss, 0), axis=0)
+        t, slot = _token_at(kk, k, tt, ss)
         i0 = a * BLOCK_T + k
         if not ROW_LOADS:
             # the run in the block (index kk holds position t - (k - kk)), then before it
@@ -470,10 +703,16 @@ def _compressor_pool_kernel(
             prun = (sp == slot) & (tp == t - (k + BLOCK_R - r))
             r0 = tl.min(tl.where(prun, r, BLOCK_R), axis=0)
             i0 = tl.where(k0 > 0, a * BLOCK_T + k0, a * BLOCK_T - BLOCK_R + r0)
-        _pool_token(
-            a * BLOCK_T + k, t, slot, b, kv_ptr, sc_ptr, stride_kv, stride_sc, pos_ptr, tslot_ptr, kvs_ptr, scs_ptr,
-            st_ss, st_sr, pooled_ptr, T, M, CM, D, OVERLAP, BLOCK_R, BLOCK_D, False, i0, ROW_LOADS,
-        )  # fmt: skip
+        if ONLINE and (i0 > a * BLOCK_T + k - t % M):  # the chunk began before the step: state + rows
+            _pool_token_online(
+                a * BLOCK_T + k, t, slot, b, kv_ptr, sc_ptr, stride_kv, stride_sc, pos_ptr, tslot_ptr, kvs_ptr,
+                scs_ptr, st_ss, st_sr, spos_ptr, pooled_ptr, M, D, BLOCK_R, BLOCK_D, i0, ROW_LOADS,
+            )  # fmt: skip
+        else:  # (online: a chunk whose rows are all in the step pools as the ring does, touching no state)
+            _pool_token(
+                a * BLOCK_T + k, t, slot, b, kv_ptr, sc_ptr, stride_kv, stride_sc, pos_ptr, tslot_ptr, kvs_ptr,
+                scs_ptr, st_ss, st_sr, pooled_ptr, T, M, CM, D, OVERLAP, BLOCK_R, BLOCK_D, False, i0, ROW_LOADS,
+            )  # fmt: skip
         k = tl.min(tl.where(work & (kk > k), kk, BLOCK_T), axis=0)
 
 
@@ -526,8 +765,70 @@ def _compressor_write_kernel(
             tl.store(scs_ptr + dst, tl.load(sc_ptr + src_sc[:, None] + ch[None, :], mask=m), mask=m)
 
 
-def _check_step(kv, score, positions, token_slot, kv_state, score_state, ratio, overlap):
-    """Validate ``compressor_step``'s tensors; returns (c, c*m, T, c*d, d)."""
+@triton.jit
+def _token_at(kk, k, tt, ss):
+    """(position, slot) of the block's token k, from the block's registers ``tt`` / ``ss`` [BLOCK_T]."""
+    sel = kk == k
+    return tl.sum(tl.where(sel, tt, 0), axis=0), tl.sum(tl.where(sel, ss, 0), axis=0)
+
+
+@triton.jit
+def _online_last_tokens(a, T, pos_ptr, tslot_ptr, num_state_slots, BLOCK_T: tl.constexpr):
+    """Tokens [a*BLOCK_T, ...): positions, slots and which are their request's last in the step (the next token has
+    another slot or is not the next position), with a state slot."""
+    ii = a * BLOCK_T + tl.arange(0, BLOCK_T)
+    im = ii < T
+    tt = tl.load(pos_ptr + ii, mask=im, other=-1).to(tl.int64)
+    ss = tl.load(tslot_ptr + ii, mask=im, other=-1).to(tl.int64)
+    nm = (ii + 1) < T
+    ts = tl.load(tslot_ptr + ii + 1, mask=nm, other=-1).to(tl.int64)
+    tp = tl.load(pos_ptr + ii + 1, mask=nm, other=-1).to(tl.int64)
+    last = im & (ss >= 0) & (ss < num_state_slots) & (tt >= 0) & ((ts != ss) | (tp != tt + 1))
+    return tt, ss, last
+
+
+@triton.jit
+def _compressor_online_write_kernel(
+    kv_ptr, sc_ptr, stride_kv, stride_sc, pos_ptr, tslot_ptr, kvs_ptr, scs_ptr, st_ss, st_sr, num_state_slots, T,
+    spos_ptr, M: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """Online state, non-decode, after the pool pass: program (token block a, channel block b) writes, for each
+    token of [a*BLOCK_T, ...) that is its request's last in the step, its chunk's prefix (``_online_prefix``) and
+    its own row as its slot's state.  ``state_pos`` is read here and written by the next launch
+    (``_online_pos_kernel``): the channel blocks of one request must all see the old value."""
+    a = tl.program_id(0).to(tl.int64)
+    b = tl.program_id(1)
+    tt, ss, last = _online_last_tokens(a, T, pos_ptr, tslot_ptr, num_state_slots, BLOCK_T)
+    ch = b * BLOCK_D + tl.arange(0, BLOCK_D)
+    chm = ch < D
+    kk = tl.arange(0, BLOCK_T)
+    k = tl.min(tl.where(last, kk, BLOCK_T), axis=0)
+    while k < BLOCK_T:
+        t, slot = _token_at(kk, k, tt, ss)
+        i = a * BLOCK_T + k
+        mx, den, acc = _online_prefix(
+            i, t, slot, ch, chm, kv_ptr, sc_ptr, stride_kv, stride_sc, pos_ptr, tslot_ptr, kvs_ptr, scs_ptr, st_ss,
+            st_sr, spos_ptr, M, BLOCK_R,
+        )  # fmt: skip
+        base = slot * st_ss + ch
+        tl.store(scs_ptr + base, mx, mask=chm)
+        tl.store(kvs_ptr + base + st_sr, den, mask=chm)
+        tl.store(kvs_ptr + base, acc, mask=chm)
+        tl.store(scs_ptr + base + st_sr, tl.load(sc_ptr + i * stride_sc + ch, mask=chm), mask=chm)
+        tl.store(kvs_ptr + base + 2 * st_sr, tl.load(kv_ptr + i * stride_kv + ch, mask=chm), mask=chm)
+        k = tl.min(tl.where(last & (kk > k), kk, BLOCK_T), axis=0)
+
+
+@triton.jit
+def _online_pos_kernel(pos_ptr, tslot_ptr, num_state_slots, T, spos_ptr, BLOCK_T: tl.constexpr):
+    """Online state, non-decode, last launch: ``state_pos[slot]`` = the position of each request's last token."""
+    a = tl.program_id(0).to(tl.int64)
+    tt, ss, last = _online_last_tokens(a, T, pos_ptr, tslot_ptr, num_state_slots, BLOCK_T)
+    tl.store(spos_ptr + tl.where(last, ss, 0), tt.to(tl.int32), mask=last)
+
+
+def _check_step(kv, score, positions, token_slot, kv_state, score_state, ratio, overlap, state_pos=None):
+    """Validate ``compressor_step``'s tensors (``state_pos`` given: an online state); returns (c, c*m, T, c*d, d)."""
     c, cm = _geometry(ratio, overlap)
     check_tensor("kv", kv, dtype=torch.float32, ndim=2)
     t, cd = kv.shape
@@ -537,13 +838,31 @@ def _check_step(kv, score, positions, token_slot, kv_state, score_state, ratio, 
     check_tensor("score", score, dtype=torch.float32, shape=[t, cd], device=dev)
     check_tensor("positions", positions, dtype=_INT, shape=[t], device=dev)
     check_tensor("token_slot", token_slot, dtype=_INT, shape=[t], device=dev)
-    check_tensor("kv_state", kv_state, dtype=torch.float32, shape=[None, cm, cd], device=dev)
-    check_tensor("score_state", score_state, dtype=torch.float32, shape=list(kv_state.shape), device=dev)
+    if state_pos is not None:
+        if overlap:
+            raise ValueError("state_pos (an online state): expected a compressor without overlap (HCA), got overlap")
+        check_tensor("kv_state", kv_state, dtype=torch.float32, shape=[None, 3, cd], device=dev)
+        n = kv_state.shape[0]
+        check_tensor("score_state", score_state, dtype=torch.float32, shape=[n, 2, cd], device=dev)
+        check_tensor("state_pos", state_pos, dtype=torch.int32, shape=[n], device=dev)
+        if not state_pos.is_contiguous():
+            raise ValueError("state_pos: expected a contiguous tensor")
+    else:
+        check_tensor("kv_state", kv_state, dtype=torch.float32, shape=[None, cm, cd], device=dev)
+        check_tensor("score_state", score_state, dtype=torch.float32, shape=list(kv_state.shape), device=dev)
     if kv.stride(1) != 1 or score.stride(1) != 1:
         raise ValueError(f"kv, score: expected unit inner strides, got {kv.stride()} {score.stride()}")
     if kv_state.stride() != score_state.stride() or kv_state.stride(2) != 1:
         raise ValueError("kv_state, score_state: expected equal strides with a unit inner stride")
     return c, cm, t, cd, cd // c
+
+
+def _online_block_d(block_d: int | None, d: int) -> int:
+    """Channels a decode program of an online state: all d (it reads its slot's state_pos before writing it)."""
+    bd = block_d or max(16, triton.next_power_of_2(d))
+    if bd < d:
+        raise ValueError(f"block_d: an online state's decode program takes all {d} channels, got {bd}")
+    return bd
 
 
 def compressor_step(
@@ -558,6 +877,7 @@ def compressor_step(
     decode: bool = False,
     backend: str = "auto",
     *,
+    state_pos: torch.Tensor | None = None,
     pool_block_t: int | None = None,
     block_d: int | None = None,
     num_warps: int | None = None,
@@ -571,8 +891,11 @@ def compressor_step(
         kv, score: [T, c*d] fp32, this step's ``wkv(x)`` and ``wgate(x) + ape[pos mod m]`` (tokens).
         positions: [T] int32/int64 absolute positions; token_slot: [T] int32/int64 state slot per token
             (a slot outside [0, num_state_slots) is ignored: no pooling, no state write).
-        kv_state, score_state: [num_state_slots, c*m, c*d] fp32, updated in place (module docstring).
+        kv_state, score_state: [num_state_slots, c*m, c*d] fp32, updated in place (module docstring); an online
+            state: [num_state_slots, 3, d] (acc, den, raw kv) and [num_state_slots, 2, d] (max, raw score), equal
+            strides (``online_state``).
         ratio: m (4 for CSA, 128 for HCA); overlap: the CSA two-half pooling (c = 2).
+        state_pos: int32 [num_state_slots], given for an online state (its raw row's position; overlap=False).
         decode: promise that every request has exactly one token in this step; the Triton path then
             runs one fused launch (write own row + pool) instead of two (pool, then write).
     Returns:
@@ -587,10 +910,14 @@ def compressor_step(
         _WRITE_BLOCK_T / _WRITE_WARPS).
     Preconditions: the step contract of the module docstring.
     """
-    c, cm, t, cd, d = _check_step(kv, score, positions, token_slot, kv_state, score_state, ratio, overlap)
+    c, cm, t, cd, d = _check_step(kv, score, positions, token_slot, kv_state, score_state, ratio, overlap, state_pos)
+    online = state_pos is not None
     dev = kv.device
+    bd_online = _online_block_d(block_d, d) if online and decode else None
     if not use_triton(backend, kv, score, positions, token_slot, kv_state, score_state):
-        return compressor_step_reference(kv, score, positions, token_slot, kv_state, score_state, ratio, overlap)
+        return compressor_step_reference(
+            kv, score, positions, token_slot, kv_state, score_state, ratio, overlap, state_pos
+        )
     positions, token_slot = positions.contiguous(), token_slot.contiguous()  # indexed as ptr + i
     pooled = torch.empty(t, d, dtype=torch.float32, device=dev)
     emits = torch.empty(t, dtype=torch.bool, device=dev)
@@ -600,12 +927,12 @@ def compressor_step(
     head = (kv, score, kv.stride(0), score.stride(0), positions, token_slot, kv_state, score_state, kv_state.stride(0))
     head = head + (kv_state.stride(1), kv_state.shape[0])
     if decode:
-        # channels span c*d (the own-row write); [block_r, block_d] <= _DECODE_TILE values
-        bd = block_d or max(16, min(triton.next_power_of_2(cd), _DECODE_TILE // block_r))
+        # channels span c*d (the own-row write); [block_r, block_d] <= _DECODE_TILE values (online: [block_d])
+        bd = bd_online or block_d or max(16, min(triton.next_power_of_2(cd), _DECODE_TILE // block_r))
         nw = num_warps or _DECODE_WARPS
         _compressor_decode_kernel[(t, triton.cdiv(cd, bd))](
-            *head, pooled, emits.view(torch.uint8), t,
-            M=ratio, CM=cm, D=d, OVERLAP=overlap, C=c, BLOCK_R=block_r, BLOCK_D=bd, num_warps=nw,
+            *head, pooled, emits.view(torch.uint8), t, state_pos if online else kv_state,
+            M=ratio, CM=cm, D=d, OVERLAP=overlap, C=c, BLOCK_R=block_r, BLOCK_D=bd, ONLINE=online, num_warps=nw,
         )  # fmt: skip
         return pooled, emits
     # pooling reads the state as it was before the step: every pool finishes before any state write
@@ -614,11 +941,22 @@ def compressor_step(
     _check_pow2("pool_block_t", bt)
     _check_pow2("block_d", bd)
     _compressor_pool_kernel[(triton.cdiv(t, bt), triton.cdiv(d, bd))](
-        *head, pooled, emits.view(torch.uint8), t,
+        *head, pooled, emits.view(torch.uint8), t, state_pos if online else kv_state,
         M=ratio, CM=cm, D=d, OVERLAP=overlap, BLOCK_T=bt, BLOCK_R=block_r, BLOCK_D=bd,
-        ROW_LOADS=bool(_POOL_ROW_LOADS if row_loads is None else row_loads),
+        ROW_LOADS=bool(_POOL_ROW_LOADS if row_loads is None else row_loads), ONLINE=online,
         num_warps=num_warps or (_POOL_WARPS if block_r * bd >= _POOL_TILE else _POOL_WARPS_SMALL),
     )  # fmt: skip
+    if online:
+        wbt = write_block_t or _ONLINE_WRITE_BLOCK_T
+        _check_pow2("write_block_t", wbt)
+        _compressor_online_write_kernel[(triton.cdiv(t, wbt), triton.cdiv(d, bd))](
+            *head, t, state_pos, M=ratio, D=d, BLOCK_T=wbt, BLOCK_R=block_r, BLOCK_D=bd,
+            num_warps=write_warps or (_POOL_WARPS if block_r * bd >= _POOL_TILE else _POOL_WARPS_SMALL),
+        )  # fmt: skip
+        _online_pos_kernel[(triton.cdiv(t, wbt),)](
+            positions, token_slot, kv_state.shape[0], t, state_pos, BLOCK_T=wbt, num_warps=_WRITE_WARPS
+        )
+        return pooled, emits
     wd = min(triton.next_power_of_2(cd), _WRITE_BLOCK_D)
     wbt = write_block_t or _WRITE_BLOCK_T
     _check_pow2("write_block_t", wbt)
@@ -1072,6 +1410,7 @@ def compress_decode(
     backend: str = "auto",
     *,
     ape: torch.Tensor | None = None,
+    state_pos: torch.Tensor | None = None,
     block_d: int | None = None,
     num_warps: int | None = None,
 ) -> None:
@@ -1088,12 +1427,18 @@ def compress_decode(
         ``CompressorState.counters``).  Concurrent launches on one ``counters`` tensor are not allowed.
         ``ape`` (fp32 [ratio, c*d], optional): then ``score`` is ``wgate(x)`` alone and the kernel adds
         ``ape[pos mod ratio]`` to each token's row (spec §3: the state keeps score + ape), saving the
-        gather and add launches; the result is the same fp32 sum.
+        gather and add launches; the result is the same fp32 sum.  ``state_pos``: an online state
+        (``compressor_step``; main compressors only): each token is one program over all d channels that pools
+        and emits (no counters).
     Preconditions: decode (every request has exactly one token; the step contract of ``compressor_step``).
     Tuning (Triton path only): ``block_d``, ``num_warps`` as ``compressor_step``'s decode kernel.
     The torch backend runs ``compressor_step_reference`` + ``emit_entries_reference``.
     """
-    c, cm, t, cd, d = _check_step(kv, score, positions, token_slot, kv_state, score_state, ratio, overlap)
+    c, cm, t, cd, d = _check_step(kv, score, positions, token_slot, kv_state, score_state, ratio, overlap, state_pos)
+    online = state_pos is not None
+    if online and kind != "main":
+        raise ValueError(f"state_pos (an online state): expected kind='main', got {kind!r}")
+    bd_online = _online_block_d(block_d, d) if online else None
     dev = kv.device
     d_emit, rd = _check_emit(t, positions, norm_weight, inv_freq, slots, pages, fmt, ratio, kind)
     if d_emit != d:
@@ -1105,7 +1450,7 @@ def compress_decode(
         if ape is not None:
             score = score + ape_rows(ape, positions, ratio)
         pooled, emits = compressor_step_reference(
-            kv, score, positions, token_slot, kv_state, score_state, ratio, overlap
+            kv, score, positions, token_slot, kv_state, score_state, ratio, overlap, state_pos
         )
         emits = emits & (token_slot >= 0) & (token_slot < kv_state.shape[0])  # nothing pooled: no entry
         emit_entries_reference(pooled, emits, positions, norm_weight, eps, inv_freq, slots, pages, fmt, ratio, kind)
@@ -1120,12 +1465,15 @@ def compress_decode(
     pooled = torch.empty(t, d, dtype=torch.float32, device=dev)
     emits = torch.empty(t, dtype=torch.uint8, device=dev)
     block_r = triton.next_power_of_2(cm)
-    bd = block_d or max(16, min(triton.next_power_of_2(cd), _DECODE_TILE // block_r))
+    bd = bd_online or block_d or max(16, min(triton.next_power_of_2(cd), _DECODE_TILE // block_r))
     _check_pow2("block_d", bd)
     head = (kv, score, kv.stride(0), score.stride(0), positions, token_slot, kv_state, score_state, kv_state.stride(0))
     head = head + (kv_state.stride(1), kv_state.shape[0], pooled, emits, t, counters, ape if ape is not None else kv)
+    head = head + (state_pos if online else counters,)
     geo = dict(M=ratio, CM=cm, D=d, OVERLAP=overlap, C=c, BLOCK_R=block_r, BLOCK_D=bd, N_POOL=triton.cdiv(d, bd))
     geo["HAS_APE"] = ape is not None
+    if online:
+        geo["ONLINE"] = True
     emit = (norm_weight, float(eps), inv_freq, slots)
     grid = (t, triton.cdiv(cd, bd))
     interp = interpreter_enabled()
