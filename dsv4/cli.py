@@ -57,6 +57,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         concurrency=args.concurrency,
         budget_bytes=args.budget,
         block_tokens=args.block_tokens,
+        online_state=args.state == "online",
     )
     print(json.dumps(plan.to_dict(), indent=None if args.compact else 2) if args.json else format_plan(plan))
     return 0
@@ -75,6 +76,12 @@ def build_parser() -> argparse.ArgumentParser:
     how.add_argument("--concurrency", type=int, help="requests at once (default 1)")
     how.add_argument("--budget", type=parse_bytes, help="memory budget, e.g. 80GiB: how many requests fit")
     plan.add_argument("--block-tokens", type=int, default=256, help="raw tokens per page (default 256)")
+    plan.add_argument(
+        "--state",
+        choices=("online", "reference"),
+        default="online",
+        help="HCA compressor state: a running softmax (default) or the reference layout's 128 rows",
+    )
     plan.add_argument("--json", action="store_true", help="print one JSON object")
     plan.add_argument("--compact", action="store_true", help="with --json: on one line")
     plan.set_defaults(func=_cmd_plan)

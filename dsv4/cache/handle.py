@@ -98,9 +98,12 @@ class IndexerView:
 @dataclass(frozen=True)
 class CompressorStateView:
     """One layer's compressor state(s): ``main``/``indexer`` are ``CompressorState`` (fp32 kv/score
-    [num_slots, c*m, c*d], row = absolute position mod c*m; ``indexer`` is None on HCA layers);
+    [num_slots, c*m, c*d], row = absolute position mod c*m; ``indexer`` is None on HCA layers; an HCA layer's
+    ``main`` is online by default, ``main.shape.online``: kv [num_slots, 3, d] = (acc, den, raw kv), score
+    [num_slots, 2, d] = (max, raw score), ``main.positions`` int32 [num_slots] the raw row's position);
     ``request_slots`` int32 [B] the step's request slots.  ``update_compressor`` writes the step's rows
-    (only each request's last c*m tokens, so no row is written twice in one step)."""
+    (only each request's last c*m tokens, so no row is written twice in one step; online: each request's
+    running softmax, newest row and its position)."""
 
     ratio: int
     main: CompressorState

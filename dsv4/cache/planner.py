@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from dsv4.cache.schema import DEFAULT_BLOCK_TOKENS, CacheSchema
+from dsv4.cache.schema import DEFAULT_BLOCK_TOKENS, ONLINE_STATE, CacheSchema
 from dsv4.config import LayerKind, ModelConfig
 
 # V3.2's per-token cache formats (FlashMLA's V3.2 FP8 layout and the FP8 indexer key), for comparison only.
@@ -33,6 +33,7 @@ class MemoryPlan:
     model: str
     context_tokens: int
     block_tokens: int
+    online_state: bool
     concurrency: int
     budget_bytes: int | None
     max_requests_in_budget: int | None
@@ -70,11 +71,13 @@ def plan_memory(
     concurrency: int | None = None,
     budget_bytes: int | None = None,
     block_tokens: int = DEFAULT_BLOCK_TOKENS,
+    online_state: bool = ONLINE_STATE,
 ) -> MemoryPlan:
     """Cost a cache for requests of ``context_tokens`` tokens.
 
     Give ``concurrency`` (requests at once; default 1) or ``budget_bytes`` (then the plan says how many
-    requests of that length fit, and ``total_bytes`` is what they take).  Not both.
+    requests of that length fit, and ``total_bytes`` is what they take).  Not both.  ``online_state``: HCA's
+    compressor state as a running softmax (``CacheSchema``; False: the reference layout's 128 rows).
     """
     if not isinstance(context_tokens, int) or context_tokens < 0:
         raise ValueError(f"context_tokens: expected an int >= 0, got {context_tokens!r}")
@@ -84,7 +87,7 @@ def plan_memory(
         raise ValueError(f"concurrency: expected an int >= 1, got {concurrency!r}")
     if budget_bytes is not None and (not isinstance(budget_bytes, int) or budget_bytes < 0):
         raise ValueError(f"budget_bytes: expected an int >= 0, got {budget_bytes!r}")
-    schema = CacheSchema(config, block_tokens)
+    schema = CacheSchema(config, block_tokens, online_state)
     fixed_regions = schema.per_request_fixed_bytes_by_region()
     fixed = sum(fixed_regions.values())
 
@@ -115,6 +118,7 @@ def plan_memory(
         model=config.name,
         context_tokens=context_tokens,
         block_tokens=block_tokens,
+        online_state=schema.online_state,
         concurrency=n,
         budget_bytes=budget_bytes,
         max_requests_in_budget=max_requests,
@@ -148,6 +152,7 @@ def format_plan(p: MemoryPlan) -> str:
         f"{'bytes per token (format minimum: FP8 + MXFP4)':52s} {p.bytes_per_token:>14,.4f}",
         f"{'bytes per token (paged, with page padding)':52s} {p.bytes_per_token_paged:>14,.4f}",
         f"{'fixed bytes per request (rings, compressor state)':52s} {_fmt_bytes(p.per_request_fixed_bytes):>14s}",
+        f"{'HCA compressor state':52s} {'online' if p.online_state else 'reference (128 rows)':>14s}",
         f"{'bytes per request at this context':52s} {_fmt_bytes(p.per_request_bytes):>14s}",
         "",
         "per request, by region:",

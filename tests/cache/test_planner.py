@@ -40,6 +40,13 @@ def test_cli_plan_json(capsys):
     assert d["bytes_per_token"] == 5031.4375
     for k in ("bytes_per_token_paged", "per_request_fixed_bytes", "total_bytes"):
         assert isinstance(d[k], (int, float)) and d[k] > 0
+    assert d["online_state"] is True
+    assert main(["plan", "--model", "v4-pro", "--context", "1048576", "--json", "--state", "reference"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    # HCA state: 31 layers x (128 x 512 x 2 fp32 rows = 512 KiB) vs x (5 x 512 fp32 + 4 B)
+    assert r["online_state"] is False
+    saved = r["per_request_fixed_bytes"] - d["per_request_fixed_bytes"]
+    assert saved == 31 * (524288 - 10244) and r["per_request_bytes"] - d["per_request_bytes"] == saved
 
 
 def test_cli_plan_official_config_and_errors(tmp_path, capsys):
