@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One H200 session: environment, GPU tests, then the kernel benchmarks. Results go to $OUT (or ./out).
-# Usage (on the device machine, repo root): bash benchmarks/run_h200.sh [tests|bench|all|pending|ncu|attention|attention_ncu|indexer_gluon|indexer_live|indexer_fold|pending_s12|topk_rows|indexer_default|indexer_p2|indexer_ablate|flush_topk|skeleton|topk_short|fold_auto]
+# Usage (on the device machine, repo root): bash benchmarks/run_h200.sh [tests|bench|all|pending|ncu|attention|attention_ncu|indexer_gluon|indexer_live|indexer_fold|pending_s12|topk_rows|indexer_default|indexer_p2|indexer_ablate|flush_topk|skeleton|topk_short|fold_auto|hca_online]
 # "pending": the norm and top-k GPU tests (~4 min, most of it compiling the top-k kernels), launch D's rank
 # threshold on/off, top-k with both flush kinds, the decode step; about 8 minutes.  "ncu": Nsight Compute
 # sections of the indexer scores, dense attention and gather kernels (benchmarks/ncu_cases.py).  "attention": the
@@ -136,6 +136,16 @@ if [ "$what" = fold_auto ]; then  # the decode step (real shapes, with its check
 from dsv4.cli import main; sys.exit(main(sys.argv[1:]))" bench --models v4-flash --kinds csa --contexts 131072,1048576 \
       --batches 1,4,64 --out "$OUT/${stamp}_h200_decode_fold$fold.jsonl" 2>&1 | tail -7
   done
+fi
+if [ "$what" = hca_online ]; then  # what session 14 left unrun: compressor GPU tests after the online-state helper refactor,
+  # the online HCA prefill with the pool in one launch or two (split_pool), the HCA decode step (~4 min)
+  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_compressor_online.py tests/kernels/test_compressor.py \
+    tests/model/test_attention.py -k "cuda or gpu or cancelled" 2>&1 | tee "$OUT/${stamp}_h200_gpu_tests_compressor.txt" | tail -3
+  timeout 150 python3 benchmarks/bench_write.py --ops hca,hca_online --models v4-flash --modes prefill \
+    --tune hca_online:split_pool=0 --tune hca_online:split_pool=1 --out "$OUT/${stamp}_h200_write_hca_split.jsonl" 2>&1 \
+    | tee "$OUT/${stamp}_h200_write_hca_split.txt" | grep hca | cut -c1-220
+  timeout 120 python3 -m dsv4.cli bench --models v4-flash --kinds hca --contexts 131072 --batches 1,8,64 \
+    --out "$OUT/${stamp}_h200_decode_hca.jsonl" 2>&1 | tail -4
 fi
 if [ "$what" = pending_s12 ]; then  # what session 12 left unrun: the top-k GPU tests under the many-rows rule, then indexer_fold (~8 min)
   timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_topk.py -k "filter_real_shapes or many_rows" \

@@ -32,7 +32,7 @@ def _running(kv, sc):
     return mx, e.sum(0), (e * kv).sum(0)
 
 
-def run_online(chunks, ratio, d, backend, device, slot_map, decode_steps=()):
+def run_online(chunks, ratio, d, backend, device, slot_map, decode_steps=(), **kw):
     """chunks: steps, each a list of (request, n_tokens); step indices in ``decode_steps`` use decode=True (one
     token per request).  Returns pooled per (request, entry), the histories and the state (CPU)."""
     n_req = 1 + max(r for step in chunks for r, _ in step)
@@ -45,7 +45,7 @@ def run_online(chunks, ratio, d, backend, device, slot_map, decode_steps=()):
         pooled, emits = compressor_step(
             kv.to(device), sc.to(device), torch.tensor(pos, dtype=torch.int32, device=device),
             torch.tensor(slot, dtype=torch.int32, device=device), kv_state, sc_state, ratio, False,
-            decode=si in decode_steps, backend=backend, state_pos=spos,
+            decode=si in decode_steps, backend=backend, state_pos=spos, **({} if si in decode_steps else kw),
         )  # fmt: skip
         assert torch.equal(emits.cpu(), (torch.tensor(pos) + 1) % ratio == 0)
         for i in emits.cpu().nonzero().squeeze(1).tolist():
@@ -88,6 +88,21 @@ def test_online_chunked_steps_equal_one_pass(device, backend, ratio):
     slot_map = [3, 0, 2]
     got, hist, state = run_online(chunks, ratio, 16, backend, device, slot_map, decode_steps=(3, 6))
     check(got, hist, state, slot_map, ratio)
+
+
+def test_online_split_pool_is_the_same_computation(device):
+    """split_pool=1 (two pool launches, each compiled for one kind of chunk) pools each chunk with the same code as
+    the one launch: bit-equal entries and state."""
+    chunks = [[(0, 5), (1, 1), (2, 3)], [(0, 1), (1, 130), (2, 3)], [(1, 7), (0, 130)], [(2, 126), (0, 2)]]
+    runs = [run_online(chunks, 8, 16, "triton", device, [3, 0, 2], split_pool=sp) for sp in (0, 1)]
+    (g0, _, st0), (g1, _, st1) = runs
+    assert g0.keys() == g1.keys() and all(torch.equal(g0[k], g1[k]) for k in g0)
+    assert all(torch.equal(a, b) for a, b in zip(st0, st1, strict=True))
+    kv, sc = torch.zeros(2, 16, device=device), torch.zeros(2, 16, device=device)
+    pos, slot = torch.zeros(2, dtype=torch.int32, device=device), torch.zeros(2, dtype=torch.int32, device=device)
+    k, s, p = online_state(1, 16, device)
+    with pytest.raises(ValueError, match="split_pool"):
+        compressor_step(kv, sc, pos, slot, k, s, 8, False, backend="triton", state_pos=p, split_pool=1, row_loads=1)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

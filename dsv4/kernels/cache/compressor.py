@@ -147,6 +147,11 @@ _WRITE_WARPS = 4
 # prefill of 65,536 tokens (2026-12-04_h200_write_hca_online_wbt_s14.txt): 118.2 us with 128, 112.4 with 512,
 # 113.1 with 2,048 (the reference-layout kernels: 94.3 us).
 _ONLINE_WRITE_BLOCK_T = 512
+# online state, non-decode: pool in two launches (chunks wholly in the step with the reference layout's code, then the
+# chunks that began before the step) instead of one whose code holds both (sm_90 ptxas, Triton 3.6, V4-Flash HCA
+# prefill, sass_report: the one kernel takes 154 registers a thread, the reference layout's 119, i.e. 3 programs of 4
+# warps an SM instead of 4).  Not measured yet: off.
+_ONLINE_SPLIT_POOL = False
 
 
 def _geometry(ratio: int, overlap: bool) -> tuple[int, int]:
@@ -663,6 +668,7 @@ def _compressor_pool_kernel(
     BLOCK_D: tl.constexpr,
     ROW_LOADS: tl.constexpr = False,
     ONLINE: tl.constexpr = False,
+    SPLIT: tl.constexpr = 0,
 ):
     """Program (token block a, channel block b): write ``emits`` of tokens [a*BLOCK_T, ...) (b == 0) and
     pool channels [b*BLOCK_D, ...) of each emitting token with a state slot, one after another (visiting
@@ -686,7 +692,7 @@ def _compressor_pool_kernel(
         tp = tl.load(pos_ptr + pi, mask=pm, other=-1).to(tl.int64)
         sp = tl.load(tslot_ptr + pi, mask=pm, other=-2).to(tl.int64)
     ee = ((tt + 1) % M) == 0
-    if b == 0:
+    if (b == 0) & (SPLIT != 2):
         tl.store(emits_ptr + ii, ee.to(tl.uint8), mask=im)
     work = im & ee & (ss >= 0) & (ss < num_state_slots)
     kk = tl.arange(0, BLOCK_T)
@@ -703,12 +709,17 @@ def _compressor_pool_kernel(
             prun = (sp == slot) & (tp == t - (k + BLOCK_R - r))
             r0 = tl.min(tl.where(prun, r, BLOCK_R), axis=0)
             i0 = tl.where(k0 > 0, a * BLOCK_T + k0, a * BLOCK_T - BLOCK_R + r0)
-        if ONLINE and (i0 > a * BLOCK_T + k - t % M):  # the chunk began before the step: state + rows
-            _pool_token_online(
-                a * BLOCK_T + k, t, slot, b, kv_ptr, sc_ptr, stride_kv, stride_sc, pos_ptr, tslot_ptr, kvs_ptr,
-                scs_ptr, st_ss, st_sr, spos_ptr, pooled_ptr, M, D, BLOCK_R, BLOCK_D, i0, ROW_LOADS,
-            )  # fmt: skip
-        else:  # (online: a chunk whose rows are all in the step pools as the ring does, touching no state)
+        # online: a chunk whose rows are all in the step pools as the ring does (touching no state); one that began
+        # before the step combines the state's share (``_pool_token_online``).  SPLIT 1 / 2: this launch takes only
+        # the first / the second kind (each variant compiles only its code: fewer registers than both together)
+        partial = ONLINE and (i0 > a * BLOCK_T + k - t % M)
+        if partial:
+            if SPLIT != 1:
+                _pool_token_online(
+                    a * BLOCK_T + k, t, slot, b, kv_ptr, sc_ptr, stride_kv, stride_sc, pos_ptr, tslot_ptr, kvs_ptr,
+                    scs_ptr, st_ss, st_sr, spos_ptr, pooled_ptr, M, D, BLOCK_R, BLOCK_D, i0, ROW_LOADS,
+                )  # fmt: skip
+        elif SPLIT != 2:
             _pool_token(
                 a * BLOCK_T + k, t, slot, b, kv_ptr, sc_ptr, stride_kv, stride_sc, pos_ptr, tslot_ptr, kvs_ptr,
                 scs_ptr, st_ss, st_sr, pooled_ptr, T, M, CM, D, OVERLAP, BLOCK_R, BLOCK_D, False, i0, ROW_LOADS,
@@ -884,6 +895,7 @@ def compressor_step(
     row_loads: int | None = None,
     write_block_t: int | None = None,
     write_warps: int | None = None,
+    split_pool: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fold one step's compressor projections into the state ring and pool the entries that complete.
 
@@ -907,7 +919,8 @@ def compressor_step(
         pool / decode kernel, ``row_loads`` (0/1, pool kernel: find the pooled rows that are in the step by
         loading their tokens' slots / positions, see ``_pool_token``; default ``_POOL_ROW_LOADS``), ``write_block_t`` /
         ``write_warps`` (state-write kernel: tokens per program, power of two, and warps; default
-        _WRITE_BLOCK_T / _WRITE_WARPS).
+        _WRITE_BLOCK_T / _WRITE_WARPS), ``split_pool`` (0/1, online state: pool the chunks wholly in the step and
+        those that began before it in two launches, each compiled for its kind; default ``_ONLINE_SPLIT_POOL``).
     Preconditions: the step contract of the module docstring.
     """
     c, cm, t, cd, d = _check_step(kv, score, positions, token_slot, kv_state, score_state, ratio, overlap, state_pos)
@@ -940,12 +953,16 @@ def compressor_step(
     bt = pool_block_t or min(triton.next_power_of_2(ratio), _POOL_BLOCK_T)
     _check_pow2("pool_block_t", bt)
     _check_pow2("block_d", bd)
-    _compressor_pool_kernel[(triton.cdiv(t, bt), triton.cdiv(d, bd))](
-        *head, pooled, emits.view(torch.uint8), t, state_pos if online else kv_state,
-        M=ratio, CM=cm, D=d, OVERLAP=overlap, BLOCK_T=bt, BLOCK_R=block_r, BLOCK_D=bd,
-        ROW_LOADS=bool(_POOL_ROW_LOADS if row_loads is None else row_loads), ONLINE=online,
-        num_warps=num_warps or (_POOL_WARPS if block_r * bd >= _POOL_TILE else _POOL_WARPS_SMALL),
-    )  # fmt: skip
+    rl = bool(_POOL_ROW_LOADS if row_loads is None else row_loads)
+    split = bool(_ONLINE_SPLIT_POOL if split_pool is None else split_pool) and online
+    if split and rl:
+        raise ValueError("split_pool: expected row_loads=0 (the split finds each request's first token in registers)")
+    for sp in (1, 2) if split else (0,):
+        _compressor_pool_kernel[(triton.cdiv(t, bt), triton.cdiv(d, bd))](
+            *head, pooled, emits.view(torch.uint8), t, state_pos if online else kv_state,
+            M=ratio, CM=cm, D=d, OVERLAP=overlap, BLOCK_T=bt, BLOCK_R=block_r, BLOCK_D=bd, ROW_LOADS=rl, ONLINE=online,
+            SPLIT=sp, num_warps=num_warps or (_POOL_WARPS if block_r * bd >= _POOL_TILE else _POOL_WARPS_SMALL),
+        )  # fmt: skip
     if online:
         wbt = write_block_t or _ONLINE_WRITE_BLOCK_T
         _check_pow2("write_block_t", wbt)
