@@ -4,11 +4,14 @@ from dsv4.cache.handle import ClassicalView, CompressorStateView, IndexerView, L
 from dsv4.cache.manager import CacheStats, InvariantError, KVCacheManager, PoolStats
 from dsv4.cache.paged_cache import PagedKVPool, PagedLayerCache
 from dsv4.cache.plan import RatioPlan, StepPlan
-from dsv4.cache.schema import DEFAULT_BLOCK_TOKENS, CacheSchema
+from dsv4.cache.schema import DEFAULT_BLOCK_TOKENS, ONLINE_STATE, CacheSchema
+from dsv4.cache.snapshot import REGIONS, RequestSnapshot
 from dsv4.cache.state_cache import LayerState, StateCachePool
 
 __all__ = [
     "DEFAULT_BLOCK_TOKENS",
+    "ONLINE_STATE",
+    "REGIONS",
     "CacheSchema",
     "CacheStats",
     "ClassicalView",
@@ -22,6 +25,7 @@ __all__ = [
     "PagedLayerCache",
     "PoolStats",
     "RatioPlan",
+    "RequestSnapshot",
     "SWAView",
     "StateCachePool",
     "StepPlan",

@@ -35,6 +35,7 @@ from dsv4.cache.handle import LayerCacheHandle
 from dsv4.cache.paged_cache import PagedKVPool
 from dsv4.cache.plan import RatioPlan, StepPlan
 from dsv4.cache.schema import DEFAULT_BLOCK_TOKENS, ONLINE_STATE, CacheSchema
+from dsv4.cache.snapshot import RequestSnapshot, check_snapshot, load_request, save_request
 from dsv4.cache.state_cache import StateCachePool
 from dsv4.config import ModelConfig
 
@@ -199,12 +200,7 @@ class KVCacheManager:
 
     def add(self, rid: Hashable) -> bool:
         """Admit a request (or resume a preempted one, from zero tokens).  False = no free slot."""
-        try:
-            hash(rid)
-        except TypeError:
-            raise ValueError(f"request id: expected a hashable id, got {type(rid).__name__}") from None
-        if rid in self._requests:
-            raise ValueError(f"request {rid!r}: already added")
+        self._check_new_id(rid)
         slot = self.state.allocate()
         if slot is None:
             return False
@@ -212,6 +208,14 @@ class KVCacheManager:
         self._requests[rid] = _Request(slot=slot, blocks={m: [] for m in self.pools})
         self._after_mutation()
         return True
+
+    def _check_new_id(self, rid: Hashable) -> None:
+        try:
+            hash(rid)
+        except TypeError:
+            raise ValueError(f"request id: expected a hashable id, got {type(rid).__name__}") from None
+        if rid in self._requests:
+            raise ValueError(f"request {rid!r}: already added")
 
     def pages_needed(self, rid: Hashable, num_new_tokens: int) -> dict[int, int]:
         """Pages per ratio class that scheduling ``num_new_tokens`` more tokens of ``rid`` takes."""
@@ -460,6 +464,36 @@ class KVCacheManager:
             self._deferred[rid] = _Deferred.PREEMPT
             return True
         self._release(rid, preempted=True)
+        self._after_mutation()
+        return True
+
+    # ------------------------------------------------------------------ save / load
+    def save(self, rid: Hashable, device: torch.device | str = "cpu") -> RequestSnapshot:
+        """Copy every region of ``rid``'s cache (window rings, compressor states, pages) to ``device``
+        (``dsv4.cache.snapshot``).  The request stays; ``free`` / ``preempt`` it to give its memory back, and
+        ``load`` the snapshot later (here or in another manager of the same model) to go on without recomputing.
+        Not while ``rid`` is in the outstanding plan (ValueError: commit or cancel it first).  A copy to another
+        device waits for the work queued on the cache's stream (a host copy synchronises); bytes: ``nbytes``."""
+        req = self._get(rid)
+        if self._in_flight(rid):
+            raise ValueError(f"save: request {rid!r} is in the outstanding plan; commit or cancel it first")
+        return save_request(self.schema, self.state, self.pools, req.slot, req.blocks, req.num_tokens, device)
+
+    def load(self, rid: Hashable, snapshot: RequestSnapshot) -> bool:
+        """Admit ``rid`` with the cache of ``snapshot`` (``save``): a fresh slot and pages, every region copied in,
+        ``num_tokens`` = the snapshot's.  False = not now (no free slot or too few free pages), nothing taken.
+        ValueError (nothing changed) for an id already active or a snapshot of another model, block size or state
+        layout."""
+        self._check_new_id(rid)
+        check_snapshot(self.schema, self.pools, snapshot)
+        need = {m: pool.ratio_class.pages_for_tokens(snapshot.num_tokens) for m, pool in self.pools.items()}
+        if self.state.num_free_slots == 0 or any(self.pools[m].num_free_pages < n for m, n in need.items()):
+            return False
+        slot = self.state.allocate()
+        blocks = {m: self.pools[m].allocate(n) for m, n in need.items()}
+        load_request(self.state, self.pools, slot, blocks, snapshot)
+        self._preempted.discard(rid)
+        self._requests[rid] = _Request(slot=slot, num_tokens=snapshot.num_tokens, blocks=blocks)
         self._after_mutation()
         return True
 

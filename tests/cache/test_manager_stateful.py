@@ -1,5 +1,5 @@
-"""Hypothesis state machine over the manager: add / plan+commit / plan+cancel / free / preempt / resume,
-with frees and preempts landing inside a step; invariants and a shadow model checked after every rule."""
+"""Hypothesis state machine over the manager: add / plan+commit / plan+cancel / free / preempt / resume / save /
+load, with frees and preempts landing inside a step; invariants and a shadow model checked after every rule."""
 
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -17,6 +17,7 @@ class ManagerMachine(RuleBasedStateMachine):
         self.m = KVCacheManager(get_preset("tiny"), max_requests=3, num_pages={4: 6, 128: 5}, block_tokens=128)
         self.tokens: dict[int, int] = {}  # shadow: active id -> committed tokens
         self.preempted: set[int] = set()
+        self.saved: dict[int, object] = {}  # id -> its last snapshot
 
     @rule(rid=IDS)
     def add(self, rid):
@@ -73,6 +74,31 @@ class ManagerMachine(RuleBasedStateMachine):
         if rid in self.tokens:
             del self.tokens[rid]
             self.preempted.add(rid)
+
+    @rule(rid=IDS)
+    def save(self, rid):
+        if rid in self.tokens:
+            self.saved[rid] = self.m.save(rid)
+            assert self.saved[rid].num_tokens == self.tokens[rid]
+
+    @precondition(lambda self: self.saved)
+    @rule(data=st.data())
+    def load(self, data):
+        rid = data.draw(st.sampled_from(sorted(self.saved)))
+        if rid in self.tokens:
+            return
+        before = self.m.stats()
+        snap = self.saved[rid]
+        pools = self.m.pools.items()
+        fits = len(self.tokens) < 3 and all(
+            p.num_free_pages >= p.ratio_class.pages_for_tokens(snap.num_tokens) for _, p in pools
+        )
+        assert self.m.load(rid, snap) == fits
+        if fits:
+            self.tokens[rid] = snap.num_tokens
+            self.preempted.discard(rid)
+        else:  # "not now" changed nothing
+            assert self.m.stats() == before
 
     @invariant()
     def consistent(self):

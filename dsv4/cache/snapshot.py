@@ -1,0 +1,149 @@
+"""RequestSnapshot: every byte of one request's cache, to take out of a manager and put back (swap, migration).
+
+A request's cache lives in regions of three kinds, all enumerated here (``REGIONS``) so that a save / load round
+trip cannot miss one (the prefix-cache bugs of other engines: a region -- the window ring -- left out of a restore):
+
+- ``window``: per layer (MTP included) its ring page (``ring_page_bytes``), ring positions (int32 [ring]) and head;
+- ``compressor``: per CSA / HCA layer and role ("main", CSA "indexer") its compressor state rows (fp32 kv / score of
+  the layout the schema chose: 128 rows, or the online state's 5 rows and its int32 position);
+- ``pages``: per ratio class and layer, the request's pages in block-table order (FP8 entry pages, then for CSA the
+  MXFP4 key pages: whole pages, padding included), so entry j of the request stays entry j.
+
+Page ids and the state slot are not part of a snapshot: ``KVCacheManager.load`` gives the request fresh ones.  The
+arrival counters of the fused compressor launch are 0 between steps and are not saved.  Units: ``num_tokens``
+tokens; every tensor is uint8 bytes or the region's own dtype; ``nbytes`` bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dsv4.cache.paged_cache import PagedKVPool
+from dsv4.cache.schema import CacheSchema
+from dsv4.cache.state_cache import StateCachePool
+
+__all__ = ["REGIONS", "RequestSnapshot", "save_request", "load_request"]
+
+REGIONS = ("window", "compressor", "pages")
+
+
+@dataclass(frozen=True)
+class RequestSnapshot:
+    """One request's cache bytes (module docstring).  ``window[layer]`` = (ring page uint8 [ring_page_bytes],
+    positions int32 [ring], head int32 []); ``compressor[(layer, role)]`` = (kv, score[, positions]) of the slot;
+    ``pages[ratio][layer]`` = (entry pages uint8 [n, entry_page_bytes], key pages uint8 [n, key_page_bytes] or
+    None); ``fingerprint``: what a manager must match to load it (model config, block size, state layout)."""
+
+    num_tokens: int
+    fingerprint: tuple
+    window: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    compressor: dict[tuple[int, str], tuple[torch.Tensor, ...]]
+    pages: dict[int, dict[int, tuple[torch.Tensor, torch.Tensor | None]]]
+
+    @property
+    def nbytes(self) -> int:
+        ts = [t for v in self.window.values() for t in v] + [t for v in self.compressor.values() for t in v]
+        ts += [t for per in self.pages.values() for v in per.values() for t in v if t is not None]
+        return sum(t.numel() * t.element_size() for t in ts)
+
+
+def fingerprint(schema: CacheSchema) -> tuple:
+    """What two managers must share for a snapshot of one to load into the other."""
+    return (schema.config, schema.block_tokens, schema.online_state)
+
+
+def _compressors(state: StateCachePool, layer_id: int):
+    ls = state.layer(layer_id)
+    return [(role, c) for role, c in (("main", ls.compressor), ("indexer", ls.indexer_compressor)) if c is not None]
+
+
+def _page_rows(pool: PagedKVPool, layer_id: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The layer buffer as [num_pages, entry_page_bytes] entry rows and [num_pages, key_page_bytes] key rows."""
+    rc, n = pool.ratio_class, pool.num_pages
+    buf = pool.layer(layer_id).buffer
+    ent = buf[: n * rc.entry_page_bytes].view(n, rc.entry_page_bytes)
+    keys = buf[n * rc.entry_page_bytes :].view(n, rc.key_page_bytes) if rc.key_page_bytes else None
+    return ent, keys
+
+
+def save_request(
+    schema: CacheSchema,
+    state: StateCachePool,
+    pools: dict[int, PagedKVPool],
+    slot: int,
+    blocks: dict[int, list[int]],
+    num_tokens: int,
+    device: torch.device | str,
+) -> RequestSnapshot:
+    """Copy the regions of the request at ``slot`` with pages ``blocks`` (ratio -> page ids) to ``device``."""
+    dev = torch.device(device)
+    window, comp, pages = {}, {}, {}
+    for i, ls in enumerate(state.layers):
+        page = state.schema.ring_page_bytes
+        window[i] = (
+            state._ring_buf[i].view(state.num_slots, page)[slot].to(dev, copy=True),  # noqa: SLF001 - one package
+            ls.ring_positions[slot].to(dev, copy=True),
+            ls.ring_head[slot].to(dev, copy=True),
+        )
+        for role, c in _compressors(state, i):
+            parts = (c.kv[slot], c.score[slot]) + ((c.positions[slot],) if c.positions is not None else ())
+            comp[(i, role)] = tuple(t.to(dev, copy=True) for t in parts)
+    for m, pool in pools.items():
+        idx = torch.tensor(blocks[m], dtype=torch.long, device=pool.device)
+        pages[m] = {}
+        for layer_id in pool.layers:
+            ent, keys = _page_rows(pool, layer_id)
+            pages[m][layer_id] = (ent[idx].to(dev), keys[idx].to(dev) if keys is not None else None)
+    return RequestSnapshot(num_tokens, fingerprint(schema), window, comp, pages)
+
+
+def check_snapshot(schema: CacheSchema, pools: dict[int, PagedKVPool], snap: RequestSnapshot) -> None:
+    """Raise ValueError unless ``snap`` fits this schema (same fingerprint, every region present, page counts
+    matching its length)."""
+    if not isinstance(snap, RequestSnapshot):
+        raise ValueError(f"snapshot: expected a RequestSnapshot, got {type(snap).__name__}")
+    if snap.fingerprint != fingerprint(schema):
+        raise ValueError(
+            "snapshot: taken from a cache of another model, block size or state layout "
+            f"(block_tokens {snap.fingerprint[1]} vs {schema.block_tokens}, online_state {snap.fingerprint[2]} vs "
+            f"{schema.online_state}, same config: {snap.fingerprint[0] == schema.config})"
+        )
+    n_layers = schema.config.num_cache_layers
+    if sorted(snap.window) != list(range(n_layers)):
+        raise ValueError(f"snapshot: expected the window rings of layers 0..{n_layers - 1}, got {sorted(snap.window)}")
+    want = {(ls.layer_id, r) for ls in schema.layers for r, c in (("main", ls.compressor), ("indexer",
+            ls.indexer_compressor)) if c is not None}  # fmt: skip
+    if set(snap.compressor) != want:
+        raise ValueError(f"snapshot: expected compressor states {sorted(want)}, got {sorted(snap.compressor)}")
+    for m, pool in pools.items():
+        n = pool.ratio_class.pages_for_tokens(snap.num_tokens)
+        got = snap.pages.get(m, {})
+        if set(got) != set(pool.layers) or any(e.shape[0] != n for e, _ in got.values()):
+            raise ValueError(f"snapshot: expected {n} pages of each ratio-{m} layer for {snap.num_tokens} tokens")
+
+
+def load_request(
+    state: StateCachePool, pools: dict[int, PagedKVPool], slot: int, blocks: dict[int, list[int]], snap: RequestSnapshot
+) -> None:
+    """Copy ``snap`` (checked by ``check_snapshot``) into ``slot`` and the pages ``blocks``."""
+    for i, (ring_page, positions, head) in snap.window.items():
+        ls = state.layer(i)
+        page = state.schema.ring_page_bytes
+        state._ring_buf[i].view(state.num_slots, page)[slot].copy_(ring_page)  # noqa: SLF001 - one package
+        ls.ring_positions[slot].copy_(positions)
+        ls.ring_head[slot].copy_(head)
+    for (i, role), parts in snap.compressor.items():
+        c = dict(_compressors(state, i))[role]
+        c.kv[slot].copy_(parts[0])
+        c.score[slot].copy_(parts[1])
+        if c.positions is not None:
+            c.positions[slot].copy_(parts[2])
+    for m, pool in pools.items():
+        idx = torch.tensor(blocks[m], dtype=torch.long, device=pool.device)
+        for layer_id, (ent_b, key_b) in snap.pages[m].items():
+            ent, keys = _page_rows(pool, layer_id)
+            ent[idx] = ent_b.to(pool.device)
+            if keys is not None:
+                keys[idx] = key_b.to(pool.device)

@@ -1,0 +1,142 @@
+"""KVCacheManager.save / load (``dsv4/cache/snapshot.py``): a request's cache taken out and put back -- into the same
+manager (a swap) or another one (a migration) with other slot and page ids -- decodes on exactly as if it had never
+left, every region is in the snapshot (its size is the schema's per-request bytes), and a load that cannot fit is
+"not now" with nothing taken."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from dsv4.cache import REGIONS, KVCacheManager, RequestSnapshot
+from dsv4.config import get_preset
+from dsv4.model.attention import AttentionSubBlock
+from dsv4.model.weights import random_attention_weights
+
+TINY = get_preset("tiny")
+LAYERS = (0, 1, 2)  # SWA, CSA, HCA
+BLOCKS = {i: AttentionSubBlock(TINY, i, random_attention_weights(TINY, i, seed=5), backend="torch") for i in LAYERS}
+X = torch.randn(400, TINY.dim, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
+
+
+def manager(**kw):
+    return KVCacheManager(TINY, max_requests=4, num_pages=kw.pop("num_pages", 8), block_tokens=256, debug=True, **kw)
+
+
+def step(m, sched, xs):
+    """One step of every layer; returns {layer: y}."""
+    plan = m.plan(sched)
+    ys = {i: blk(xs, m.acquire(i, plan)) for i, blk in BLOCKS.items()}
+    m.commit(plan)
+    return ys
+
+
+def prefill(m, rid, n):
+    m.add(rid)
+    return step(m, {rid: n}, X[:n])
+
+
+def decode(m, rid, pos):
+    return step(m, {rid: 1}, X[pos : pos + 1])
+
+
+def assert_same(a: RequestSnapshot, b: RequestSnapshot):
+    assert a.num_tokens == b.num_tokens and a.fingerprint == b.fingerprint
+    for region in REGIONS:
+        ra, rb = getattr(a, region), getattr(b, region)
+        assert ra.keys() == rb.keys(), region
+        for k in ra:
+            va, vb = ra[k], rb[k]
+            if region == "pages":
+                for layer in va:
+                    for ta, tb in zip(va[layer], vb[layer], strict=True):
+                        assert (ta is None and tb is None) or torch.equal(ta, tb), (region, k, layer)
+            else:
+                for ta, tb in zip(va, vb, strict=True):
+                    assert torch.equal(ta, tb), (region, k)
+
+
+def test_snapshot_holds_every_region_of_the_request():
+    m = manager()
+    prefill(m, "r", 300)
+    snap = m.save("r")
+    fixed = m.schema.per_request_fixed_bytes()
+    pages = sum(p.ratio_class.pages_for_tokens(300) * p.ratio_class.block_bytes for p in m.pools.values())
+    assert snap.nbytes == fixed + pages  # window rings and their positions, compressor states, pages: all of it
+    assert snap.num_tokens == 300 and all(t.device.type == "cpu" for t in snap.window[0])
+
+
+@pytest.mark.parametrize("online_state", [True, False])
+def test_migrated_request_decodes_as_if_it_never_left(online_state):
+    a = manager(online_state=online_state)
+    prefill(a, "r", 300)
+    snap = a.save("r")
+    b = manager(online_state=online_state)
+    prefill(b, "other", 260)  # other slot and page ids in b
+    assert b.load("r", snap)
+    assert b.slot_of("r") != a.slot_of("r") and b.block_ids("r", 4) != a.block_ids("r", 4)
+    assert b.num_tokens("r") == 300
+    for pos in (300, 301):  # position 303 completes the next CSA entry; HCA's running state goes on
+        ya, yb = decode(a, "r", pos), decode(b, "r", pos)
+        for i in LAYERS:
+            assert torch.equal(ya[i], yb[i]), i
+    assert_same(a.save("r"), b.save("r"))
+    b.check_invariants()
+
+
+def test_swap_out_and_back_in_the_same_manager():
+    ref = manager()
+    prefill(ref, "r", 127)
+    m = manager()
+    prefill(m, "r", 127)
+    snap = m.save("r")
+    assert m.preempt("r") and m.is_preempted("r")
+    prefill(m, "x", 40)  # the freed slot and pages are reused meanwhile
+    assert m.load("r", snap) and not m.is_preempted("r")
+    ya, yb = decode(ref, "r", 127), decode(m, "r", 127)  # position 127 completes the first HCA entry
+    for i in LAYERS:
+        assert torch.equal(ya[i], yb[i]), i
+
+
+def test_load_that_does_not_fit_is_not_now_and_takes_nothing():
+    a = manager()
+    prefill(a, "r", 300)
+    snap = a.save("r")
+    small = manager(num_pages=2)  # 300 tokens need 2 pages a class; one is taken below
+    prefill(small, "y", 10)
+    before = small.stats()
+    assert small.load("r", snap) is False
+    assert small.stats() == before and "r" not in small
+    full = manager()
+    for r in range(4):
+        full.add(r)
+    assert full.load("r", snap) is False and "r" not in full
+    small.check_invariants()
+    full.check_invariants()
+
+
+def test_save_and_load_errors_change_nothing():
+    m = manager()
+    prefill(m, "r", 300)
+    snap = m.save("r")
+    plan = m.plan({"r": 1})
+    with pytest.raises(ValueError, match="outstanding plan"):
+        m.save("r")
+    m.cancel(plan)
+    with pytest.raises(KeyError):
+        m.save("nobody")
+    with pytest.raises(ValueError, match="already added"):
+        m.load("r", snap)
+    other = manager(online_state=False)
+    before = other.stats()
+    with pytest.raises(ValueError, match="state layout"):
+        other.load("r", snap)
+    missing = dataclasses.replace(snap, window={k: v for k, v in snap.window.items() if k != 0})
+    with pytest.raises(ValueError, match="window rings"):
+        manager().load("r", missing)
+    short = dataclasses.replace(snap, num_tokens=600)
+    with pytest.raises(ValueError, match="pages"):
+        manager().load("r", short)
+    with pytest.raises(ValueError, match="RequestSnapshot"):
+        manager().load("r", {"num_tokens": 3})
+    assert other.stats() == before and "r" not in other
