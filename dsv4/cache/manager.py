@@ -497,6 +497,13 @@ class KVCacheManager:
         self._after_mutation()
         return True
 
+    def fork(self, rid: Hashable, new_rid: Hashable) -> bool:
+        """Admit ``new_rid`` with a copy of ``rid``'s cache (its own slot and pages, copied on the cache's device):
+        n samples of one prompt prefill it once.  False = not now (no slot / pages), nothing taken; ValueError as
+        ``save`` and ``load``."""
+        self._check_new_id(new_rid)
+        return self.load(new_rid, self.save(rid, self.device))
+
     def _in_flight(self, rid: Hashable) -> bool:
         return self._outstanding is not None and rid in self._outstanding.request_keys
 

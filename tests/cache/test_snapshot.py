@@ -140,3 +140,28 @@ def test_save_and_load_errors_change_nothing():
     with pytest.raises(ValueError, match="RequestSnapshot"):
         manager().load("r", {"num_tokens": 3})
     assert other.stats() == before and "r" not in other
+
+
+def test_fork_copies_the_cache_into_a_request_of_its_own():
+    """n samples of one prompt: a fork decodes as a second request that prefilled the same prompt would, and the two
+    diverge without touching each other (each its own slot and pages)."""
+    ref = manager()
+    prefill(ref, "p", 200)
+    prefill(ref, "q", 200)  # the same prompt prefilled twice
+    m = manager()
+    prefill(m, "p", 200)
+    assert m.fork("p", "s1")
+    assert m.slot_of("s1") != m.slot_of("p") and not set(m.block_ids("s1", 4)) & set(m.block_ids("p", 4))
+    xs = torch.cat([X[200:201], X[300:301]])  # different next tokens
+    for _ in range(2):
+        y_ref, ys = step(ref, {"p": 1, "q": 1}, xs), step(m, {"p": 1, "s1": 1}, xs)
+        for i in LAYERS:
+            assert torch.equal(ys[i], y_ref[i]), i
+    with pytest.raises(ValueError, match="already added"):
+        m.fork("p", "s1")
+    full = manager()
+    prefill(full, "p", 200)
+    for r in range(3):
+        full.add(r)
+    assert full.fork("p", "s2") is False and "s2" not in full
+    m.check_invariants()
