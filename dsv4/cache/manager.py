@@ -24,6 +24,7 @@ Rules (design §2, §4):
 
 from __future__ import annotations
 
+import collections
 import enum
 from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -130,6 +131,7 @@ class KVCacheManager:
         self._outstanding: StepPlan | None = None
         self._deferred: dict[Hashable, _Deferred] = {}
         self._epoch = 0
+        self._shared: dict[int, dict[int, int]] = {m: {} for m in self.pools}  # ratio -> {page: owners >= 2}
 
     @classmethod
     def from_memory_budget(
@@ -477,7 +479,11 @@ class KVCacheManager:
         req = self._get(rid)
         if self._in_flight(rid):
             raise ValueError(f"save: request {rid!r} is in the outstanding plan; commit or cancel it first")
-        return save_request(self.schema, self.state, self.pools, req.slot, req.blocks, req.num_tokens, device)
+        return save_request(self.schema, self.state, self.pools, req.slot, self._filled(req), req.num_tokens, device)
+
+    def _filled(self, req: _Request) -> dict[int, list[int]]:
+        """The pages holding ``req``'s committed entries (a cancelled step can leave it more: they hold nothing)."""
+        return {m: req.blocks[m][: p.ratio_class.pages_for_tokens(req.num_tokens)] for m, p in self.pools.items()}
 
     def load(self, rid: Hashable, snapshot: RequestSnapshot) -> bool:
         """Admit ``rid`` with the cache of ``snapshot`` (``save``): a fresh slot and pages, every region copied in,
@@ -497,12 +503,35 @@ class KVCacheManager:
         self._after_mutation()
         return True
 
-    def fork(self, rid: Hashable, new_rid: Hashable) -> bool:
-        """Admit ``new_rid`` with a copy of ``rid``'s cache (its own slot and pages, copied on the cache's device):
-        n samples of one prompt prefill it once.  False = not now (no slot / pages), nothing taken; ValueError as
-        ``save`` and ``load``."""
+    def fork(self, rid: Hashable, new_rid: Hashable, share: bool = True) -> bool:
+        """Admit ``new_rid`` with ``rid``'s cache: n samples of one prompt prefill it once.  ``share``: the pages
+        both requests have filled (the first ``num_tokens // block_tokens`` of each ratio class: pages are append-only,
+        neither request writes them again) are shared, counted per page and freed with their last owner; the window
+        rings, the compressor states and the partly filled page are copied into a slot and a page of its own.
+        ``share=False``: every page copied (``save`` + ``load`` on the cache's device).  False = not now (no slot or
+        pages), nothing taken; ValueError as ``save`` and ``load``."""
         self._check_new_id(new_rid)
-        return self.load(new_rid, self.save(rid, self.device))
+        if not share:
+            return self.load(new_rid, self.save(rid, self.device))
+        req = self._get(rid)
+        if self._in_flight(rid):
+            raise ValueError(f"fork: request {rid!r} is in the outstanding plan; commit or cancel it first")
+        n_full = req.num_tokens // self.schema.block_tokens
+        tail = {m: pages[n_full:] for m, pages in self._filled(req).items()}  # the partly filled page, if any
+        if self.state.num_free_slots == 0 or any(self.pools[m].num_free_pages < len(t) for m, t in tail.items()):
+            return False
+        snap = save_request(self.schema, self.state, self.pools, req.slot, tail, req.num_tokens, self.device)
+        slot = self.state.allocate()
+        blocks = {m: self.pools[m].allocate(len(t)) for m, t in tail.items()}
+        load_request(self.state, self.pools, slot, blocks, snap)
+        for m in self.pools:
+            for p in req.blocks[m][:n_full]:
+                self._shared[m][p] = self._shared[m].get(p, 1) + 1
+            blocks[m] = req.blocks[m][:n_full] + blocks[m]
+        self._requests[new_rid] = _Request(slot=slot, num_tokens=req.num_tokens, blocks=blocks)
+        self._preempted.discard(new_rid)
+        self._after_mutation()
+        return True
 
     def _in_flight(self, rid: Hashable) -> bool:
         return self._outstanding is not None and rid in self._outstanding.request_keys
@@ -512,7 +541,14 @@ class KVCacheManager:
         if req is None:
             return
         for m, pages in req.blocks.items():
-            self.pools[m].release(pages)
+            shared, last = self._shared[m], []
+            for p in pages:
+                owners = shared.pop(p, 1) - 1  # a shared page goes back when its last owner lets go
+                if owners > 1:
+                    shared[p] = owners
+                elif owners == 0:
+                    last.append(p)
+            self.pools[m].release(last)
         self.state.release(req.slot)
         if preempted:
             self._preempted.add(rid)
@@ -552,11 +588,15 @@ class KVCacheManager:
         )
 
     def check_invariants(self) -> None:
-        """Raise ``InvariantError`` unless every page and slot is free or owned exactly once."""
+        """Raise ``InvariantError`` unless every page and slot is free or owned exactly once (a page ``fork`` shared:
+        by as many requests as its count says)."""
         for m, pool in self.pools.items():
             free = pool.free_page_ids()
-            owned = [p for r in self._requests.values() for p in r.blocks[m]]
-            _check_partition(f"ratio {m} pages", pool.num_pages, free, owned)
+            owners = collections.Counter(p for r in self._requests.values() for p in r.blocks[m])
+            many = {p: c for p, c in owners.items() if c > 1}
+            if many != self._shared[m]:
+                raise InvariantError(f"ratio {m} pages: shared {self._shared[m]} but held by {many} requests")
+            _check_partition(f"ratio {m} pages", pool.num_pages, free, sorted(owners))
             for rid, r in self._requests.items():
                 need = pool.ratio_class.pages_for_tokens(r.num_tokens)
                 if len(r.blocks[m]) < need:

@@ -1,5 +1,6 @@
 """Hypothesis state machine over the manager: add / plan+commit / plan+cancel / free / preempt / resume / save /
-load, with frees and preempts landing inside a step; invariants and a shadow model checked after every rule."""
+load / fork (pages shared or copied), with frees and preempts landing inside a step; invariants (shared pages
+counted) and a shadow model checked after every rule."""
 
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -98,6 +99,25 @@ class ManagerMachine(RuleBasedStateMachine):
             self.tokens[rid] = snap.num_tokens
             self.preempted.discard(rid)
         else:  # "not now" changed nothing
+            assert self.m.stats() == before
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data(), dst=IDS, share=st.booleans())
+    def fork(self, data, dst, share):
+        src = data.draw(st.sampled_from(sorted(self.tokens)))
+        if dst in self.tokens:
+            return
+        n = self.tokens[src]
+        full = n // self.m.schema.block_tokens if share else 0
+        fits = len(self.tokens) < 3 and all(
+            p.num_free_pages >= p.ratio_class.pages_for_tokens(n) - full for p in self.m.pools.values()
+        )
+        before = self.m.stats()
+        assert self.m.fork(src, dst, share=share) == fits
+        if fits:
+            self.tokens[dst] = n
+            self.preempted.discard(dst)
+        else:
             assert self.m.stats() == before
 
     @invariant()

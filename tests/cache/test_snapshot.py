@@ -142,26 +142,43 @@ def test_save_and_load_errors_change_nothing():
     assert other.stats() == before and "r" not in other
 
 
-def test_fork_copies_the_cache_into_a_request_of_its_own():
+@pytest.mark.parametrize("share", [True, False])
+def test_fork_decodes_as_the_same_prompt_prefilled_twice(share):
     """n samples of one prompt: a fork decodes as a second request that prefilled the same prompt would, and the two
-    diverge without touching each other (each its own slot and pages)."""
+    diverge without touching each other.  ``share``: the filled page (300 tokens: the first 256) is shared, the
+    partly filled one copied; across the next page boundary each request takes pages of its own."""
     ref = manager()
-    prefill(ref, "p", 200)
-    prefill(ref, "q", 200)  # the same prompt prefilled twice
+    prefill(ref, "p", 300)
+    prefill(ref, "q", 300)  # the same prompt prefilled twice
     m = manager()
-    prefill(m, "p", 200)
-    assert m.fork("p", "s1")
-    assert m.slot_of("s1") != m.slot_of("p") and not set(m.block_ids("s1", 4)) & set(m.block_ids("p", 4))
-    xs = torch.cat([X[200:201], X[300:301]])  # different next tokens
-    for _ in range(2):
+    prefill(m, "p", 300)
+    used = m.stats().pools[4].pages_used
+    assert m.fork("p", "s1", share=share)
+    common = set(m.block_ids("s1", 4)) & set(m.block_ids("p", 4))
+    assert common == ({m.block_ids("p", 4)[0]} if share else set()) and m.slot_of("s1") != m.slot_of("p")
+    assert m.stats().pools[4].pages_used == used + (1 if share else 2)
+    xs = torch.cat([X[300:301], X[350:351]])  # different next tokens
+    for _ in range(220):  # to 520 tokens: 130 entries, a third page
         y_ref, ys = step(ref, {"p": 1, "q": 1}, xs), step(m, {"p": 1, "s1": 1}, xs)
-        for i in LAYERS:
-            assert torch.equal(ys[i], y_ref[i]), i
+    for i in LAYERS:
+        assert torch.equal(ys[i], y_ref[i]), i
+    assert len(set(m.block_ids("s1", 4)) & set(m.block_ids("p", 4))) == (1 if share else 0)
     with pytest.raises(ValueError, match="already added"):
         m.fork("p", "s1")
+    first = m.block_ids("s1", 4)[0]
+    m.free("p")  # a shared page stays with s1 ...
+    assert m.stats().pools[4].pages_used == 3 and first not in m.pools[4].free_page_ids()
+    m.free("s1")  # ... and goes back with its last owner
+    assert all(p.pages_used == 0 for p in m.stats().pools.values())
+
+
+def test_fork_that_does_not_fit_is_not_now():
     full = manager()
-    prefill(full, "p", 200)
+    prefill(full, "p", 300)
     for r in range(3):
         full.add(r)
-    assert full.fork("p", "s2") is False and "s2" not in full
-    m.check_invariants()
+    before = full.stats()
+    for share in (True, False):
+        assert full.fork("p", "s2", share=share) is False and "s2" not in full
+    assert full.stats() == before
+    full.check_invariants()
