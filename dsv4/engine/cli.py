@@ -142,6 +142,7 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-new", type=int, default=d["max_new"], help="most generated tokens (default 24)")
     p.add_argument("--arrival-every", type=int, default=d["arrival_every"], help="mean steps between arrivals")
     p.add_argument("--progress-every", type=int, default=5, help="a progress line every N steps (default 5)")
+    p.add_argument("--swap", action="store_true", help="preempted requests keep their cache on the host (no recompute)")
     p.set_defaults(func=cmd_demo)
 
 
@@ -186,7 +187,8 @@ def format_summary(eng: EngineRunner, setup: dict) -> str:
         f"{setup['block_tokens']} tokens, prefill chunk {setup['prefill_chunk']}, token budget {setup['token_budget']}",
         "",
         f"steps {r.steps} (idle {r.idle_steps}); tokens: prefill {r.prefill_tokens}, decode {r.decode_tokens}, "
-        f"recomputed {r.recomputed_tokens}; preemptions {r.preemptions}",
+        f"recomputed {r.recomputed_tokens}; preemptions {r.preemptions}"
+        + (f" (swapped to the host: {_fmt_bytes(r.swapped_bytes)})" if setup.get("swap") else ""),
         f"engine time {r.wall_s:.1f}s -> {r.tokens_per_s:,.1f} tokens/s; dense check {r.verify_s:.1f}s",
         "",
         "cache memory by region (allocated):",
@@ -245,6 +247,7 @@ def run_demo(args: argparse.Namespace, out: TextIO | None = None) -> tuple[Engin
         device=device,
         backend=args.backend,
         seed=args.seed,
+        swap=args.swap,
     )
     setup = dict(
         model=cfg.name,
@@ -258,6 +261,7 @@ def run_demo(args: argparse.Namespace, out: TextIO | None = None) -> tuple[Engin
         prefill_chunk=args.prefill_chunk,
         token_budget=args.token_budget,
         seed=args.seed,
+        swap=args.swap,
     )
     on_step = None if args.json else _progress_printer(out, args.progress_every)
     if not args.json:

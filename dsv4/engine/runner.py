@@ -26,7 +26,8 @@ One step (``EngineRunner.step``):
 3. ``plan``; on None ("pages short") preempt the most recently admitted running request (whether or
    not it is in the schedule) and retry.  A preempted request loses its cache; after re-admission its
    recorded inputs are recomputed in prefill chunks (their outputs are overwritten; the largest change
-   is reported as ``recompute_max_diff``).
+   is reported as ``recompute_max_diff``).  With ``swap=True`` its cache is first saved to the host
+   (``KVCacheManager.save``) and re-admission ``load``s it: nothing is recomputed (``swapped_bytes``).
 4. run the stack: every layer through ``acquire(layer, plan)``; ``commit``.
 5. generate / finish: ``free`` finished requests; ``check_invariants`` (when enabled).
 
@@ -48,6 +49,7 @@ import torch
 
 from dsv4.cache.manager import CacheStats, KVCacheManager
 from dsv4.cache.plan import StepPlan
+from dsv4.cache.snapshot import RequestSnapshot
 from dsv4.config import ModelConfig
 from dsv4.model import functional as F
 from dsv4.model.attention import AttentionSubBlock
@@ -141,6 +143,7 @@ class _Live:
     recompute_max_diff: float = 0.0
     admitted_step: int | None = None
     finished_step: int | None = None
+    snapshot: RequestSnapshot | None = None  # its cache while swapped out (swap=True)
 
     @property
     def pending(self) -> int:
@@ -193,6 +196,7 @@ class RunResult:
     decode_tokens: int = 0  # generated tokens fed back, first computation
     recomputed_tokens: int = 0  # tokens computed again after a preemption
     preemptions: int = 0
+    swapped_bytes: int = 0  # cache bytes saved to the host at preemptions (swap=True)
     finished: int = 0
     wall_s: float = 0.0
     peak_pages_used: dict[int, int] = field(default_factory=dict)  # ratio -> most pages in use at once
@@ -282,6 +286,7 @@ class EngineRunner:
         seed: weights (per layer), prompts (per request id).
         layers: the stack's layer ids (default: every cache layer of ``cfg``, MTP included).
         check_invariants: call ``manager.check_invariants()`` after every step.
+        swap: a preempted request's cache goes to the host and comes back on re-admission (no recompute).
     """
 
     def __init__(
@@ -299,6 +304,7 @@ class EngineRunner:
         seed: int = 0,
         layers: Sequence[int] | None = None,
         check_invariants: bool = True,
+        swap: bool = False,
     ) -> None:
         if (num_pages is None) == (budget_bytes is None):
             raise ValueError("EngineRunner: give exactly one of num_pages and budget_bytes")
@@ -307,6 +313,7 @@ class EngineRunner:
         self.cfg, self.device, self.backend, self.seed = cfg, torch.device(device), backend, seed
         self.prefill_chunk, self.token_budget = prefill_chunk, token_budget
         self.check = check_invariants
+        self.swap = swap
         kw = dict(max_requests=max_requests, block_tokens=block_tokens, device=self.device)
         if budget_bytes is not None:
             self.manager = KVCacheManager.from_memory_budget(cfg, budget_bytes=budget_bytes, **kw)
@@ -395,9 +402,13 @@ class EngineRunner:
             if live.preempted_at_finish_count is not None and self._running:
                 if self.num_finished <= live.preempted_at_finish_count:
                     break  # resume only after something finished since the preemption
-            if self._running and not self._first_chunk_fits(live):
+            if live.snapshot is not None:  # swapped out: its cache comes back as it was (False: not now)
+                if not self.manager.load(live.req.id, live.snapshot):
+                    break
+                live.snapshot = None
+            elif self._running and not self._first_chunk_fits(live):
                 break
-            if not self.manager.add(live.req.id):
+            elif not self.manager.add(live.req.id):
                 break
             self._waiting.popleft()
             live.order = self._admissions
@@ -428,9 +439,13 @@ class EngineRunner:
     def _preempt_one(self) -> Hashable:
         victim = max(self._running.values(), key=lambda r: r.order)
         rid = victim.req.id
+        if self.swap:
+            victim.snapshot = self.manager.save(rid, "cpu")
+            self.result.swapped_bytes += victim.snapshot.nbytes
         self.manager.preempt(rid)
         del self._running[rid]
-        victim.num_computed = 0
+        if not self.swap:
+            victim.num_computed = 0
         victim.preemptions += 1
         victim.preempted_at_finish_count = self.num_finished
         self._waiting.appendleft(victim)

@@ -31,6 +31,14 @@ def test_demo_json(capsys):
     assert summary["setup"]["device"] == "cpu"
 
 
+def test_demo_swap(capsys):
+    """--swap: the same tiny workload; preempted requests come back from the host instead of being recomputed."""
+    assert main(["demo", *TINY, "--json", "--swap", "--pages", "1"]) == 0
+    r = json.loads(capsys.readouterr().out.strip())["result"]
+    assert r["all_passed"] is True and r["preemptions"] >= 1 and r["swapped_bytes"] > 0
+    assert r["recomputed_tokens"] == 0
+
+
 def test_demo_fails_when_a_request_does_not_verify(capsys, monkeypatch):
     from dsv4.engine.runner import EngineRunner, Tolerance
 

@@ -55,6 +55,22 @@ def test_preemption_happens_and_every_request_verifies(preempting_run):
     assert r.peak_pages_used[4] == 3 and r.tokens_per_s > 0
 
 
+def test_swapped_requests_are_not_recomputed_and_verify():
+    """swap=True: a preempted request's cache goes to the host and comes back (``save`` / ``load``); the same
+    workload then finishes with nothing recomputed and every request matching the dense reference."""
+    eng = EngineRunner(CFG, max_requests=3, num_pages=3, backend="torch", swap=True)
+    infos = []
+    eng.run([Request("a", 150, 4), Request("b", 140, 5), Request("c", 100, 3, arrival_step=1)],
+            on_step=lambda info, e: infos.append(info))  # fmt: skip
+    eng.verify()
+    r = eng.result
+    assert r.preemptions >= 1 and r.swapped_bytes > 0 and r.recomputed_tokens == 0
+    assert r.finished == 3 and eng.done and r.all_passed
+    assert [q.tokens for q in sorted(r.requests, key=lambda q: q.id)] == [153, 144, 102]
+    s = eng.manager.stats()
+    assert s.slots_used == 0 and all(p.pages_used == 0 for p in s.pools.values())
+
+
 def test_everything_free_at_the_end(preempting_run):
     eng, _ = preempting_run
     _assert_all_free(eng)
