@@ -115,6 +115,24 @@ def test_online_decode_only_from_position_zero(device, backend):
     check(got, hist, state, [1, 0], ratio)
 
 
+@pytest.mark.parametrize("sigma", [1.0, 16.0])
+def test_online_fold_is_as_accurate_as_the_reference_formula(sigma):
+    """A chunk folded one row at a time (128 decode steps) against the fp64 softmax pooling: its fp32 error is that of
+    the reference's own fp32 formula (softmax, then the weighted sum), ~1e-6 of a row's largest value."""
+    g = torch.Generator().manual_seed(0)
+    kv, sc = torch.randn(16, 128, 512, generator=g), torch.randn(16, 128, 512, generator=g) * sigma
+    truth = (kv.double() * sc.double().softmax(1)).sum(1)
+    ref = (kv * sc.softmax(1)).sum(1)
+    one = torch.ones(16, 512)
+    run = (sc[:, 0], one, kv[:, 0])
+    for r in range(1, 128):
+        run = online_combine(run, (sc[:, r], one, kv[:, r]))
+    scale = truth.abs().amax(-1, keepdim=True)
+    e_ref = ((ref.double() - truth).abs() / scale).max().item()
+    e_online = ((run[2] / run[1]).double() - truth).abs().div(scale).max().item()
+    assert e_online < 2e-6 and e_online < 2 * e_ref, (e_online, e_ref)
+
+
 def test_online_combine_is_the_union():
     g = torch.Generator().manual_seed(1)
     kv, sc = torch.randn(10, 6, generator=g), torch.randn(10, 6, generator=g) * 3
