@@ -137,10 +137,11 @@ from dsv4.cli import main; sys.exit(main(sys.argv[1:]))" bench --models v4-flash
       --batches 1,4,64 --out "$OUT/${stamp}_h200_decode_fold$fold.jsonl" 2>&1 | tail -7
   done
 fi
-if [ "$what" = hca_online ]; then  # what session 14 left unrun: compressor GPU tests after the online-state helper refactor,
+if [ "$what" = hca_online ]; then  # what session 14 left unrun: compressor GPU tests after the online-state helper refactor
+  # and save / load on CUDA,
   # the online HCA prefill with the pool in one launch or two (split_pool), the HCA decode step (~4 min)
   timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_compressor_online.py tests/kernels/test_compressor.py \
-    tests/model/test_attention.py -k "cuda or gpu or cancelled" 2>&1 | tee "$OUT/${stamp}_h200_gpu_tests_compressor.txt" | tail -3
+    tests/model/test_attention.py tests/cache/test_snapshot.py -k "cuda or gpu or cancelled" 2>&1 | tee "$OUT/${stamp}_h200_gpu_tests_compressor.txt" | tail -3
   timeout 150 python3 benchmarks/bench_write.py --ops hca,hca_online --models v4-flash --modes prefill \
     --tune hca_online:split_pool=0 --tune hca_online:split_pool=1 --out "$OUT/${stamp}_h200_write_hca_split.jsonl" 2>&1 \
     | tee "$OUT/${stamp}_h200_write_hca_split.txt" | grep hca | cut -c1-220

@@ -15,8 +15,18 @@ from dsv4.model.weights import random_attention_weights
 
 TINY = get_preset("tiny")
 LAYERS = (0, 1, 2)  # SWA, CSA, HCA
-BLOCKS = {i: AttentionSubBlock(TINY, i, random_attention_weights(TINY, i, seed=5), backend="torch") for i in LAYERS}
 X = torch.randn(400, TINY.dim, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
+_BLOCKS: dict[str, dict[int, AttentionSubBlock]] = {}
+
+
+def blocks(device: torch.device) -> dict[int, AttentionSubBlock]:
+    """The three layers (torch backend) with their weights on ``device``, built once a device."""
+    if str(device) not in _BLOCKS:
+        _BLOCKS[str(device)] = {
+            i: AttentionSubBlock(TINY, i, random_attention_weights(TINY, i, seed=5, device=device), backend="torch")
+            for i in LAYERS
+        }
+    return _BLOCKS[str(device)]
 
 
 def manager(**kw):
@@ -24,9 +34,9 @@ def manager(**kw):
 
 
 def step(m, sched, xs):
-    """One step of every layer; returns {layer: y}."""
+    """One step of every layer on the manager's device; returns {layer: y}."""
     plan = m.plan(sched)
-    ys = {i: blk(xs, m.acquire(i, plan)) for i, blk in BLOCKS.items()}
+    ys = {i: blk(xs.to(m.device), m.acquire(i, plan)) for i, blk in blocks(m.device).items()}
     m.commit(plan)
     return ys
 
@@ -67,11 +77,12 @@ def test_snapshot_holds_every_region_of_the_request():
 
 
 @pytest.mark.parametrize("online_state", [True, False])
-def test_migrated_request_decodes_as_if_it_never_left(online_state):
-    a = manager(online_state=online_state)
+def test_migrated_request_decodes_as_if_it_never_left(device, online_state):
+    """(On a GPU too: the snapshot goes through the host, the copies are the device's.)"""
+    a = manager(online_state=online_state, device=device)
     prefill(a, "r", 300)
     snap = a.save("r")
-    b = manager(online_state=online_state)
+    b = manager(online_state=online_state, device=device)
     prefill(b, "other", 260)  # other slot and page ids in b
     assert b.load("r", snap)
     assert b.slot_of("r") != a.slot_of("r") and b.block_ids("r", 4) != a.block_ids("r", 4)
