@@ -10,6 +10,7 @@ only if every request verified.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -143,6 +144,7 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--arrival-every", type=int, default=d["arrival_every"], help="mean steps between arrivals")
     p.add_argument("--progress-every", type=int, default=5, help="a progress line every N steps (default 5)")
     p.add_argument("--swap", action="store_true", help="preempted requests keep their cache on the host (no recompute)")
+    p.add_argument("--samples", type=int, default=1, help="continuations of each prompt, forked from its cache")
     p.set_defaults(func=cmd_demo)
 
 
@@ -188,7 +190,8 @@ def format_summary(eng: EngineRunner, setup: dict) -> str:
         "",
         f"steps {r.steps} (idle {r.idle_steps}); tokens: prefill {r.prefill_tokens}, decode {r.decode_tokens}, "
         f"recomputed {r.recomputed_tokens}; preemptions {r.preemptions}"
-        + (f" (swapped to the host: {_fmt_bytes(r.swapped_bytes)})" if setup.get("swap") else ""),
+        + (f" (swapped to the host: {_fmt_bytes(r.swapped_bytes)})" if setup.get("swap") else "")
+        + (f"; prompt tokens forked to samples {r.forked_tokens}" if setup.get("samples", 1) > 1 else ""),
         f"engine time {r.wall_s:.1f}s -> {r.tokens_per_s:,.1f} tokens/s; dense check {r.verify_s:.1f}s",
         "",
         "cache memory by region (allocated):",
@@ -237,6 +240,9 @@ def run_demo(args: argparse.Namespace, out: TextIO | None = None) -> tuple[Engin
         new_tokens=(args.min_new, args.max_new),
         arrival_every=args.arrival_every,
     )
+    if args.samples < 1:
+        raise ValueError(f"--samples: expected >= 1, got {args.samples}")
+    workload = [dataclasses.replace(r, samples=args.samples) for r in workload]
     eng = EngineRunner(
         cfg,
         max_requests=args.max_requests,
@@ -262,6 +268,7 @@ def run_demo(args: argparse.Namespace, out: TextIO | None = None) -> tuple[Engin
         token_budget=args.token_budget,
         seed=args.seed,
         swap=args.swap,
+        samples=args.samples,
     )
     on_step = None if args.json else _progress_printer(out, args.progress_every)
     if not args.json:

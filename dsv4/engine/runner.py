@@ -39,6 +39,7 @@ against the engine's per-token final hidden states: max and mean |Δ|, pass iff 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import zlib
 from collections import deque
@@ -79,8 +80,11 @@ class Request:
     prompt_len: int
     max_new_tokens: int
     arrival_step: int = 0
+    samples: int = 1  # continuations of the prompt: samples - 1 forks (ids (id, k)) once the prompt is cached
 
     def __post_init__(self) -> None:
+        if not isinstance(self.samples, int) or self.samples < 1:
+            raise ValueError(f"Request {self.id!r}: expected samples >= 1, got {self.samples!r}")
         if not isinstance(self.prompt_len, int) or self.prompt_len < 1:
             raise ValueError(f"Request {self.id!r}: expected prompt_len >= 1, got {self.prompt_len!r}")
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
@@ -144,6 +148,8 @@ class _Live:
     admitted_step: int | None = None
     finished_step: int | None = None
     snapshot: RequestSnapshot | None = None  # its cache while swapped out (swap=True)
+    sample: int = 0  # k of a forked continuation (id (parent id, k)); 0: the request itself
+    forked: bool = False  # its samples were created
 
     @property
     def pending(self) -> int:
@@ -197,6 +203,7 @@ class RunResult:
     recomputed_tokens: int = 0  # tokens computed again after a preemption
     preemptions: int = 0
     swapped_bytes: int = 0  # cache bytes saved to the host at preemptions (swap=True)
+    forked_tokens: int = 0  # prompt tokens a sample got by ``fork`` instead of computing them
     finished: int = 0
     wall_s: float = 0.0
     peak_pages_used: dict[int, int] = field(default_factory=dict)  # ratio -> most pages in use at once
@@ -347,7 +354,10 @@ class EngineRunner:
                 raise ValueError(f"Request {r.id!r}: duplicate id")
             if r.total_inputs > self.cfg.max_seq_len:
                 raise ValueError(f"Request {r.id!r}: {r.total_inputs} tokens exceed max_seq_len")
-            self._ids.add(r.id)
+            children = [(r.id, k) for k in range(1, r.samples)]
+            if any(c in self._ids for c in children):
+                raise ValueError(f"Request {r.id!r}: a sample id (id, k) is taken")
+            self._ids.update([r.id, *children])
             self._future.append(r)
         self._future.sort(key=lambda r: r.arrival_step)
 
@@ -505,6 +515,8 @@ class EngineRunner:
                 live.layer_out[live.num_computed : live.num_computed + n] = l_out[off : off + n]
                 self._record(live, out[off : off + n])
                 off += n
+                if live.num_computed == live.req.prompt_len and live.req.samples > 1 and not live.forked:
+                    self._fork_samples(live)
                 if live.num_computed == live.n_inputs:
                     self._generate(live)
                 if live.generated == live.req.max_new_tokens:
@@ -568,8 +580,47 @@ class EngineRunner:
         live.generated += 1
         if live.generated < live.req.max_new_tokens:
             last = live.outputs[live.n_inputs - 1]
-            live.inputs[live.n_inputs] = F.rms_norm(last, None, self.cfg.norm_eps).to(torch.bfloat16)
+            nxt = F.rms_norm(last, None, self.cfg.norm_eps)
+            if live.sample:  # a sample's own continuation: the next input plus its own seeded noise
+                gen = torch.Generator().manual_seed(
+                    zlib.crc32(f"{self.seed}/sample/{live.req.id!r}/{live.generated}".encode())
+                )
+                nxt = nxt + 0.5 * torch.randn(nxt.shape, generator=gen).to(nxt.device)
+            live.inputs[live.n_inputs] = nxt.to(torch.bfloat16)
             live.n_inputs += 1
+
+    def _fork_samples(self, live: _Live) -> None:
+        """The prompt of ``live`` is cached: give each of its samples the cache by ``KVCacheManager.fork`` (filled
+        pages shared) and its recorded prompt rows; a sample that does not fit now waits as a request of its own
+        and computes the prompt itself."""
+        live.forked = True
+        for k in range(1, live.req.samples):
+            req = dataclasses.replace(live.req, id=(live.req.id, k), samples=1)
+            p = req.prompt_len
+            child = _Live(
+                req=req,
+                inputs=live.inputs.clone(),
+                outputs=live.outputs.clone(),
+                layer_in=live.layer_in.clone(),
+                layer_out=live.layer_out.clone(),
+                n_inputs=p,
+                sample=k,
+                forked=True,
+            )
+            if not self.manager.fork(live.req.id, req.id):
+                self._waiting.append(child)
+                continue
+            child.num_computed = child.max_computed = p
+            child.order, child.admitted_step = self._admissions, self.step_no
+            self._admissions += 1
+            self.result.forked_tokens += p
+            self._generate(child)
+            if child.generated == req.max_new_tokens:  # one new token: the prompt's output was all it needed
+                self.manager.free(req.id)
+                child.finished_step = self.step_no
+                self._finished[req.id] = child
+            else:
+                self._running[req.id] = child
 
     # ------------------------------------------------------------------ whole runs
     def run(

@@ -39,6 +39,14 @@ def test_demo_swap(capsys):
     assert r["recomputed_tokens"] == 0
 
 
+def test_demo_samples(capsys):
+    """--samples 2: each prompt's second continuation is forked from its cache; all six requests verify."""
+    assert main(["demo", *TINY, "--json", "--samples", "2", "--pages", "6", "--max-requests", "6"]) == 0
+    r = json.loads(capsys.readouterr().out.strip())["result"]
+    assert r["all_passed"] is True and r["finished"] == 6 and r["forked_tokens"] > 0
+    assert main(["demo", *TINY, "--samples", "0"]) == 2
+
+
 def test_demo_fails_when_a_request_does_not_verify(capsys, monkeypatch):
     from dsv4.engine.runner import EngineRunner, Tolerance
 

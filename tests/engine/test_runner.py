@@ -71,6 +71,34 @@ def test_swapped_requests_are_not_recomputed_and_verify():
     assert s.slots_used == 0 and all(p.pages_used == 0 for p in s.pools.values())
 
 
+def test_samples_fork_the_prompt_and_verify():
+    """Request(samples=n): once the prompt is cached, n - 1 continuations get its cache by ``fork`` (filled pages
+    shared) instead of computing it; each continues on its own (seeded noise on its inputs) and every one, the forks
+    included, matches the dense reference over its own recorded inputs."""
+    eng = EngineRunner(CFG, max_requests=6, num_pages=8, backend="torch")
+    eng.run([Request("a", 150, 5, samples=3), Request("b", 140, 1, samples=2), Request("c", 100, 4, arrival_step=1)])
+    eng.verify()
+    r = eng.result
+    assert r.finished == 6 and r.all_passed and r.forked_tokens == 2 * 150 + 140
+    assert r.prefill_tokens == 150 + 140 + 100  # each prompt computed once
+    a, a1, a2 = (eng._finished[i] for i in ("a", ("a", 1), ("a", 2)))
+    assert torch.equal(a.outputs[:150], a1.outputs[:150])  # the shared prompt
+    assert not torch.equal(a.outputs[150:154], a1.outputs[150:154]) and not torch.equal(a1.inputs, a2.inputs)
+    s = eng.manager.stats()
+    assert s.slots_used == 0 and all(p.pages_used == 0 for p in s.pools.values())
+    with pytest.raises(ValueError, match="samples"):
+        Request("x", 10, 2, samples=0)
+
+
+def test_a_sample_that_does_not_fit_computes_its_prompt():
+    """No free slot when the prompt completes: the sample waits as a request of its own and prefills the prompt."""
+    eng = EngineRunner(CFG, max_requests=1, num_pages=8, backend="torch")
+    eng.run([Request("a", 60, 3, samples=2)])
+    eng.verify()
+    r = eng.result
+    assert r.finished == 2 and r.all_passed and r.forked_tokens == 0 and r.prefill_tokens == 2 * 60
+
+
 def test_everything_free_at_the_end(preempting_run):
     eng, _ = preempting_run
     _assert_all_free(eng)
