@@ -59,36 +59,51 @@ def next_step(step, hist, slot_map, width, g):
     return pos, slot, req, kv, sc
 
 
+def drive(chunks, ratio, width, slot_map, seed, run_step, device):
+    """chunks: list of steps, each a list of (request, n_tokens); ``run_step(step index, kv, score, positions,
+    slots)`` (tensors on ``device``) runs one step and returns (pooled, emits).  Checks the emits; returns the pooled
+    rows per (request, entry) and each request's history (kv, score) [L, width] on the CPU."""
+    n_req = 1 + max(r for step in chunks for r, _ in step)
+    g = torch.Generator().manual_seed(seed)
+    hist = {r: ([], []) for r in range(n_req)}
+    got = {}
+    for si, step in enumerate(chunks):
+        pos, slot, req, kv, sc = next_step(step, hist, slot_map, width, g)
+        pos_t = torch.tensor(pos, dtype=torch.int32, device=device)
+        slot_t = torch.tensor(slot, dtype=torch.int32, device=device)
+        pooled, emits = run_step(si, kv.to(device), sc.to(device), pos_t, slot_t)
+        assert torch.equal(emits.cpu(), (torch.tensor(pos) + 1) % ratio == 0)
+        for i in emits.cpu().nonzero().squeeze(1).tolist():
+            got[(req[i], pos[i] // ratio)] = pooled[i].cpu()
+    return got, {r: (torch.cat(k), torch.cat(s)) for r, (k, s) in hist.items()}
+
+
+def check_entries(got, r, kv_h, sc_h, ratio, overlap):
+    """Request r's pooled rows in ``got`` are exactly its entries, each equal to the oracle's."""
+    want = oracle_pooled(kv_h, sc_h, ratio, overlap)
+    assert sorted(i for rr, i in got if rr == r) == list(range(want.shape[0]))
+    for i in range(want.shape[0]):
+        torch.testing.assert_close(got[(r, i)], want[i], atol=1e-5, rtol=1e-5)
+
+
 def run_steps(chunks, ratio, overlap, d, backend, device, garbage=False, slot_map=None):
     """chunks: list of steps, each a list of (request, n_tokens).  Returns pooled per (request, entry), state."""
     c = 2 if overlap else 1
     n_req = 1 + max(r for step in chunks for r, _ in step)
     slot_map = slot_map or list(range(n_req))
     kv_state, sc_state = fresh_state(max(slot_map) + 1, ratio, overlap, d, device, garbage)
-    g = torch.Generator().manual_seed(7)
-    hist = {r: ([], []) for r in range(n_req)}
-    got = {}
-    for step in chunks:
-        pos, slot, req, kv, sc = next_step(step, hist, slot_map, c * d, g)
-        pos_t = torch.tensor(pos, dtype=torch.int32, device=device)
-        pooled, emits = compressor_step(
-            kv.to(device), sc.to(device), pos_t, torch.tensor(slot, dtype=torch.int32, device=device),
-            kv_state, sc_state, ratio, overlap, backend=backend,
-        )  # fmt: skip
-        assert torch.equal(emits.cpu(), (torch.tensor(pos) + 1) % ratio == 0)
-        for i in emits.cpu().nonzero().squeeze(1).tolist():
-            got[(req[i], pos[i] // ratio)] = pooled[i].cpu()
-    hist = {r: (torch.cat(k), torch.cat(s)) for r, (k, s) in hist.items()}
+
+    def run_step(si, kv, sc, pos, slot):
+        return compressor_step(kv, sc, pos, slot, kv_state, sc_state, ratio, overlap, backend=backend)
+
+    got, hist = drive(chunks, ratio, c * d, slot_map, 7, run_step, device)
     return got, hist, kv_state.cpu(), sc_state.cpu(), slot_map
 
 
 def check_against_oracle(got, hist, kv_state, sc_state, slot_map, ratio, overlap):
     cm = (2 if overlap else 1) * ratio
     for r, (kv_h, sc_h) in hist.items():
-        want = oracle_pooled(kv_h, sc_h, ratio, overlap)
-        assert sorted(i for rr, i in got if rr == r) == list(range(want.shape[0]))
-        for i in range(want.shape[0]):
-            torch.testing.assert_close(got[(r, i)], want[i], atol=1e-5, rtol=1e-5)
+        check_entries(got, r, kv_h, sc_h, ratio, overlap)
         # the state ring holds the last cm positions of the request, at row pos mod cm
         L = kv_h.shape[0]
         for p in range(max(0, L - cm), L):

@@ -10,7 +10,7 @@ raw (bit-equal: a copy) and its position.
 
 import pytest
 import torch
-from test_compressor import next_step, oracle_pooled
+from test_compressor import check_entries, drive
 
 from dsv4.formats import FP8EntryFormat
 from dsv4.kernels.cache.compressor import (
@@ -35,32 +35,21 @@ def _running(kv, sc):
 def run_online(chunks, ratio, d, backend, device, slot_map, decode_steps=(), **kw):
     """chunks: steps, each a list of (request, n_tokens); step indices in ``decode_steps`` use decode=True (one
     token per request).  Returns pooled per (request, entry), the histories and the state (CPU)."""
-    n_req = 1 + max(r for step in chunks for r, _ in step)
     kv_state, sc_state, spos = online_state(max(slot_map) + 1, d, device)
-    g = torch.Generator().manual_seed(3)
-    hist = {r: ([], []) for r in range(n_req)}
-    got = {}
-    for si, step in enumerate(chunks):
-        pos, slot, req, kv, sc = next_step(step, hist, slot_map, d, g)
-        pooled, emits = compressor_step(
-            kv.to(device), sc.to(device), torch.tensor(pos, dtype=torch.int32, device=device),
-            torch.tensor(slot, dtype=torch.int32, device=device), kv_state, sc_state, ratio, False,
-            decode=si in decode_steps, backend=backend, state_pos=spos, **({} if si in decode_steps else kw),
-        )  # fmt: skip
-        assert torch.equal(emits.cpu(), (torch.tensor(pos) + 1) % ratio == 0)
-        for i in emits.cpu().nonzero().squeeze(1).tolist():
-            got[(req[i], pos[i] // ratio)] = pooled[i].cpu()
-    hist = {r: (torch.cat(k), torch.cat(s)) for r, (k, s) in hist.items()}
+
+    def run_step(si, kv, sc, pos, slot):
+        dec = si in decode_steps
+        return compressor_step(kv, sc, pos, slot, kv_state, sc_state, ratio, False, decode=dec, backend=backend,
+                               state_pos=spos, **({} if dec else kw))  # fmt: skip
+
+    got, hist = drive(chunks, ratio, d, slot_map, 3, run_step, device)
     return got, hist, (kv_state.cpu(), sc_state.cpu(), spos.cpu())
 
 
 def check(got, hist, state, slot_map, ratio):
     kv_state, sc_state, spos = state
     for r, (kv_h, sc_h) in hist.items():
-        want = oracle_pooled(kv_h, sc_h, ratio, False)
-        assert sorted(i for rr, i in got if rr == r) == list(range(want.shape[0]))
-        for i in range(want.shape[0]):
-            torch.testing.assert_close(got[(r, i)], want[i], atol=1e-5, rtol=1e-5)
+        check_entries(got, r, kv_h, sc_h, ratio, False)
         n = kv_h.shape[0]
         c0 = (n - 1) // ratio * ratio  # the last chunk's first position (a complete chunk stays until the next)
         mx, den, acc = _running(kv_h[c0 : n - 1], sc_h[c0 : n - 1])
