@@ -325,6 +325,24 @@ def _online_state_part(slot, t, p0, ch, chm, kvs_ptr, scs_ptr, st_ss, st_sr, spo
 
 
 @triton.jit
+def _store_online_state(kvs_ptr, scs_ptr, base, st_sr, chm, mx, den, acc, sc_row, kv_row):
+    """Write a slot's online state at ``base`` (= slot * st_ss + channels): the prefix (max, den, acc) and the newest
+    row raw (the row layout ``_online_state_part`` reads: kv rows acc, den, raw kv; score rows max, raw score)."""
+    tl.store(scs_ptr + base, mx, mask=chm)
+    tl.store(kvs_ptr + base + st_sr, den, mask=chm)
+    tl.store(kvs_ptr + base, acc, mask=chm)
+    tl.store(scs_ptr + base + st_sr, sc_row, mask=chm)
+    tl.store(kvs_ptr + base + 2 * st_sr, kv_row, mask=chm)
+
+
+@triton.jit
+def _store_pooled(pooled_ptr, i, ch, chm, mx, den, acc, sc_row, kv_row, D: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Token i's pooled row: the prefix (max, den, acc) of its chunk combined with its own row, acc / den."""
+    _, den, acc = _online_combine(mx, den, acc, sc_row, tl.full([BLOCK_D], 1.0, tl.float32), kv_row)
+    tl.store(pooled_ptr + i * D + ch, acc / den, mask=chm)
+
+
+@triton.jit
 def _rows_in_step(j, p, jin, slot, i0, tslot_ptr, pos_ptr, ROW_LOADS: tl.constexpr):
     """Which candidate rows (batch index j, position p; ``jin``: j is a valid index) are this request's tokens in
     the step: with ``ROW_LOADS`` by loading their slots and positions, else by the step contract: j >= i0, the
@@ -379,8 +397,7 @@ def _pool_token_online(
     )  # fmt: skip
     kv_t = tl.load(kv_ptr + i * stride_kv + ch, mask=chm, other=0.0)
     sc_t = tl.load(sc_ptr + i * stride_sc + ch, mask=chm, other=0.0)
-    _, den, acc = _online_combine(mx, den, acc, sc_t, tl.full([BLOCK_D], 1.0, tl.float32), kv_t)
-    tl.store(pooled_ptr + i * D + ch, acc / den, mask=chm)
+    _store_pooled(pooled_ptr, i, ch, chm, mx, den, acc, sc_t, kv_t, D, BLOCK_D)
 
 
 @triton.jit
@@ -528,16 +545,10 @@ def _decode_online(
             sc_o += tl.load(ape_ptr + (t % M) * D + ch, mask=chm, other=0.0)
         mx, den, acc = _online_state_part(slot, t, t, ch, chm, kvs_ptr, scs_ptr, st_ss, st_sr, spos_ptr, M)
         tl.debug_barrier()  # every thread has read the state (and state_pos) before any writes it
-        base = slot * st_ss + ch
-        tl.store(scs_ptr + base, mx, mask=chm)
-        tl.store(kvs_ptr + base + st_sr, den, mask=chm)
-        tl.store(kvs_ptr + base, acc, mask=chm)
-        tl.store(scs_ptr + base + st_sr, sc_o, mask=chm)
-        tl.store(kvs_ptr + base + 2 * st_sr, kv_o, mask=chm)
+        _store_online_state(kvs_ptr, scs_ptr, slot * st_ss + ch, st_sr, chm, mx, den, acc, sc_o, kv_o)
         tl.store(spos_ptr + slot, t.to(tl.int32))
         if emit:
-            _, den, acc = _online_combine(mx, den, acc, sc_o, tl.full([BLOCK_D], 1.0, tl.float32), kv_o)
-            tl.store(pooled_ptr + i * D + ch, acc / den, mask=chm)
+            _store_pooled(pooled_ptr, i, ch, chm, mx, den, acc, sc_o, kv_o, D, BLOCK_D)
     return emit & work & (b * BLOCK_D < D), slot
 
 
@@ -824,12 +835,9 @@ def _compressor_online_write_kernel(
             i, t, slot, ch, chm, kv_ptr, sc_ptr, stride_kv, stride_sc, pos_ptr, tslot_ptr, kvs_ptr, scs_ptr, st_ss,
             st_sr, spos_ptr, M, BLOCK_R,
         )  # fmt: skip
-        base = slot * st_ss + ch
-        tl.store(scs_ptr + base, mx, mask=chm)
-        tl.store(kvs_ptr + base + st_sr, den, mask=chm)
-        tl.store(kvs_ptr + base, acc, mask=chm)
-        tl.store(scs_ptr + base + st_sr, tl.load(sc_ptr + i * stride_sc + ch, mask=chm), mask=chm)
-        tl.store(kvs_ptr + base + 2 * st_sr, tl.load(kv_ptr + i * stride_kv + ch, mask=chm), mask=chm)
+        sc_row = tl.load(sc_ptr + i * stride_sc + ch, mask=chm)
+        kv_row = tl.load(kv_ptr + i * stride_kv + ch, mask=chm)
+        _store_online_state(kvs_ptr, scs_ptr, slot * st_ss + ch, st_sr, chm, mx, den, acc, sc_row, kv_row)
         k = tl.min(tl.where(last & (kk > k), kk, BLOCK_T), axis=0)
 
 
