@@ -508,16 +508,14 @@ class KVCacheManager:
         both requests have filled (the first ``num_tokens // block_tokens`` of each ratio class: pages are append-only,
         neither request writes them again) are shared, counted per page and freed with their last owner; the window
         rings, the compressor states and the partly filled page are copied into a slot and a page of its own.
-        ``share=False``: every page copied (``save`` + ``load`` on the cache's device).  False = not now (no slot or
-        pages), nothing taken; ValueError as ``save`` and ``load``."""
+        ``share=False``: every page copied.  The copies go through a snapshot on the cache's device (a transient
+        second copy of those bytes).  False = not now (no slot or pages), nothing taken; ValueError as ``save``."""
         self._check_new_id(new_rid)
-        if not share:
-            return self.load(new_rid, self.save(rid, self.device))
         req = self._get(rid)
         if self._in_flight(rid):
             raise ValueError(f"fork: request {rid!r} is in the outstanding plan; commit or cancel it first")
-        n_full = req.num_tokens // self.schema.block_tokens
-        tail = {m: pages[n_full:] for m, pages in self._filled(req).items()}  # the partly filled page, if any
+        n_shared = req.num_tokens // self.schema.block_tokens if share else 0
+        tail = {m: pages[n_shared:] for m, pages in self._filled(req).items()}  # the pages copied
         if self.state.num_free_slots == 0 or any(self.pools[m].num_free_pages < len(t) for m, t in tail.items()):
             return False
         snap = save_request(self.schema, self.state, self.pools, req.slot, tail, req.num_tokens, self.device)
@@ -525,9 +523,9 @@ class KVCacheManager:
         blocks = {m: self.pools[m].allocate(len(t)) for m, t in tail.items()}
         load_request(self.state, self.pools, slot, blocks, snap)
         for m in self.pools:
-            for p in req.blocks[m][:n_full]:
+            for p in req.blocks[m][:n_shared]:
                 self._shared[m][p] = self._shared[m].get(p, 1) + 1
-            blocks[m] = req.blocks[m][:n_full] + blocks[m]
+            blocks[m] = req.blocks[m][:n_shared] + blocks[m]
         self._requests[new_rid] = _Request(slot=slot, num_tokens=req.num_tokens, blocks=blocks)
         self._preempted.discard(new_rid)
         self._after_mutation()
