@@ -208,6 +208,11 @@ def test_gpu_triton_path_matches_dense(kind):
     assert_close(m_out, ref)
 
 
+def _backend_device(backend):
+    """Where a ``backend`` test runs: the Triton kernels on CUDA when this machine has it (else the interpreter)."""
+    return torch.device("cuda" if backend == "triton" and torch.cuda.is_available() else "cpu")
+
+
 def _cache_bytes(m):
     st = m.state
     parts = [st._ring_buf, st._pos[:, :-1], st._head[:, :-1], *(x for pair in st._comp.values() for x in pair)]
@@ -219,12 +224,14 @@ def _cache_bytes(m):
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_padded_decode_step_equals_unpadded_and_writes_nothing_for_padding(backend):
     """The CUDA-graph form of a decode step (fixed batch and block-table width) computes the same rows."""
-    x = torch.randn(2, 9, TINY.dim, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
+    dev = _backend_device(backend)
+    x = torch.randn(2, 9, TINY.dim, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16).to(dev)
     outs, caches = [], []
     for padded in (False, True):
-        m = KVCacheManager(TINY, max_requests=3, num_pages=4, block_tokens=256, debug=True)
+        m = KVCacheManager(TINY, max_requests=3, num_pages=4, block_tokens=256, debug=True, device=dev)
         blocks = {
-            i: AttentionSubBlock(TINY, i, random_attention_weights(TINY, i, seed=9), backend=backend) for i in (1, 2)
+            i: AttentionSubBlock(TINY, i, random_attention_weights(TINY, i, seed=9, device=dev), backend=backend)
+            for i in (1, 2)
         }
         m.add(0)
         m.add(1)
@@ -249,12 +256,13 @@ def test_cancelled_decode_step_run_again_equals_one_run(backend):
     """``KVCacheManager.cancel`` allows re-running a decode step that ran: with HCA's online compressor state (its
     newest row kept raw) the second run replaces the row instead of folding it twice, so outputs and every cache
     byte equal a single run -- at a step that completes an HCA entry (position 255) and at the next one."""
-    x = torch.randn(1, 258, TINY.dim, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    dev = _backend_device(backend)
+    x = torch.randn(1, 258, TINY.dim, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16).to(dev)
     outs, caches = [], []
     for rerun in (False, True):
-        m = KVCacheManager(TINY, max_requests=2, num_pages=4, block_tokens=256, debug=True)
+        m = KVCacheManager(TINY, max_requests=2, num_pages=4, block_tokens=256, debug=True, device=dev)
         assert m.state.layer(2).compressor.positions is not None  # HCA: online state
-        w = random_attention_weights(TINY, 2, seed=4)
+        w = random_attention_weights(TINY, 2, seed=4, device=dev)
         blocks = {2: AttentionSubBlock(TINY, 2, w, backend=backend)}
         m.add(0)
         plan = m.plan({0: 255})
