@@ -130,7 +130,9 @@ def count_launches(fn) -> dict | None:
         else:
             kernels += 1
             names.append(e.name[:60])
-    return {"kernels": kernels, "memcpy": copies, "memset": sets, "names": names}
+    # the distinct kernel names, first-seen order, at most _MAX_NAMES (a reference run launches thousands of kernels)
+    distinct = list(dict.fromkeys(names))
+    return {"kernels": kernels, "memcpy": copies, "memset": sets, "names": distinct[:_MAX_NAMES]}
 
 
 def count_syncs(fn) -> int | None:
@@ -173,6 +175,9 @@ def mxfp4_written_bytes(fmt: MXFP4KeyFormat) -> int:
 
 
 # ---------------------------------------------------------------------------- cases
+_MAX_NAMES = 32
+
+
 def parse_tune(items: list[str]) -> dict[str, list[dict[str, int | str]]]:
     """``["op:k=v,k=v", ...]`` -> {op: [{k: int(v) or v}, ...]}: each item is one variant of its op (an op given
     several times is measured once per variant, in order; ``op:`` alone is the default geometry)."""

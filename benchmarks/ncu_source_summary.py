@@ -10,6 +10,12 @@ The kernel's partitions are told apart by the register reconfiguration each one 
 warp-specialised region begins with its ``setmaxnreg``); each region is named by that instruction and its share of
 all samples printed, then the ``--top`` instructions by samples with their region.  A spin on an mbarrier
 (``SYNCS.PHASECHK`` + branch) high in the list is a partition waiting for another.
+
+    python benchmarks/ncu_source_summary.py src.csv --lines KERNEL.lines.sass   # per Python source line
+
+With ``--lines`` (the ``nvdisasm -gi`` listing that ``sass_report.py --sass DIR`` writes for the same kernel, compiled
+off the device with the same Triton and ptxas) the executed instructions and stall samples are also summed per
+source line (the innermost one: a helper's line, not its caller's), to see which lines of a kernel cost the most.
 """
 
 from __future__ import annotations
@@ -18,6 +24,9 @@ import argparse
 import csv
 import gzip
 import io
+import linecache
+import os
+import re
 import sys
 from typing import NamedTuple
 
@@ -77,12 +86,50 @@ def summary(rows: list[Row], top: int) -> str:
     return "\n".join(out)
 
 
+def line_map(path: str) -> dict[int, str]:
+    """Offset -> "file.py:line" from an ``nvdisasm -gi`` listing (each instruction takes the last line marker)."""
+    where, out = "?", {}
+    for text in open(path):  # noqa: SIM115
+        m = re.search(r'//## File "([^"]+)", line (\d+)', text)
+        if m:
+            where = f"{m[1]}:{m[2]}"
+            continue
+        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/", text)
+        if m:
+            out[int(m[1], 16)] = where
+    return out
+
+
+def by_line(rows: list[Row], lines: dict[int, str], top: int) -> str:
+    """Executed instructions and stall samples summed per source line; fails if the listings disagree in size."""
+    if len(lines) != len(rows):
+        raise SystemExit(f"--lines: {len(lines)} instructions in the listing, {len(rows)} in the csv (not one kernel?)")
+    exe: dict[str, float] = {}
+    smp: dict[str, float] = {}
+    for r in rows:
+        key = lines.get(r.offset, "?")
+        exe[key] = exe.get(key, 0.0) + r.executed
+        smp[key] = smp.get(key, 0.0) + r.samples
+    te, ts = sum(exe.values()) or 1.0, sum(smp.values()) or 1.0
+    out = [f"per source line: {te:.0f} warp instructions executed, {ts:.0f} samples (line, executed, samples | code):"]
+    for key in sorted(exe, key=lambda k: -exe[k])[:top]:
+        path, _, num = key.rpartition(":")
+        code = linecache.getline(path, int(num)).strip() if num.isdigit() else ""
+        share = f"{100 * exe[key] / te:5.1f} % {100 * smp[key] / ts:5.1f} %"
+        out.append(f"  {os.path.basename(path)}:{num:<5} {share}  | {code[:90]}")
+    return "\n".join(out)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("csv", help="ncu --page source --print-source sass --csv output (.csv or .csv.gz)")
     ap.add_argument("--top", type=int, default=40)
+    ap.add_argument("--lines", help="the kernel's nvdisasm -gi listing (sass_report.py --sass): sums per source line")
     args = ap.parse_args(argv)
-    print(summary(read_rows(args.csv), args.top))
+    rows = read_rows(args.csv)
+    print(summary(rows, args.top))
+    if args.lines:
+        print(by_line(rows, line_map(args.lines), args.top))
     return 0
 
 

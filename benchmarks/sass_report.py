@@ -108,6 +108,15 @@ def sass_of(cubin: bytes) -> str:
         return subprocess.run([os.path.join(BIN, "cuobjdump"), "-sass", f.name], capture_output=True, text=True).stdout
 
 
+def sass_lines_of(cubin: bytes) -> str:
+    """The SASS annotated with the Python source line of each instruction (``nvdisasm -gi``: inlined frames too)."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        cmd = [os.path.join(BIN, "nvdisasm"), "-gi", "-c", f.name]
+        return subprocess.run(cmd, capture_output=True, text=True).stdout
+
+
 def mix(sass: str, top: int = 12) -> str:
     ops = collections.Counter()
     for line in sass.splitlines():
@@ -135,7 +144,7 @@ def main() -> None:
     )
     ap.add_argument("--model", default="v4-flash")
     ap.add_argument("--tune", action="append", default=[], metavar="OP:KEY=VAL[,KEY=VAL]", help="as bench_write")
-    ap.add_argument("--sass", help="write each kernel's SASS and PTX into this folder")
+    ap.add_argument("--sass", help="write each kernel's SASS (also with source lines) and PTX into this folder")
     args = ap.parse_args()
     _install()
     import bench_write as bw
@@ -204,6 +213,8 @@ def main() -> None:
                         f.write(sass)
                     with open(os.path.join(args.sass, f"{name}.ptx"), "w") as f:  # for ptxas -v (its notes)
                         f.write(k.asm["ptx"])
+                    with open(os.path.join(args.sass, f"{name}.lines.sass"), "w") as f:  # ncu_source_summary --lines
+                        f.write(sass_lines_of(cubin))
 
 
 if __name__ == "__main__":
