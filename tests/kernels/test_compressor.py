@@ -426,16 +426,15 @@ def test_emit_main_scan_sparse_emitters(device, scan):
 
 
 def test_emit_indexer_auto_takes_the_mma_kernel_on_long_prefills():
-    """dot=None: the MMA emit from _EMIT_DOT_MIN_PROGRAMS programs a SM (T = 65,536 on 132 SMs: 512 programs), the
-    factored one-warp kernel below (T = 8,192: 64 programs), whatever the SM count."""
+    """dot=None: the MMA emit with 128 tokens a program from _EMIT_DOT_MIN_PROGRAMS such programs a SM (T = 65,536 on
+    132 SMs: 512 programs), with 64 from _EMIT_DOT_MIN_T_64 tokens (T = 8,192), the factored one-warp kernel below."""
     from dsv4.kernels.cache import compressor as comp
 
-    assert comp._emit_indexer_uses_dot(65536, 132) and not comp._emit_indexer_uses_dot(8192, 132)
+    bt = comp._emit_indexer_dot_block_t
+    assert (bt(65536, 132), bt(8192, 132), bt(8191, 132), bt(1, 132)) == (128, 64, 0, 0)
     for n_sms in (1, 78, 132):
         edge = comp._EMIT_DOT_MIN_PROGRAMS * n_sms * comp._EMIT_DOT_BLOCK_T
-        assert comp._emit_indexer_uses_dot(edge, n_sms) and not comp._emit_indexer_uses_dot(
-            edge - comp._EMIT_DOT_BLOCK_T, n_sms
-        )
+        assert bt(edge, n_sms) == 128 and bt(edge - comp._EMIT_DOT_BLOCK_T, n_sms) in (0, 64)
 
 
 @pytest.mark.parametrize("block_t, rows", [(16, 16), (64, 16), (32, 32), (128, 16)])

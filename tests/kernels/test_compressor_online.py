@@ -79,21 +79,6 @@ def test_online_chunked_steps_equal_one_pass(device, backend, ratio):
     check(got, hist, state, slot_map, ratio)
 
 
-def test_online_split_pool_is_the_same_computation(device):
-    """split_pool=1 (two pool launches, each compiled for one kind of chunk) pools each chunk with the same code as
-    the one launch: bit-equal entries and state."""
-    chunks = [[(0, 5), (1, 1), (2, 3)], [(0, 1), (1, 130), (2, 3)], [(1, 7), (0, 130)], [(2, 126), (0, 2)]]
-    runs = [run_online(chunks, 8, 16, "triton", device, [3, 0, 2], split_pool=sp) for sp in (0, 1)]
-    (g0, _, st0), (g1, _, st1) = runs
-    assert g0.keys() == g1.keys() and all(torch.equal(g0[k], g1[k]) for k in g0)
-    assert all(torch.equal(a, b) for a, b in zip(st0, st1, strict=True))
-    kv, sc = torch.zeros(2, 16, device=device), torch.zeros(2, 16, device=device)
-    pos, slot = torch.zeros(2, dtype=torch.int32, device=device), torch.zeros(2, dtype=torch.int32, device=device)
-    k, s, p = online_state(1, 16, device)
-    with pytest.raises(ValueError, match="split_pool"):
-        compressor_step(kv, sc, pos, slot, k, s, 8, False, backend="triton", state_pos=p, split_pool=1, row_loads=1)
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_online_decode_only_from_position_zero(device, backend):
     """A request decoded token by token from position 0 through two chunks and a bit: the running softmax folds one

@@ -1,8 +1,9 @@
 """Triton device helpers shared by the cache write kernels: exact bit-level rounding.
 
-Everything here is integer arithmetic on the IEEE bits of fp32 values, so it gives the same bytes
-under ``TRITON_INTERPRET=1`` (numpy) and on a GPU, independent of how a Triton version lowers fp8
-casts, fp32 division or fast-math:
+Everything here is integer arithmetic on the IEEE bits of fp32 values, or fp32 operations that are exact or
+correctly rounded by IEEE (a product by a power of two, one add), so it gives the same bytes under
+``TRITON_INTERPRET=1`` (numpy) and on a GPU, independent of how a Triton version lowers fp8 casts, fp32 division
+or fast-math:
 
 - ``bf16_round``: fp32 -> nearest-even bf16 value (returned as fp32);
 - ``ceil_log2_ratio``: ``ceil(log2(max(amax, floor) / qmax))`` without a division (see below);
@@ -10,7 +11,7 @@ casts, fp32 division or fast-math:
 - ``e4m3_code``: fp32 with |v| <= 448 -> float8_e4m3fn byte, round to nearest even, sign kept;
 - ``rope_cos_sin_rows`` / ``rope_cos_sin_pos``: the same for a block of rows ([rows, rope_dim/2]);
 - ``bf16_rne``: ``bf16_round`` by the hardware conversion on a GPU (the same values);
-- ``e2m1_code``: fp32 -> e2m1 code with the format's tie-to-even-code thresholds;
+- ``e2m1_code``: fp32 -> e2m1 code, nearest with ties to the even code (the format's thresholds);
 - ``parity_sign``: the signs of the Sylvester Hadamard matrix;
 - ``mul_rn``: an fp32 product that is never fused into an FMA (torch's rounding of ``a*c - b*s``);
 - ``rope_cos_sin_at``: cos/sin of the RoPE angle ``fp32(ratio * (pos // ratio)) * inv_freq`` (fp32),
@@ -31,8 +32,6 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from dsv4.formats.mxfp4_key import E2M1_VALUES
-
 
 def qmax_split(qmax: float) -> tuple[int, int]:
     """``qmax = (1 + mant / 2**23) * 2**exp`` -> (exp, mant): what ``ceil_log2_ratio`` compares against."""
@@ -41,12 +40,6 @@ def qmax_split(qmax: float) -> tuple[int, int]:
     if (1 + mant / 2**23) * 2.0 ** (e - 1) != qmax:
         raise ValueError(f"qmax={qmax} is not an fp32 value")
     return e - 1, mant
-
-
-def e2m1_thresholds() -> tuple[tuple[float, bool], ...]:
-    """Decision points between neighbouring e2m1 magnitudes and whether a tie rounds up (to the even code)."""
-    pairs = zip(E2M1_VALUES[:-1], E2M1_VALUES[1:], strict=True)
-    return tuple(((lo + hi) / 2, (k + 1) % 2 == 0) for k, (lo, hi) in enumerate(pairs))
 
 
 @triton.jit
@@ -203,36 +196,22 @@ def bf16_rne(x, INTERP: tl.constexpr):
         return x.to(tl.bfloat16).to(tl.float32)
 
 
-# e2m1 rounding thresholds as global constexprs (derived from the format's value table, see e2m1_thresholds):
-# _E2M1_Tk is the midpoint between magnitudes k and k+1, _E2M1_Uk whether a tie there rounds up (to the even code).
-_E2M1 = e2m1_thresholds()
-_E2M1_T0, _E2M1_U0 = tl.constexpr(_E2M1[0][0]), tl.constexpr(_E2M1[0][1])
-_E2M1_T1, _E2M1_U1 = tl.constexpr(_E2M1[1][0]), tl.constexpr(_E2M1[1][1])
-_E2M1_T2, _E2M1_U2 = tl.constexpr(_E2M1[2][0]), tl.constexpr(_E2M1[2][1])
-_E2M1_T3, _E2M1_U3 = tl.constexpr(_E2M1[3][0]), tl.constexpr(_E2M1[3][1])
-_E2M1_T4, _E2M1_U4 = tl.constexpr(_E2M1[4][0]), tl.constexpr(_E2M1[4][1])
-_E2M1_T5, _E2M1_U5 = tl.constexpr(_E2M1[5][0]), tl.constexpr(_E2M1[5][1])
-_E2M1_T6, _E2M1_U6 = tl.constexpr(_E2M1[6][0]), tl.constexpr(_E2M1[6][1])
-
-
-@triton.jit
-def _e2m1_step(a, T: tl.constexpr, UP: tl.constexpr):
-    """1 where |v| = ``a`` rounds above the threshold ``T`` (ties go up iff ``UP``), else 0 (int32)."""
-    if UP:
-        return (a >= T).to(tl.int32)
-    else:
-        return (a > T).to(tl.int32)
-
-
 @triton.jit
 def e2m1_code(v):
-    """e2m1 code (int32, sign << 3 | magnitude index) of fp32 ``v`` by explicit thresholds.
+    """e2m1 code (int32, sign << 3 | magnitude index) of fp32 ``v``: round to the nearest e2m1 magnitude, ties to the
+    even code, |v| > 6 saturating to 6 (``dsv4.formats.mxfp4_key.e2m1_encode``'s thresholds).
 
-    A value that rounds to zero is +0 (code 0), as in ``dsv4.formats.mxfp4_key.e2m1_encode``.
-    """
+    The magnitudes 0, .5, 1, 1.5 | 2, 3 | 4, 6 are three evenly spaced runs, so with y = 2a (a < 2), a (2 <= a < 4)
+    or a / 2 (a >= 4) the code is rint(y) + (0, 2, 4): one exact scaling by a power of two and one round to
+    integer, ties to even, whose parity is the code's.  At a run's upper end rint(y) lands on the next run's
+    first code (2a -> 4 for a in [1.75, 2); a -> 4 for a in [3.5, 4)), as the thresholds do.  The round is the
+    fp32 add of 1.5 * 2**23 (exact for 0 <= y < 2**22; y is clamped to 8 first), so the code is read from the
+    sum's low bits: ~10 instructions instead of seven compare-and-adds.  A value that rounds to zero is +0
+    (code 0)."""
     a = tl.abs(v)
-    mag = _e2m1_step(a, _E2M1_T0, _E2M1_U0) + _e2m1_step(a, _E2M1_T1, _E2M1_U1)
-    mag += _e2m1_step(a, _E2M1_T2, _E2M1_U2) + _e2m1_step(a, _E2M1_T3, _E2M1_U3)
-    mag += _e2m1_step(a, _E2M1_T4, _E2M1_U4) + _e2m1_step(a, _E2M1_T5, _E2M1_U5)
-    mag += _e2m1_step(a, _E2M1_T6, _E2M1_U6)
+    lo = a < 2.0
+    mid = a < 4.0
+    y = tl.minimum(a * tl.where(lo, 2.0, tl.where(mid, 1.0, 0.5)), 8.0)
+    r = (y + 12582912.0).to(tl.int32, bitcast=True) - 0x4B400000  # rint(y), ties to even
+    mag = tl.minimum(r + tl.where(lo, 0, tl.where(mid, 2, 4)), 7)
     return tl.where((v < 0) & (mag > 0), mag | 8, mag)

@@ -110,12 +110,18 @@ _INT = (torch.int32, torch.int64)
 # state-write pass copies [_WRITE_BLOCK_T, _WRITE_BLOCK_D] tiles.  Decode: [c*m, block_d] tiles of
 # <= _DECODE_TILE values; HCA (c*m = 128) at 4 warps.
 _POOL_BLOCK_T = 128
+# CSA main (full [8, 512] tiles): two emitting tokens a program.  H200, V4-Flash prefill of 65,536 tokens
+# (2026-12-04_h200_write_prefill_s15.txt, 2 warps): 173.8 us with 8 tokens a program vs 179.6 with 4 (8,192: 32.9 vs
+# 32.7)
+_POOL_BLOCK_T_CSA_MAIN = 8
 _POOL_TILE = 4096
 # small pool tiles (the CSA indexer compressor, d = 128): 2 warps, H200 2026-12-02 (write_pool: T = 65,536
 # csa_indexer 109.7 us with 2 warps vs 192.4 with 4)
 _POOL_WARPS_SMALL = 2
 # full pool tiles: 4 warps, H200 2026-12-02 session 3 (write_tune2, T = 65,536 with the register run start):
-# CSA main 176.9 us with 4 vs 206.1 with 8; HCA 94.4 us with 4 vs 134.7 with 8 and 111.2 with 2
+# CSA main 176.9 us with 4 vs 206.1 with 8; HCA 94.4 us with 4 vs 134.7 with 8 and 111.2 with 2.  Session 15
+# (2026-12-04_h200_write_main_s15.txt): CSA main 182.9 us with 2 vs 195.3 with 4 (T = 8,192: 35.0 vs 38.5), so
+# every CSA pool (c*m = 8 rows a tile) takes _POOL_WARPS_SMALL and only HCA's 128-row tiles _POOL_WARPS.
 _POOL_WARPS = 4
 _DECODE_TILE = 4096
 # H200, 2026-12-02: HCA decode at B = 64 took 13.1 us with 4 warps (write_v2) and 18.1 us with 8 (write_v3).
@@ -128,12 +134,18 @@ _EMIT_INDEXER_WARPS = 1
 # H200, CSA indexer prefill T = 65,536 (2026-12-03_h200_profile_write_emit_dot*_s7.txt; emit kernel device time):
 # the one-warp factored kernel 54.8 us; MMA kernel with the emitting rows compacted, (block_t, rows) = (64, 16)
 # 51.1, (128, 16) 41.5, (128, 32) 51.4, (256, 16) 48.7, (256, 32) 75.1, (512, 16) 84.0 (before the compaction,
-# (64, all 64 rows) 58.0).  ``dot=None`` takes it only where the grid still has _EMIT_DOT_MIN_PROGRAMS per SM
-# (T >= 33,792 on 132 SMs); shorter prefills (e.g. 8,192: 64 programs) keep the factored kernel (not measured).
+# (64, all 64 rows) 58.0).  Session 15 (the cheaper e2m1 code, the compaction through a scratch scatter: 224 -> 80
+# registers; 2026-12-04_h200_{profile_write,write}_emit_s15.txt): emit kernel 23.8 us; whole op, graph time, (128, 16)
+# 77.6 us, (128, 32) 80.6, (64, 16) 79.9, (256, 16) 84.1, (32, 16) 99.4; at T = 8,192: (64, 16) 18.8, (32, 16) 20.7,
+# (256, 16) 31.8, the factored kernel 20.1.  ``dot=None``: 128 tokens a program where that grid has
+# _EMIT_DOT_MIN_PROGRAMS per SM (T >= 33,792 on 132 SMs), 64 from T = _EMIT_DOT_MIN_T_64 (measured there), the factored
+# kernel below (not measured).
 _EMIT_DOT_BLOCK_T = 128
 _EMIT_DOT_ROWS = 16
 _EMIT_DOT_WARPS = 4
 _EMIT_DOT_MIN_PROGRAMS = 2
+_EMIT_DOT_BLOCK_T_SMALL = 64
+_EMIT_DOT_MIN_T_64 = 8192
 # pool kernel: which pooled rows are in the step, from per-row index loads (True: a dependent round trip) or
 # from the registers of the program's first load (False; ``_compressor_pool_kernel``)
 _POOL_ROW_LOADS = False
@@ -142,7 +154,7 @@ _POOL_ROW_LOADS = False
 # registers, so one program per SM, and 4,096 (HCA) / 8,192 (CSA main) programs at T = 65,536, all but the
 # last c*m tokens' exiting after their index loads.)
 _WRITE_BLOCK_T = 32
-_WRITE_BLOCK_D = 128
+_WRITE_BLOCK_D = 64
 _WRITE_WARPS = 4
 # Online state (HCA): a decode program takes all d channels (``_online_block_d``: d = 512, one program a token, the
 # emit in the same program, no counters); the non-decode state write scans _ONLINE_WRITE_BLOCK_T tokens a program
@@ -150,11 +162,9 @@ _WRITE_WARPS = 4
 # prefill of 65,536 tokens (2026-12-04_h200_write_hca_online_wbt_s14.txt): 118.2 us with 128, 112.4 with 512,
 # 113.1 with 2,048 (the reference-layout kernels: 94.3 us).
 _ONLINE_WRITE_BLOCK_T = 512
-# online state, non-decode: pool in two launches (chunks wholly in the step with the reference layout's code, then the
-# chunks that began before the step) instead of one whose code holds both (sm_90 ptxas, Triton 3.6, V4-Flash HCA
-# prefill, sass_report: the one kernel takes 154 registers a thread, the reference layout's 119, i.e. 3 programs of 4
-# warps an SM instead of 4).  Not measured yet: off.
-_ONLINE_SPLIT_POOL = False
+# (Pooling in two launches, one compiled for the chunks wholly in the step and one for those that began before it,
+# cuts the pool kernel's registers from 154 to 116 (sm_90 ptxas) but was slower on the H200, V4-Flash HCA prefill of
+# 65,536 tokens, 2026-12-04_h200_write_hca_split_s15.txt: 125.8 us vs 111.8 for one launch; removed.)
 
 
 def _geometry(ratio: int, overlap: bool) -> tuple[int, int]:
@@ -682,7 +692,6 @@ def _compressor_pool_kernel(
     BLOCK_D: tl.constexpr,
     ROW_LOADS: tl.constexpr = False,
     ONLINE: tl.constexpr = False,
-    SPLIT: tl.constexpr = 0,
 ):
     """Program (token block a, channel block b): write ``emits`` of tokens [a*BLOCK_T, ...) (b == 0) and
     pool channels [b*BLOCK_D, ...) of each emitting token with a state slot, one after another (visiting
@@ -706,7 +715,7 @@ def _compressor_pool_kernel(
         tp = tl.load(pos_ptr + pi, mask=pm, other=-1).to(tl.int64)
         sp = tl.load(tslot_ptr + pi, mask=pm, other=-2).to(tl.int64)
     ee = ((tt + 1) % M) == 0
-    if (b == 0) & (SPLIT != 2):
+    if b == 0:
         tl.store(emits_ptr + ii, ee.to(tl.uint8), mask=im)
     work = im & ee & (ss >= 0) & (ss < num_state_slots)
     kk = tl.arange(0, BLOCK_T)
@@ -724,16 +733,14 @@ def _compressor_pool_kernel(
             r0 = tl.min(tl.where(prun, r, BLOCK_R), axis=0)
             i0 = tl.where(k0 > 0, a * BLOCK_T + k0, a * BLOCK_T - BLOCK_R + r0)
         # online: a chunk whose rows are all in the step pools as the ring does (touching no state); one that began
-        # before the step combines the state's share (``_pool_token_online``).  SPLIT 1 / 2: this launch takes only
-        # the first / the second kind (each variant compiles only its code: fewer registers than both together)
+        # before the step combines the state's share (``_pool_token_online``)
         partial = ONLINE and (i0 > a * BLOCK_T + k - t % M)
         if partial:
-            if SPLIT != 1:
-                _pool_token_online(
-                    a * BLOCK_T + k, t, slot, b, kv_ptr, sc_ptr, stride_kv, stride_sc, pos_ptr, tslot_ptr, kvs_ptr,
-                    scs_ptr, st_ss, st_sr, spos_ptr, pooled_ptr, M, D, BLOCK_R, BLOCK_D, i0, ROW_LOADS,
-                )  # fmt: skip
-        elif SPLIT != 2:
+            _pool_token_online(
+                a * BLOCK_T + k, t, slot, b, kv_ptr, sc_ptr, stride_kv, stride_sc, pos_ptr, tslot_ptr, kvs_ptr,
+                scs_ptr, st_ss, st_sr, spos_ptr, pooled_ptr, M, D, BLOCK_R, BLOCK_D, i0, ROW_LOADS,
+            )  # fmt: skip
+        else:
             _pool_token(
                 a * BLOCK_T + k, t, slot, b, kv_ptr, sc_ptr, stride_kv, stride_sc, pos_ptr, tslot_ptr, kvs_ptr,
                 scs_ptr, st_ss, st_sr, pooled_ptr, T, M, CM, D, OVERLAP, BLOCK_R, BLOCK_D, False, i0, ROW_LOADS,
@@ -782,12 +789,22 @@ def _compressor_write_kernel(
         # (the strides are multiples of 16 elements, as the launch checks; without the hint the select hides
         # it and the stores fall back to narrow accesses through a shared-memory layout conversion)
         dst_row = tl.multiple_of(tl.where(wr, ss * st_ss + (tt % CM) * st_sr, 0), 16)
-        for c0 in tl.static_range(0, CD, BLOCK_D):
-            ch = c0 + tl.arange(0, BLOCK_D)
-            m = wr[:, None] & (ch < CD)[None, :]
-            dst = dst_row[:, None] + ch[None, :]
-            tl.store(kvs_ptr + dst, tl.load(kv_ptr + src_kv[:, None] + ch[None, :], mask=m), mask=m)
-            tl.store(scs_ptr + dst, tl.load(sc_ptr + src_sc[:, None] + ch[None, :], mask=m), mask=m)
+        # two channel blocks of both tensors a round: four loads in flight before the stores (the compiler keeps
+        # a load after an earlier store in order, since the state may alias the input: one round trip a block of
+        # one tensor made the writing program a chain of 2 * CD / BLOCK_D latencies)
+        for c0 in tl.static_range(0, CD, 2 * BLOCK_D):
+            ch0 = c0 + tl.arange(0, BLOCK_D)
+            ch1 = ch0 + BLOCK_D
+            m0 = wr[:, None] & (ch0 < CD)[None, :]
+            m1 = wr[:, None] & (ch1 < CD)[None, :]
+            kv0 = tl.load(kv_ptr + src_kv[:, None] + ch0[None, :], mask=m0)
+            sc0 = tl.load(sc_ptr + src_sc[:, None] + ch0[None, :], mask=m0)
+            kv1 = tl.load(kv_ptr + src_kv[:, None] + ch1[None, :], mask=m1)
+            sc1 = tl.load(sc_ptr + src_sc[:, None] + ch1[None, :], mask=m1)
+            tl.store(kvs_ptr + dst_row[:, None] + ch0[None, :], kv0, mask=m0)
+            tl.store(scs_ptr + dst_row[:, None] + ch0[None, :], sc0, mask=m0)
+            tl.store(kvs_ptr + dst_row[:, None] + ch1[None, :], kv1, mask=m1)
+            tl.store(scs_ptr + dst_row[:, None] + ch1[None, :], sc1, mask=m1)
 
 
 @triton.jit
@@ -906,7 +923,6 @@ def compressor_step(
     row_loads: int | None = None,
     write_block_t: int | None = None,
     write_warps: int | None = None,
-    split_pool: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fold one step's compressor projections into the state ring and pool the entries that complete.
 
@@ -925,13 +941,13 @@ def compressor_step(
         pooled [T, d] fp32 (meaningful where ``emits``; other rows unspecified: 0 in the reference,
         unwritten by the kernel), emits [T] bool (``(pos + 1) % m == 0``; entry index ``pos // m``).
     Tuning (Triton path only; results do not depend on them): ``pool_block_t`` tokens scanned per pool
-        program (power of two; default min(m, 128): one emitting token per program in a prefill),
+        program (power of two; default min(m, 128): one emitting token per program in a prefill; CSA main's full
+        tiles: _POOL_BLOCK_T_CSA_MAIN),
         ``block_d`` channels per program (power of two; pool and decode kernels), ``num_warps`` of the
         pool / decode kernel, ``row_loads`` (0/1, pool kernel: find the pooled rows that are in the step by
         loading their tokens' slots / positions, see ``_pool_token``; default ``_POOL_ROW_LOADS``), ``write_block_t`` /
         ``write_warps`` (state-write kernel: tokens per program, power of two, and warps; default
-        _WRITE_BLOCK_T / _WRITE_WARPS), ``split_pool`` (0/1, online state: pool the chunks wholly in the step and
-        those that began before it in two launches, each compiled for its kind; default ``_ONLINE_SPLIT_POOL``).
+        _WRITE_BLOCK_T / _WRITE_WARPS).
     Preconditions: the step contract of the module docstring.
     """
     c, cm, t, cd, d = _check_step(kv, score, positions, token_slot, kv_state, score_state, ratio, overlap, state_pos)
@@ -961,19 +977,16 @@ def compressor_step(
         return pooled, emits
     # pooling reads the state as it was before the step: every pool finishes before any state write
     bd = block_d or max(16, min(triton.next_power_of_2(d), _POOL_TILE // block_r))
-    bt = pool_block_t or min(triton.next_power_of_2(ratio), _POOL_BLOCK_T)
+    full_csa = block_r <= 8 and block_r * bd >= _POOL_TILE  # CSA main's [8, 512] tiles
+    bt = pool_block_t or (_POOL_BLOCK_T_CSA_MAIN if full_csa else min(triton.next_power_of_2(ratio), _POOL_BLOCK_T))
     _check_pow2("pool_block_t", bt)
     _check_pow2("block_d", bd)
     rl = bool(_POOL_ROW_LOADS if row_loads is None else row_loads)
-    split = bool(_ONLINE_SPLIT_POOL if split_pool is None else split_pool) and online
-    if split and rl:
-        raise ValueError("split_pool: expected row_loads=0 (the split finds each request's first token in registers)")
-    for sp in (1, 2) if split else (0,):
-        _compressor_pool_kernel[(triton.cdiv(t, bt), triton.cdiv(d, bd))](
-            *head, pooled, emits.view(torch.uint8), t, state_pos if online else kv_state,
-            M=ratio, CM=cm, D=d, OVERLAP=overlap, BLOCK_T=bt, BLOCK_R=block_r, BLOCK_D=bd, ROW_LOADS=rl, ONLINE=online,
-            SPLIT=sp, num_warps=num_warps or (_POOL_WARPS if block_r * bd >= _POOL_TILE else _POOL_WARPS_SMALL),
-        )  # fmt: skip
+    _compressor_pool_kernel[(triton.cdiv(t, bt), triton.cdiv(d, bd))](
+        *head, pooled, emits.view(torch.uint8), t, state_pos if online else kv_state,
+        M=ratio, CM=cm, D=d, OVERLAP=overlap, BLOCK_T=bt, BLOCK_R=block_r, BLOCK_D=bd, ROW_LOADS=rl, ONLINE=online,
+        num_warps=num_warps or (_POOL_WARPS if block_r > 8 else _POOL_WARPS_SMALL),
+    )  # fmt: skip
     if online:
         wbt = write_block_t or _ONLINE_WRITE_BLOCK_T
         _check_pow2("write_block_t", wbt)
@@ -1175,6 +1188,7 @@ def _emit_indexer_dot_kernel(
     ratio,
     emit_ptr,
     slot_ptr,
+    scratch_ptr,
     num_slots,
     bs,
     data_ptr,
@@ -1200,8 +1214,9 @@ def _emit_indexer_dot_kernel(
     emitting rows at a time.
 
     The program's emitting tokens (flag set, slot in range) are numbered in token order by a cumsum; group g
-    takes numbers [g * ROWS, (g + 1) * ROWS): each lane finds its token by one [ROWS, BLOCK_T] comparison, so
-    every MMA row is an emitting token (a prefill with m = 4 has BLOCK_T / 4 of them; without the compaction
+    takes numbers [g * ROWS, (g + 1) * ROWS): each number's token index is scattered into the program's slice of
+    ``scratch_ptr`` (int32 [grid * BLOCK_T]) and read back by the lanes after a barrier, so every MMA row is an
+    emitting token (a prefill with m = 4 has BLOCK_T / 4 of them; without the compaction
     3 of 4 rows were masked work).  Each group: rows loaded ([ROWS, NOPE] nope values, [ROWS, HR, 2] rope
     pairs), normed and roped as in the window store, then the Hadamard as H_2 (x) H_NOPE (needs NOPE = 2*HR =
     DIM / 2): two tf32 MMAs with one [NOPE, NOPE] sign matrix (built in registers once per program) and a sum /
@@ -1216,41 +1231,47 @@ def _emit_indexer_dot_kernel(
     go = im & ee & (sl >= 0) & (sl < num_slots)
     n_go = tl.sum(go.to(tl.int32), axis=0)
     if n_go > 0:
-        rank = tl.where(go, tl.cumsum(go.to(tl.int32), axis=0) - 1, -1)  # [BLOCK_T]: number of each emitting token
+        # compaction: emitting token number r (token order) -> its index in the block, through the program's slice of
+        # ``scratch`` (a scatter, a barrier, one load a group: no [ROWS, BLOCK_T] select-and-reduce)
+        kk = tl.arange(0, BLOCK_T)
+        rank = tl.cumsum(go.to(tl.int32), axis=0) - 1
+        tl.store(scratch_ptr + a * BLOCK_T + rank, kk, mask=go)
+        tl.debug_barrier()
         cn = tl.arange(0, NOPE)
         h = parity_sign(cn[:, None] & cn[None, :])  # [NOPE, NOPE]
+        roff = NOPE + 2 * tl.arange(0, HR)[:, None] + tl.arange(0, 2)[None, :]  # [HR, 2]
+        wn = tl.load(w_ptr + cn).to(tl.float32)
+        we, wo = tl.split(tl.load(w_ptr + roff).to(tl.float32))
         for g0 in range(0, n_go, ROWS):
             jj = g0 + tl.arange(0, ROWS)
-            hit = rank[None, :] == jj[:, None]  # [ROWS, BLOCK_T]: at most one token a lane
-            rows = tl.sum(tl.where(hit, ii[None, :], 0), axis=1)
-            slot = tl.sum(tl.where(hit, sl[None, :], 0), axis=1)
+            gm = jj < n_go
+            rows = a * BLOCK_T + tl.load(scratch_ptr + a * BLOCK_T + jj, mask=gm, other=0)
+            slot = tl.load(slot_ptr + rows, mask=gm, other=0)  # (read by this program above: cached)
             _emit_indexer_dot_rows(
-                x_ptr, stride_x, rows, jj < n_go, slot, w_ptr, eps, pos_ptr, inv_ptr, ratio, bs, h, data_ptr, data_sp,
-                data_sr, scale_ptr, scale_sp, scale_sr, INTERP, ROWS, DIM, NOPE, HR, HAD_SCALE, NB, HB, FLOOR, Q_EXP,
-                Q_MANT,
+                x_ptr, stride_x, rows, gm, slot, wn, we, wo, roff, eps, pos_ptr, inv_ptr, ratio, bs, h, data_ptr,
+                data_sp, data_sr, scale_ptr, scale_sp, scale_sr, INTERP, ROWS, DIM, NOPE, HR, HAD_SCALE, NB, HB, FLOOR,
+                Q_EXP, Q_MANT,
             )  # fmt: skip
 
 
 @triton.jit
 def _emit_indexer_dot_rows(
-    x_ptr, stride_x, ii, go, sl, w_ptr, eps, pos_ptr, inv_ptr, ratio, bs, h, data_ptr, data_sp, data_sr, scale_ptr,
-    scale_sp, scale_sr, INTERP: tl.constexpr, ROWS: tl.constexpr, DIM: tl.constexpr, NOPE: tl.constexpr,
+    x_ptr, stride_x, ii, go, sl, wn, we, wo, roff, eps, pos_ptr, inv_ptr, ratio, bs, h, data_ptr, data_sp, data_sr,
+    scale_ptr, scale_sp, scale_sr, INTERP: tl.constexpr, ROWS: tl.constexpr, DIM: tl.constexpr, NOPE: tl.constexpr,
     HR: tl.constexpr, HAD_SCALE: tl.constexpr, NB: tl.constexpr, HB: tl.constexpr, FLOOR: tl.constexpr,
     Q_EXP: tl.constexpr, Q_MANT: tl.constexpr,
 ):  # fmt: skip
     """Rows ``ii`` [ROWS] where ``go`` to key slots ``sl``: the body of ``_emit_indexer_dot_kernel`` (h: the
-    [NOPE, NOPE] Sylvester signs)."""
+    [NOPE, NOPE] Sylvester signs; wn [NOPE], we / wo [HR]: the fp32 norm weights of the nope values and of the even /
+    odd rope lanes, at offsets ``roff`` [HR, 2] of the row)."""
     cn = tl.arange(0, NOPE)
     j = tl.arange(0, HR)
-    roff = NOPE + 2 * j[:, None] + tl.arange(0, 2)[None, :]  # [HR, 2]
     xrow = x_ptr + ii.to(tl.int64) * stride_x
     xn = bf16_rne(tl.load(xrow[:, None] + cn[None, :], mask=go[:, None], other=0.0), INTERP)
     xr = bf16_rne(tl.load(xrow[:, None, None] + roff[None, :, :], mask=go[:, None, None], other=0.0), INTERP)
     xe, xo = tl.split(xr)
     ss = tl.sum(xn * xn, axis=1) + tl.sum(xe * xe + xo * xo, axis=1)
     r = tl.div_rn(tl.zeros([ROWS], tl.float32) + 1.0, tl.sqrt_rn(tl.div_rn(ss, DIM) + eps))
-    wn = tl.load(w_ptr + cn).to(tl.float32)
-    we, wo = tl.split(tl.load(w_ptr + roff).to(tl.float32))
     yn = bf16_rne(wn[None, :] * (xn * r[:, None]), INTERP)
     ye = bf16_rne(we[None, :] * (xe * r[:, None]), INTERP)
     yo = bf16_rne(wo[None, :] * (xo * r[:, None]), INTERP)
@@ -1273,10 +1294,13 @@ def _emit_indexer_dot_rows(
     )  # fmt: skip
 
 
-def _emit_indexer_uses_dot(t: int, n_sms: int) -> bool:
-    """Whether ``emit_entries(kind="indexer", dot=None)`` runs the MMA kernel for T = ``t`` tokens: when its grid
-    (``_EMIT_DOT_BLOCK_T`` tokens a program) has at least ``_EMIT_DOT_MIN_PROGRAMS`` programs per SM."""
-    return triton.cdiv(t, _EMIT_DOT_BLOCK_T) >= _EMIT_DOT_MIN_PROGRAMS * n_sms
+def _emit_indexer_dot_block_t(t: int, n_sms: int) -> int:
+    """Tokens a program of the MMA kernel that ``emit_entries(kind="indexer", dot=None)`` runs for T = ``t`` tokens,
+    0 for the factored kernel: ``_EMIT_DOT_BLOCK_T`` when that grid has at least ``_EMIT_DOT_MIN_PROGRAMS`` programs
+    per SM, else ``_EMIT_DOT_BLOCK_T_SMALL`` from ``_EMIT_DOT_MIN_T_64`` tokens."""
+    if triton.cdiv(t, _EMIT_DOT_BLOCK_T) >= _EMIT_DOT_MIN_PROGRAMS * n_sms:
+        return _EMIT_DOT_BLOCK_T
+    return _EMIT_DOT_BLOCK_T_SMALL if t >= _EMIT_DOT_MIN_T_64 else 0
 
 
 def _check_emit(t, positions, norm_weight, inv_freq, slots, pages, fmt, ratio, kind) -> tuple[int, int]:
@@ -1355,8 +1379,8 @@ def emit_entries(
     flags are read at once, the emitting ones stored in turn by one warp; power of two, default
     min(next_pow2(m), 128, T / 512 rounded down to a power of two); 1 = one-row programs), ``dot``
     (indexer, 0/1: the Hadamard as tf32 MMAs over ``block_t`` >= 16 tokens per program, default
-    _EMIT_DOT_BLOCK_T; None: the MMA kernel when ``block_t`` is None and T fills the GPU, see
-    ``_emit_indexer_uses_dot``), ``rows`` (indexer, dot=1 only: emitting rows a group of MMAs, power of two in
+    _EMIT_DOT_BLOCK_T; None: the MMA kernel when ``block_t`` is None and T is long enough, with the block of
+    ``_emit_indexer_dot_block_t``), ``rows`` (indexer, dot=1 only: emitting rows a group of MMAs, power of two in
     [16, block_t], default min(_EMIT_DOT_ROWS, block_t)).
     The indexer kernel needs nope and rope widths that are power-of-two multiples of the MXFP4 block
     (128 = 64 + 64, blocks of 32 in the released model).
@@ -1388,12 +1412,10 @@ def emit_entries(
     pargs, kw = _mxfp4_args(pages, fmt)
     bs = pages.entries_per_page
     mma_geometry = d - rd == rd and fmt.n_blocks % 2 == 0  # the MMA kernel's H_2 (x) H_NOPE split
-    if dot is None:
-        use_dot = block_t is None and mma_geometry and _emit_indexer_uses_dot(t, num_sms(pooled.device))
-    else:
-        use_dot = bool(dot)
+    auto_bt = _emit_indexer_dot_block_t(t, num_sms(pooled.device)) if block_t is None and mma_geometry else 0
+    use_dot = bool(auto_bt) if dot is None else bool(dot)
     if use_dot:
-        bt = block_t or _EMIT_DOT_BLOCK_T
+        bt = block_t or auto_bt or _EMIT_DOT_BLOCK_T
         nr = rows or min(_EMIT_DOT_ROWS, bt)
         _check_pow2("block_t", bt)
         _check_pow2("rows", nr)
@@ -1401,9 +1423,10 @@ def emit_entries(
             raise ValueError(
                 f"dot=1: needs 16 <= rows <= block_t (got {nr}, {bt}), nope = rope (got {d - rd}, {rd}), even blocks"
             )
+        scratch = torch.empty(triton.cdiv(t, bt) * bt, dtype=torch.int32, device=pooled.device)
         _emit_indexer_dot_kernel[(triton.cdiv(t, bt),)](
             pooled, pooled.stride(0), t, norm_weight, float(eps), positions, inv_freq, ratio, emits.view(torch.uint8),
-            slots, pages.data.shape[0] * bs, bs, *pargs,
+            slots, scratch, pages.data.shape[0] * bs, bs, *pargs,
             INTERP=interpreter_enabled(), BLOCK_T=bt, ROWS=nr, DIM=d, NOPE=geo["NOPE"], HR=geo["HR"],
             HAD_SCALE=geo["HAD_SCALE"], num_warps=num_warps or _EMIT_DOT_WARPS, **kw,
         )  # fmt: skip
