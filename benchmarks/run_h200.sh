@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One H200 session: environment, GPU tests, then the kernel benchmarks. Results go to $OUT (or ./out).
-# Usage (on the device machine, repo root): bash benchmarks/run_h200.sh [tests|bench|all|pending|ncu|attention|attention_ncu|indexer_gluon|indexer_live|indexer_fold|pending_s12|topk_rows|indexer_default|indexer_p2|indexer_ablate|flush_topk|skeleton|topk_short|fold_auto|hca_online]
+# Usage (on the device machine, repo root): bash benchmarks/run_h200.sh [tests|bench|all|pending|ncu|attention|attention_ncu|indexer_gluon|indexer_live|indexer_fold|pending_s12|topk_rows|indexer_default|indexer_p2|indexer_ablate|flush_topk|skeleton|topk_short|fold_auto|hca_online|write_s15|emit_s15|emit2_s15|main_s15|write2_s15|final_s15]
 # "pending": the norm and top-k GPU tests (~4 min, most of it compiling the top-k kernels), launch D's rank
 # threshold on/off, top-k with both flush kinds, the decode step; about 8 minutes.  "ncu": Nsight Compute
 # sections of the indexer scores, dense attention and gather kernels (benchmarks/ncu_cases.py).  "attention": the
@@ -139,14 +139,81 @@ from dsv4.cli import main; sys.exit(main(sys.argv[1:]))" bench --models v4-flash
 fi
 if [ "$what" = hca_online ]; then  # what session 14 left unrun: compressor GPU tests after the online-state helper refactor
   # and save / load on CUDA,
-  # the online HCA prefill with the pool in one launch or two (split_pool), the HCA decode step (~4 min)
+  # the online HCA prefill (its split_pool variant was measured here, then removed), the HCA decode step (~4 min)
   timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_compressor_online.py tests/kernels/test_compressor.py \
     tests/model/test_attention.py tests/cache/test_snapshot.py -k "cuda or gpu or cancelled" 2>&1 | tee "$OUT/${stamp}_h200_gpu_tests_compressor.txt" | tail -3
   timeout 150 python3 benchmarks/bench_write.py --ops hca,hca_online --models v4-flash --modes prefill \
-    --tune hca_online:split_pool=0 --tune hca_online:split_pool=1 --out "$OUT/${stamp}_h200_write_hca_split.jsonl" 2>&1 \
+    --out "$OUT/${stamp}_h200_write_hca_split.jsonl" 2>&1 \
     | tee "$OUT/${stamp}_h200_write_hca_split.txt" | grep hca | cut -c1-220
   timeout 120 python3 -m dsv4.cli bench --models v4-flash --kinds hca --contexts 131072 --batches 1,8,64 \
     --out "$OUT/${stamp}_h200_decode_hca.jsonl" 2>&1 | tail -4
+fi
+if [ "$what" = write_s15 ]; then  # every write op, both models, decode and prefill (the V4-Pro rows were last measured in
+  # session 1); then where the CSA indexer's emit kernel spends its time (Nsight source counters) (~8 min)
+  timeout 330 python3 benchmarks/bench_write.py --out "$OUT/${stamp}_h200_write_s15.jsonl" 2>&1 \
+    | tee "$OUT/${stamp}_h200_write_s15.txt" | grep -E "decode|prefill" | cut -c1-200
+  timeout 100 python3 benchmarks/profile_write.py --ops csa_indexer,hca_online 2>&1 | grep -v -i warn \
+    | tee "$OUT/${stamp}_h200_profile_write_s15.txt" | tail -24
+  timeout 150 /usr/local/cuda/bin/ncu -k regex:_emit_indexer_dot_kernel --launch-skip 1 --launch-count 1 \
+    --section WarpStateStats --section SourceCounters --section SpeedOfLight --section Occupancy --import-source no \
+    --page source --print-source sass --csv python3 benchmarks/ncu_cases.py write:csa_indexer:prefill:65536 \
+    > "$OUT/ncu_source_emit.csv" 2> "$OUT/ncu_err.txt"
+  python3 benchmarks/ncu_source_summary.py "$OUT/ncu_source_emit.csv" --top 40 \
+    | tee "$OUT/${stamp}_h200_ncu_source_emit_s15.txt" | head -45
+  gzip -f "$OUT/ncu_source_emit.csv"
+fi
+if [ "$what" = emit_s15 ]; then  # the cheaper e2m1 code and the int32 compaction of the MMA emit: GPU tests of the
+  # kernels that quantise to e2m1, CSA indexer prefill with emit geometries, per-kernel times, CSA decode step (~6 min)
+  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_quant.py tests/kernels/test_compressor.py \
+    tests/kernels/test_store.py tests/kernels/test_indexer_query.py -k "cuda or gpu" 2>&1 \
+    | tee "$OUT/${stamp}_h200_gpu_tests_emit_s15.txt" | tail -3
+  timeout 200 python3 benchmarks/bench_write.py --ops csa_indexer --models v4-flash --modes prefill --tune csa_indexer: \
+    --tune csa_indexer:emit_block_t=64 --tune csa_indexer:emit_block_t=256 --tune csa_indexer:emit_rows=32 \
+    --tune csa_indexer:emit_dot=1,emit_block_t=32 --tune csa_indexer:emit_dot=1,emit_block_t=64 \
+    --tune csa_indexer:write_block_t=128 --out "$OUT/${stamp}_h200_write_emit_s15.jsonl" 2>&1 \
+    | tee "$OUT/${stamp}_h200_write_emit_s15.txt" | grep prefill | cut -c1-250
+  timeout 100 python3 benchmarks/profile_write.py --ops csa_indexer 2>&1 | grep -v -i warn | tee "$OUT/${stamp}_h200_profile_write_emit_s15.txt" | tail -16
+  timeout 150 python3 -m dsv4.cli bench --models v4-flash --kinds csa --contexts 131072 --batches 1,8,64 \
+    --out "$OUT/${stamp}_h200_decode_csa_s15.jsonl" 2>&1 | tail -4
+fi
+if [ "$what" = emit2_s15 ]; then  # the MMA emit with its compaction through a scratch scatter (80 registers): GPU
+  # tests, CSA indexer prefill with emit geometries (both models), per-kernel times (~5 min)
+  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_quant.py tests/kernels/test_compressor.py \
+    tests/kernels/test_compressor_online.py tests/kernels/test_indexer_query.py -k "cuda or gpu" 2>&1 \
+    | tee "$OUT/${stamp}_h200_gpu_tests_emit_s15.txt" | tail -3
+  timeout 240 python3 benchmarks/bench_write.py --ops csa_indexer --modes prefill --tune csa_indexer: \
+    --tune csa_indexer:emit_dot=1,emit_rows=32 --tune csa_indexer:emit_dot=1,emit_block_t=256 \
+    --tune csa_indexer:emit_dot=1,emit_block_t=64 --tune csa_indexer:emit_dot=1,emit_block_t=32 \
+    --tune csa_indexer:emit_dot=1,emit_block_t=16 --tune csa_indexer:write_block_t=128 \
+    --out "$OUT/${stamp}_h200_write_emit_s15.jsonl" 2>&1 | tee "$OUT/${stamp}_h200_write_emit_s15.txt" | grep prefill | cut -c1-250
+  timeout 100 python3 benchmarks/profile_write.py --ops csa_indexer 2>&1 | grep -v -i warn \
+    | tee "$OUT/${stamp}_h200_profile_write_emit_s15.txt" | tail -10
+fi
+if [ "$what" = main_s15 ]; then  # CSA main prefill (195 us in write_s15, 177 in session 3): per kernel, pool geometries;
+  # the CSA indexer's auto emit at 8,192 tokens (~3 min)
+  timeout 120 python3 benchmarks/profile_write.py --ops csa_main,csa_indexer 2>&1 | grep -v -i warn \
+    | tee "$OUT/${stamp}_h200_profile_write_main_s15.txt" | tail -12
+  timeout 200 python3 benchmarks/bench_write.py --ops csa_main,csa_indexer --models v4-flash --modes prefill --tune csa_main: \
+    --tune csa_main:pool_block_t=8 --tune csa_main:num_warps=2 --tune csa_main:write_block_t=64 --tune csa_indexer: \
+    --out "$OUT/${stamp}_h200_write_main_s15.jsonl" 2>&1 | tee "$OUT/${stamp}_h200_write_main_s15.txt" | grep prefill | cut -c1-250
+fi
+if [ "$what" = write2_s15 ]; then  # CSA pools at 2 warps, the state write with four loads in flight: GPU tests, every
+  # prefill write op (V4-Flash; V4-Pro's widths give the same figures), per-kernel times (~4 min)
+  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_compressor.py tests/kernels/test_compressor_online.py \
+    -k "cuda or gpu" 2>&1 | tee "$OUT/${stamp}_h200_gpu_tests_write2_s15.txt" | tail -3
+  timeout 200 python3 benchmarks/bench_write.py --models v4-flash --modes prefill --tune store_window: --tune csa_main: \
+    --tune csa_main:pool_block_t=8 --tune csa_indexer: --tune hca: --tune hca_online: \
+    --out "$OUT/${stamp}_h200_write_prefill_s15.jsonl" 2>&1 | tee "$OUT/${stamp}_h200_write_prefill_s15.txt" | grep prefill | cut -c1-250
+  timeout 120 python3 benchmarks/profile_write.py --ops csa_main,csa_indexer,hca,hca_online 2>&1 | grep -v -i warn \
+    | tee "$OUT/${stamp}_h200_profile_write_prefill_s15.txt" | tail -22
+fi
+if [ "$what" = final_s15 ]; then  # CSA main's pool at 8 tokens a program by default; the CSA indexer's pool at 8; the
+  # backend tests of the model sub-block on CUDA (~3 min)
+  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_compressor.py tests/model/test_attention.py \
+    -k "cuda or gpu or padded or cancelled" 2>&1 | tee "$OUT/${stamp}_h200_gpu_tests_final_s15.txt" | tail -3
+  timeout 150 python3 benchmarks/bench_write.py --models v4-flash,v4-pro --ops csa_main,csa_indexer --modes prefill \
+    --tune csa_main: --tune csa_indexer: --tune csa_indexer:pool_block_t=8 \
+    --out "$OUT/${stamp}_h200_write_final_s15.jsonl" 2>&1 | tee "$OUT/${stamp}_h200_write_final_s15.txt" | grep prefill | cut -c1-250
 fi
 if [ "$what" = pending_s12 ]; then  # what session 12 left unrun: the top-k GPU tests under the many-rows rule, then indexer_fold (~8 min)
   timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_topk.py -k "filter_real_shapes or many_rows" \
