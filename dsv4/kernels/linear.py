@@ -39,8 +39,15 @@ run), unlike fp32 atomics, at the cost of 2·4·split·M·N bytes (<= 1/4 of the
 The sum is a second small launch, or, given ``counters`` (the layer passes them), done by the last program of
 each output tile to finish (an acquire-release counter, ``_triton_sync.last_arrival``) in the same launch and
 order.  x may be bf16 (the layer's activations): it is widened to fp32 as it is loaded, which is exact, so no
-cast launch precedes the GEMM.  Prefill: 128 x 128 tiles, x·wᵀ, no split.  Nothing is read
-back to the host and the buffers come from the caching allocator: CUDA-graph capturable.
+cast launch precedes the GEMM.  Prefill: 128 x 128 tiles, x·wᵀ, no split.
+
+Few tokens (M <= GEMV_MAX_M, no launch parameter given, or ``gemv=True``): ``_linear_gemv_kernel`` instead, exact
+fp32 FMAs on the CUDA cores (2·M FLOPs a weight element: far below the SIMT peak at this M, so the weight stream
+alone sets its time), 16 weight rows x 512 K a program with its four weight loads in flight together, 8 K splits at
+K = 4096 summed as above (in the launch with ``counters``).  No product is rounded, so its error is that of ~20
+sequential fp32 additions (4 in a thread, 7 in the reduction over a block's K lanes, the splits), below tf32x3's.
+
+Nothing is read back to the host and the buffers come from the caching allocator: CUDA-graph capturable.
 """
 
 from __future__ import annotations
@@ -74,6 +81,19 @@ _SUM_BLOCK = 1024  # elements a program of the split-sum launch adds up
 # 18.9 -> 19.6, 23.6 -> 26.5 us (the last program of a tile then reads split x 16 KB alone); HCA and CSA indexer
 # pairs likewise (-2.6 us at M <= 16, +3 us at 64).
 FUSED_SUM_MAX_M = 16
+# Up to GEMV_MAX_M tokens (and no launch parameter given) the projections run ``_linear_gemv_kernel``: exact fp32
+# FMAs on the CUDA cores, every program streaming a [_GEMV_BLOCK_N, _GEMV_BLOCK_K * _GEMV_ITERS] weight block with all
+# its loads issued at once (no tensor-core operand split, no padding of the tokens to an MMA's 16).  H200
+# (2026-12-04_h200_linear_gemv_s15.txt, graph time with an L2 flush, bf16 x, split sum in the launch), GEMV vs the
+# tensor-core kernel: 1 token, CSA main / HCA / CSA indexer pair 15.3 / 10.8 / 8.7 us vs 16.1 / 11.4 / 9.1; 4 tokens
+# 26.7 / 17.0 / 10.5 vs 16.7 / 11.5 / 9.2 (the [M, 16, 128] accumulator: 138 registers).  So one token only.
+# ``gemv=True`` takes it up to GEMV_LIMIT_M tokens (tested on the H200 up to there).
+GEMV_MAX_M = 1
+GEMV_LIMIT_M = 4
+_GEMV_BLOCK_N = 16
+_GEMV_BLOCK_K = 128
+_GEMV_ITERS = 4
+_GEMV_WARPS = 4
 
 
 class LinearLaunch(NamedTuple):
@@ -238,6 +258,62 @@ def _linear_group_kernel(
         tl.store(out_ptr + offs, acc, mask=mask)
 
 
+@triton.jit(do_not_specialize=["t1", "t2", "t3"])
+def _linear_gemv_kernel(
+    x_ptr, w1_ptr, w2_ptr, w3_ptr, w4_ptr, out_ptr, part_ptr, cnt_ptr,
+    M, N1, N2, N3, N4, K, stride_xm, stride_w1, stride_w2, stride_w3, stride_w4, t1, t2, t3, split,
+    M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ITERS: tl.constexpr, EVEN_K: tl.constexpr,
+    PARTIAL: tl.constexpr, FUSED_SUM: tl.constexpr, SPLIT: tl.constexpr,
+):  # fmt: skip
+    """Few tokens (M <= M_PAD): program (n tile, k split) computes the [M, BLOCK_N] block of x·w_iᵀ over K range
+    [pid_k·BLOCK_K·ITERS, +BLOCK_K·ITERS) with fp32 FMAs, weights chosen and outputs placed as in
+    ``_linear_group_kernel`` (its PARTIAL / FUSED_SUM split sum too).  The ITERS weight tiles [BLOCK_N, BLOCK_K]
+    are loaded in an unrolled loop with nothing stored in between, so all of them are in flight at once; each
+    token row accumulates x[m, k]·w[n, k] elementwise in an [M_PAD, BLOCK_N, BLOCK_K] fp32 tile, reduced over K
+    once at the end: every product exact in fp32, the sum's order fixed by the launch."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    s1 = pid_n >= t1
+    s2 = pid_n >= t2
+    s3 = pid_n >= t3
+    w_ptr = tl.where(s3, w4_ptr, tl.where(s2, w3_ptr, tl.where(s1, w2_ptr, w1_ptr)))
+    n = tl.where(s3, N4, tl.where(s2, N3, tl.where(s1, N2, N1)))
+    stride_w = tl.where(s3, stride_w4, tl.where(s2, stride_w3, tl.where(s1, stride_w2, stride_w1)))
+    first_tile = tl.where(s3, t3, tl.where(s2, t2, tl.where(s1, t1, 0)))
+    col0 = tl.where(s3, N1 + N2 + N3, tl.where(s2, N1 + N2, tl.where(s1, N1, 0)))
+    nt = N1 + N2 + N3 + N4
+    rn = (pid_n - first_tile) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.arange(0, M_PAD)
+    rk = tl.arange(0, BLOCK_K)
+    k0 = pid_k * (BLOCK_K * ITERS)
+    # rows past M / N read valid rows (wrapped) and are masked at the store, as in ``_linear_group_kernel``
+    w_ptrs = w_ptr + (rn % n).to(tl.int64)[:, None] * stride_w + (k0 + rk)[None, :]
+    x_ptrs = x_ptr + (rm % M).to(tl.int64)[:, None] * stride_xm + (k0 + rk)[None, :]
+    acc = tl.zeros((M_PAD, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for i in tl.static_range(ITERS):
+        if EVEN_K:
+            w = tl.load(w_ptrs + i * BLOCK_K)
+            x = tl.load(x_ptrs + i * BLOCK_K).to(tl.float32)
+        else:
+            in_k = k0 + i * BLOCK_K + rk < K
+            w = tl.load(w_ptrs + i * BLOCK_K, mask=in_k[None, :], other=0.0)
+            x = tl.load(x_ptrs + i * BLOCK_K, mask=in_k[None, :], other=0.0).to(tl.float32)
+        acc += x[:, None, :] * w[None, :, :]
+    y = tl.sum(acc, axis=2)  # [M_PAD, BLOCK_N]
+    mask = (rm < M)[:, None] & (rn < n)[None, :]
+    offs = rm.to(tl.int64)[:, None] * nt + (col0 + rn)[None, :]
+    if PARTIAL:
+        tl.store(part_ptr + pid_k * M * nt + offs, y, mask=mask)
+        if FUSED_SUM:
+            if last_arrival(cnt_ptr + pid_n, split):
+                total = tl.load(part_ptr + offs, mask=mask, other=0.0)
+                for s in tl.static_range(1, SPLIT):
+                    total += tl.load(part_ptr + s * M * nt + offs, mask=mask, other=0.0)
+                tl.store(out_ptr + offs, total, mask=mask)
+    else:
+        tl.store(out_ptr + offs, y, mask=mask)
+
+
 @triton.jit
 def _sum_splits_kernel(part_ptr, out_ptr, numel, split, BLOCK: tl.constexpr):
     """out = Σ_s part[s] in the order s = 0, 1, ... (part [split, M, NT] fp32, out [M, NT], numel = M·NT)."""
@@ -272,6 +348,7 @@ def linear_fp32_group(
     split_k: int | None = None,
     swap_ab: bool | None = None,
     counters: torch.Tensor | None = None,
+    gemv: bool | None = None,
 ) -> list[torch.Tensor]:
     """``[x·w_iᵀ for w_i in ws]`` in fp32 in one GEMM launch (two with a K split above FUSED_SUM_MAX_M tokens or
     without ``counters``): x [M, K] fp32 or bf16 (taken as its exact fp32 value), 1 to MAX_GROUP weights w_i
@@ -285,7 +362,8 @@ def linear_fp32_group(
     and M <= FUSED_SUM_MAX_M the last program of each output tile adds the partials (same order, same bits as
     the second launch) in the one launch, and leaves its counter 0 again; launches sharing ``counters`` must not
     overlap (one stream).  Torch path (CPU, or ``backend="torch"``): ``F.linear`` of x in fp32 per weight (new
-    contiguous tensors).
+    contiguous tensors).  ``gemv``: the few-token kernel (``_linear_gemv_kernel``, exact fp32 FMAs, either
+    ``precision``; M <= GEMV_LIMIT_M); None takes it for M <= GEMV_MAX_M when no launch parameter is given.
     """
     check_tensor("x", x, dtype=(torch.float32, torch.bfloat16), ndim=2)
     k = x.shape[1]
@@ -327,6 +405,12 @@ def linear_fp32_group(
             )
     pad = MAX_GROUP - len(wl)
     wl, ns4 = wl + [wl[-1]] * pad, ns + [0] * pad
+    if gemv is None:
+        given = (block_m, block_n, block_k, num_warps, num_stages, split_k, swap_ab)
+        gemv = m <= GEMV_MAX_M and all(v is None for v in given)
+    if gemv:
+        _linear_gemv(x, wl, ns, ns4, out, counters)
+        return views
     _linear_group_kernel[grid](
         x, *wl, out, part, counters if fused else out, m, *ns4, k, k_per_split, x.stride(0),
         *(w.stride(0) for w in wl), *bounds, split,
@@ -337,6 +421,31 @@ def linear_fp32_group(
         numel = m * nt
         _sum_splits_kernel[(triton.cdiv(numel, _SUM_BLOCK),)](part, out, numel, split, BLOCK=_SUM_BLOCK, num_warps=4)
     return views
+
+
+def _linear_gemv(x, wl, ns, ns4, out, counters) -> None:
+    """``linear_fp32_group``'s few-token path into ``out`` [M, ΣN] (M <= GEMV_LIMIT_M; wl, ns4: the four weights
+    and widths, padded)."""
+    m, k = x.shape
+    if m > GEMV_LIMIT_M:
+        raise ValueError(f"gemv: expected at most {GEMV_LIMIT_M} tokens (rows of x), got {m}")
+    chunk = _GEMV_BLOCK_K * _GEMV_ITERS
+    split = triton.cdiv(k, chunk)
+    tiles = [triton.cdiv(n, _GEMV_BLOCK_N) for n in ns]
+    bounds = [sum(tiles[: i + 1]) for i in range(MAX_GROUP - 1)]
+    grid = (sum(tiles), split)
+    fused = counters is not None and split > 1
+    if fused and counters.shape[0] < grid[0]:
+        raise ValueError(f"counters: expected >= {grid[0]} (output tiles), got shape {tuple(counters.shape)}")
+    part = torch.empty(split, m, out.shape[1], dtype=torch.float32, device=x.device) if split > 1 else out
+    _linear_gemv_kernel[grid](
+        x, *wl, out, part, counters if fused else out, m, *ns4, k, x.stride(0), *(w.stride(0) for w in wl), *bounds,
+        split, M_PAD=triton.next_power_of_2(m), BLOCK_N=_GEMV_BLOCK_N, BLOCK_K=_GEMV_BLOCK_K, ITERS=_GEMV_ITERS,
+        EVEN_K=k % chunk == 0, PARTIAL=split > 1, FUSED_SUM=fused, SPLIT=split if fused else 1, num_warps=_GEMV_WARPS,
+    )  # fmt: skip
+    if split > 1 and not fused:
+        numel = out.numel()
+        _sum_splits_kernel[(triton.cdiv(numel, _SUM_BLOCK),)](part, out, numel, split, BLOCK=_SUM_BLOCK, num_warps=4)
 
 
 def linear_fp32_pair(

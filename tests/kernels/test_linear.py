@@ -177,6 +177,43 @@ def test_linear_group_matches_reference(device, ns, fused):
         assert all(torch.equal(a, b) for a, b in zip(ys, two, strict=True))
 
 
+@pytest.mark.parametrize("k", [64, 700, 1536])
+@pytest.mark.parametrize("m", [1, 3, 4])
+def test_linear_gemv_matches_reference(device, m, k):
+    """The few-token kernel (auto's choice for M <= GEMV_MAX_M; up to GEMV_LIMIT_M with gemv=True, padded token
+    rows included): four weights with widths that leave partial N tiles, K in one split (64), several with a partial
+    last one (700) and several whole (1,536, i.e. 3 splits); bf16 x as its fp32 value; the split sum in a second
+    launch and inside the launch give the same bits, counters back to 0."""
+    g = torch.Generator().manual_seed(m * k)
+    x = torch.randn(m, k, generator=g).bfloat16().to(device)
+    ns = (40, 72, 24, 8)
+    ws = [(torch.randn(n, k, generator=g) * 0.05).to(device) for n in ns]
+    two = linear_fp32_group(x, ws, backend="triton", gemv=True)
+    cnt = linear_counters(device)
+    one = linear_fp32_group(x, ws, backend="triton", counters=cnt, gemv=True)
+    if m <= linear_mod.GEMV_MAX_M:  # auto's choice: the same kernel, the same bits
+        auto = linear_fp32_group(x, ws, backend="triton")
+        assert all(torch.equal(a, b) for a, b in zip(auto, two, strict=True))
+    for y, z, w in zip(two, one, ws, strict=True):
+        assert y.shape == (m, w.shape[0]) and y.stride() == (sum(ns), 1)
+        assert torch.equal(y, z)
+        _assert_close_fp32(y, torch.nn.functional.linear(x.float(), w), x.float(), w, _small_shape_rel(k))
+    assert int(cnt.abs().sum()) == 0
+
+
+def test_linear_gemv_refuses_many_tokens_and_short_counters(device):
+    """gemv=True above GEMV_LIMIT_M tokens, or counters shorter than its output tiles: an error, nothing written."""
+    m = linear_mod.GEMV_LIMIT_M + 1
+    x, w1, w2 = _inputs(m, 64, 48, 16, device)
+    with pytest.raises(ValueError, match=f"gemv: expected at most {linear_mod.GEMV_LIMIT_M} tokens"):
+        linear_fp32_pair(x, w1, w2, backend="triton", gemv=True)
+    cnt = torch.zeros(2, dtype=torch.int32, device=device)  # 48 + 16 columns: 4 tiles of 16
+    big = torch.randn(48, 1024).to(device), torch.randn(16, 1024).to(device)  # K = 1,024: 2 splits, fused sum
+    with pytest.raises(ValueError, match="counters: expected >= 4"):
+        linear_fp32_pair(torch.randn(1, 1024).to(device), *big, backend="triton", counters=cnt, gemv=True)
+    assert int(cnt.abs().sum()) == 0
+
+
 @pytest.mark.parametrize("n_weights", [0, 5])
 def test_linear_group_refuses_bad_group_sizes(n_weights):
     with pytest.raises(ValueError, match=f"ws: expected a list of 1 to 4 weights, got {n_weights}"):
@@ -342,6 +379,32 @@ def test_linear_pair_fused_split_sum_on_gpu(m, n):
         g.replay()
         torch.cuda.synchronize()
         assert torch.equal(out[0], want[0]) and torch.equal(out[1], want[1])
+    assert int(cnt.abs().sum()) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("m", [1, 2, 4])
+def test_linear_gemv_real_shapes_on_gpu(m, no_tf32):
+    """The few-token kernel at a CSA layer's four compressor widths (K = 4,096): within GPU_REL of fp64 (exact fp32
+    products; ~20 sequential roundings: 4 a thread, 7 in the K reduction, 8 splits), the same bits with the split
+    sum in the launch and in a CUDA graph replay, and against the tensor-core kernel within the bound."""
+    g = torch.Generator().manual_seed(40 + m)
+    x = (torch.randn(m, 4096, generator=g) * torch.logspace(-2, 2, m).unsqueeze(1)).bfloat16().cuda()
+    ws = [(torch.randn(n, 4096, generator=g) * 0.02).cuda() for n in (1024, 1024, 256, 256)]
+    cnt = linear_counters(x.device)
+    ys = linear_fp32_group(x, ws, counters=cnt, gemv=True)
+    tc = linear_fp32_group(x, ws, gemv=False)
+    for y, t, w in zip(ys, tc, ws, strict=True):
+        _assert_close_fp32(y, _fp64(x.float(), w), x.float(), w, GPU_REL)
+        _assert_close_fp32(t, _fp64(x.float(), w), x.float(), w, GPU_REL)
+    two = linear_fp32_group(x, ws, gemv=True)
+    assert all(torch.equal(a, b) for a, b in zip(ys, two, strict=True))
+    gr, out = capture_graph(lambda: linear_fp32_group(x, ws, counters=cnt, gemv=True))
+    out[0].zero_()
+    gr.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(out, ys, strict=True))
     assert int(cnt.abs().sum()) == 0
 
 
