@@ -49,6 +49,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from benchmarks.sweep_indexer import GraphTimer, bench_time  # noqa: E402
 from dsv4.kernels.linear import (  # noqa: E402
+    GEMV_MAX_M,
     linear_counters,
     linear_fp32_pair,
     linear_fp32_pair_reference,
@@ -125,6 +126,9 @@ def run_case(op: str, m: int, n: int, timer: GraphTimer, meta: dict) -> dict:
         "max_rel_err_fp64": err64,
         "baseline_max_rel_err_fp64": base_err64,
     }
+    rec["gemv"] = m <= GEMV_MAX_M  # the few-token kernel (default up to GEMV_MAX_M tokens)
+    if rec["gemv"]:  # the tensor-core kernel on the same call, for comparison
+        rec["graph_time_fused_tc_s"] = timer(lambda: linear_fp32_pair(xb, w1, w2, counters=cnt, gemv=False))
     rec["speedup_graph"] = rec["baseline_graph_time_s"] / rec["graph_time_s"] if rec["graph_time_s"] else None
     return rec
 
@@ -137,9 +141,10 @@ def print_row(r: dict) -> None:
     s = r["shape"]
     g = r["graph_time_s"]
     pct = f"{100 * r['roofline_tf32x3_s'] / g:5.1f}%" if g else "   n/a"
+    tc = f"; tensor cores {us(r['graph_time_fused_tc_s'])}" if r.get("gemv") else ""
     print(
         f"{r['name']:20s} M {s['M']:6d} N {s['N1']:5d}  graph {us(g)} us"
-        f" (bf16 x, fused sum {us(r['graph_time_fused_s'])})"
+        f" (bf16 x, fused sum {us(r['graph_time_fused_s'])}{tc})"
         f"  eager {us(r['time_s'])} us"
         f"  torch graph {us(r['baseline_graph_time_s'])} us  eager {us(r['baseline_time_s'])} us"
         f"  roofline {us(r['roofline_s'])} / x3 {us(r['roofline_tf32x3_s'])} us ({pct})"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One H200 session: environment, GPU tests, then the kernel benchmarks. Results go to $OUT (or ./out).
-# Usage (on the device machine, repo root): bash benchmarks/run_h200.sh [tests|bench|all|pending|ncu|attention|attention_ncu|indexer_gluon|indexer_live|indexer_fold|pending_s12|topk_rows|indexer_default|indexer_p2|indexer_ablate|flush_topk|skeleton|topk_short|fold_auto|hca_online|write_s15|emit_s15|emit2_s15|main_s15|write2_s15|final_s15]
+# Usage (on the device machine, repo root): bash benchmarks/run_h200.sh [tests|bench|all|pending|ncu|attention|attention_ncu|indexer_gluon|indexer_live|indexer_fold|pending_s12|topk_rows|indexer_default|indexer_p2|indexer_ablate|flush_topk|skeleton|topk_short|fold_auto|hca_online|write_s15|emit_s15|emit2_s15|main_s15|write2_s15|final_s15|gemv_s15]
 # "pending": the norm and top-k GPU tests (~4 min, most of it compiling the top-k kernels), launch D's rank
 # threshold on/off, top-k with both flush kinds, the decode step; about 8 minutes.  "ncu": Nsight Compute
 # sections of the indexer scores, dense attention and gather kernels (benchmarks/ncu_cases.py).  "attention": the
@@ -214,6 +214,15 @@ if [ "$what" = final_s15 ]; then  # CSA main's pool at 8 tokens a program by def
   timeout 150 python3 benchmarks/bench_write.py --models v4-flash,v4-pro --ops csa_main,csa_indexer --modes prefill \
     --tune csa_main: --tune csa_indexer: --tune csa_indexer:pool_block_t=8 \
     --out "$OUT/${stamp}_h200_write_final_s15.jsonl" 2>&1 | tee "$OUT/${stamp}_h200_write_final_s15.txt" | grep prefill | cut -c1-250
+fi
+if [ "$what" = gemv_s15 ]; then  # the few-token compressor projection kernel: GPU tests, bench_linear at 1 and 4
+  # tokens (with the tensor-core kernel in the same rows), the decode step at B = 1 (~3.5 min)
+  timeout 70 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_linear.py -k "gemv or fused_split_sum" \
+    2>&1 | tee "$OUT/${stamp}_h200_gpu_tests_gemv_s15.txt" | tail -3
+  timeout 60 python3 benchmarks/bench_linear.py --tokens 1,4 --out "$OUT/${stamp}_h200_linear_gemv_s15.jsonl" 2>&1 \
+    | tee "$OUT/${stamp}_h200_linear_gemv_s15.txt" | grep linear | cut -c1-160
+  timeout 80 python3 -m dsv4.cli bench --models v4-flash --kinds csa,hca --contexts 131072 --batches 1 \
+    --out "$OUT/${stamp}_h200_decode_gemv_s15.jsonl" 2>&1 | tail -3
 fi
 if [ "$what" = pending_s12 ]; then  # what session 12 left unrun: the top-k GPU tests under the many-rows rule, then indexer_fold (~8 min)
   timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_topk.py -k "filter_real_shapes or many_rows" \

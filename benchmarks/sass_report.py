@@ -5,6 +5,7 @@ ptxas made of each: registers, spill / local-memory bytes, shared memory, SASS i
     python benchmarks/sass_report.py hca:decode:64 --sass /tmp/sass      # also write each kernel's SASS
     python benchmarks/sass_report.py attention:v4-pro:64 --tune attention:dense=gluon   # decode attention
     python benchmarks/sass_report.py topk:4:262144                      # top-k's kernels (k = 1,024)
+    python benchmarks/sass_report.py linear:1:1                         # compressor projections, 1 token, GEMV
 
 The operation is built by ``bench_write``'s case builders on CPU tensors; every Triton launch is replaced by
 a compile-only ``warmup`` against a stand-in driver that reports an H100/H200 (``GPUTarget("cuda", 90, 32)``),
@@ -194,6 +195,14 @@ def main() -> None:
 
                 def tri(sc=sc, nvk=nvk):
                     topk_indices(sc, 1024, nvk, "triton")
+            elif op == "linear":  # linear:M:gemv (a CSA layer's four compressor weights, K = 4096, bf16 x, counters)
+                from dsv4.kernels.linear import linear_counters, linear_fp32_group
+
+                x = torch.randn(int(mode), 4096, generator=gen).bfloat16()
+                ws = [torch.randn(nw, 4096, generator=gen) for nw in (1024, 1024, 256, 256)]
+
+                def tri(x=x, ws=ws, gemv=bool(int(n)), kw=variant):
+                    linear_fp32_group(x, ws, "triton", counters=linear_counters("cpu"), gemv=gemv, **kw)
             elif op == "store_window":
                 fmt = FP8EntryFormat(cfg.head_dim, cfg.rope_head_dim)
                 tri, *_ = bw.case_store_window(fmt, mode, int(n), torch.device("cpu"), gen, variant)
