@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One H200 session: environment, GPU tests, then the kernel benchmarks. Results go to $OUT (or ./out).
-# Usage (on the device machine, repo root): bash benchmarks/run_h200.sh [tests|bench|all|pending|ncu|attention|attention_ncu|indexer_gluon|indexer_live|indexer_fold|pending_s12|topk_rows|indexer_default|indexer_p2|indexer_ablate|flush_topk|skeleton|topk_short|fold_auto|hca_online|write_s15|emit_s15|emit2_s15|main_s15|write2_s15|final_s15|gemv_s15]
+# Usage (on the device machine, repo root): bash benchmarks/run_h200.sh [tests|bench|all|pending|ncu|attention|attention_ncu|indexer_gluon|indexer_live|indexer_fold|pending_s12|topk_rows|indexer_default|indexer_p2|indexer_ablate|flush_topk|skeleton|topk_short|fold_auto|hca_online|write_s15|emit_s15|emit2_s15|main_s15|write2_s15|final_s15|gemv_s15|online_regs]
 # "pending": the norm and top-k GPU tests (~4 min, most of it compiling the top-k kernels), launch D's rank
 # threshold on/off, top-k with both flush kinds, the decode step; about 8 minutes.  "ncu": Nsight Compute
 # sections of the indexer scores, dense attention and gather kernels (benchmarks/ncu_cases.py).  "attention": the
@@ -223,6 +223,14 @@ if [ "$what" = gemv_s15 ]; then  # the few-token compressor projection kernel: G
     | tee "$OUT/${stamp}_h200_linear_gemv_s15.txt" | grep linear | cut -c1-160
   timeout 80 python3 -m dsv4.cli bench --models v4-flash --kinds csa,hca --contexts 131072 --batches 1 \
     --out "$OUT/${stamp}_h200_decode_gemv_s15.jsonl" 2>&1 | tail -3
+fi
+if [ "$what" = online_regs ]; then  # left unrun in session 15 (no device time): the online HCA pool / state-write
+  # kernels at 128 registers (were 154 / 168): online compressor GPU tests, HCA prefill both layouts, per kernel (~3 min)
+  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_compressor_online.py tests/kernels/test_compressor.py \
+    tests/model/test_attention.py -k "cuda or gpu or cancelled or padded" 2>&1 | tee "$OUT/${stamp}_h200_gpu_tests_online_regs.txt" | tail -3
+  timeout 150 python3 benchmarks/bench_write.py --ops hca,hca_online --models v4-flash --out "$OUT/${stamp}_h200_write_online_regs.jsonl" \
+    2>&1 | tee "$OUT/${stamp}_h200_write_online_regs.txt" | grep hca | cut -c1-220
+  timeout 80 python3 benchmarks/profile_write.py --ops hca_online 2>&1 | grep -v -i warn | tee "$OUT/${stamp}_h200_profile_online_regs.txt" | tail -8
 fi
 if [ "$what" = pending_s12 ]; then  # what session 12 left unrun: the top-k GPU tests under the many-rows rule, then indexer_fold (~8 min)
   timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_topk.py -k "filter_real_shapes or many_rows" \

@@ -375,7 +375,12 @@ def _online_prefix(
     token i's chunk *before* position t: those in this step combined with the state's share
     (``_online_state_part``, as it was before the step).  Which rows are in the step: with ``ROW_LOADS`` by loading
     their tokens' slots and positions, else from ``i0``, the batch index of the request's first token in the step
-    (the caller's registers, as ``_pool_token``)."""
+    (the caller's registers, as ``_pool_token``).
+
+    The step's rows are folded into an empty running softmax (max -inf) before the state's share: the same values as
+    taking their (max, den, acc) directly (exp(0) = 1, the empty side's factor exp(-inf) = 0), and with it sm_90
+    ptxas gives the pool kernel 128 registers instead of 154 (V4-Flash HCA, Triton 3.6, ``sass_report.py``), so 4
+    programs an SM as in the reference layout's (119) instead of 3."""
     k = 1 + tl.arange(0, BLOCK_R)  # row k: position t - k, batch index i - k if it is in this step
     p = t - k
     j = i - k
@@ -384,11 +389,14 @@ def _online_prefix(
     m2 = in_step[:, None] & chm[None, :]
     kv_r = tl.load(kv_ptr + j[:, None] * stride_kv + ch[None, :], mask=m2, other=0.0)
     sc_r = tl.load(sc_ptr + j[:, None] * stride_sc + ch[None, :], mask=m2, other=float("-inf"))
-    mx = tl.max(sc_r, axis=0)
-    e = tl.where(m2, tl.exp(sc_r - tl.where(mx == float("-inf"), 0.0, mx)[None, :]), 0.0)
+    mx_p = tl.max(sc_r, axis=0)
+    e = tl.where(m2, tl.exp(sc_r - tl.where(mx_p == float("-inf"), 0.0, mx_p)[None, :]), 0.0)
+    empty = tl.full(ch.shape, float("-inf"), tl.float32)
+    zero = tl.zeros(ch.shape, tl.float32)
+    mx, den, acc = _online_combine(empty, zero, zero, mx_p, tl.sum(e, axis=0), tl.sum(e * kv_r, axis=0))
     p0 = t - tl.sum(in_step.to(tl.int64), axis=0)  # the request's first position in the step
     mx_s, den_s, acc_s = _online_state_part(slot, t, p0, ch, chm, kvs_ptr, scs_ptr, st_ss, st_sr, spos_ptr, M)
-    return _online_combine(mx_s, den_s, acc_s, mx, tl.sum(e, axis=0), tl.sum(e * kv_r, axis=0))
+    return _online_combine(mx_s, den_s, acc_s, mx, den, acc)
 
 
 @triton.jit
