@@ -184,6 +184,44 @@ def linear_fp32_pair_reference(
     return torch.nn.functional.linear(x, w1), torch.nn.functional.linear(x, w2)
 
 
+@triton.jit
+def _tile_weight(
+    pid_n, w1_ptr, w2_ptr, w3_ptr, w4_ptr, N1, N2, N3, N4, stride_w1, stride_w2, stride_w3, stride_w4, t1, t2, t3,
+    BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """The weight of N tile ``pid_n`` (tiles [0, t1) are w1's, [t1, t2) w2's, [t2, t3) w3's, the rest w4's): its
+    pointer, rows and row stride, its first output column and the tile's rows of it [BLOCK_N]."""
+    s1 = pid_n >= t1
+    s2 = pid_n >= t2
+    s3 = pid_n >= t3
+    w_ptr = tl.where(s3, w4_ptr, tl.where(s2, w3_ptr, tl.where(s1, w2_ptr, w1_ptr)))
+    n = tl.where(s3, N4, tl.where(s2, N3, tl.where(s1, N2, N1)))
+    stride_w = tl.where(s3, stride_w4, tl.where(s2, stride_w3, tl.where(s1, stride_w2, stride_w1)))
+    first_tile = tl.where(s3, t3, tl.where(s2, t2, tl.where(s1, t1, 0)))
+    col0 = tl.where(s3, N1 + N2 + N3, tl.where(s2, N1 + N2, tl.where(s1, N1, 0)))
+    return w_ptr, n, stride_w, col0, (pid_n - first_tile) * BLOCK_N + tl.arange(0, BLOCK_N)
+
+
+@triton.jit
+def _store_tile(
+    y, out_ptr, part_ptr, cnt_ptr, offs, mask, part_off, part_stride, split, PARTIAL: tl.constexpr,
+    FUSED_SUM: tl.constexpr, SPLIT: tl.constexpr,
+):  # fmt: skip
+    """An output tile ``y`` at ``offs``: into out, or (PARTIAL) into its split's partial buffer at ``part_off`` and,
+    with FUSED_SUM, by the tile's last program to arrive (counter ``cnt_ptr``) the partials summed in split order
+    (``part_stride`` apart) into out."""
+    if PARTIAL:
+        tl.store(part_ptr + part_off + offs, y, mask=mask)
+        if FUSED_SUM:
+            if last_arrival(cnt_ptr, split):
+                total = tl.load(part_ptr + offs, mask=mask, other=0.0)
+                for s in tl.static_range(1, SPLIT):
+                    total += tl.load(part_ptr + s * part_stride + offs, mask=mask, other=0.0)
+                tl.store(out_ptr + offs, total, mask=mask)
+    else:
+        tl.store(out_ptr + offs, y, mask=mask)
+
+
 @triton.jit(do_not_specialize=["t1", "t2", "t3"])  # one binary for every set of weight widths
 def _linear_group_kernel(
     x_ptr, w1_ptr, w2_ptr, w3_ptr, w4_ptr, out_ptr, part_ptr, cnt_ptr,
@@ -206,16 +244,11 @@ def _linear_group_kernel(
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
-    s1 = pid_n >= t1
-    s2 = pid_n >= t2
-    s3 = pid_n >= t3
-    w_ptr = tl.where(s3, w4_ptr, tl.where(s2, w3_ptr, tl.where(s1, w2_ptr, w1_ptr)))
-    n = tl.where(s3, N4, tl.where(s2, N3, tl.where(s1, N2, N1)))
-    stride_w = tl.where(s3, stride_w4, tl.where(s2, stride_w3, tl.where(s1, stride_w2, stride_w1)))
-    first_tile = tl.where(s3, t3, tl.where(s2, t2, tl.where(s1, t1, 0)))
-    col0 = tl.where(s3, N1 + N2 + N3, tl.where(s2, N1 + N2, tl.where(s1, N1, 0)))
+    w_ptr, n, stride_w, col0, rn = _tile_weight(
+        pid_n, w1_ptr, w2_ptr, w3_ptr, w4_ptr, N1, N2, N3, N4, stride_w1, stride_w2, stride_w3, stride_w4, t1, t2, t3,
+        BLOCK_N,
+    )  # fmt: skip
     nt = N1 + N2 + N3 + N4
-    rn = (pid_n - first_tile) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rk = tl.arange(0, BLOCK_K)
     k_lo = pid_k * k_per_split
@@ -246,16 +279,10 @@ def _linear_group_kernel(
         acc = tl.trans(acc)
     mask = (rm < M)[:, None] & (rn < n)[None, :]
     offs = rm.to(tl.int64)[:, None] * nt + (col0 + rn)[None, :]
-    if PARTIAL:
-        tl.store(part_ptr + pid_k * M * nt + offs, acc, mask=mask)
-        if FUSED_SUM:
-            if last_arrival(cnt_ptr + pid_m * tl.num_programs(0) + pid_n, split):
-                total = tl.load(part_ptr + offs, mask=mask, other=0.0)
-                for s in tl.static_range(1, SPLIT):
-                    total += tl.load(part_ptr + s * M * nt + offs, mask=mask, other=0.0)
-                tl.store(out_ptr + offs, total, mask=mask)
-    else:
-        tl.store(out_ptr + offs, acc, mask=mask)
+    _store_tile(
+        acc, out_ptr, part_ptr, cnt_ptr + pid_m * tl.num_programs(0) + pid_n, offs, mask, pid_k * M * nt, M * nt, split,
+        PARTIAL, FUSED_SUM, SPLIT,
+    )  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["t1", "t2", "t3"])
@@ -273,16 +300,11 @@ def _linear_gemv_kernel(
     once at the end: every product exact in fp32, the sum's order fixed by the launch."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    s1 = pid_n >= t1
-    s2 = pid_n >= t2
-    s3 = pid_n >= t3
-    w_ptr = tl.where(s3, w4_ptr, tl.where(s2, w3_ptr, tl.where(s1, w2_ptr, w1_ptr)))
-    n = tl.where(s3, N4, tl.where(s2, N3, tl.where(s1, N2, N1)))
-    stride_w = tl.where(s3, stride_w4, tl.where(s2, stride_w3, tl.where(s1, stride_w2, stride_w1)))
-    first_tile = tl.where(s3, t3, tl.where(s2, t2, tl.where(s1, t1, 0)))
-    col0 = tl.where(s3, N1 + N2 + N3, tl.where(s2, N1 + N2, tl.where(s1, N1, 0)))
+    w_ptr, n, stride_w, col0, rn = _tile_weight(
+        pid_n, w1_ptr, w2_ptr, w3_ptr, w4_ptr, N1, N2, N3, N4, stride_w1, stride_w2, stride_w3, stride_w4, t1, t2, t3,
+        BLOCK_N,
+    )  # fmt: skip
     nt = N1 + N2 + N3 + N4
-    rn = (pid_n - first_tile) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, M_PAD)
     rk = tl.arange(0, BLOCK_K)
     k0 = pid_k * (BLOCK_K * ITERS)
@@ -302,16 +324,9 @@ def _linear_gemv_kernel(
     y = tl.sum(acc, axis=2)  # [M_PAD, BLOCK_N]
     mask = (rm < M)[:, None] & (rn < n)[None, :]
     offs = rm.to(tl.int64)[:, None] * nt + (col0 + rn)[None, :]
-    if PARTIAL:
-        tl.store(part_ptr + pid_k * M * nt + offs, y, mask=mask)
-        if FUSED_SUM:
-            if last_arrival(cnt_ptr + pid_n, split):
-                total = tl.load(part_ptr + offs, mask=mask, other=0.0)
-                for s in tl.static_range(1, SPLIT):
-                    total += tl.load(part_ptr + s * M * nt + offs, mask=mask, other=0.0)
-                tl.store(out_ptr + offs, total, mask=mask)
-    else:
-        tl.store(out_ptr + offs, y, mask=mask)
+    _store_tile(
+        y, out_ptr, part_ptr, cnt_ptr + pid_n, offs, mask, pid_k * M * nt, M * nt, split, PARTIAL, FUSED_SUM, SPLIT
+    )
 
 
 @triton.jit
