@@ -491,13 +491,19 @@ class KVCacheManager:
         ValueError (nothing changed) for an id already active or a snapshot of another model, block size or state
         layout."""
         self._check_new_id(rid)
-        check_snapshot(self.schema, self.pools, snapshot)
+        check_snapshot(self.schema, self.state, self.pools, snapshot)
         need = {m: pool.ratio_class.pages_for_tokens(snapshot.num_tokens) for m, pool in self.pools.items()}
         if self.state.num_free_slots == 0 or any(self.pools[m].num_free_pages < n for m, n in need.items()):
             return False
         slot = self.state.allocate()
         blocks = {m: self.pools[m].allocate(n) for m, n in need.items()}
-        load_request(self.state, self.pools, slot, blocks, snapshot)
+        try:
+            load_request(self.state, self.pools, slot, blocks, snapshot)
+        except Exception:  # (check_snapshot rules this out; if a copy fails anyway, the slot and pages go back)
+            self.state.release(slot)
+            for m, pages in blocks.items():
+                self.pools[m].release(pages)
+            raise
         self._preempted.discard(rid)
         self._requests[rid] = _Request(slot=slot, num_tokens=snapshot.num_tokens, blocks=blocks)
         self._after_mutation()

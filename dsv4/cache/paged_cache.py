@@ -92,6 +92,7 @@ class PagedKVPool:
             self.layers[layer_id] = PagedLayerCache(layer_id, self.ratio, buf, entries, keys)
         # Free list as a stack: the lowest ids are handed out first (deterministic, easy to test).
         self._free: list[int] = list(range(num_pages - 1, -1, -1))
+        self._is_free = [True] * num_pages
 
     @property
     def entries_per_page(self) -> int:
@@ -123,10 +124,23 @@ class PagedKVPool:
             raise ValueError(f"n: expected >= 0, got {n}")
         if n > len(self._free):
             return None
-        return [self._free.pop() for _ in range(n)]
+        pages = [self._free.pop() for _ in range(n)]
+        for p in pages:
+            self._is_free[p] = False
+        return pages
 
     def release(self, pages: list[int]) -> None:
-        """Return page ids to the free list.  The caller guarantees it owns them (checked by the manager)."""
+        """Return page ids to the free list.  ValueError (nothing returned) for an id out of [0, num_pages), one
+        given twice or one already free: a double free would hand one page to two requests later."""
+        seen = set()
+        for p in pages:
+            if not isinstance(p, int) or isinstance(p, bool) or not 0 <= p < self.num_pages:
+                raise ValueError(f"release: expected page ids in [0, {self.num_pages}), got {p!r}")
+            if p in seen or self._is_free[p]:
+                raise ValueError(f"release: page {p} of ratio {self.ratio} is already free (a double free)")
+            seen.add(p)
+        for p in pages:
+            self._is_free[p] = True
         self._free.extend(reversed(pages))
 
     def free_page_ids(self) -> list[int]:

@@ -24,7 +24,7 @@ from dsv4.cache.paged_cache import PagedKVPool
 from dsv4.cache.schema import CacheSchema
 from dsv4.cache.state_cache import StateCachePool
 
-__all__ = ["REGIONS", "RequestSnapshot", "save_request", "load_request"]
+__all__ = ["REGIONS", "RequestSnapshot", "check_snapshot", "save_request", "load_request"]
 
 REGIONS = ("window", "compressor", "pages")
 
@@ -99,9 +99,23 @@ def save_request(
     return RequestSnapshot(num_tokens, fingerprint(schema), window, comp, pages)
 
 
-def check_snapshot(schema: CacheSchema, pools: dict[int, PagedKVPool], snap: RequestSnapshot) -> None:
+def _check_part(name: str, got: object, like: torch.Tensor | None, shape: tuple[int, ...] | None = None) -> None:
+    """``got`` must be a tensor of ``like``'s dtype and shape (``shape`` if given), or None where ``like`` is."""
+    if like is None:
+        if got is not None:
+            raise ValueError(f"snapshot: {name}: expected None (this layer has no such region), got a tensor")
+        return
+    want = tuple(like.shape) if shape is None else shape
+    if not isinstance(got, torch.Tensor) or tuple(got.shape) != want or got.dtype != like.dtype:
+        what = f"{got.dtype} {list(got.shape)}" if isinstance(got, torch.Tensor) else type(got).__name__
+        raise ValueError(f"snapshot: {name}: expected {like.dtype} {list(want)}, got {what}")
+
+
+def check_snapshot(
+    schema: CacheSchema, state: StateCachePool, pools: dict[int, PagedKVPool], snap: RequestSnapshot
+) -> None:
     """Raise ValueError unless ``snap`` fits this schema (same fingerprint, every region present, page counts
-    matching its length)."""
+    matching its length, every tensor of its region's dtype and shape): a snapshot that passes loads without error."""
     if not isinstance(snap, RequestSnapshot):
         raise ValueError(f"snapshot: expected a RequestSnapshot, got {type(snap).__name__}")
     if snap.fingerprint != fingerprint(schema):
@@ -120,8 +134,29 @@ def check_snapshot(schema: CacheSchema, pools: dict[int, PagedKVPool], snap: Req
     for m, pool in pools.items():
         n = pool.ratio_class.pages_for_tokens(snap.num_tokens)
         got = snap.pages.get(m, {})
-        if set(got) != set(pool.layers) or any(e.shape[0] != n for e, _ in got.values()):
-            raise ValueError(f"snapshot: expected {n} pages of each ratio-{m} layer for {snap.num_tokens} tokens")
+        if set(got) != set(pool.layers):
+            raise ValueError(f"snapshot: expected pages of ratio-{m} layers {sorted(pool.layers)}, got {sorted(got)}")
+        for layer_id, parts in got.items():
+            ent, keys = _page_rows(pool, layer_id)
+            if not isinstance(parts, tuple) or len(parts) != 2:
+                raise ValueError(f"snapshot: pages[{m}][{layer_id}]: expected (entry pages, key pages or None)")
+            _check_part(f"pages[{m}][{layer_id}] entries", parts[0], ent, (n, ent.shape[1]))
+            _check_part(f"pages[{m}][{layer_id}] keys", parts[1], keys, None if keys is None else (n, keys.shape[1]))
+    for i, parts in snap.window.items():
+        ls = state.layer(i)
+        page = state._ring_buf[i].view(state.num_slots, state.schema.ring_page_bytes)[0]  # noqa: SLF001 - one package
+        if not isinstance(parts, tuple) or len(parts) != 3:
+            raise ValueError(f"snapshot: window[{i}]: expected (ring page, positions, head)")
+        likes = (page, ls.ring_positions[0], ls.ring_head[0])
+        for name, got, like in zip(("page", "positions", "head"), parts, likes, strict=True):
+            _check_part(f"window[{i}] {name}", got, like)
+    for (i, role), parts in snap.compressor.items():
+        c = dict(_compressors(state, i))[role]
+        likes = (c.kv[0], c.score[0]) + ((c.positions[0],) if c.positions is not None else ())
+        if not isinstance(parts, tuple) or len(parts) != len(likes):
+            raise ValueError(f"snapshot: compressor[{i}, {role!r}]: expected {len(likes)} tensors")
+        for name, got, like in zip(("kv", "score", "positions")[: len(likes)], parts, likes, strict=True):
+            _check_part(f"compressor[{i}, {role!r}] {name}", got, like)
 
 
 def load_request(

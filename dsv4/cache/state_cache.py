@@ -123,6 +123,7 @@ class StateCachePool:
             for i in range(n_layers)
         )
         self._free: list[int] = list(range(num_slots - 1, -1, -1))
+        self._is_free = [True] * num_slots
 
     # ------------------------------------------------------------------ slots
     @property
@@ -134,11 +135,17 @@ class StateCachePool:
         if not self._free:
             return None
         slot = self._free.pop()
+        self._is_free[slot] = False
         self.reset([slot])
         return slot
 
     def release(self, slot: int) -> None:
-        """Return a slot (the caller guarantees it owns it; the manager checks)."""
+        """Return a slot.  ValueError (nothing changed) for one out of [0, num_slots) or already free."""
+        if not isinstance(slot, int) or isinstance(slot, bool) or not 0 <= slot < self.num_slots:
+            raise ValueError(f"release: expected a slot in [0, {self.num_slots}), got {slot!r}")
+        if self._is_free[slot]:
+            raise ValueError(f"release: slot {slot} is already free (a double free)")
+        self._is_free[slot] = True
         self._free.append(slot)
 
     def free_slot_ids(self) -> list[int]:

@@ -56,7 +56,7 @@ def test_plan_allocates_exact_pages_and_builds_tensors():
 
 
 def test_not_now_when_pages_short_changes_nothing():
-    m = make(max_requests=2, pages=2)  # CSA 4 entries/page = 16 tokens per page
+    m = make(max_requests=2, pages=2)  # 128-token pages: CSA 32 entries, HCA 1 entry a page
     m.add("a")
     m.add("b")
     before = (m.stats(), m.block_ids("a", 4))
@@ -212,6 +212,32 @@ def test_check_invariants_detects_corruption():
     m.pools[4]._free.append(m.block_ids("a", 4)[0])  # the same page both free and owned
     with pytest.raises(InvariantError, match="ratio 4 pages"):
         m.check_invariants()
+
+
+def test_pools_refuse_double_and_foreign_frees():
+    """Field bug: a page (or state slot) freed twice, or an id that was never a page (-1, past the end), corrupts
+    the free list and later hands one page to two requests.  The pools refuse such a release with a ValueError and
+    change nothing."""
+    m = make(pages=4)
+    pool = m.pools[4]
+    pages = pool.allocate(2)
+    before = pool.free_page_ids()
+    for bad in ([pages[1], pages[1]], [-1], [pool.num_pages], [before[-1]], [pages[0], before[0]], [True]):
+        with pytest.raises(ValueError, match="release"):
+            pool.release(bad)
+        assert pool.free_page_ids() == before, bad
+    pool.release(pages)
+    assert pool.num_free_pages == pool.num_pages
+    slot = m.state.allocate()
+    free = m.state.free_slot_ids()
+    for bad in (m.state.num_slots, -1, free[0]):
+        with pytest.raises(ValueError, match="release"):
+            m.state.release(bad)
+        assert m.state.free_slot_ids() == free
+    m.state.release(slot)
+    with pytest.raises(ValueError, match="already free"):
+        m.state.release(slot)
+    m.check_invariants()
 
 
 def test_from_memory_budget():

@@ -42,7 +42,17 @@ class ManagerMachine(RuleBasedStateMachine):
         ids = data.draw(st.lists(st.sampled_from(sorted(self.tokens)), min_size=1, unique=True))
         sizes = [data.draw(st.sampled_from([1, 1, 2, 3, 4, 5, 31, 127, 128, 129, 300])) for _ in ids]
         before = self.m.stats()
+        # the oracle: per ratio class m, pages are whole 128-token blocks of entries (token // m entries, 128 // m a
+        # page); the step is "not now" exactly when some class needs more new pages than it has free
+        need = {
+            m: sum(max(0, -(-((self.tokens[r] + n) // m) // (128 // m)) - len(self.m.block_ids(r, m)))
+                   for r, n in zip(ids, sizes, strict=True))
+            for m in (4, 128)
+        }  # fmt: skip
+        short = any(need[m] > self.m.pools[m].num_free_pages for m in need)
+        assert self.m.can_schedule(list(zip(ids, sizes, strict=True))) == (not short)
         plan = self.m.plan(list(zip(ids, sizes, strict=True)))
+        assert (plan is None) == short, (need, {m: p.num_free_pages for m, p in self.m.pools.items()})
         if plan is None:  # "not now" changed nothing
             assert self.m.stats() == before
             return

@@ -4,6 +4,7 @@ left, every region is in the snapshot (its size is the schema's per-request byte
 "not now" with nothing taken."""
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -151,6 +152,47 @@ def test_save_and_load_errors_change_nothing():
     with pytest.raises(ValueError, match="RequestSnapshot"):
         manager().load("r", {"num_tokens": 3})
     assert other.stats() == before and "r" not in other
+
+
+def _bad_variants(snap: RequestSnapshot) -> dict[str, RequestSnapshot]:
+    """The snapshot with one region tensor of the wrong shape or dtype (each passed the older checks, and the load
+    then failed half-way with the slot and pages taken)."""
+    cm, cl = next((m, layer) for m, per in snap.pages.items() for layer in per)
+    ent, keys = snap.pages[cm][cl]
+    ring, pos, head = snap.window[1]
+    ckey = next(iter(snap.compressor))
+    kv, *rest = snap.compressor[ckey]
+
+    def with_pages(parts):
+        return dataclasses.replace(snap, pages={**snap.pages, cm: {**snap.pages[cm], cl: parts}})
+
+    return {
+        "window[1] page": dataclasses.replace(snap, window={**snap.window, 1: (ring[:-1], pos, head)}),
+        "window[1] positions": dataclasses.replace(snap, window={**snap.window, 1: (ring, pos.long(), head)}),
+        f"pages[{cm}][{cl}] entries": with_pages((ent[:, :-1], keys)),
+        f"compressor[{ckey[0]}, {ckey[1]!r}] kv": dataclasses.replace(
+            snap, compressor={**snap.compressor, ckey: (kv[:-1], *rest)}
+        ),
+        f"compressor[{ckey[0]}, {ckey[1]!r}]: expected": dataclasses.replace(
+            snap, compressor={**snap.compressor, ckey: (kv,)}
+        ),
+    }
+
+
+def test_load_of_a_malformed_snapshot_is_an_error_that_takes_nothing():
+    """A region tensor of the wrong shape or dtype (or a missing one): ValueError naming it, and the manager keeps
+    every slot and page free (it used to take them and then fail in the copy)."""
+    m = manager()
+    prefill(m, "r", 300)
+    snap = m.save("r")
+    for name, bad in _bad_variants(snap).items():
+        other = manager()
+        before = other.stats()
+        with pytest.raises(ValueError, match=re.escape(f"snapshot: {name}")):
+            other.load("r", bad)
+        assert other.stats() == before and "r" not in other
+        other.check_invariants()
+        assert other.load("r", snap)  # the good one still loads
 
 
 @pytest.mark.parametrize("share", [True, False])
