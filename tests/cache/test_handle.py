@@ -52,6 +52,43 @@ def test_write_swa_chunked_prefill_and_decode(backend, device):
     assert (view.positions[2] == -1).all()
 
 
+def _check_window(m, history):
+    """Field bug (a window tail shorter than the window after an insert): every one of a request's last 128 tokens
+    is in its ring, at row t mod 128 with position t and its bytes, and the head is n mod 128."""
+    probe = m.plan({next(iter(history)): 1})
+    view = m.acquire(0, probe).read_swa_view()
+    for rid, hist in history.items():
+        slot, n = m.slot_of(rid), len(hist)
+        assert m.num_tokens(rid) == n
+        for t in range(max(0, n - 128), n):
+            assert view.positions[slot, t % 128] == t, (rid, n, t)
+            assert torch.equal(_ring_entry(view, slot, t % 128), F.roundtrip(hist[t][None])[0]), (rid, n, t)
+        assert view.head[slot] == n % 128
+    m.cancel(probe)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_window_holds_the_last_128_tokens_after_every_step(backend, device):
+    """Chunks of 1, 127, 128, 129 and 300 tokens (one past, at and short of the window), two requests in mixed
+    steps: the window invariant after every commit, not only at the end."""
+    m = KVCacheManager(TINY, max_requests=3, num_pages=16, block_tokens=128, device=device)
+    m.add("a")
+    m.add("b")
+    g = torch.Generator().manual_seed(1)
+    history = {"a": [], "b": []}
+    steps = ({"a": 127, "b": 1}, {"a": 1, "b": 128}, {"a": 129}, {"b": 300}, {"a": 300, "b": 1}, {"a": 1, "b": 127})
+    for sched in steps:
+        plan = m.plan(sched)
+        kv = torch.randn(plan.num_tokens, 512, generator=g).to(torch.bfloat16).to(device)
+        m.acquire(0, plan).write_swa(kv, backend=backend)
+        rows = 0
+        for rid, n in zip(plan.request_keys, plan.num_new_tokens, strict=True):
+            history[rid].extend(kv[rows : rows + n].unbind(0))
+            rows += n
+        m.commit(plan)
+        _check_window(m, history)
+
+
 def test_flush_compression_writes_only_assigned_slots(device):
     m = _manager(device)
     m.add("a")

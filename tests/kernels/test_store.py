@@ -267,6 +267,35 @@ def test_validation_errors(device):
         store_fp8_entries(x, torch.zeros(2, dtype=torch.int32, device=device), pages, FMT, backend="cuda")
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_slot_map_length_must_match_the_rows(device, backend):
+    """Field bug: a slot map padded longer or cut shorter than the rows (a CUDA-graph batch, a prefix hit) writes
+    the wrong rows or reads past the map.  Every store op refuses a map of N - 1 or N + 1 slots for N rows
+    (ValueError naming ``slots``, nothing written), and an empty step (N = 0, empty map) writes nothing."""
+    flat, pages = _fp8_buffer(device)
+    kflat, kpages = _key_buffer(device)
+    before, kbefore = flat.clone(), kflat.clone()
+    n = 6
+    kv, w, pos, inv_freq = _rope_inputs(n, device)
+    x8 = torch.randn(n, FMT.head_dim, device=device)
+    x4 = torch.randn(n, KFMT.dim, device=device)
+    ops = {
+        "store_fp8_entries": lambda x, sl: store_fp8_entries(x8[: len(x)], sl, pages, FMT, backend=backend),
+        "store_mxfp4_keys": lambda x, sl: store_mxfp4_keys(x4[: len(x)], sl, kpages, KFMT, backend=backend),
+        "store_window": lambda x, sl: store_window(
+            kv[: len(x)], w, 1e-6, pos[: len(x)], inv_freq, sl, pages, FMT, backend=backend
+        ),
+    }
+    for name, op in ops.items():
+        for m in (n - 1, n + 1):
+            slots = torch.arange(m, dtype=torch.int32, device=device)
+            with pytest.raises(ValueError, match="slots"):
+                op(range(n), slots)
+            assert torch.equal(flat, before) and torch.equal(kflat, kbefore), (name, m)
+        op(range(0), torch.zeros(0, dtype=torch.int32, device=device))
+        assert torch.equal(flat, before) and torch.equal(kflat, kbefore), (name, 0)
+
+
 @triton.jit
 def _rope_probe_kernel(pos_ptr, inv_ptr, ratio, cos_ptr, sin_ptr, HR: tl.constexpr, INTERP: tl.constexpr):
     i = tl.program_id(0)

@@ -722,7 +722,8 @@ def store_mxfp4_keys(
     """Quantise rows ``x`` [N, fmt.dim] (bf16/fp16/fp32) to MXFP4 keys (as ``fmt.quantize``) at ``slots``.
 
     Same slot rules as ``store_fp8_entries``; writes the packed e2m1 bytes and the UE8M0 block scales.
-    The e2m1 rounding (ties to the even code) is done with explicit thresholds: bytes are exact everywhere.
+    The e2m1 rounding (ties to the even code) is exact integer / IEEE arithmetic (``e2m1_code``): bytes are exact
+    everywhere.
     """
     _check_key_pages(pages, fmt)
     dev = pages.data.device
