@@ -77,6 +77,49 @@ def test_snapshot_holds_every_region_of_the_request():
     assert snap.num_tokens == 300 and all(t.device.type == "cpu" for t in snap.window[0])
 
 
+def _storages(v, out: dict) -> dict:
+    """{storage data_ptr: nbytes} of every tensor reachable from ``v`` (tensors, dicts / lists / tuples of them, and
+    dsv4 objects' attributes), each storage once."""
+    if isinstance(v, torch.Tensor):
+        out[v.untyped_storage().data_ptr()] = v.untyped_storage().nbytes()
+    elif isinstance(v, dict):
+        for x in v.values():
+            _storages(x, out)
+    elif isinstance(v, (list, tuple)):
+        for x in v:
+            _storages(x, out)
+    elif type(v).__module__.startswith("dsv4") and hasattr(v, "__dict__"):
+        for x in vars(v).values():
+            _storages(x, out)
+    return out
+
+
+def _storage_bytes(obj, skip: str | None = None) -> int:
+    """Bytes of the distinct storages ``obj`` reaches, less those its attribute ``skip`` reaches."""
+    left_out = _storages(getattr(obj, skip), {}) if skip else {}
+    return sum(n for ptr, n in _storages(obj, {}).items() if ptr not in left_out)
+
+
+@pytest.mark.parametrize("online_state", [True, False])
+def test_snapshot_bytes_equal_what_a_request_holds_in_the_buffers(online_state):
+    """Field bug (a restore that misses a region): the snapshot's bytes equal, independently of the schema's own
+    arithmetic, what one more slot and one more page add to the managers' buffers (every tensor storage the state
+    and page pools reach, found by walking their attributes: a buffer added later is counted without naming it),
+    times the request's pages; only the fused launch's arrival counters (0 between steps) are left out."""
+
+    def make(slots, pages):
+        return KVCacheManager(TINY, max_requests=slots, num_pages=pages, block_tokens=256, online_state=online_state)
+
+    a, b, c = make(2, 8), make(3, 8), make(2, 9)
+    per_slot = _storage_bytes(b.state, "_counters") - _storage_bytes(a.state, "_counters")
+    per_page = {r: _storage_bytes(c.pools[r]) - _storage_bytes(a.pools[r]) for r in a.pools}
+    m = manager(online_state=online_state)
+    prefill(m, "r", 300)
+    snap = m.save("r")
+    held = sum(per_page[r] * len(m.block_ids("r", r)) for r in m.pools)
+    assert snap.nbytes == per_slot + held
+
+
 @pytest.mark.parametrize("online_state", [True, False])
 def test_migrated_request_decodes_as_if_it_never_left(device, online_state):
     """(On a GPU too: the snapshot goes through the host, the copies are the device's.)"""
@@ -223,6 +266,22 @@ def test_fork_decodes_as_the_same_prompt_prefilled_twice(share):
     assert m.stats().pools[4].pages_used == 3 and first not in m.pools[4].free_page_ids()
     m.free("s1")  # ... and goes back with its last owner
     assert all(p.pages_used == 0 for p in m.stats().pools.values())
+
+
+@pytest.mark.parametrize("n", [1, 255, 256])
+def test_fork_shares_only_whole_filled_pages(n):
+    """Field bug (prefix-hit granularity): a prompt shorter than one page shares no page (its only page is still
+    being filled, so each request gets a copy); at exactly one page it shares that page.  Invariants hold and
+    both requests decode on."""
+    m = manager()
+    prefill(m, "p", n)
+    assert m.fork("p", "s", share=True)
+    common = set(m.block_ids("s", 4)) & set(m.block_ids("p", 4))
+    assert len(common) == n // 256
+    m.check_invariants()
+    step(m, {"p": 1, "s": 1}, X[n : n + 2])
+    m.check_invariants()
+    assert m.num_tokens("p") == m.num_tokens("s") == n + 1
 
 
 def test_fork_that_does_not_fit_is_not_now():
