@@ -264,8 +264,14 @@ class LayerCacheHandle:
         [m, c*d]) ``score`` is ``wgate(x)`` alone and ``ape[pos mod m]`` is added here (inside the fused
         decode launch)."""
         if not self.plan.is_decode:
+            from dsv4.kernels.cache.compressor import check_emit_arguments
             from dsv4.model.functional import ape_rows
 
+            # the emit's arguments first: the state update below must not happen for a call that then fails
+            rp = self._need_ratio("compress")
+            self._compressor(which)
+            pages, fmt = self._emit_target(which)
+            check_emit_arguments(self.plan.positions, norm_weight, inv_freq, rp.emit_slots, pages, fmt, rp.ratio, which)
             if ape is not None:
                 score = score + ape_rows(ape, self.plan.positions, ape.shape[0])
             pooled, emits = self.update_compressor(kv, score, which, backend=backend)
@@ -342,8 +348,9 @@ class LayerCacheHandle:
             if indexer_keys is None:
                 raise ValueError("indexer_keys: required on CSA layers, got None")
             check_tensor(
-                "indexer_keys", indexer_keys, dtype=(torch.bfloat16, torch.float32), shape=(n, cfg.index_head_dim)
-            )
+                "indexer_keys", indexer_keys, dtype=(torch.bfloat16, torch.float32), shape=(n, cfg.index_head_dim),
+                device=self.plan.device,
+            )  # fmt: skip
             keys = self.paged.keys
         elif indexer_keys is not None:
             raise ValueError(f"indexer_keys: layer {self.layer_id} ({self.kind.value}) has no indexer, got a tensor")

@@ -495,9 +495,10 @@ class KVCacheManager:
         need = {m: pool.ratio_class.pages_for_tokens(snapshot.num_tokens) for m, pool in self.pools.items()}
         if self.state.num_free_slots == 0 or any(self.pools[m].num_free_pages < n for m, n in need.items()):
             return False
-        slot = self.state.allocate()
-        blocks = {m: self.pools[m].allocate(n) for m, n in need.items()}
+        slot, blocks = self.state.allocate(), {}
         try:
+            for m, n in need.items():
+                blocks[m] = self.pools[m].allocate(n)
             load_request(self.state, self.pools, slot, blocks, snapshot)
         except Exception:  # (check_snapshot rules this out; if a copy fails anyway, the slot and pages go back)
             self.state.release(slot)

@@ -118,6 +118,9 @@ def check_snapshot(
     matching its length, every tensor of its region's dtype and shape): a snapshot that passes loads without error."""
     if not isinstance(snap, RequestSnapshot):
         raise ValueError(f"snapshot: expected a RequestSnapshot, got {type(snap).__name__}")
+    n_max = schema.config.max_seq_len
+    if not isinstance(snap.num_tokens, int) or isinstance(snap.num_tokens, bool) or not 0 <= snap.num_tokens <= n_max:
+        raise ValueError(f"snapshot: num_tokens: expected an int in [0, {n_max}], got {snap.num_tokens!r}")
     if snap.fingerprint != fingerprint(schema):
         raise ValueError(
             "snapshot: taken from a cache of another model, block size or state layout "

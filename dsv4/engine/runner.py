@@ -52,6 +52,7 @@ from dsv4.cache.manager import CacheStats, KVCacheManager
 from dsv4.cache.plan import StepPlan
 from dsv4.cache.snapshot import RequestSnapshot
 from dsv4.config import ModelConfig
+from dsv4.kernels.dispatch import BACKENDS
 from dsv4.model import functional as F
 from dsv4.model.attention import AttentionSubBlock
 from dsv4.model.weights import random_attention_weights
@@ -317,6 +318,8 @@ class EngineRunner:
             raise ValueError("EngineRunner: give exactly one of num_pages and budget_bytes")
         if prefill_chunk < 1 or token_budget < 1:
             raise ValueError(f"prefill_chunk, token_budget: expected >= 1, got {prefill_chunk}, {token_budget}")
+        if backend not in BACKENDS:
+            raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
         self.cfg, self.device, self.backend, self.seed = cfg, torch.device(device), backend, seed
         self.prefill_chunk, self.token_budget = prefill_chunk, token_budget
         self.check = check_invariants
@@ -348,17 +351,29 @@ class EngineRunner:
 
     # ------------------------------------------------------------------ workload
     def submit(self, requests: Iterable[Request]) -> None:
-        """Queue requests (ids must be unique over the runner's life)."""
-        for r in requests:
-            if r.id in self._ids:
+        """Queue requests (ids must be unique over the runner's life).  The whole batch is checked first: a
+        ValueError (a duplicate id, one too long for the model or for the whole cache) queues none of it."""
+        batch, ids = list(requests), set(self._ids)
+        for r in batch:
+            if not isinstance(r, Request):
+                raise ValueError(f"requests: expected Request items, got {type(r).__name__}")
+            if r.id in ids:
                 raise ValueError(f"Request {r.id!r}: duplicate id")
             if r.total_inputs > self.cfg.max_seq_len:
-                raise ValueError(f"Request {r.id!r}: {r.total_inputs} tokens exceed max_seq_len")
+                raise ValueError(f"Request {r.id!r}: {r.total_inputs} tokens exceed max_seq_len={self.cfg.max_seq_len}")
+            for m, pool in self.manager.pools.items():
+                need = pool.ratio_class.pages_for_tokens(r.total_inputs)
+                if need > pool.num_pages:
+                    raise ValueError(
+                        f"Request {r.id!r}: {r.total_inputs} tokens need {need} ratio-{m} pages, the cache has "
+                        f"{pool.num_pages}: it could never run"
+                    )
             children = [(r.id, k) for k in range(1, r.samples)]
-            if any(c in self._ids for c in children):
+            if any(c in ids for c in children):
                 raise ValueError(f"Request {r.id!r}: a sample id (id, k) is taken")
-            self._ids.update([r.id, *children])
-            self._future.append(r)
+            ids.update([r.id, *children])
+        self._ids = ids
+        self._future.extend(batch)
         self._future.sort(key=lambda r: r.arrival_step)
 
     @property
@@ -448,19 +463,23 @@ class EngineRunner:
 
     def _preempt_one(self) -> Hashable:
         victim = max(self._running.values(), key=lambda r: r.order)
+        self._preempt(victim, self.swap)
+        return victim.req.id
+
+    def _preempt(self, victim: _Live, swap: bool) -> None:
+        """Take ``victim`` off the GPU: its cache saved to the host (``swap``) or dropped (recomputed later)."""
         rid = victim.req.id
-        if self.swap:
+        if swap:
             victim.snapshot = self.manager.save(rid, "cpu")
             self.result.swapped_bytes += victim.snapshot.nbytes
         self.manager.preempt(rid)
         del self._running[rid]
-        if not self.swap:
+        if not swap:
             victim.num_computed = 0
         victim.preemptions += 1
         victim.preempted_at_finish_count = self.num_finished
         self._waiting.appendleft(victim)
         self.result.preemptions += 1
-        return rid
 
     def _plan(self, sched: list[tuple[Hashable, int]], preempted: list[Hashable]) -> StepPlan | None:
         while True:
@@ -505,7 +524,15 @@ class EngineRunner:
         else:
             rows = [(self._running[rid], n) for rid, n in sched]
             x = torch.cat([live.inputs[live.num_computed : live.num_computed + n] for live, n in rows])
-            out, l_in, l_out = self.forward(x, plan)
+            try:
+                out, l_in, l_out = self.forward(x, plan)
+            except Exception:
+                # the step's layers may have written part of its tokens: its requests drop their caches (recomputed
+                # when readmitted), the plan is cancelled, and the error goes up with nothing leaked
+                for rid, _ in sched:
+                    self._preempt(self._running[rid], swap=False)
+                self.manager.cancel(plan)
+                raise
             self.manager.commit(plan)
             self._track_peaks()
             off = 0

@@ -150,3 +150,31 @@ def test_handle_rejects_bad_input_and_changes_nothing():
     other_plan = other.plan({"a": 8})  # same epoch number, another manager
     with pytest.raises(ValueError, match="not the outstanding plan"):
         m.acquire(0, other_plan)
+
+
+def test_failed_compress_or_flush_changes_no_state_or_page_byte():
+    """A prefill ``compress`` whose emit arguments are bad fails before the compressor state moves; a CSA
+    ``flush_compression`` whose indexer keys are bad (strided, another device) fails before the entries are stored."""
+    m = _manager()
+    m.add("a")
+    plan = m.plan({"a": 8})
+    h = m.acquire(1, plan)  # CSA
+    st = h.state.compressor
+    g = torch.Generator().manual_seed(3)
+    kv, sc = torch.randn(8, st.kv.shape[-1], generator=g), torch.randn(8, st.kv.shape[-1], generator=g)
+    inv = torch.rand(TINY.rope_head_dim // 2, generator=g)
+    state_before = (st.kv.clone(), st.score.clone())
+    pages_before = h.paged.buffer.clone()
+    with pytest.raises(ValueError, match="norm_weight"):
+        h.compress(kv, sc, torch.ones(7), inv)
+    with pytest.raises(ValueError, match="inv_freq"):
+        h.compress(kv, sc, torch.ones(TINY.head_dim), inv.double())
+    assert torch.equal(st.kv, state_before[0]) and torch.equal(st.score, state_before[1])
+    comp = torch.randn(8, TINY.head_dim, generator=g)
+    with pytest.raises(ValueError, match="indexer_keys: expected shape"):
+        h.flush_compression(comp, torch.randn(TINY.index_head_dim, 8, generator=g).t())
+    with pytest.raises(ValueError, match="indexer_keys: expected device"):
+        h.flush_compression(comp, torch.zeros(8, TINY.index_head_dim, device="meta"))
+    assert torch.equal(h.paged.buffer, pages_before)
+    m.cancel(plan)
+    m.check_invariants()

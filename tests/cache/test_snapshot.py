@@ -194,6 +194,12 @@ def test_save_and_load_errors_change_nothing():
         manager().load("r", short)
     with pytest.raises(ValueError, match="RequestSnapshot"):
         manager().load("r", {"num_tokens": 3})
+    for n in (300.0, -1, True, "300"):
+        fresh = manager()
+        with pytest.raises(ValueError, match="num_tokens: expected an int"):
+            fresh.load("r", dataclasses.replace(snap, num_tokens=n))
+        assert fresh.stats() == manager().stats()
+        fresh.check_invariants()
     assert other.stats() == before and "r" not in other
 
 

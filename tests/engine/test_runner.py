@@ -166,9 +166,57 @@ def test_stack_tolerance_is_enforced(preempting_run):
 
 
 def test_pool_too_small_for_one_request_raises():
+    """A request that could never fit the whole cache is refused when submitted (pages needed and available named),
+    and queues nothing: the runner stays usable."""
     eng = _runner(num_pages=1, max_requests=1)
-    with pytest.raises(RuntimeError, match="does not fit"):
+    with pytest.raises(ValueError, match="need 3 ratio-4 pages, the cache has 1: it could never run"):
         eng.run([Request(0, 300, 2)])
+    assert eng.done
+    eng.run([Request(1, 20, 2)])
+    assert eng.num_finished == 1
+
+
+def test_submit_is_all_or_nothing():
+    """A batch with a bad request (a duplicate id, a non-Request) queues none of it; the corrected batch then goes."""
+    eng = _runner()
+    for bad in ([Request(0, 4, 2), Request(1, 4, 2), Request(0, 4, 2)], [Request(0, 4, 2), "not a request"]):
+        with pytest.raises(ValueError, match="duplicate id|expected Request"):
+            eng.submit(bad)
+        assert eng.done and eng.num_waiting == 0
+    eng.run([Request(0, 4, 2), Request(1, 4, 2)])
+    assert eng.num_finished == 2
+    _assert_all_free(eng)
+
+
+def test_a_step_that_fails_in_the_model_leaks_nothing_and_the_runner_goes_on(monkeypatch):
+    """An error inside the layers (here: the first forward raises) cancels the step's plan, drops the cache of its
+    requests (recomputed on readmission) and re-raises; the next steps run, every request finishes as in a clean
+    run, and nothing is left allocated."""
+    clean = _runner().run([Request(0, 70, 3), Request(1, 20, 2)])
+    eng = _runner()
+    forward, calls = eng.forward, []
+
+    def flaky(x, plan):
+        calls.append(plan.num_tokens)
+        if len(calls) == 2:
+            raise RuntimeError("injected")
+        return forward(x, plan)
+
+    monkeypatch.setattr(eng, "forward", flaky)
+    eng.submit([Request(0, 70, 3), Request(1, 20, 2)])
+    eng.step()
+    with pytest.raises(RuntimeError, match="injected"):
+        eng.step()
+    eng.manager.check_invariants()
+    assert eng.manager._outstanding is None  # noqa: SLF001 - the plan was cancelled
+    res = eng.run()
+    assert res.finished == clean.finished == 2 and res.preemptions >= 1
+    _assert_all_free(eng)
+
+
+def test_unknown_backend_is_refused_at_construction():
+    with pytest.raises(ValueError, match="backend: expected one of"):
+        _runner(backend="bogus")
 
 
 def test_argument_validation():

@@ -97,6 +97,7 @@ __all__ = [
     "compress_decode",
     "compressor_step",
     "compressor_step_reference",
+    "check_emit_arguments",
     "emit_entries",
     "emit_entries_reference",
     "entry_positions",
@@ -1334,6 +1335,15 @@ def _check_emit(t, positions, norm_weight, inv_freq, slots, pages, fmt, ratio, k
     if not isinstance(ratio, int) or ratio <= 0:
         raise ValueError(f"ratio: expected a positive int, got {ratio!r}")
     return d, rd
+
+
+def check_emit_arguments(positions, norm_weight, inv_freq, slots, pages, fmt, ratio: int, kind: str) -> None:
+    """ValueError unless ``emit_entries`` would accept these arguments for T = len(positions) rows (a caller that
+    changes state before the emit, e.g. ``LayerCacheHandle.compress``, checks first)."""
+    t = positions.shape[0] if isinstance(positions, torch.Tensor) and positions.ndim == 1 else -1
+    if t < 0:
+        raise ValueError(f"positions: expected a 1-D tensor, got {type(positions).__name__}")
+    _check_emit(t, positions, norm_weight, inv_freq, slots, pages, fmt, ratio, kind)
 
 
 def _indexer_emit_geometry(fmt: MXFP4KeyFormat, d: int, rd: int) -> dict:
