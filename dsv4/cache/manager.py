@@ -228,7 +228,13 @@ class KVCacheManager:
         }
 
     def _normalise_schedule(self, schedule) -> list[tuple[Hashable, int]]:
-        items = list(schedule.items()) if isinstance(schedule, Mapping) else list(schedule)
+        if isinstance(schedule, Mapping):
+            items = list(schedule.items())
+        elif isinstance(schedule, Iterable) and not isinstance(schedule, (str, bytes)):
+            items = list(schedule)
+        else:
+            got = type(schedule).__name__
+            raise ValueError(f"schedule: expected {{request id: num_new_tokens}} or (id, n) pairs, got {got}")
         if not items:
             raise ValueError("schedule: expected at least one (request id, num_new_tokens)")
         seen = set()
@@ -314,7 +320,7 @@ class KVCacheManager:
             return None
         widths = dict(max_blocks) if isinstance(max_blocks, Mapping) else {m: max_blocks for m in self.pools}
         if set(widths) != set(self.pools):
-            raise ValueError(f"max_blocks: expected keys {sorted(self.pools)}, got {sorted(widths)}")
+            raise ValueError(f"max_blocks: expected keys {sorted(self.pools)}, got {sorted(map(repr, widths))}")
         for m, w in widths.items():
             rc = self.pools[m].ratio_class
             need = max(  # pages held can exceed the step's need after a cancel()

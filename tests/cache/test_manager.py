@@ -162,10 +162,15 @@ def test_bad_schedules_raise_and_change_nothing():
         ([("a", 1), ("a", 2)], ValueError),
         ({"a": TINY.max_seq_len + 1}, ValueError),
         ([("a",)], ValueError),
+        (5, ValueError),  # not a schedule at all: was a bare TypeError
+        ("a", ValueError),
     ]:
         with pytest.raises(err):
             m.plan(bad)
         assert m.stats() == before and m.outstanding_plan is None
+    with pytest.raises(ValueError, match=r"max_blocks: expected keys \[4, 128\]"):
+        m.plan({"a": 1}, max_blocks={"x": 1, 4: 1})  # mixed key types: was a TypeError from sorted()
+    assert m.stats() == before and m.outstanding_plan is None
     with pytest.raises(ValueError, match="hashable"):
         m.add(["x"])
 
