@@ -109,6 +109,8 @@ def _check_part(name: str, got: object, like: torch.Tensor | None, shape: tuple[
     if not isinstance(got, torch.Tensor) or tuple(got.shape) != want or got.dtype != like.dtype:
         what = f"{got.dtype} {list(got.shape)}" if isinstance(got, torch.Tensor) else type(got).__name__
         raise ValueError(f"snapshot: {name}: expected {like.dtype} {list(want)}, got {what}")
+    if got.device.type == "meta":
+        raise ValueError(f"snapshot: {name}: expected a tensor with data, got one on the meta device")
 
 
 def check_snapshot(

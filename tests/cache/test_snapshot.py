@@ -225,6 +225,7 @@ def _bad_variants(snap: RequestSnapshot) -> dict[str, RequestSnapshot]:
         f"compressor[{ckey[0]}, {ckey[1]!r}]: expected": dataclasses.replace(
             snap, compressor={**snap.compressor, ckey: (kv,)}
         ),
+        "window[1] head": dataclasses.replace(snap, window={**snap.window, 1: (ring, pos, head.to("meta"))}),
     }
 
 
