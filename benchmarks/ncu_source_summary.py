@@ -87,9 +87,11 @@ def summary(rows: list[Row], top: int) -> str:
 
 
 def line_map(path: str) -> dict[int, str]:
-    """Offset -> "file.py:line" from an ``nvdisasm -gi`` listing (each instruction takes the last line marker)."""
+    """Offset -> "file.py:line" from an ``nvdisasm -gi`` listing, plain or gzip (each instruction takes the last line
+    marker)."""
     where, out = "?", {}
-    for text in open(path):  # noqa: SIM115
+    raw = gzip.open(path, "rt") if path.endswith(".gz") else open(path)  # noqa: SIM115
+    for text in raw:
         m = re.search(r'//## File "([^"]+)", line (\d+)', text)
         if m:
             where = f"{m[1]}:{m[2]}"

@@ -26,3 +26,27 @@ def test_partition_shares_and_top_instructions():
     top = lines[-3:]
     assert "0x2060" in top[0] and "12.5 %" in top[0] and "BRA" in top[0], text
     assert "0xac90" in top[1] and "11.4 %" in top[1], text
+
+
+EMIT_CSV = os.path.join(ROOT, "benchmarks", "results", "2026-12-04_h200_ncu_source_emit_s15.csv.gz")
+EMIT_LINES = os.path.join(ROOT, "benchmarks", "results", "2026-12-04_emit_indexer_dot_kernel_sm90_s15.lines.sass.gz")
+
+
+def test_executed_instructions_per_source_line():
+    """``--lines``: the session-15 Nsight file of the CSA indexer's MMA emit (before its rewrite) with the listing of
+    the same kernel compiled off the device: 11,984,896 warp instructions, the sum reductions first (7.9 %), the
+    int64 compaction of emitting tokens (compressor.py:1225) among the top."""
+    rows = nss.read_rows(EMIT_CSV)
+    lines = nss.line_map(EMIT_LINES)
+    assert len(lines) == len(rows) == 4304
+    text = nss.by_line(rows, lines, 5)
+    first = text.splitlines()
+    assert "11984896 warp instructions" in first[0], text
+    assert "standard.py:293" in first[1] and "7.9 %" in first[1], text
+    assert any("compressor.py:1225" in t for t in first[1:]), text
+    try:
+        nss.by_line(rows[:-1], lines, 5)
+    except SystemExit as e:
+        assert "4304 instructions in the listing, 4303 in the csv" in str(e)
+    else:
+        raise AssertionError("a listing of another size must be refused")
