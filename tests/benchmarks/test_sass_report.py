@@ -20,3 +20,14 @@ def test_reports_registers_of_the_hca_decode_kernel(sass_report):
     assert m, stdout
     assert 16 <= int(m[1]) <= 255
     assert re.search(r"\d+ instructions: ", stdout)
+
+
+@pytest.mark.skipif(not os.path.exists(PTXAS), reason="triton without its bundled ptxas")
+def test_writes_sass_with_source_lines(sass_report, tmp_path):
+    """``--sass DIR`` writes each kernel's SASS, PTX and the listing with Python source lines that
+    ``ncu_source_summary.py --lines`` reads; the few-token compressor projection (``linear:1:1``) as the case."""
+    stdout = sass_report("linear:1:1", "--sass", str(tmp_path))
+    assert "_linear_gemv_kernel" in stdout
+    listing = (tmp_path / "_linear_gemv_kernel.lines.sass").read_text()
+    assert re.search(r'//## File ".*linear\.py", line \d+', listing)
+    assert (tmp_path / "_linear_gemv_kernel.sass").exists() and (tmp_path / "_linear_gemv_kernel.ptx").exists()
