@@ -59,6 +59,19 @@ def _compressors(state: StateCachePool, layer_id: int):
     return [(role, c) for role, c in (("main", ls.compressor), ("indexer", ls.indexer_compressor)) if c is not None]
 
 
+def _slot_views(state: StateCachePool, slot: int) -> tuple[dict, dict]:
+    """The ``window`` and ``compressor`` regions of ``slot`` as views of the state buffers, in a snapshot's layout:
+    window[layer] = (ring page, positions, head), compressor[(layer, role)] = (kv, score[, positions])."""
+    page = state.schema.ring_page_bytes
+    window, comp = {}, {}
+    for i, ls in enumerate(state.layers):
+        ring = state._ring_buf[i].view(state.num_slots, page)[slot]  # noqa: SLF001 - one package
+        window[i] = (ring, ls.ring_positions[slot], ls.ring_head[slot])
+        for role, c in _compressors(state, i):
+            comp[(i, role)] = (c.kv[slot], c.score[slot]) + ((c.positions[slot],) if c.positions is not None else ())
+    return window, comp
+
+
 def _page_rows(pool: PagedKVPool, layer_id: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The layer buffer as [num_pages, entry_page_bytes] entry rows and [num_pages, key_page_bytes] key rows."""
     rc, n = pool.ratio_class, pool.num_pages
@@ -79,17 +92,8 @@ def save_request(
 ) -> RequestSnapshot:
     """Copy the regions of the request at ``slot`` with pages ``blocks`` (ratio -> page ids) to ``device``."""
     dev = torch.device(device)
-    window, comp, pages = {}, {}, {}
-    for i, ls in enumerate(state.layers):
-        page = state.schema.ring_page_bytes
-        window[i] = (
-            state._ring_buf[i].view(state.num_slots, page)[slot].to(dev, copy=True),  # noqa: SLF001 - one package
-            ls.ring_positions[slot].to(dev, copy=True),
-            ls.ring_head[slot].to(dev, copy=True),
-        )
-        for role, c in _compressors(state, i):
-            parts = (c.kv[slot], c.score[slot]) + ((c.positions[slot],) if c.positions is not None else ())
-            comp[(i, role)] = tuple(t.to(dev, copy=True) for t in parts)
+    window, comp = ({k: tuple(t.to(dev, copy=True) for t in v) for k, v in r.items()} for r in _slot_views(state, slot))
+    pages = {}
     for m, pool in pools.items():
         idx = torch.tensor(blocks[m], dtype=torch.long, device=pool.device)
         pages[m] = {}
@@ -147,17 +151,14 @@ def check_snapshot(
                 raise ValueError(f"snapshot: pages[{m}][{layer_id}]: expected (entry pages, key pages or None)")
             _check_part(f"pages[{m}][{layer_id}] entries", parts[0], ent, (n, ent.shape[1]))
             _check_part(f"pages[{m}][{layer_id}] keys", parts[1], keys, None if keys is None else (n, keys.shape[1]))
+    window, comp = _slot_views(state, 0)  # (any slot: the shapes and dtypes a region's tensors must have)
     for i, parts in snap.window.items():
-        ls = state.layer(i)
-        page = state._ring_buf[i].view(state.num_slots, state.schema.ring_page_bytes)[0]  # noqa: SLF001 - one package
         if not isinstance(parts, tuple) or len(parts) != 3:
             raise ValueError(f"snapshot: window[{i}]: expected (ring page, positions, head)")
-        likes = (page, ls.ring_positions[0], ls.ring_head[0])
-        for name, got, like in zip(("page", "positions", "head"), parts, likes, strict=True):
+        for name, got, like in zip(("page", "positions", "head"), parts, window[i], strict=True):
             _check_part(f"window[{i}] {name}", got, like)
     for (i, role), parts in snap.compressor.items():
-        c = dict(_compressors(state, i))[role]
-        likes = (c.kv[0], c.score[0]) + ((c.positions[0],) if c.positions is not None else ())
+        likes = comp[(i, role)]
         if not isinstance(parts, tuple) or len(parts) != len(likes):
             raise ValueError(f"snapshot: compressor[{i}, {role!r}]: expected {len(likes)} tensors")
         for name, got, like in zip(("kv", "score", "positions")[: len(likes)], parts, likes, strict=True):
@@ -168,18 +169,11 @@ def load_request(
     state: StateCachePool, pools: dict[int, PagedKVPool], slot: int, blocks: dict[int, list[int]], snap: RequestSnapshot
 ) -> None:
     """Copy ``snap`` (checked by ``check_snapshot``) into ``slot`` and the pages ``blocks``."""
-    for i, (ring_page, positions, head) in snap.window.items():
-        ls = state.layer(i)
-        page = state.schema.ring_page_bytes
-        state._ring_buf[i].view(state.num_slots, page)[slot].copy_(ring_page)  # noqa: SLF001 - one package
-        ls.ring_positions[slot].copy_(positions)
-        ls.ring_head[slot].copy_(head)
-    for (i, role), parts in snap.compressor.items():
-        c = dict(_compressors(state, i))[role]
-        c.kv[slot].copy_(parts[0])
-        c.score[slot].copy_(parts[1])
-        if c.positions is not None:
-            c.positions[slot].copy_(parts[2])
+    window, comp = _slot_views(state, slot)
+    for views, region in ((window, snap.window), (comp, snap.compressor)):
+        for key, parts in region.items():
+            for dst, src in zip(views[key], parts, strict=True):
+                dst.copy_(src)
     for m, pool in pools.items():
         idx = torch.tensor(blocks[m], dtype=torch.long, device=pool.device)
         for layer_id, (ent_b, key_b) in snap.pages[m].items():
