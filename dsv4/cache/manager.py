@@ -499,22 +499,35 @@ class KVCacheManager:
         self._check_new_id(rid)
         check_snapshot(self.schema, self.state, self.pools, snapshot)
         need = {m: pool.ratio_class.pages_for_tokens(snapshot.num_tokens) for m, pool in self.pools.items()}
-        if self.state.num_free_slots == 0 or any(self.pools[m].num_free_pages < n for m, n in need.items()):
+        taken = self._take_and_load(need, snapshot)
+        if taken is None:
             return False
-        slot, blocks = self.state.allocate(), {}
-        try:
-            for m, n in need.items():
-                blocks[m] = self.pools[m].allocate(n)
-            load_request(self.state, self.pools, slot, blocks, snapshot)
-        except Exception:  # (check_snapshot rules this out; if a copy fails anyway, the slot and pages go back)
-            self.state.release(slot)
-            for m, pages in blocks.items():
-                self.pools[m].release(pages)
-            raise
+        slot, blocks = taken
         self._preempted.discard(rid)
         self._requests[rid] = _Request(slot=slot, num_tokens=snapshot.num_tokens, blocks=blocks)
         self._after_mutation()
         return True
+
+    def _can_take(self, need: dict[int, int]) -> bool:
+        """Whether a slot and ``need[m]`` pages of each ratio class are free."""
+        return self.state.num_free_slots > 0 and all(self.pools[m].num_free_pages >= n for m, n in need.items())
+
+    def _take_and_load(self, need: dict[int, int], snap: RequestSnapshot) -> tuple[int, dict[int, list[int]]] | None:
+        """A free slot and ``need[m]`` free pages of each ratio class with ``snap`` copied in: (slot, pages), or None
+        (not now: too few free; nothing taken).  If a copy raises, the slot and pages go back before the error."""
+        if not self._can_take(need):
+            return None
+        slot, blocks = self.state.allocate(), {}
+        try:
+            for m, n in need.items():
+                blocks[m] = self.pools[m].allocate(n)
+            load_request(self.state, self.pools, slot, blocks, snap)
+        except Exception:  # (check_snapshot rules this out for load; fork's snapshot is its own)
+            self.state.release(slot)
+            for m, pages in blocks.items():
+                self.pools[m].release(pages)
+            raise
+        return slot, blocks
 
     def fork(self, rid: Hashable, new_rid: Hashable, share: bool = True) -> bool:
         """Admit ``new_rid`` with ``rid``'s cache: n samples of one prompt prefill it once.  ``share``: the pages
@@ -529,12 +542,11 @@ class KVCacheManager:
             raise ValueError(f"fork: request {rid!r} is in the outstanding plan; commit or cancel it first")
         n_shared = req.num_tokens // self.schema.block_tokens if share else 0
         tail = {m: pages[n_shared:] for m, pages in self._filled(req).items()}  # the pages copied
-        if self.state.num_free_slots == 0 or any(self.pools[m].num_free_pages < len(t) for m, t in tail.items()):
-            return False
+        need = {m: len(t) for m, t in tail.items()}
+        if not self._can_take(need):
+            return False  # (before the snapshot copy: a fork that does not fit copies nothing)
         snap = save_request(self.schema, self.state, self.pools, req.slot, tail, req.num_tokens, self.device)
-        slot = self.state.allocate()
-        blocks = {m: self.pools[m].allocate(len(t)) for m, t in tail.items()}
-        load_request(self.state, self.pools, slot, blocks, snap)
+        slot, blocks = self._take_and_load(need, snap)
         for m in self.pools:
             for p in req.blocks[m][:n_shared]:
                 self._shared[m][p] = self._shared[m].get(p, 1) + 1
