@@ -93,7 +93,9 @@ def main() -> None:
     ap.add_argument("--models", default="v4-flash", help="comma-separated presets")
     ap.add_argument("--reps", type=int, default=5, help="profiled calls per case")
     ap.add_argument("--tune", action="append", default=[], metavar="OP:KEY=VAL[,KEY=VAL]", help="as bench_write")
+    ap.add_argument("--modes", default="decode,prefill", help="comma-separated subset (decode: HCA at B = 64 only)")
     args = ap.parse_args()
+    modes = set(args.modes.split(","))
     tune = bw.parse_tune(args.tune)
     gpu = torch.cuda.is_available()
     device = torch.device("cuda" if gpu else "cpu")
@@ -102,8 +104,8 @@ def main() -> None:
     for model in args.models.split(","):
         cfg = get_preset(model)
         for op in args.ops.split(","):
-            cases = [("prefill", 130 if args.smoke and op == "hca" else t_pre)]
-            if op == "hca":
+            cases = [("prefill", 130 if args.smoke and op == "hca" else t_pre)] if "prefill" in modes else []
+            if op == "hca" and "decode" in modes:
                 cases.append(("decode", b_dec))
             for (mode, n), variant in [(c, v) for c in cases for v in tune.get(op, [{}])]:
                 gen = torch.Generator().manual_seed(0)
