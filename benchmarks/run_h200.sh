@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One H200 session: environment, GPU tests, then the kernel benchmarks. Results go to $OUT (or ./out).
-# Usage (on the device machine, repo root): bash benchmarks/run_h200.sh [tests|bench|all|pending|ncu|attention|attention_ncu|indexer_gluon|indexer_live|indexer_fold|pending_s12|topk_rows|indexer_default|indexer_p2|indexer_ablate|flush_topk|skeleton|topk_short|fold_auto|hca_online|write_s15|emit_s15|emit2_s15|main_s15|write2_s15|final_s15|gemv_s15|online_regs|grid_s16|blocks_s16]
+# Usage (on the device machine, repo root): bash benchmarks/run_h200.sh [tests|bench|all|pending|ncu|attention|attention_ncu|indexer_gluon|indexer_live|indexer_fold|pending_s12|topk_rows|indexer_default|indexer_p2|indexer_ablate|flush_topk|skeleton|topk_short|fold_auto|hca_online|write_s15|emit_s15|emit2_s15|main_s15|write2_s15|final_s15|gemv_s15|online_regs]
 # "pending": the norm and top-k GPU tests (~4 min, most of it compiling the top-k kernels), launch D's rank
 # threshold on/off, top-k with both flush kinds, the decode step; about 8 minutes.  "ncu": Nsight Compute
 # sections of the indexer scores, dense attention and gather kernels (benchmarks/ncu_cases.py).  "attention": the
@@ -231,24 +231,6 @@ if [ "$what" = online_regs ]; then  # left unrun in session 15 (no device time):
   timeout 150 python3 benchmarks/bench_write.py --ops hca,hca_online --models v4-flash --out "$OUT/${stamp}_h200_write_online_regs.jsonl" \
     2>&1 | tee "$OUT/${stamp}_h200_write_online_regs.txt" | grep hca | cut -c1-220
   timeout 80 python3 benchmarks/profile_write.py --ops hca_online 2>&1 | grep -v -i warn | tee "$OUT/${stamp}_h200_profile_online_regs.txt" | tail -8
-fi
-if [ "$what" = grid_s16 ]; then  # pool / online-write grids with the channel block fastest (~5 min): per-kernel times of
-  # both orders and two tile shapes, the HCA prefill rows (graph time), then the compressor GPU tests
-  timeout 150 python3 benchmarks/profile_write.py --ops hca,hca_online --tune hca: --tune hca:channel_fast=0 \
-    --tune hca_online: --tune hca_online:channel_fast=0 --tune hca_online:block_d=64,num_warps=8 \
-    --tune hca_online:block_d=16,num_warps=2 2>&1 | grep -v -i warn | tee "$OUT/${stamp}_h200_profile_grid_s16.txt" | grep -E "==|pool|online_write"
-  timeout 150 python3 benchmarks/bench_write.py --ops hca,hca_online --modes prefill --models v4-flash \
-    --out "$OUT/${stamp}_h200_write_grid_s16.jsonl" 2>&1 | tee "$OUT/${stamp}_h200_write_grid_s16.txt" | grep hca | cut -c1-200
-  timeout 240 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_compressor_online.py tests/kernels/test_compressor.py \
-    -k "cuda or gpu" 2>&1 | tee "$OUT/${stamp}_h200_gpu_tests_grid_s16.txt" | tail -3
-fi
-if [ "$what" = blocks_s16 ]; then  # pool programs taking 1 / 2 / 4 token blocks (next block's index loads prefetched):
-  # per-kernel device times of every compressor prefill at 65,536 tokens, then the compressor GPU tests (~4 min)
-  tn=""; for op in hca hca_online csa_main csa_indexer; do for nb in 1 2 4; do tn="$tn --tune $op:pool_blocks=$nb"; done; done
-  timeout 200 python3 benchmarks/profile_write.py --modes prefill --ops hca,hca_online,csa_main,csa_indexer $tn \
-    --tune csa_indexer:pool_blocks=8 2>&1 | grep -v -i warn | tee "$OUT/${stamp}_h200_profile_blocks_s16.txt" | grep -E "==|pool"
-  timeout 240 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_compressor_online.py tests/kernels/test_compressor.py \
-    -k "cuda or gpu" 2>&1 | tee "$OUT/${stamp}_h200_gpu_tests_blocks_s16.txt" | tail -3
 fi
 if [ "$what" = pending_s12 ]; then  # what session 12 left unrun: the top-k GPU tests under the many-rows rule, then indexer_fold (~8 min)
   timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_topk.py -k "filter_real_shapes or many_rows" \
