@@ -76,9 +76,12 @@ def device_times(fn, reps: int) -> dict[str, float]:
 
 
 def short(name: str) -> str:
-    """The kernel name as ``kernel_bytes`` keys it (the indexer emit's MMA variant counts as the emit)."""
+    """The kernel name as ``kernel_bytes`` keys it (the indexer emit's MMA variant counts as the emit, the lanes
+    state-write kernel as the state write)."""
     if name.startswith("_emit_indexer"):
         return "_emit_indexer_kernel"
+    if name.startswith("_compressor_write_lanes"):
+        return "_compressor_write_kernel"
     for ks in KERNELS.values():
         for k in ks + ("_compressor_decode_emit_main_kernel", "_compressor_decode_emit_indexer_kernel"):
             if name.startswith(k):

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One H200 session: environment, GPU tests, then the kernel benchmarks. Results go to $OUT (or ./out).
-# Usage (on the device machine, repo root): bash benchmarks/run_h200.sh [tests|bench|all|pending|ncu|attention|attention_ncu|indexer_gluon|indexer_live|indexer_fold|pending_s12|topk_rows|indexer_default|indexer_p2|indexer_ablate|flush_topk|skeleton|topk_short|fold_auto|hca_online|write_s15|emit_s15|emit2_s15|main_s15|write2_s15|final_s15|gemv_s15|online_regs]
+# Usage (on the device machine, repo root): bash benchmarks/run_h200.sh [tests|bench|all|pending|ncu|attention|attention_ncu|indexer_gluon|indexer_live|indexer_fold|pending_s12|topk_rows|indexer_default|indexer_p2|indexer_ablate|flush_topk|skeleton|topk_short|fold_auto|hca_online|write_s15|emit_s15|emit2_s15|main_s15|write2_s15|final_s15|gemv_s15|online_regs|write_s16]
 # "pending": the norm and top-k GPU tests (~4 min, most of it compiling the top-k kernels), launch D's rank
 # threshold on/off, top-k with both flush kinds, the decode step; about 8 minutes.  "ncu": Nsight Compute
 # sections of the indexer scores, dense attention and gather kernels (benchmarks/ncu_cases.py).  "attention": the
@@ -231,6 +231,18 @@ if [ "$what" = online_regs ]; then  # left unrun in session 15 (no device time):
   timeout 150 python3 benchmarks/bench_write.py --ops hca,hca_online --models v4-flash --out "$OUT/${stamp}_h200_write_online_regs.jsonl" \
     2>&1 | tee "$OUT/${stamp}_h200_write_online_regs.txt" | grep hca | cut -c1-220
   timeout 80 python3 benchmarks/profile_write.py --ops hca_online 2>&1 | grep -v -i warn | tee "$OUT/${stamp}_h200_profile_online_regs.txt" | tail -8
+fi
+if [ "$what" = write_s16 ]; then  # the lanes state-write kernel (write_lanes=16 / 32) vs the one-program-a-block kernel,
+  # and the online state write with the run start from registers: per-kernel device time at 65,536 tokens, prefill
+  # rows (graph time), compressor GPU tests (~6 min)
+  tn=""; for op in hca csa_main csa_indexer; do tn="$tn --tune $op: --tune $op:write_lanes=16 --tune $op:write_lanes=32"; done
+  timeout 150 python3 benchmarks/profile_write.py --modes prefill --ops hca,hca_online,csa_main,csa_indexer $tn 2>&1 \
+    | grep -v -i warn | tee "$OUT/${stamp}_h200_profile_write_s16.txt" | grep -E "==|write"
+  tn=""; for op in hca csa_main csa_indexer; do tn="$tn --tune $op: --tune $op:write_lanes=16"; done
+  timeout 200 python3 benchmarks/bench_write.py --modes prefill --ops csa_main,csa_indexer,hca,hca_online --models v4-flash \
+    $tn --out "$OUT/${stamp}_h200_write_s16.jsonl" 2>&1 | tee "$OUT/${stamp}_h200_write_s16.txt" | grep prefill | cut -c1-200
+  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_compressor_online.py tests/kernels/test_compressor.py \
+    -k "cuda or gpu" 2>&1 | tee "$OUT/${stamp}_h200_gpu_tests_write_s16.txt" | tail -3
 fi
 if [ "$what" = pending_s12 ]; then  # what session 12 left unrun: the top-k GPU tests under the many-rows rule, then indexer_fold (~8 min)
   timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_topk.py -k "filter_real_shapes or many_rows" \

@@ -9,6 +9,7 @@ O(1) data), while the state rows are copies and must be bit-equal.
 import pytest
 import torch
 
+import dsv4.kernels.cache.compressor as compressor_module
 from dsv4.engine.graphs import capture_graph
 from dsv4.formats import FP8EntryFormat, MXFP4KeyFormat
 from dsv4.kernels.cache.compressor import compress_decode, compressor_step, emit_entries, entry_positions
@@ -527,6 +528,8 @@ TUNINGS = [
     {"row_loads": 1},
     {"row_loads": 1, "pool_block_t": 1, "block_d": 16, "write_block_t": 4, "write_warps": 2},
     {"row_loads": 0, "write_block_t": 128, "write_warps": 4},
+    {"write_lanes": 16},  # the lanes state-write kernel, default superblock
+    {"write_lanes": 3, "write_block_t": 16, "write_warps": 2},
 ]
 
 
@@ -566,6 +569,15 @@ def test_step_path_many_emitters_per_token_block(device, kind, tuning):
     assert int(valid.sum()) >= n_single + 1
     torch.testing.assert_close(p1[valid], p0[valid], atol=1e-5, rtol=1e-5)
     assert torch.equal(k1, k0) and torch.equal(s1, s0)
+
+
+@pytest.mark.parametrize("lanes", [1, 3])
+@pytest.mark.parametrize("kind", ["csa", "hca"])
+def test_write_lanes_with_many_writing_sub_blocks(device, kind, lanes, monkeypatch):
+    """The lanes state-write kernel where a superblock has more writing sub-blocks than lanes (the tile patched to
+    64 values: sub-blocks of 2 (CSA) / 4 (HCA) tokens, superblocks of 16): each lane copies every LANES-th of them."""
+    monkeypatch.setattr(compressor_module, "_WRITE_LANE_TILE", 64)
+    test_step_path_many_emitters_per_token_block(device, kind, {"write_lanes": lanes, "write_block_t": 16})
 
 
 def test_emit_entries_rope_at_entry_position_far_out(device):

@@ -157,6 +157,11 @@ _POOL_ROW_LOADS = False
 _WRITE_BLOCK_T = 32
 _WRITE_BLOCK_D = 64
 _WRITE_WARPS = 4
+# The lanes variant (``_compressor_write_lanes_kernel``): LANES programs a superblock of min(max(T / SUPERBLOCKS, 256),
+# 2,048) tokens (a power of two), [4,096 / c*d, c*d] tiles (one round trip a writing block).
+_WRITE_LANES = 0
+_WRITE_LANE_TILE = 4096
+_WRITE_SUPERBLOCKS = 32
 # Online state (HCA): a decode program takes all d channels (``_online_block_d``: d = 512, one program a token, the
 # emit in the same program, no counters); the non-decode state write scans _ONLINE_WRITE_BLOCK_T tokens a program
 # for each request's last one (one per request: most programs exit after their index loads).  H200, V4-Flash HCA
@@ -325,14 +330,16 @@ def _online_state_part(slot, t, p0, ch, chm, kvs_ptr, scs_ptr, st_ss, st_sr, spo
     c0 = t - t % M
     use = _vec_flag(ch, c0 < p0) & chm
     tag = tl.load(spos_ptr + slot).to(tl.int64)
-    raw = use & _vec_flag(ch, (tag < p0) & (tag >= c0))
     base = slot * st_ss + ch
     mx = tl.load(scs_ptr + base, mask=use, other=float("-inf"))
     den = tl.load(kvs_ptr + base + st_sr, mask=use, other=0.0)
     acc = tl.load(kvs_ptr + base, mask=use, other=0.0)
-    r_sc = tl.load(scs_ptr + base + st_sr, mask=raw, other=float("-inf"))
-    r_kv = tl.load(kvs_ptr + base + 2 * st_sr, mask=raw, other=0.0)
-    return _online_combine(mx, den, acc, r_sc, tl.where(raw, 1.0, 0.0), r_kv)
+    # the raw row is loaded with the prefix (not masked by the tag: no round trip waits for the tag) and dropped after
+    r_sc = tl.load(scs_ptr + base + st_sr, mask=use, other=float("-inf"))
+    r_kv = tl.load(kvs_ptr + base + 2 * st_sr, mask=use, other=0.0)
+    raw = use & _vec_flag(ch, (tag < p0) & (tag >= c0))
+    r_sc = tl.where(raw, r_sc, float("-inf"))
+    return _online_combine(mx, den, acc, r_sc, tl.where(raw, 1.0, 0.0), tl.where(raw, r_kv, 0.0))
 
 
 @triton.jit
@@ -719,10 +726,7 @@ def _compressor_pool_kernel(
     tt = tl.load(pos_ptr + ii, mask=im, other=0).to(tl.int64)
     ss = tl.load(tslot_ptr + ii, mask=im, other=-1).to(tl.int64)
     if not ROW_LOADS:
-        pi = a * BLOCK_T - BLOCK_R + tl.arange(0, BLOCK_R)  # the BLOCK_R tokens before the block
-        pm = pi >= 0
-        tp = tl.load(pos_ptr + pi, mask=pm, other=-1).to(tl.int64)
-        sp = tl.load(tslot_ptr + pi, mask=pm, other=-2).to(tl.int64)
+        tp, sp = _tokens_before(a, pos_ptr, tslot_ptr, BLOCK_T, BLOCK_R)
     ee = ((tt + 1) % M) == 0
     if b == 0:
         tl.store(emits_ptr + ii, ee.to(tl.uint8), mask=im)
@@ -734,13 +738,7 @@ def _compressor_pool_kernel(
         t, slot = _token_at(kk, k, tt, ss)
         i0 = a * BLOCK_T + k
         if not ROW_LOADS:
-            # the run in the block (index kk holds position t - (k - kk)), then before it
-            run = (kk <= k) & (ss == slot) & (tt == t - (k - kk))
-            k0 = tl.min(tl.where(run, kk, k), axis=0)
-            r = tl.arange(0, BLOCK_R)
-            prun = (sp == slot) & (tp == t - (k + BLOCK_R - r))
-            r0 = tl.min(tl.where(prun, r, BLOCK_R), axis=0)
-            i0 = tl.where(k0 > 0, a * BLOCK_T + k0, a * BLOCK_T - BLOCK_R + r0)
+            i0 = _run_start(a, k, kk, tt, ss, tp, sp, t, slot, BLOCK_T, BLOCK_R)
         # online: a chunk whose rows are all in the step pools as the ring does (touching no state); one that began
         # before the step combines the state's share (``_pool_token_online``)
         partial = ONLINE and (i0 > a * BLOCK_T + k - t % M)
@@ -817,6 +815,86 @@ def _compressor_write_kernel(
 
 
 @triton.jit
+def _state_writers(ii, T, CM: tl.constexpr, pos_ptr, tslot_ptr, num_state_slots):
+    """Tokens ``ii``: (positions, slots, writes), positions and slots as int32 (positions < 2^31); ``writes``: which
+    write their state row (row t mod c*m of slot s), i.e. have a state slot and are not superseded by position
+    t + c*m of their request in this step (token i + c*m)."""
+    im = ii < T
+    tt = tl.load(pos_ptr + ii, mask=im, other=-1).to(tl.int32)
+    ss = tl.load(tslot_ptr + ii, mask=im, other=-1).to(tl.int32)
+    jn = ii + CM
+    later = jn < T
+    js = tl.load(tslot_ptr + jn, mask=later, other=-1).to(tl.int32)
+    jp = tl.load(pos_ptr + jn, mask=later, other=-1).to(tl.int32)
+    superseded = later & (js == ss) & (jp == tt + CM)
+    return tt, ss, im & (ss >= 0) & (ss < num_state_slots) & (tt >= 0) & (superseded == 0)
+
+
+@triton.jit
+def _compressor_write_lanes_kernel(
+    kv_ptr, sc_ptr, stride_kv, stride_sc, pos_ptr, tslot_ptr, kvs_ptr, scs_ptr, st_ss, st_sr, num_state_slots, T,
+    CM: tl.constexpr, CD: tl.constexpr, SUPER: tl.constexpr, SUB: tl.constexpr, LANES: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """``_compressor_write_kernel`` with fewer programs and one round trip a writing block: program (superblock g of
+    SUPER tokens, lane w) finds which of the superblock's SUB-token blocks hold a writing token (one vector load of
+    the SUPER tokens' positions and slots) and copies the w-th, (w + LANES)-th, ... of them ([SUB, BLOCK_D] tiles
+    of both tensors, every channel block's loads before its stores).  A prefill's writers (its last c*m tokens)
+    are thus spread over the lanes of one superblock while the other superblocks' programs exit."""
+    g = tl.program_id(0).to(tl.int64)
+    w = tl.program_id(1)
+    NS: tl.constexpr = SUPER // SUB
+    _, _, wr = _state_writers(g * SUPER + tl.arange(0, SUPER), T, CM, pos_ptr, tslot_ptr, num_state_slots)
+    f = tl.max(tl.reshape(wr.to(tl.int32), [NS, SUB]), axis=1)  # [NS]: the sub-block has a writer
+    rank = tl.cumsum(f, axis=0) - f
+    n = tl.sum(f, axis=0)
+    sbi = tl.arange(0, NS)
+    r = w
+    while r < n:
+        sb = tl.min(tl.where((f > 0) & (rank == r), sbi, NS), axis=0)
+        jj = g * SUPER + sb * SUB + tl.arange(0, SUB)
+        tt, ss, wj = _state_writers(jj, T, CM, pos_ptr, tslot_ptr, num_state_slots)  # (L2 hits)
+        tt = tt.to(tl.int64)
+        ss = ss.to(tl.int64)
+        # (row strides are multiples of 16 elements, as the launch checks; the hint keeps the stores wide)
+        dst_row = tl.multiple_of(tl.where(wj, ss * st_ss + (tt % CM) * st_sr, 0), 16)
+        for c0 in tl.static_range(0, CD, BLOCK_D):
+            ch = c0 + tl.arange(0, BLOCK_D)
+            m = wj[:, None] & (ch < CD)[None, :]
+            kv = tl.load(kv_ptr + jj[:, None] * stride_kv + ch[None, :], mask=m)
+            sc = tl.load(sc_ptr + jj[:, None] * stride_sc + ch[None, :], mask=m)
+            tl.store(kvs_ptr + dst_row[:, None] + ch[None, :], kv, mask=m)
+            tl.store(scs_ptr + dst_row[:, None] + ch[None, :], sc, mask=m)
+        r += LANES
+
+
+@triton.jit
+def _tokens_before(a, pos_ptr, tslot_ptr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Positions and slots [BLOCK_R] (int32, as positions < 2^31; -1 / -2 before token 0) of the BLOCK_R tokens
+    before token block a."""
+    pi = a * BLOCK_T - BLOCK_R + tl.arange(0, BLOCK_R)
+    pm = pi >= 0
+    tp = tl.load(pos_ptr + pi, mask=pm, other=-1).to(tl.int32)
+    sp = tl.load(tslot_ptr + pi, mask=pm, other=-2).to(tl.int32)
+    return tp, sp
+
+
+@triton.jit
+def _run_start(a, k, kk, tt, ss, tp, sp, t, slot, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Batch index of the first token of the run that ends at token k of block a (position t, slot ``slot``): the
+    same slot at consecutive positions, from the block's registers ``tt`` / ``ss`` [BLOCK_T] and the BLOCK_R
+    tokens before it (``_tokens_before``).  By the step contract it is the request's first token in the step, or
+    the run reaches back past BLOCK_R tokens before the block."""
+    # the run in the block (index kk holds position t - (k - kk)), then before it
+    run = (kk <= k) & (ss == slot) & (tt == t - (k - kk))
+    k0 = tl.min(tl.where(run, kk, k), axis=0)
+    r = tl.arange(0, BLOCK_R)
+    prun = (sp == slot) & (tp == t - (k + BLOCK_R - r))
+    r0 = tl.min(tl.where(prun, r, BLOCK_R), axis=0)
+    return tl.where(k0 > 0, a * BLOCK_T + k0, a * BLOCK_T - BLOCK_R + r0)
+
+
+@triton.jit
 def _token_at(kk, k, tt, ss):
     """(position, slot) of the block's token k, from the block's registers ``tt`` / ``ss`` [BLOCK_T]."""
     sel = kk == k
@@ -829,11 +907,11 @@ def _online_last_tokens(a, T, pos_ptr, tslot_ptr, num_state_slots, BLOCK_T: tl.c
     another slot or is not the next position), with a state slot."""
     ii = a * BLOCK_T + tl.arange(0, BLOCK_T)
     im = ii < T
-    tt = tl.load(pos_ptr + ii, mask=im, other=-1).to(tl.int64)
-    ss = tl.load(tslot_ptr + ii, mask=im, other=-1).to(tl.int64)
+    tt = tl.load(pos_ptr + ii, mask=im, other=-1).to(tl.int32)
+    ss = tl.load(tslot_ptr + ii, mask=im, other=-1).to(tl.int32)
     nm = (ii + 1) < T
-    ts = tl.load(tslot_ptr + ii + 1, mask=nm, other=-1).to(tl.int64)
-    tp = tl.load(pos_ptr + ii + 1, mask=nm, other=-1).to(tl.int64)
+    ts = tl.load(tslot_ptr + ii + 1, mask=nm, other=-1).to(tl.int32)
+    tp = tl.load(pos_ptr + ii + 1, mask=nm, other=-1).to(tl.int32)
     last = im & (ss >= 0) & (ss < num_state_slots) & (tt >= 0) & ((ts != ss) | (tp != tt + 1))
     return tt, ss, last
 
@@ -850,6 +928,7 @@ def _compressor_online_write_kernel(
     a = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1)
     tt, ss, last = _online_last_tokens(a, T, pos_ptr, tslot_ptr, num_state_slots, BLOCK_T)
+    tp, sp = _tokens_before(a, pos_ptr, tslot_ptr, BLOCK_T, BLOCK_R)
     ch = b * BLOCK_D + tl.arange(0, BLOCK_D)
     chm = ch < D
     kk = tl.arange(0, BLOCK_T)
@@ -857,9 +936,13 @@ def _compressor_online_write_kernel(
     while k < BLOCK_T:
         t, slot = _token_at(kk, k, tt, ss)
         i = a * BLOCK_T + k
+        t = t.to(tl.int64)
+        slot = slot.to(tl.int64)
+        # which rows are the step's: from the registers (no dependent round trip for their slots / positions)
+        i0 = _run_start(a, k, kk, tt, ss, tp, sp, t, slot, BLOCK_T, BLOCK_R)
         mx, den, acc = _online_prefix(
             i, t, slot, ch, chm, kv_ptr, sc_ptr, stride_kv, stride_sc, pos_ptr, tslot_ptr, kvs_ptr, scs_ptr, st_ss,
-            st_sr, spos_ptr, M, BLOCK_R,
+            st_sr, spos_ptr, M, BLOCK_R, i0, False,
         )  # fmt: skip
         sc_row = tl.load(sc_ptr + i * stride_sc + ch, mask=chm)
         kv_row = tl.load(kv_ptr + i * stride_kv + ch, mask=chm)
@@ -932,6 +1015,7 @@ def compressor_step(
     row_loads: int | None = None,
     write_block_t: int | None = None,
     write_warps: int | None = None,
+    write_lanes: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fold one step's compressor projections into the state ring and pool the entries that complete.
 
@@ -956,7 +1040,8 @@ def compressor_step(
         pool / decode kernel, ``row_loads`` (0/1, pool kernel: find the pooled rows that are in the step by
         loading their tokens' slots / positions, see ``_pool_token``; default ``_POOL_ROW_LOADS``), ``write_block_t`` /
         ``write_warps`` (state-write kernel: tokens per program, power of two, and warps; default
-        _WRITE_BLOCK_T / _WRITE_WARPS).
+        _WRITE_BLOCK_T / _WRITE_WARPS), ``write_lanes`` (0: ``_compressor_write_kernel``; > 0: the lanes of
+        ``_compressor_write_lanes_kernel``, ``write_block_t`` its superblock; default _WRITE_LANES).
     Preconditions: the step contract of the module docstring.
     """
     c, cm, t, cd, d = _check_step(kv, score, positions, token_slot, kv_state, score_state, ratio, overlap, state_pos)
@@ -1006,6 +1091,19 @@ def compressor_step(
         _online_pos_kernel[(triton.cdiv(t, wbt),)](
             positions, token_slot, kv_state.shape[0], t, state_pos, BLOCK_T=wbt, num_warps=_WRITE_WARPS
         )
+        return pooled, emits
+    lanes = _WRITE_LANES if write_lanes is None else write_lanes
+    if not isinstance(lanes, int) or lanes < 0:
+        raise ValueError(f"write_lanes: expected an int >= 0, got {lanes!r}")
+    if lanes:
+        wd = min(triton.next_power_of_2(cd), _WRITE_LANE_TILE)
+        sub = max(1, _WRITE_LANE_TILE // wd)
+        sup = write_block_t or min(max(triton.next_power_of_2(triton.cdiv(t, _WRITE_SUPERBLOCKS)), 256), 2048)
+        _check_pow2("write_block_t", sup)
+        sub = min(sub, sup)
+        _compressor_write_lanes_kernel[(triton.cdiv(t, sup), lanes)](
+            *head, t, CM=cm, CD=cd, SUPER=sup, SUB=sub, LANES=lanes, BLOCK_D=wd, num_warps=write_warps or _WRITE_WARPS,
+        )  # fmt: skip
         return pooled, emits
     wd = min(triton.next_power_of_2(cd), _WRITE_BLOCK_D)
     wbt = write_block_t or _WRITE_BLOCK_T
