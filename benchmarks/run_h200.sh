@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One H200 session: environment, GPU tests, then the kernel benchmarks. Results go to $OUT (or ./out).
-# Usage (on the device machine, repo root): bash benchmarks/run_h200.sh [tests|bench|all|pending|ncu|attention|attention_ncu|indexer_gluon|indexer_live|indexer_fold|pending_s12|topk_rows|indexer_default|indexer_p2|indexer_ablate|flush_topk|skeleton|topk_short|fold_auto|hca_online|write_s15|emit_s15|emit2_s15|main_s15|write2_s15|final_s15|gemv_s15|online_regs|write_s16]
+# Usage (on the device machine, repo root): bash benchmarks/run_h200.sh [tests|bench|all|pending|ncu|attention|attention_ncu|indexer_gluon|indexer_live|indexer_fold|pending_s12|topk_rows|indexer_default|indexer_p2|indexer_ablate|flush_topk|skeleton|topk_short|fold_auto|hca_online|write_s15|emit_s15|emit2_s15|main_s15|write2_s15|final_s15|gemv_s15|online_regs|write_s16|final_s16]
 # "pending": the norm and top-k GPU tests (~4 min, most of it compiling the top-k kernels), launch D's rank
 # threshold on/off, top-k with both flush kinds, the decode step; about 8 minutes.  "ncu": Nsight Compute
 # sections of the indexer scores, dense attention and gather kernels (benchmarks/ncu_cases.py).  "attention": the
@@ -243,6 +243,16 @@ if [ "$what" = write_s16 ]; then  # the lanes state-write kernel (write_lanes=16
     $tn --out "$OUT/${stamp}_h200_write_s16.jsonl" 2>&1 | tee "$OUT/${stamp}_h200_write_s16.txt" | grep prefill | cut -c1-200
   timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_compressor_online.py tests/kernels/test_compressor.py \
     -k "cuda or gpu" 2>&1 | tee "$OUT/${stamp}_h200_gpu_tests_write_s16.txt" | tail -3
+fi
+if [ "$what" = final_s16 ]; then  # the lanes state write as the default (c*d >= 512): compressor / online / model /
+  # engine GPU tests, the online write's token block, the write rows of the changed ops for both models (~7 min)
+  timeout 270 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_compressor.py tests/kernels/test_compressor_online.py \
+    tests/model tests/engine -k "cuda or gpu or padded or cancelled" 2>&1 | tee "$OUT/${stamp}_h200_gpu_tests_final_s16.txt" | tail -3
+  timeout 60 python3 benchmarks/profile_write.py --modes prefill --ops hca_online --tune hca_online: \
+    --tune hca_online:write_block_t=256 --tune hca_online:write_block_t=2048 2>&1 | grep -v -i warn \
+    | tee "$OUT/${stamp}_h200_profile_online_write_s16.txt" | grep -E "==|online_write"
+  timeout 240 python3 benchmarks/bench_write.py --models v4-flash,v4-pro --ops csa_main,hca,hca_online \
+    --out "$OUT/${stamp}_h200_write_final_s16.jsonl" 2>&1 | tee "$OUT/${stamp}_h200_write_final_s16.txt" | grep -E "prefill|decode  *64" | cut -c1-200
 fi
 if [ "$what" = pending_s12 ]; then  # what session 12 left unrun: the top-k GPU tests under the many-rows rule, then indexer_fold (~8 min)
   timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_topk.py -k "filter_real_shapes or many_rows" \

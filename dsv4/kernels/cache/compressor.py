@@ -158,8 +158,14 @@ _WRITE_BLOCK_T = 32
 _WRITE_BLOCK_D = 64
 _WRITE_WARPS = 4
 # The lanes variant (``_compressor_write_lanes_kernel``): LANES programs a superblock of min(max(T / SUPERBLOCKS, 256),
-# 2,048) tokens (a power of two), [4,096 / c*d, c*d] tiles (one round trip a writing block).
-_WRITE_LANES = 0
+# 2,048) tokens (a power of two), [4,096 / c*d, c*d] tiles (one round trip a writing block).  H200, V4-Flash prefill
+# (2026-12-04_h200_{profile_write,write}_s16.*): write kernel device time at 65,536 tokens, one program a 32-token
+# block vs 16 / 32 lanes: HCA 7.7 vs 5.1 / 5.7 us, CSA main 7.9 vs 3.9 / 5.2, CSA indexer 4.2 vs 3.8 / 5.1; the op's
+# graph time with 16 lanes: CSA main 174.5 -> 171.4 us (8,192 tokens: 32.8 -> 30.4), HCA 93.6 -> 90.6 (20.0 -> 19.3),
+# CSA indexer 75.8 -> 75.7 but 18.2 -> 19.0 at 8,192.  So 16 lanes from c*d >= _WRITE_LANES_MIN_CD (CSA main: 1,024,
+# HCA: 512), the one-program-a-block kernel for the CSA indexer's compressor (256).
+_WRITE_LANES = 16
+_WRITE_LANES_MIN_CD = 512
 _WRITE_LANE_TILE = 4096
 _WRITE_SUPERBLOCKS = 32
 # Online state (HCA): a decode program takes all d channels (``_online_block_d``: d = 512, one program a token, the
@@ -1041,7 +1047,8 @@ def compressor_step(
         loading their tokens' slots / positions, see ``_pool_token``; default ``_POOL_ROW_LOADS``), ``write_block_t`` /
         ``write_warps`` (state-write kernel: tokens per program, power of two, and warps; default
         _WRITE_BLOCK_T / _WRITE_WARPS), ``write_lanes`` (0: ``_compressor_write_kernel``; > 0: the lanes of
-        ``_compressor_write_lanes_kernel``, ``write_block_t`` its superblock; default _WRITE_LANES).
+        ``_compressor_write_lanes_kernel``, ``write_block_t`` its superblock; default _WRITE_LANES where
+        c*d >= _WRITE_LANES_MIN_CD, else 0).
     Preconditions: the step contract of the module docstring.
     """
     c, cm, t, cd, d = _check_step(kv, score, positions, token_slot, kv_state, score_state, ratio, overlap, state_pos)
@@ -1092,7 +1099,7 @@ def compressor_step(
             positions, token_slot, kv_state.shape[0], t, state_pos, BLOCK_T=wbt, num_warps=_WRITE_WARPS
         )
         return pooled, emits
-    lanes = _WRITE_LANES if write_lanes is None else write_lanes
+    lanes = (_WRITE_LANES if cd >= _WRITE_LANES_MIN_CD else 0) if write_lanes is None else write_lanes
     if not isinstance(lanes, int) or lanes < 0:
         raise ValueError(f"write_lanes: expected an int >= 0, got {lanes!r}")
     if lanes:
