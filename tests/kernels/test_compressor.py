@@ -530,6 +530,8 @@ TUNINGS = [
     {"row_loads": 0, "write_block_t": 128, "write_warps": 4},
     {"write_lanes": 16},  # the lanes state-write kernel, default superblock
     {"write_lanes": 3, "write_block_t": 16, "write_warps": 2},
+    {"pool_div_after": 1},  # both forms of the pool's division, whatever the kind's default
+    {"pool_div_after": 0},
 ]
 
 

@@ -461,6 +461,7 @@ def _pool_token(
     ROW_LOADS: tl.constexpr = True,
     ape_ptr=None,
     HAS_APE: tl.constexpr = False,
+    DIV_AFTER: tl.constexpr = False,
 ):
     """Pool channels [b*BLOCK_D, ...) of the entry completed by token i (position t, state slot ``slot``).
 
@@ -506,8 +507,10 @@ def _pool_token(
     mx = tl.where(mx == float("-inf"), 0.0, mx)  # all-absent (padding) channels: no inf - inf
     e = tl.exp(sc_r - mx[None, :])
     den = tl.sum(e, axis=0)
-    w = e / tl.where(den == 0.0, 1.0, den)[None, :]
-    out = tl.sum(kv_r * w, axis=0)
+    if DIV_AFTER:  # one division a channel, after the sum (``_POOL_DIV_AFTER``)
+        out = tl.sum(kv_r * e, axis=0) / tl.where(den == 0.0, 1.0, den)
+    else:
+        out = tl.sum(kv_r * (e / tl.where(den == 0.0, 1.0, den)[None, :]), axis=0)
     tl.store(pooled_ptr + i * D + ch, out, mask=chm)
 
 
@@ -714,6 +717,7 @@ def _compressor_pool_kernel(
     BLOCK_D: tl.constexpr,
     ROW_LOADS: tl.constexpr = False,
     ONLINE: tl.constexpr = False,
+    DIV_AFTER: tl.constexpr = False,
 ):
     """Program (token block a, channel block b): write ``emits`` of tokens [a*BLOCK_T, ...) (b == 0) and
     pool channels [b*BLOCK_D, ...) of each emitting token with a state slot, one after another (visiting
@@ -757,6 +761,7 @@ def _compressor_pool_kernel(
             _pool_token(
                 a * BLOCK_T + k, t, slot, b, kv_ptr, sc_ptr, stride_kv, stride_sc, pos_ptr, tslot_ptr, kvs_ptr,
                 scs_ptr, st_ss, st_sr, pooled_ptr, T, M, CM, D, OVERLAP, BLOCK_R, BLOCK_D, False, i0, ROW_LOADS,
+                None, False, DIV_AFTER,
             )  # fmt: skip
         k = tl.min(tl.where(work & (kk > k), kk, BLOCK_T), axis=0)
 
@@ -1022,6 +1027,7 @@ def compressor_step(
     write_block_t: int | None = None,
     write_warps: int | None = None,
     write_lanes: int | None = None,
+    pool_div_after: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fold one step's compressor projections into the state ring and pool the entries that complete.
 
@@ -1048,7 +1054,8 @@ def compressor_step(
         ``write_warps`` (state-write kernel: tokens per program, power of two, and warps; default
         _WRITE_BLOCK_T / _WRITE_WARPS), ``write_lanes`` (0: ``_compressor_write_kernel``; > 0: the lanes of
         ``_compressor_write_lanes_kernel``, ``write_block_t`` its superblock; default _WRITE_LANES where
-        c*d >= _WRITE_LANES_MIN_CD, else 0).
+        c*d >= _WRITE_LANES_MIN_CD, else 0), ``pool_div_after`` (pool kernel: divide the channel's weighted sum
+        by the softmax denominator once instead of each row's weight; default: HCA's 128-row tiles only).
     Preconditions: the step contract of the module docstring.
     """
     c, cm, t, cd, d = _check_step(kv, score, positions, token_slot, kv_state, score_state, ratio, overlap, state_pos)
@@ -1086,6 +1093,7 @@ def compressor_step(
     _compressor_pool_kernel[(triton.cdiv(t, bt), triton.cdiv(d, bd))](
         *head, pooled, emits.view(torch.uint8), t, state_pos if online else kv_state,
         M=ratio, CM=cm, D=d, OVERLAP=overlap, BLOCK_T=bt, BLOCK_R=block_r, BLOCK_D=bd, ROW_LOADS=rl, ONLINE=online,
+        DIV_AFTER=bool(block_r > 8 if pool_div_after is None else pool_div_after),
         num_warps=num_warps or (_POOL_WARPS if block_r > 8 else _POOL_WARPS_SMALL),
     )  # fmt: skip
     if online:
