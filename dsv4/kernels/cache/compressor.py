@@ -124,6 +124,12 @@ _POOL_WARPS_SMALL = 2
 # (2026-12-04_h200_write_main_s15.txt): CSA main 182.9 us with 2 vs 195.3 with 4 (T = 8,192: 35.0 vs 38.5), so
 # every CSA pool (c*m = 8 rows a tile) takes _POOL_WARPS_SMALL and only HCA's 128-row tiles _POOL_WARPS.
 _POOL_WARPS = 4
+# The pool's softmax division: once a channel after the weighted sum on full tiles (CSA main [8, 512], HCA [128, 32]),
+# once a row's weight on the CSA indexer's [8, 128].  Nsight put the HCA pool at 0.56 instructions issued a scheduler
+# cycle with one eligible warp (2026-12-04_h200_ncu_hca_pool_s16.txt); pool device time at 65,536 tokens, a division
+# a row vs a channel (2026-12-04_h200_profile_div_s16.txt): CSA main 150.7 vs 139.2 us (98 % of its bytes' roofline),
+# HCA 82.5 vs 80.8, HCA online 83.0 vs 81.2, CSA indexer 47.4 vs 48.5.  So from tiles of _POOL_DIV_AFTER_MIN values.
+_POOL_DIV_AFTER_MIN = 4096
 _DECODE_TILE = 4096
 # H200, 2026-12-02: HCA decode at B = 64 took 13.1 us with 4 warps (write_v2) and 18.1 us with 8 (write_v3).
 _DECODE_WARPS = 4
@@ -507,7 +513,7 @@ def _pool_token(
     mx = tl.where(mx == float("-inf"), 0.0, mx)  # all-absent (padding) channels: no inf - inf
     e = tl.exp(sc_r - mx[None, :])
     den = tl.sum(e, axis=0)
-    if DIV_AFTER:  # one division a channel, after the sum (``_POOL_DIV_AFTER``)
+    if DIV_AFTER:  # one division a channel, after the sum (_POOL_DIV_AFTER_MIN)
         out = tl.sum(kv_r * e, axis=0) / tl.where(den == 0.0, 1.0, den)
     else:
         out = tl.sum(kv_r * (e / tl.where(den == 0.0, 1.0, den)[None, :]), axis=0)
@@ -1055,7 +1061,7 @@ def compressor_step(
         _WRITE_BLOCK_T / _WRITE_WARPS), ``write_lanes`` (0: ``_compressor_write_kernel``; > 0: the lanes of
         ``_compressor_write_lanes_kernel``, ``write_block_t`` its superblock; default _WRITE_LANES where
         c*d >= _WRITE_LANES_MIN_CD, else 0), ``pool_div_after`` (pool kernel: divide the channel's weighted sum
-        by the softmax denominator once instead of each row's weight; default: HCA's 128-row tiles only).
+        by the softmax denominator once instead of each row's weight; default from tiles of _POOL_DIV_AFTER_MIN values).
     Preconditions: the step contract of the module docstring.
     """
     c, cm, t, cd, d = _check_step(kv, score, positions, token_slot, kv_state, score_state, ratio, overlap, state_pos)
@@ -1093,7 +1099,7 @@ def compressor_step(
     _compressor_pool_kernel[(triton.cdiv(t, bt), triton.cdiv(d, bd))](
         *head, pooled, emits.view(torch.uint8), t, state_pos if online else kv_state,
         M=ratio, CM=cm, D=d, OVERLAP=overlap, BLOCK_T=bt, BLOCK_R=block_r, BLOCK_D=bd, ROW_LOADS=rl, ONLINE=online,
-        DIV_AFTER=bool(block_r > 8 if pool_div_after is None else pool_div_after),
+        DIV_AFTER=bool(block_r * bd >= _POOL_DIV_AFTER_MIN if pool_div_after is None else pool_div_after),
         num_warps=num_warps or (_POOL_WARPS if block_r > 8 else _POOL_WARPS_SMALL),
     )  # fmt: skip
     if online:
