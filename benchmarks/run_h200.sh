@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One H200 session: environment, GPU tests, then the kernel benchmarks. Results go to $OUT (or ./out).
-# Usage (on the device machine, repo root): bash benchmarks/run_h200.sh [tests|bench|all|pending|ncu|attention|attention_ncu|indexer_gluon|indexer_live|indexer_fold|pending_s12|topk_rows|indexer_default|indexer_p2|indexer_ablate|flush_topk|skeleton|topk_short|fold_auto|hca_online|write_s15|emit_s15|emit2_s15|main_s15|write2_s15|final_s15|gemv_s15|online_regs|write_s16|final_s16|ncu_pool|div_s16|div_graph_s16]
+# Usage (on the device machine, repo root): bash benchmarks/run_h200.sh [tests|bench|all|pending|ncu|attention|attention_ncu|indexer_gluon|indexer_live|indexer_fold|pending_s12|topk_rows|indexer_default|indexer_p2|indexer_ablate|flush_topk|skeleton|topk_short|fold_auto|hca_online|write_s15|emit_s15|emit2_s15|main_s15|write2_s15|final_s15|gemv_s15|online_regs|write_s16|final_s16|ncu_pool|div_s16|lean_s17]
 # "pending": the norm and top-k GPU tests (~4 min, most of it compiling the top-k kernels), launch D's rank
 # threshold on/off, top-k with both flush kinds, the decode step; about 8 minutes.  "ncu": Nsight Compute
 # sections of the indexer scores, dense attention and gather kernels (benchmarks/ncu_cases.py).  "attention": the
@@ -268,9 +268,17 @@ if [ "$what" = div_s16 ]; then  # the pool's division once a channel vs once a r
   timeout 100 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_compressor.py -k "cuda or gpu" 2>&1 \
     | tee "$OUT/${stamp}_h200_gpu_tests_div_s16.txt" | tail -2
 fi
-if [ "$what" = div_graph_s16 ]; then  # graph time of the CSA main / HCA prefill rows with the division once a channel
-  timeout 100 python3 benchmarks/bench_write.py --models v4-flash --ops csa_main,hca --modes prefill \
-    --out "$OUT/${stamp}_h200_write_div_s16.jsonl" 2>&1 | tee "$OUT/${stamp}_h200_write_div_s16.txt" | grep prefill | cut -c1-200
+if [ "$what" = lean_s17 ]; then  # left for session 17 (no device time): the pool's FAST_ROWS / FAST_EXP instruction cuts
+  # (off by default), per-kernel device time at 65,536 tokens, the prefill rows' graph time with the session-16 defaults
+  # (the division once a channel was measured in device time only), compressor GPU tests (~6 min)
+  tn=""; for op in hca hca_online csa_main csa_indexer; do
+    tn="$tn --tune $op: --tune $op:pool_fast_rows=1 --tune $op:pool_fast_exp=1 --tune $op:pool_fast_rows=1,pool_fast_exp=1"; done
+  timeout 150 python3 benchmarks/profile_write.py --modes prefill --ops hca,hca_online,csa_main,csa_indexer $tn 2>&1 \
+    | grep -v -i warn | tee "$OUT/${stamp}_h200_profile_lean_s17.txt" | grep -E "==|pool"
+  timeout 150 python3 benchmarks/bench_write.py --models v4-flash --ops csa_main,csa_indexer,hca,hca_online --modes prefill \
+    --out "$OUT/${stamp}_h200_write_lean_s17.jsonl" 2>&1 | tee "$OUT/${stamp}_h200_write_lean_s17.txt" | grep prefill | cut -c1-200
+  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_compressor.py tests/kernels/test_compressor_online.py \
+    -k "cuda or gpu" 2>&1 | tee "$OUT/${stamp}_h200_gpu_tests_lean_s17.txt" | tail -2
 fi
 if [ "$what" = pending_s12 ]; then  # what session 12 left unrun: the top-k GPU tests under the many-rows rule, then indexer_fold (~8 min)
   timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_topk.py -k "filter_real_shapes or many_rows" \

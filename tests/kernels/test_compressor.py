@@ -532,6 +532,8 @@ TUNINGS = [
     {"write_lanes": 3, "write_block_t": 16, "write_warps": 2},
     {"pool_div_after": 1},  # both forms of the pool's division, whatever the kind's default
     {"pool_div_after": 0},
+    {"pool_fast_rows": 1, "pool_fast_exp": 1},  # entries wholly in the step loaded without the state select
+    {"pool_fast_rows": 1, "pool_block_t": 4, "pool_div_after": 0},
 ]
 
 

@@ -63,7 +63,10 @@ def check(got, hist, state, slot_map, ratio):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("ratio", [8, 128])
-def test_online_chunked_steps_equal_one_pass(device, backend, ratio):
+@pytest.mark.parametrize("tuning", [{}, {"pool_fast_rows": 1, "pool_fast_exp": 1}])
+def test_online_chunked_steps_equal_one_pass(device, backend, ratio, tuning):
+    """Any chunking, prefill or decode, gives the one-pass oracle's entries and state; for the Triton path also with
+    the pool's fast-row and fast-exp forms."""
     chunks = [
         [(0, 5), (1, 1), (2, 3)],
         [(0, 1), (1, 130), (2, 3)],
@@ -75,7 +78,8 @@ def test_online_chunked_steps_equal_one_pass(device, backend, ratio):
         [(1, 2 * ratio - 3), (2, ratio), (0, 3)],
     ]
     slot_map = [3, 0, 2]
-    got, hist, state = run_online(chunks, ratio, 16, backend, device, slot_map, decode_steps=(3, 6))
+    kw = tuning if backend == "triton" else {}
+    got, hist, state = run_online(chunks, ratio, 16, backend, device, slot_map, decode_steps=(3, 6), **kw)
     check(got, hist, state, slot_map, ratio)
 
 

@@ -130,6 +130,13 @@ _POOL_WARPS = 4
 # a row vs a channel (2026-12-04_h200_profile_div_s16.txt): CSA main 150.7 vs 139.2 us (98 % of its bytes' roofline),
 # HCA 82.5 vs 80.8, HCA online 83.0 vs 81.2, CSA indexer 47.4 vs 48.5.  So from tiles of _POOL_DIV_AFTER_MIN values.
 _POOL_DIV_AFTER_MIN = 4096
+# Two more instruction cuts of the pool (``_pool_token``), off until measured on the H200 (session 16 had no device time
+# left; ``run_h200.sh lean_s17``): FAST_ROWS, an entry whose rows are all in the step loaded without the select
+# between step and state pointers (one 64-bit base, 32-bit offsets); FAST_EXP, exp as one FMA + ex2.approx.ftz.  sm_90
+# SASS of the HCA pool (Triton 3.6, ``sass_report.py --sass``, static instructions by source line): the general row
+# loads and their addressing ~470 instructions a program, the fast loads ~115; exp 192 -> 68.
+_POOL_FAST_ROWS = False
+_POOL_FAST_EXP = False
 _DECODE_TILE = 4096
 # H200, 2026-12-02: HCA decode at B = 64 took 13.1 us with 4 warps (write_v2) and 18.1 us with 8 (write_v3).
 _DECODE_WARPS = 4
@@ -438,6 +445,56 @@ def _pool_token_online(
     _store_pooled(pooled_ptr, i, ch, chm, mx, den, acc, sc_t, kv_t, D, BLOCK_D)
 
 
+_LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
+
+
+@triton.jit
+def _exp2_ftz(x, INTERP: tl.constexpr):
+    """2^x elementwise, fp32: one ``ex2.approx.ftz.f32`` on a GPU (no denormal fix-up around it: results below
+    2^-126 are 0), ``exp2`` under the interpreter."""
+    if INTERP:
+        return tl.math.exp2(x)
+    return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _pool_rows(
+    i, t, slot, k, rmask, col, chm, kv_ptr, sc_ptr, stride_kv, stride_sc, pos_ptr, tslot_ptr, kvs_ptr, scs_ptr, st_ss,
+    st_sr, T, M: tl.constexpr, CM: tl.constexpr, D: tl.constexpr, OVERLAP: tl.constexpr, DECODE: tl.constexpr, i0,
+    ROW_LOADS: tl.constexpr, ape_ptr, HAS_APE: tl.constexpr,
+):  # fmt: skip
+    """``_pool_token``'s rows [BLOCK_R, BLOCK_D] (kv, score; absent rows 0 / -inf), each from this step's input or
+    from the state ring."""
+    p = t - CM + 1 + k  # positions of the pooled rows
+    j = i - CM + 1 + k  # the batch index position p would have if it is in this step
+    jin = rmask & (j >= 0) & (j < T)
+    if DECODE:  # one token per request: only the token's own row (k = CM - 1, j = i) is in the step
+        in_step = rmask & (k == CM - 1)
+    else:
+        in_step = _rows_in_step(j, p, jin, slot, i0, tslot_ptr, pos_ptr, ROW_LOADS)
+    from_state = rmask & (in_step == 0) & (p >= 0)
+    m_any = (in_step | from_state)[:, None] & chm[None, :]
+    if (CM & (CM - 1)) == 0:  # (c*m a power of two: the same row as p % CM for p >= 0, fewer instructions)
+        row = tl.where(p >= 0, p & (CM - 1), 0)
+    else:
+        row = tl.where(p >= 0, p % CM, 0)
+    in_kv = j[:, None] * stride_kv + col
+    in_sc = j[:, None] * stride_sc + col
+    st_off = slot * st_ss + row[:, None] * st_sr + col
+    sel = in_step[:, None]
+    # one load per tensor: each row's pointer is into this step's input or into the state ring (the select
+    # depends on the row only, so the pointers stay contiguous along the channels: wide loads)
+    kv_r = tl.load(tl.where(sel, kv_ptr + in_kv, kvs_ptr + st_off), mask=m_any, other=0.0)
+    sc_r = tl.load(tl.where(sel, sc_ptr + in_sc, scs_ptr + st_off), mask=m_any, other=float("-inf"))
+    if HAS_APE:  # (ape rows are [c*d] wide, contiguous)
+        if OVERLAP:
+            ape_row = ape_ptr + (t % M) * (2 * D)
+        else:
+            ape_row = ape_ptr + (t % M) * D
+        sc_r += tl.load(ape_row + col, mask=sel & chm[None, :], other=0.0)
+    return kv_r, sc_r
+
+
 @triton.jit
 def _pool_token(
     i,
@@ -468,6 +525,9 @@ def _pool_token(
     ape_ptr=None,
     HAS_APE: tl.constexpr = False,
     DIV_AFTER: tl.constexpr = False,
+    FAST_ROWS: tl.constexpr = False,
+    FAST_EXP: tl.constexpr = False,
+    INTERP: tl.constexpr = False,
 ):
     """Pool channels [b*BLOCK_D, ...) of the entry completed by token i (position t, state slot ``slot``).
 
@@ -475,17 +535,14 @@ def _pool_token(
     positions of their candidate tokens (a dependent round trip before the bulk loads); otherwise from
     ``i0``, the batch index of the request's first token in the step, which the caller found in registers:
     by the step contract row j is in the step iff j >= i0.  ``HAS_APE`` (decode): the step's score row is
-    ``wgate(x)`` without ape; ``ape_ptr`` [M, C*D] fp32 row ``t mod M`` is added to it here."""
+    ``wgate(x)`` without ape; ``ape_ptr`` [M, C*D] fp32 row ``t mod M`` is added to it here.
+
+    Fewer instructions a row (the HCA pool is issue-bound, ``_POOL_DIV_AFTER_MIN``'s note): ``DIV_AFTER`` divides
+    once a channel; ``FAST_ROWS`` (non-decode, not ``ROW_LOADS``) loads an entry whose rows are all in the step
+    without the per-row select between step and state pointers; ``FAST_EXP`` takes exp as one FMA and one
+    ``ex2.approx.ftz`` (``_exp2_ftz``: weights below 2^-126 of the channel's largest flush to 0)."""
     k = tl.arange(0, BLOCK_R)
     rmask = k < CM
-    p = t - CM + 1 + k  # positions of the pooled rows
-    j = i - CM + 1 + k  # the batch index position p would have if it is in this step
-    jin = rmask & (j >= 0) & (j < T)
-    if DECODE:  # one token per request: only the token's own row (k = CM - 1, j = i) is in the step
-        in_step = rmask & (k == CM - 1)
-    else:
-        in_step = _rows_in_step(j, p, jin, slot, i0, tslot_ptr, pos_ptr, ROW_LOADS)
-    from_state = rmask & (in_step == 0) & (p >= 0)
     ch = b * BLOCK_D + tl.arange(0, BLOCK_D)
     chm = ch < D
     if OVERLAP:
@@ -493,25 +550,25 @@ def _pool_token(
     else:
         coff = tl.zeros([BLOCK_R], tl.int32)
     col = coff[:, None] + ch[None, :]
-    m_any = (in_step | from_state)[:, None] & chm[None, :]
-    row = tl.where(p >= 0, p % CM, 0)
-    in_kv = j[:, None] * stride_kv + col
-    in_sc = j[:, None] * stride_sc + col
-    st_off = slot * st_ss + row[:, None] * st_sr + col
-    sel = in_step[:, None]
-    # one load per tensor: each row's pointer is into this step's input or into the state ring (the select
-    # depends on the row only, so the pointers stay contiguous along the channels: wide loads)
-    kv_r = tl.load(tl.where(sel, kv_ptr + in_kv, kvs_ptr + st_off), mask=m_any, other=0.0)
-    sc_r = tl.load(tl.where(sel, sc_ptr + in_sc, scs_ptr + st_off), mask=m_any, other=float("-inf"))
-    if HAS_APE:  # (ape rows are [c*d] wide, contiguous)
-        if OVERLAP:
-            ape_row = ape_ptr + (t % M) * (2 * D)
-        else:
-            ape_row = ape_ptr + (t % M) * D
-        sc_r += tl.load(ape_row + col, mask=sel & chm[None, :], other=0.0)
+    fast = False
+    if FAST_ROWS:
+        fast = (i0 <= i - CM + 1) & (t >= CM - 1)  # every pooled row is this step's, none before position 0
+    if fast:  # (one 64-bit base a tensor, 32-bit offsets from it: rows k < c*m, strides < 2^31 / c*m)
+        j0 = i - CM + 1
+        m2 = rmask[:, None] & chm[None, :]
+        kv_r = tl.load((kv_ptr + j0 * stride_kv) + (k[:, None] * stride_kv + col), mask=m2, other=0.0)
+        sc_r = tl.load((sc_ptr + j0 * stride_sc) + (k[:, None] * stride_sc + col), mask=m2, other=float("-inf"))
+    else:
+        kv_r, sc_r = _pool_rows(
+            i, t, slot, k, rmask, col, chm, kv_ptr, sc_ptr, stride_kv, stride_sc, pos_ptr, tslot_ptr, kvs_ptr,
+            scs_ptr, st_ss, st_sr, T, M, CM, D, OVERLAP, DECODE, i0, ROW_LOADS, ape_ptr, HAS_APE,
+        )  # fmt: skip
     mx = tl.max(sc_r, axis=0)
     mx = tl.where(mx == float("-inf"), 0.0, mx)  # all-absent (padding) channels: no inf - inf
-    e = tl.exp(sc_r - mx[None, :])
+    if FAST_EXP:
+        e = _exp2_ftz(sc_r * _LOG2E - (mx * _LOG2E)[None, :], INTERP)
+    else:
+        e = tl.exp(sc_r - mx[None, :])
     den = tl.sum(e, axis=0)
     if DIV_AFTER:  # one division a channel, after the sum (_POOL_DIV_AFTER_MIN)
         out = tl.sum(kv_r * e, axis=0) / tl.where(den == 0.0, 1.0, den)
@@ -724,6 +781,9 @@ def _compressor_pool_kernel(
     ROW_LOADS: tl.constexpr = False,
     ONLINE: tl.constexpr = False,
     DIV_AFTER: tl.constexpr = False,
+    FAST_ROWS: tl.constexpr = False,
+    FAST_EXP: tl.constexpr = False,
+    INTERP: tl.constexpr = False,
 ):
     """Program (token block a, channel block b): write ``emits`` of tokens [a*BLOCK_T, ...) (b == 0) and
     pool channels [b*BLOCK_D, ...) of each emitting token with a state slot, one after another (visiting
@@ -767,7 +827,7 @@ def _compressor_pool_kernel(
             _pool_token(
                 a * BLOCK_T + k, t, slot, b, kv_ptr, sc_ptr, stride_kv, stride_sc, pos_ptr, tslot_ptr, kvs_ptr,
                 scs_ptr, st_ss, st_sr, pooled_ptr, T, M, CM, D, OVERLAP, BLOCK_R, BLOCK_D, False, i0, ROW_LOADS,
-                None, False, DIV_AFTER,
+                None, False, DIV_AFTER, FAST_ROWS and not ROW_LOADS, FAST_EXP, INTERP,
             )  # fmt: skip
         k = tl.min(tl.where(work & (kk > k), kk, BLOCK_T), axis=0)
 
@@ -1034,6 +1094,8 @@ def compressor_step(
     write_warps: int | None = None,
     write_lanes: int | None = None,
     pool_div_after: bool | None = None,
+    pool_fast_rows: bool | None = None,
+    pool_fast_exp: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fold one step's compressor projections into the state ring and pool the entries that complete.
 
@@ -1061,7 +1123,9 @@ def compressor_step(
         _WRITE_BLOCK_T / _WRITE_WARPS), ``write_lanes`` (0: ``_compressor_write_kernel``; > 0: the lanes of
         ``_compressor_write_lanes_kernel``, ``write_block_t`` its superblock; default _WRITE_LANES where
         c*d >= _WRITE_LANES_MIN_CD, else 0), ``pool_div_after`` (pool kernel: divide the channel's weighted sum
-        by the softmax denominator once instead of each row's weight; default from tiles of _POOL_DIV_AFTER_MIN values).
+        by the softmax denominator once instead of each row's weight; default from tiles of _POOL_DIV_AFTER_MIN
+        values), ``pool_fast_rows`` / ``pool_fast_exp`` (``_pool_token``'s FAST_ROWS / FAST_EXP; default
+        _POOL_FAST_ROWS / _POOL_FAST_EXP).
     Preconditions: the step contract of the module docstring.
     """
     c, cm, t, cd, d = _check_step(kv, score, positions, token_slot, kv_state, score_state, ratio, overlap, state_pos)
@@ -1100,6 +1164,8 @@ def compressor_step(
         *head, pooled, emits.view(torch.uint8), t, state_pos if online else kv_state,
         M=ratio, CM=cm, D=d, OVERLAP=overlap, BLOCK_T=bt, BLOCK_R=block_r, BLOCK_D=bd, ROW_LOADS=rl, ONLINE=online,
         DIV_AFTER=bool(block_r * bd >= _POOL_DIV_AFTER_MIN if pool_div_after is None else pool_div_after),
+        FAST_ROWS=bool(_POOL_FAST_ROWS if pool_fast_rows is None else pool_fast_rows),
+        FAST_EXP=bool(_POOL_FAST_EXP if pool_fast_exp is None else pool_fast_exp), INTERP=interpreter_enabled(),
         num_warps=num_warps or (_POOL_WARPS if block_r > 8 else _POOL_WARPS_SMALL),
     )  # fmt: skip
     if online:
