@@ -858,21 +858,14 @@ def _compressor_write_kernel(
     loads: one program per token block keeps the grid small."""
     a = tl.program_id(0).to(tl.int64)
     ii = a * BLOCK_T + tl.arange(0, BLOCK_T)
-    im = ii < T
-    tt = tl.load(pos_ptr + ii, mask=im, other=-1).to(tl.int64)
-    ss = tl.load(tslot_ptr + ii, mask=im, other=-1).to(tl.int64)
-    jn = ii + CM
-    later = jn < T
-    js = tl.load(tslot_ptr + jn, mask=later, other=-1).to(tl.int64)
-    jp = tl.load(pos_ptr + jn, mask=later, other=-1).to(tl.int64)
-    superseded = later & (js == ss) & (jp == tt + CM)
-    wr = im & (ss >= 0) & (ss < num_state_slots) & (tt >= 0) & (superseded == 0)
+    tt, ss, wr = _state_writers(ii, T, CM, pos_ptr, tslot_ptr, num_state_slots)
     if tl.sum(wr.to(tl.int32), axis=0) > 0:
         src_kv = ii * stride_kv
         src_sc = ii * stride_sc
         # (the strides are multiples of 16 elements, as the launch checks; without the hint the select hides
         # it and the stores fall back to narrow accesses through a shared-memory layout conversion)
-        dst_row = tl.multiple_of(tl.where(wr, ss * st_ss + (tt % CM) * st_sr, 0), 16)
+        dst = ss.to(tl.int64) * st_ss + (tt.to(tl.int64) % CM) * st_sr
+        dst_row = tl.multiple_of(tl.where(wr, dst, 0), 16)
         # two channel blocks of both tensors a round: four loads in flight before the stores (the compiler keeps
         # a load after an earlier store in order, since the state may alias the input: one round trip a block of
         # one tensor made the writing program a chain of 2 * CD / BLOCK_D latencies)
