@@ -4,9 +4,10 @@
     python benchmarks/profile_write.py --smoke              # tiny shapes, CPU (interpreter): no device times
     python benchmarks/profile_write.py --ops hca --tune hca: --tune hca:emit_scan=32
 
-For each op (``store_window``, ``csa_main``, ``csa_indexer``, ``hca``) in prefill (T = 65,536 tokens of one
-request from position 0) and for HCA decode (B = 64), the Triton path built by ``bench_write``'s case
-builders (same data, same correctness check against the torch reference) is called ``--reps`` times under
+For each op (``store_window``, ``csa_main``, ``csa_indexer``, ``hca``, ``hca_online``) in prefill (T = ``--tokens``,
+default 65,536, of one request from position 0) and for HCA decode (B = 64), the Triton path built by
+``bench_write``'s case builders (same data, same correctness check against the torch reference) is called ``--reps``
+times under
 ``torch.profiler`` (CUDA activity); each kernel's device time is averaged per call and set against the
 bytes that kernel must move by the accounting of ``kernel_bytes`` (roofline = bytes / 4.17e12 B/s, the
 H200's HBM peak, as in ``bench_write``).  ``--tune`` takes bench_write's syntax (one variant per item).
@@ -97,12 +98,13 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5, help="profiled calls per case")
     ap.add_argument("--tune", action="append", default=[], metavar="OP:KEY=VAL[,KEY=VAL]", help="as bench_write")
     ap.add_argument("--modes", default="decode,prefill", help="comma-separated subset (decode: HCA at B = 64 only)")
+    ap.add_argument("--tokens", type=int, default=65536, help="prefill tokens (one request from position 0)")
     args = ap.parse_args()
     modes = set(args.modes.split(","))
     tune = bw.parse_tune(args.tune)
     gpu = torch.cuda.is_available()
     device = torch.device("cuda" if gpu else "cpu")
-    t_pre, b_dec = (64, 2) if args.smoke else (65536, 64)
+    t_pre, b_dec = (64, 2) if args.smoke else (args.tokens, 64)
     print(f"device: {torch.cuda.get_device_name() if gpu else 'cpu (triton interpreter: no device times)'}")
     for model in args.models.split(","):
         cfg = get_preset(model)
