@@ -280,7 +280,7 @@ if [ "$what" = lean_s17 ]; then  # left for session 17 (no device time): the poo
   timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_compressor.py tests/kernels/test_compressor_online.py \
     -k "cuda or gpu" 2>&1 | tee "$OUT/${stamp}_h200_gpu_tests_lean_s17.txt" | tail -2
   # where 8,192-token prefills lose (25-60 % of roofline): per-kernel device times at that size
-  timeout 60 python3 benchmarks/profile_write.py --modes prefill --tokens 8192 2>&1 | grep -v -i warn \
+  timeout 60 python3 benchmarks/profile_write.py --modes prefill --tokens 8192 --ops store_window,csa_main,csa_indexer,hca,hca_online 2>&1 | grep -v -i warn \
     | tee "$OUT/${stamp}_h200_profile_8192_s17.txt" | tail -24
 fi
 if [ "$what" = pending_s12 ]; then  # what session 12 left unrun: the top-k GPU tests under the many-rows rule, then indexer_fold (~8 min)
