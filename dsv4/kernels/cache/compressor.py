@@ -42,7 +42,9 @@ request has position t + c*m in this step.  The kernels compute this from ``posi
 Launches (Triton path; no host synchronisation, no copies, no fills, CUDA-graph capturable):
 ``compressor_step(decode=True)`` 1 (pool + own state row: safe in one launch as each request has one
 token); otherwise 2 (token-blocked pool pass, then the tiled state-write pass: a pool must read the state
-as it was before the step, so the writes wait for a grid-wide boundary).  ``emit_entries`` 1 (RMSNorm,
+as it was before the step, so the writes wait for a grid-wide boundary; the state write spreads the blocks that
+hold writing tokens over lanes of a superblock where c*d >= 512, ``_compressor_write_lanes_kernel``), 3 with an
+online state (pool, state write, state positions).  ``emit_entries`` 1 (RMSNorm,
 RoPE at the entry position computed in the kernel, [Hadamard], quantise, store; a block of tokens per
 program, only the emitting ones read; the indexer's Hadamard factorised as H_NB (x) H_32).  A decode-step CSA/HCA
 layer thus costs 2 launches per compressor; fusing emit into the pool would need each token's whole
