@@ -273,6 +273,8 @@ if [ "$what" = lean_s17 ]; then  # left for session 17 (no device time): the poo
   # (the division once a channel was measured in device time only), compressor GPU tests (~6 min)
   tn=""; for op in hca hca_online csa_main csa_indexer; do
     tn="$tn --tune $op: --tune $op:pool_fast_rows=1 --tune $op:pool_fast_exp=1 --tune $op:pool_fast_rows=1,pool_fast_exp=1"; done
+  # the online state write (7.9 us, one latency-bound program a channel block): more warps, bigger token blocks
+  tn="$tn --tune hca_online:write_warps=8 --tune hca_online:write_warps=8,write_block_t=2048"
   timeout 150 python3 benchmarks/profile_write.py --modes prefill --ops hca,hca_online,csa_main,csa_indexer $tn 2>&1 \
     | grep -v -i warn | tee "$OUT/${stamp}_h200_profile_lean_s17.txt" | grep -E "==|pool"
   timeout 150 python3 benchmarks/bench_write.py --models v4-flash --ops csa_main,csa_indexer,hca,hca_online --modes prefill \

@@ -399,6 +399,7 @@ def _rows_in_step(j, p, jin, slot, i0, tslot_ptr, pos_ptr, ROW_LOADS: tl.constex
 def _online_prefix(
     i, t, slot, ch, chm, kv_ptr, sc_ptr, stride_kv, stride_sc, pos_ptr, tslot_ptr, kvs_ptr, scs_ptr, st_ss, st_sr,
     spos_ptr, M: tl.constexpr, BLOCK_R: tl.constexpr, i0=0, ROW_LOADS: tl.constexpr = True,
+    FAST_EXP: tl.constexpr = False, INTERP: tl.constexpr = False,
 ):  # fmt: skip
     """Online state, non-decode: the running softmax (max, den, acc) [BLOCK_D] of channels ``ch`` over the rows of
     token i's chunk *before* position t: those in this step combined with the state's share
@@ -419,7 +420,11 @@ def _online_prefix(
     kv_r = tl.load(kv_ptr + j[:, None] * stride_kv + ch[None, :], mask=m2, other=0.0)
     sc_r = tl.load(sc_ptr + j[:, None] * stride_sc + ch[None, :], mask=m2, other=float("-inf"))
     mx_p = tl.max(sc_r, axis=0)
-    e = tl.where(m2, tl.exp(sc_r - tl.where(mx_p == float("-inf"), 0.0, mx_p)[None, :]), 0.0)
+    ref = tl.where(mx_p == float("-inf"), 0.0, mx_p)
+    if FAST_EXP:  # (``_pool_token``'s FAST_EXP)
+        e = tl.where(m2, _exp2_ftz(sc_r * _LOG2E - (ref * _LOG2E)[None, :], INTERP), 0.0)
+    else:
+        e = tl.where(m2, tl.exp(sc_r - ref[None, :]), 0.0)
     empty = tl.full(ch.shape, float("-inf"), tl.float32)
     zero = tl.zeros(ch.shape, tl.float32)
     mx, den, acc = _online_combine(empty, zero, zero, mx_p, tl.sum(e, axis=0), tl.sum(e * kv_r, axis=0))
@@ -432,7 +437,7 @@ def _online_prefix(
 def _pool_token_online(
     i, t, slot, b, kv_ptr, sc_ptr, stride_kv, stride_sc, pos_ptr, tslot_ptr, kvs_ptr, scs_ptr, st_ss, st_sr,
     spos_ptr, pooled_ptr, M: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, i0,
-    ROW_LOADS: tl.constexpr,
+    ROW_LOADS: tl.constexpr, FAST_EXP: tl.constexpr = False, INTERP: tl.constexpr = False,
 ):  # fmt: skip
     """``_pool_token`` for an online state (non-decode): ``_online_prefix`` of the entry's chunk combined with the
     emitting token's own row, then acc / den."""
@@ -440,7 +445,7 @@ def _pool_token_online(
     chm = ch < D
     mx, den, acc = _online_prefix(
         i, t, slot, ch, chm, kv_ptr, sc_ptr, stride_kv, stride_sc, pos_ptr, tslot_ptr, kvs_ptr, scs_ptr, st_ss, st_sr,
-        spos_ptr, M, BLOCK_R, i0, ROW_LOADS,
+        spos_ptr, M, BLOCK_R, i0, ROW_LOADS, FAST_EXP, INTERP,
     )  # fmt: skip
     kv_t = tl.load(kv_ptr + i * stride_kv + ch, mask=chm, other=0.0)
     sc_t = tl.load(sc_ptr + i * stride_sc + ch, mask=chm, other=0.0)
@@ -823,7 +828,7 @@ def _compressor_pool_kernel(
         if partial:
             _pool_token_online(
                 a * BLOCK_T + k, t, slot, b, kv_ptr, sc_ptr, stride_kv, stride_sc, pos_ptr, tslot_ptr, kvs_ptr,
-                scs_ptr, st_ss, st_sr, spos_ptr, pooled_ptr, M, D, BLOCK_R, BLOCK_D, i0, ROW_LOADS,
+                scs_ptr, st_ss, st_sr, spos_ptr, pooled_ptr, M, D, BLOCK_R, BLOCK_D, i0, ROW_LOADS, FAST_EXP, INTERP,
             )  # fmt: skip
         else:
             _pool_token(
@@ -992,6 +997,7 @@ def _online_last_tokens(a, T, pos_ptr, tslot_ptr, num_state_slots, BLOCK_T: tl.c
 def _compressor_online_write_kernel(
     kv_ptr, sc_ptr, stride_kv, stride_sc, pos_ptr, tslot_ptr, kvs_ptr, scs_ptr, st_ss, st_sr, num_state_slots, T,
     spos_ptr, M: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+    FAST_EXP: tl.constexpr = False, INTERP: tl.constexpr = False,
 ):  # fmt: skip
     """Online state, non-decode, after the pool pass: program (token block a, channel block b) writes, for each
     token of [a*BLOCK_T, ...) that is its request's last in the step, its chunk's prefix (``_online_prefix``) and
@@ -1014,7 +1020,7 @@ def _compressor_online_write_kernel(
         i0 = _run_start(a, k, kk, tt, ss, tp, sp, t, slot, BLOCK_T, BLOCK_R)
         mx, den, acc = _online_prefix(
             i, t, slot, ch, chm, kv_ptr, sc_ptr, stride_kv, stride_sc, pos_ptr, tslot_ptr, kvs_ptr, scs_ptr, st_ss,
-            st_sr, spos_ptr, M, BLOCK_R, i0, False,
+            st_sr, spos_ptr, M, BLOCK_R, i0, False, FAST_EXP, INTERP,
         )  # fmt: skip
         sc_row = tl.load(sc_ptr + i * stride_sc + ch, mask=chm)
         kv_row = tl.load(kv_ptr + i * stride_kv + ch, mask=chm)
@@ -1119,8 +1125,8 @@ def compressor_step(
         ``_compressor_write_lanes_kernel``, ``write_block_t`` its superblock; default _WRITE_LANES where
         c*d >= _WRITE_LANES_MIN_CD, else 0), ``pool_div_after`` (pool kernel: divide the channel's weighted sum
         by the softmax denominator once instead of each row's weight; default from tiles of _POOL_DIV_AFTER_MIN
-        values), ``pool_fast_rows`` / ``pool_fast_exp`` (``_pool_token``'s FAST_ROWS / FAST_EXP; default
-        _POOL_FAST_ROWS / _POOL_FAST_EXP).
+        values), ``pool_fast_rows`` / ``pool_fast_exp`` (``_pool_token``'s FAST_ROWS / FAST_EXP, the latter also
+        in the online state's prefix; default _POOL_FAST_ROWS / _POOL_FAST_EXP).
     Preconditions: the step contract of the module docstring.
     """
     c, cm, t, cd, d = _check_step(kv, score, positions, token_slot, kv_state, score_state, ratio, overlap, state_pos)
@@ -1155,19 +1161,21 @@ def compressor_step(
     _check_pow2("pool_block_t", bt)
     _check_pow2("block_d", bd)
     rl = bool(_POOL_ROW_LOADS if row_loads is None else row_loads)
+    fast_exp = bool(_POOL_FAST_EXP if pool_fast_exp is None else pool_fast_exp)
     _compressor_pool_kernel[(triton.cdiv(t, bt), triton.cdiv(d, bd))](
         *head, pooled, emits.view(torch.uint8), t, state_pos if online else kv_state,
         M=ratio, CM=cm, D=d, OVERLAP=overlap, BLOCK_T=bt, BLOCK_R=block_r, BLOCK_D=bd, ROW_LOADS=rl, ONLINE=online,
         DIV_AFTER=bool(block_r * bd >= _POOL_DIV_AFTER_MIN if pool_div_after is None else pool_div_after),
         FAST_ROWS=bool(_POOL_FAST_ROWS if pool_fast_rows is None else pool_fast_rows),
-        FAST_EXP=bool(_POOL_FAST_EXP if pool_fast_exp is None else pool_fast_exp), INTERP=interpreter_enabled(),
+        FAST_EXP=fast_exp, INTERP=interpreter_enabled(),
         num_warps=num_warps or (_POOL_WARPS if block_r > 8 else _POOL_WARPS_SMALL),
     )  # fmt: skip
     if online:
         wbt = write_block_t or _ONLINE_WRITE_BLOCK_T
         _check_pow2("write_block_t", wbt)
         _compressor_online_write_kernel[(triton.cdiv(t, wbt), triton.cdiv(d, bd))](
-            *head, t, state_pos, M=ratio, D=d, BLOCK_T=wbt, BLOCK_R=block_r, BLOCK_D=bd,
+            *head, t, state_pos, M=ratio, D=d, BLOCK_T=wbt, BLOCK_R=block_r, BLOCK_D=bd, FAST_EXP=fast_exp,
+            INTERP=interpreter_enabled(),
             num_warps=write_warps or (_POOL_WARPS if block_r * bd >= _POOL_TILE else _POOL_WARPS_SMALL),
         )  # fmt: skip
         _online_pos_kernel[(triton.cdiv(t, wbt),)](
