@@ -325,7 +325,10 @@ class LayerCacheHandle:
         ``indexer_keys``: [N, index_head_dim], final keys (normed, RoPE'd, Hadamard-rotated); required on
         CSA layers, refused elsewhere.  ``token_index``: [N] int, which step token emitted each row
         (slots come from ``plan.ratios[m].emit_slots[token_index]``); None means N == T, row i is token i
-        (rows of tokens that emit nothing are skipped).  Allocates nothing.
+        (rows of tokens that emit nothing are skipped).  An index outside [0, T) is refused with a ValueError
+        when ``token_index`` is on the CPU; on an accelerator (where checking it would be a host sync) its row is
+        skipped like a token that emits nothing (``_emit_slots_at``), never wrapped or read out of bounds.
+        Allocates nothing (a CPU ``token_index`` is copied to the plan's device).
         """
         from dsv4.kernels.cache.flush_compression import flush_compression
 
@@ -342,7 +345,7 @@ class LayerCacheHandle:
             slots = rp.emit_slots
         else:
             check_tensor("token_index", token_index, dtype=(torch.int32, torch.int64), shape=(n,))
-            slots = rp.emit_slots[token_index.long()]
+            slots = _emit_slots_at(rp.emit_slots, token_index)
         keys = None
         if self.paged.keys is not None:
             if indexer_keys is None:
@@ -418,3 +421,29 @@ class LayerCacheHandle:
         if self.ratio_plan is None or self.paged is None:
             raise ValueError(f"{what}: layer {self.layer_id} is SWA-only; it has no compressed cache")
         return self.ratio_plan
+
+
+def _emit_slots_at(
+    emit_slots: torch.Tensor, token_index: torch.Tensor, check_on_host: bool | None = None
+) -> torch.Tensor:
+    """``emit_slots[token_index]`` for ``flush_compression``: [N] slots on ``emit_slots``' device.
+
+    ``check_on_host`` (default: ``token_index`` is on the CPU): indices are checked against [0, T) here and a bad
+    one raises ValueError.  Otherwise (an accelerator, where a check would sync and an out-of-range gather is a
+    device-side assert that poisons the whole context) an index outside [0, T), negative ones included (no
+    wrap-around), gives slot -1, which the stores skip."""
+    t = emit_slots.shape[0]
+    ti = token_index.long()
+    if ti.device.type != "cpu" and ti.device != emit_slots.device:
+        raise ValueError(f"token_index: expected a CPU tensor or one on {emit_slots.device}, got {ti.device}")
+    if ti.device.type == "cpu" if check_on_host is None else check_on_host:
+        if ti.numel() and (int(ti.min()) < 0 or int(ti.max()) >= t):
+            raise ValueError(
+                f"token_index: expected indices of step tokens in [0, {t}), got min {int(ti.min())} max {int(ti.max())}"
+            )
+        return emit_slots[ti.to(emit_slots.device)]
+    ti = ti.to(emit_slots.device)
+    none = torch.full_like(ti, -1, dtype=emit_slots.dtype)
+    if t == 0:
+        return none
+    return torch.where((ti >= 0) & (ti < t), emit_slots[ti.clamp(0, t - 1)], none)

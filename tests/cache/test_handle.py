@@ -122,6 +122,36 @@ def test_flush_compression_writes_only_assigned_slots(device):
     assert (in_data | in_scale | in_keys | in_kscale).all()
 
 
+@pytest.mark.parametrize("bad", [-1, 70, 1000])
+def test_flush_compression_refuses_a_cpu_token_index_out_of_range(bad):
+    """A CPU ``token_index`` outside [0, T) is a ValueError that names it, and nothing is written (it used to be
+    torch's IndexError, or for -1 the last token's slot)."""
+    m = _manager()
+    m.add("a")
+    plan = m.plan({"a": 70})
+    h = m.acquire(1, plan)
+    before = h.paged.buffer.clone()
+    tok = torch.tensor([3, 7, bad])
+    with pytest.raises(ValueError, match=r"token_index: expected indices of step tokens in \[0, 70\)"):
+        h.flush_compression(torch.randn(3, 512), torch.randn(3, 128), token_index=tok)
+    assert torch.equal(h.paged.buffer, before)
+
+
+def test_emit_slots_at_without_a_host_check_skips_bad_indices():
+    """The accelerator path of ``_emit_slots_at`` (no host sync): indices outside [0, T), negative ones included,
+    give slot -1 (skipped by the stores), the others their token's slot; an empty step gives -1 for all."""
+    from dsv4.cache.handle import _emit_slots_at
+
+    emit_slots = torch.tensor([4, -1, -1, 5, -1, -1, -1, 9], dtype=torch.int32)
+    got = _emit_slots_at(emit_slots, torch.tensor([3, 7, -1, 8, 100, 0]), check_on_host=False)
+    assert got.dtype == emit_slots.dtype
+    assert got.tolist() == [5, 9, -1, -1, -1, 4]  # (-1 neither wraps to token 7 nor clamps to token 0)
+    assert _emit_slots_at(emit_slots[:0], torch.tensor([0, 2]), check_on_host=False).tolist() == [-1, -1]
+    assert _emit_slots_at(emit_slots, torch.tensor([3, 7])).tolist() == [5, 9]  # host-checked, in range
+    with pytest.raises(ValueError, match="token_index"):
+        _emit_slots_at(emit_slots, torch.tensor([8]))
+
+
 def test_handle_rejects_bad_input_and_changes_nothing():
     m = _manager()
     m.add("a")
