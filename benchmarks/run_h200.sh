@@ -281,6 +281,9 @@ if [ "$what" = lean_s17 ]; then  # left for session 17 (no device time): the poo
     --out "$OUT/${stamp}_h200_write_lean_s17.jsonl" 2>&1 | tee "$OUT/${stamp}_h200_write_lean_s17.txt" | grep prefill | cut -c1-200
   timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_compressor.py tests/kernels/test_compressor_online.py \
     -k "cuda or gpu" 2>&1 | tee "$OUT/${stamp}_h200_gpu_tests_lean_s17.txt" | tail -2
+  # the decode step after session 16's changes to the shared pool / online-state code (the decode kernels use them)
+  timeout 120 python3 -m dsv4.cli bench --models v4-flash --kinds csa,hca --contexts 131072 --batches 1,64 \
+    --out "$OUT/${stamp}_h200_decode_s17.jsonl" 2>&1 | tee "$OUT/${stamp}_h200_decode_s17.txt" | tail -6
   # where 8,192-token prefills lose (25-60 % of roofline): per-kernel device times at that size
   timeout 60 python3 benchmarks/profile_write.py --modes prefill --tokens 8192 --ops store_window,csa_main,csa_indexer,hca,hca_online 2>&1 | grep -v -i warn \
     | tee "$OUT/${stamp}_h200_profile_8192_s17.txt" | tail -24
