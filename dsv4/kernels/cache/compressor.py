@@ -1166,7 +1166,8 @@ def compressor_step(
         *head, pooled, emits.view(torch.uint8), t, state_pos if online else kv_state,
         M=ratio, CM=cm, D=d, OVERLAP=overlap, BLOCK_T=bt, BLOCK_R=block_r, BLOCK_D=bd, ROW_LOADS=rl, ONLINE=online,
         DIV_AFTER=bool(block_r * bd >= _POOL_DIV_AFTER_MIN if pool_div_after is None else pool_div_after),
-        FAST_ROWS=bool(_POOL_FAST_ROWS if pool_fast_rows is None else pool_fast_rows),
+        FAST_ROWS=bool(_POOL_FAST_ROWS if pool_fast_rows is None else pool_fast_rows)
+        and max(kv.stride(0), score.stride(0)) * cm < 2**31,  # (its 32-bit row offsets)
         FAST_EXP=fast_exp, INTERP=interpreter_enabled(),
         num_warps=num_warps or (_POOL_WARPS if block_r > 8 else _POOL_WARPS_SMALL),
     )  # fmt: skip
