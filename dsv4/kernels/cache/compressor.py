@@ -421,10 +421,7 @@ def _online_prefix(
     sc_r = tl.load(sc_ptr + j[:, None] * stride_sc + ch[None, :], mask=m2, other=float("-inf"))
     mx_p = tl.max(sc_r, axis=0)
     ref = tl.where(mx_p == float("-inf"), 0.0, mx_p)
-    if FAST_EXP:  # (``_pool_token``'s FAST_EXP)
-        e = tl.where(m2, _exp2_ftz(sc_r * _LOG2E - (ref * _LOG2E)[None, :], INTERP), 0.0)
-    else:
-        e = tl.where(m2, tl.exp(sc_r - ref[None, :]), 0.0)
+    e = tl.where(m2, _softmax_exp(sc_r, ref, FAST_EXP, INTERP), 0.0)
     empty = tl.full(ch.shape, float("-inf"), tl.float32)
     zero = tl.zeros(ch.shape, tl.float32)
     mx, den, acc = _online_combine(empty, zero, zero, mx_p, tl.sum(e, axis=0), tl.sum(e * kv_r, axis=0))
@@ -462,6 +459,15 @@ def _exp2_ftz(x, INTERP: tl.constexpr):
     if INTERP:
         return tl.math.exp2(x)
     return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _softmax_exp(sc, ref, FAST_EXP: tl.constexpr, INTERP: tl.constexpr):
+    """exp(sc - ref[None, :]) of a [rows, channels] score tile against its per-channel reference (max); ``FAST_EXP``:
+    one FMA and one ``_exp2_ftz`` an element."""
+    if FAST_EXP:
+        return _exp2_ftz(sc * _LOG2E - (ref * _LOG2E)[None, :], INTERP)
+    return tl.exp(sc - ref[None, :])
 
 
 @triton.jit
@@ -572,10 +578,7 @@ def _pool_token(
         )  # fmt: skip
     mx = tl.max(sc_r, axis=0)
     mx = tl.where(mx == float("-inf"), 0.0, mx)  # all-absent (padding) channels: no inf - inf
-    if FAST_EXP:
-        e = _exp2_ftz(sc_r * _LOG2E - (mx * _LOG2E)[None, :], INTERP)
-    else:
-        e = tl.exp(sc_r - mx[None, :])
+    e = _softmax_exp(sc_r, mx, FAST_EXP, INTERP)
     den = tl.sum(e, axis=0)
     if DIV_AFTER:  # one division a channel, after the sum (_POOL_DIV_AFTER_MIN)
         out = tl.sum(kv_r * e, axis=0) / tl.where(den == 0.0, 1.0, den)
@@ -981,16 +984,9 @@ def _token_at(kk, k, tt, ss):
 @triton.jit
 def _online_last_tokens(a, T, pos_ptr, tslot_ptr, num_state_slots, BLOCK_T: tl.constexpr):
     """Tokens [a*BLOCK_T, ...): positions, slots and which are their request's last in the step (the next token has
-    another slot or is not the next position), with a state slot."""
-    ii = a * BLOCK_T + tl.arange(0, BLOCK_T)
-    im = ii < T
-    tt = tl.load(pos_ptr + ii, mask=im, other=-1).to(tl.int32)
-    ss = tl.load(tslot_ptr + ii, mask=im, other=-1).to(tl.int32)
-    nm = (ii + 1) < T
-    ts = tl.load(tslot_ptr + ii + 1, mask=nm, other=-1).to(tl.int32)
-    tp = tl.load(pos_ptr + ii + 1, mask=nm, other=-1).to(tl.int32)
-    last = im & (ss >= 0) & (ss < num_state_slots) & (tt >= 0) & ((ts != ss) | (tp != tt + 1))
-    return tt, ss, last
+    another slot or is not the next position), with a state slot: ``_state_writers`` with a ring of one row (a
+    token is superseded by its request's next position)."""
+    return _state_writers(a * BLOCK_T + tl.arange(0, BLOCK_T), T, 1, pos_ptr, tslot_ptr, num_state_slots)
 
 
 @triton.jit
