@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One H200 session: environment, GPU tests, then the kernel benchmarks. Results go to $OUT (or ./out).
-# Usage (on the device machine, repo root): bash benchmarks/run_h200.sh [tests|bench|all|pending|ncu|attention|attention_ncu|indexer_gluon|indexer_live|indexer_fold|pending_s12|topk_rows|indexer_default|indexer_p2|indexer_ablate|flush_topk|skeleton|topk_short|fold_auto|hca_online|write_s15|emit_s15|emit2_s15|main_s15|write2_s15|final_s15|gemv_s15|online_regs|write_s16|final_s16|ncu_pool|div_s16|lean_s17]
+# Usage (on the device machine, repo root): bash benchmarks/run_h200.sh [tests|bench|all|pending|ncu|attention|attention_ncu|indexer_gluon|indexer_live|indexer_fold|pending_s12|topk_rows|indexer_default|indexer_p2|indexer_ablate|flush_topk|skeleton|topk_short|fold_auto|hca_online|write_s15|emit_s15|emit2_s15|main_s15|write2_s15|final_s15|gemv_s15|online_regs|write_s16|final_s16|ncu_pool|div_s16|lean_s17|fast_s17|emit_s17|emit2_s17]
 # "pending": the norm and top-k GPU tests (~4 min, most of it compiling the top-k kernels), launch D's rank
 # threshold on/off, top-k with both flush kinds, the decode step; about 8 minutes.  "ncu": Nsight Compute
 # sections of the indexer scores, dense attention and gather kernels (benchmarks/ncu_cases.py).  "attention": the
@@ -316,4 +316,53 @@ if [ "$what" = attention ]; then
     2>&1 | grep -v -i "usdt\|warn" | tee "$OUT/${stamp}_h200_profile_attention.txt"
   timeout 200 python3 benchmarks/bench_attention.py --no-compile --out "$OUT/${stamp}_h200_attention.jsonl" \
     > "$OUT/${stamp}_h200_attention.txt" 2>&1; tail -14 "$OUT/${stamp}_h200_attention.txt"
+fi
+if [ "$what" = fast_s17 ]; then  # the pool's FAST_ROWS / FAST_EXP defaults (_pool_fast_defaults): per-kernel device time
+  # and graph time of the compressor prefills, the compressor GPU tests, then Nsight on the indexer emit (~5 min)
+  timeout 90 python3 benchmarks/profile_write.py --modes prefill --ops hca,hca_online,csa_main,csa_indexer 2>&1 \
+    | grep -v -i warn | tee "$OUT/${stamp}_h200_profile_fast_s17.txt" | grep -E "==|pool"
+  timeout 150 python3 benchmarks/bench_write.py --models v4-flash --ops csa_main,csa_indexer,hca,hca_online --modes prefill \
+    --out "$OUT/${stamp}_h200_write_fast_s17.jsonl" 2>&1 | tee "$OUT/${stamp}_h200_write_fast_s17.txt" | grep prefill | cut -c1-200
+  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_compressor.py tests/kernels/test_compressor_online.py \
+    -k "cuda or gpu" 2>&1 | tee "$OUT/${stamp}_h200_gpu_tests_fast_s17.txt" | tail -2
+  secs="--section SpeedOfLight --section Occupancy --section WarpStateStats --section SchedulerStats \
+    --section InstructionStats --section SourceCounters --section MemoryWorkloadAnalysis"
+  timeout 200 ncu -k regex:_emit_indexer_dot_kernel --launch-skip 2 --launch-count 1 $secs python3 benchmarks/ncu_cases.py \
+    write:csa_indexer:prefill:65536 2>&1 | grep -v "^==PROF==" | tee "$OUT/${stamp}_h200_ncu_emit_s17.txt" \
+    | grep -E "Duration|Throughput|Occupancy|Registers|Stall|Issued|Executed|Block Limit|Waves" | head -40
+fi
+if [ "$what" = emit_s17 ]; then  # the indexer emit's MMAs on bf16 operands (were tf32: fp32 B loads, 63 % excess shared
+  # wavefronts in ncu): emit device time at 65,536 / 8,192 by (block_t, rows), graph time, GPU tests, ncu (~4 min)
+  tn="--tune csa_indexer: --tune csa_indexer:emit_rows=32 --tune csa_indexer:emit_block_t=256"
+  timeout 90 python3 benchmarks/profile_write.py --modes prefill --ops csa_indexer $tn 2>&1 \
+    | grep -v -i warn | tee "$OUT/${stamp}_h200_profile_emit_s17.txt" | grep -E "==|emit"
+  tn="--tune csa_indexer: --tune csa_indexer:emit_block_t=32 --tune csa_indexer:emit_block_t=128"
+  timeout 60 python3 benchmarks/profile_write.py --modes prefill --tokens 8192 --ops csa_indexer $tn 2>&1 \
+    | grep -v -i warn | tee "$OUT/${stamp}_h200_profile_emit8k_s17.txt" | grep -E "==|emit"
+  timeout 100 python3 benchmarks/bench_write.py --models v4-flash --ops csa_indexer --modes prefill \
+    --out "$OUT/${stamp}_h200_write_emit_s17.jsonl" 2>&1 | tee "$OUT/${stamp}_h200_write_emit_s17.txt" | grep prefill | cut -c1-200
+  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_compressor.py -k "cuda or gpu" 2>&1 \
+    | tee "$OUT/${stamp}_h200_gpu_tests_emit_s17.txt" | tail -2
+  secs="--section SpeedOfLight --section Occupancy --section WarpStateStats --section InstructionStats --section SourceCounters"
+  timeout 120 ncu -k regex:_emit_indexer_dot_kernel --launch-skip 2 --launch-count 1 $secs python3 benchmarks/ncu_cases.py \
+    write:csa_indexer:prefill:65536 2>&1 | grep -v "^==PROF==" | tee "$OUT/${stamp}_h200_ncu_emit_bf16_s17.txt" \
+    | grep -E "Duration|Throughput|Issued|Executed Instructions|wavefronts|sectors" | head -20
+fi
+if [ "$what" = emit2_s17 ]; then  # the MMA emit with row-major rope loads (a contiguous [rows, 64] load split in
+  # registers; Triton had put 16 lanes down the rows: 16-way shared conflicts), by num_stages / rows (~3 min)
+  d="csa_indexer:emit_dot=1,emit_block_t=128"
+  tn="--tune csa_indexer: --tune $d,emit_stages=1 --tune $d,emit_rows=32 --tune $d,emit_stages=1,emit_rows=32"
+  timeout 90 python3 benchmarks/profile_write.py --modes prefill --ops csa_indexer $tn 2>&1 \
+    | grep -v -i warn | tee "$OUT/${stamp}_h200_profile_emit2_s17.txt" | grep -E "==|emit"
+  tn="--tune csa_indexer: --tune csa_indexer:emit_dot=1,emit_block_t=64,emit_stages=1"
+  timeout 60 python3 benchmarks/profile_write.py --modes prefill --tokens 8192 --ops csa_indexer $tn 2>&1 \
+    | grep -v -i warn | tee "$OUT/${stamp}_h200_profile_emit2_8k_s17.txt" | grep -E "==|emit"
+  timeout 100 python3 benchmarks/bench_write.py --models v4-flash --ops csa_indexer --modes prefill \
+    --out "$OUT/${stamp}_h200_write_emit2_s17.jsonl" 2>&1 | tee "$OUT/${stamp}_h200_write_emit2_s17.txt" | grep prefill | cut -c1-200
+  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_compressor.py -k "cuda or gpu" 2>&1 \
+    | tee "$OUT/${stamp}_h200_gpu_tests_emit2_s17.txt" | tail -2
+  secs="--section SpeedOfLight --section WarpStateStats --section InstructionStats --section SourceCounters"
+  timeout 120 ncu -k regex:_emit_indexer_dot_kernel --launch-skip 2 --launch-count 1 $secs python3 benchmarks/ncu_cases.py \
+    write:csa_indexer:prefill:65536 2>&1 | grep -v "^==PROF==" | tee "$OUT/${stamp}_h200_ncu_emit2_s17.txt" \
+    | grep -E "Duration|Throughput|Issued|Executed Instructions|wavefronts|sectors" | head -20
 fi

@@ -222,6 +222,8 @@ def main() -> None:
                         f.write(sass)
                     with open(os.path.join(args.sass, f"{name}.ptx"), "w") as f:  # for ptxas -v (its notes)
                         f.write(k.asm["ptx"])
+                    with open(os.path.join(args.sass, f"{name}.ttgir"), "w") as f:  # the layouts and their conversions
+                        f.write(k.asm["ttgir"])
                     with open(os.path.join(args.sass, f"{name}.lines.sass"), "w") as f:  # ncu_source_summary --lines
                         f.write(sass_lines_of(cubin))
 

@@ -132,13 +132,22 @@ _POOL_WARPS = 4
 # a row vs a channel (2026-12-04_h200_profile_div_s16.txt): CSA main 150.7 vs 139.2 us (98 % of its bytes' roofline),
 # HCA 82.5 vs 80.8, HCA online 83.0 vs 81.2, CSA indexer 47.4 vs 48.5.  So from tiles of _POOL_DIV_AFTER_MIN values.
 _POOL_DIV_AFTER_MIN = 4096
-# Two more instruction cuts of the pool (``_pool_token``), off until measured on the H200 (session 16 had no device time
-# left; ``run_h200.sh lean_s17``): FAST_ROWS, an entry whose rows are all in the step loaded without the select
-# between step and state pointers (one 64-bit base, 32-bit offsets); FAST_EXP, exp as one FMA + ex2.approx.ftz.  sm_90
-# SASS of the HCA pool (Triton 3.6, ``sass_report.py --sass``, static instructions by source line): the general row
-# loads and their addressing ~470 instructions a program, the fast loads ~115; exp 192 -> 68.
-_POOL_FAST_ROWS = False
-_POOL_FAST_EXP = False
+# Two more instruction cuts of the pool (``_pool_token``): FAST_ROWS, an entry whose rows are all in the step loaded
+# without the select between step and state pointers (one 64-bit base, 32-bit offsets); FAST_EXP, exp as one FMA +
+# ex2.approx.ftz.  sm_90 SASS of the HCA pool (Triton 3.6, ``sass_report.py --sass``, static instructions by source
+# line): the general row loads and their addressing ~470 instructions a program, the fast loads ~115; exp 192 -> 68.
+# Pool device time at 65,536 tokens, H200 (2026-12-04_h200_profile_lean_s17.txt), neither / FAST_ROWS / FAST_EXP /
+# both: HCA 79.7 / 77.3 / 75.4 / 74.0 us; HCA online 80.5 / 88.5 / 76.3 / 81.5 (FAST_ROWS takes the online pool past
+# 128 registers: 168 with both); CSA main 139.5 / 133.7 / 143.6 / 133.6; CSA indexer 46.8 / 48.9 / 46.8 / 49.5.  So
+# FAST_ROWS on full tiles (_POOL_DIV_AFTER_MIN) of the reference layout, FAST_EXP where an entry's rows do not overlap
+# (cm = 1: HCA); ``_pool_fast_defaults``.
+
+
+def _pool_fast_defaults(cm: int, full_tile: bool, online: bool) -> tuple[bool, bool]:
+    """(FAST_ROWS, FAST_EXP) of the pool kernel when the caller leaves them (see the measurements above)."""
+    return full_tile and not online, cm == 1
+
+
 _DECODE_TILE = 4096
 # H200, 2026-12-02: HCA decode at B = 64 took 13.1 us with 4 warps (write_v2) and 18.1 us with 8 (write_v3).
 _DECODE_WARPS = 4
@@ -155,10 +164,15 @@ _EMIT_INDEXER_WARPS = 1
 # 77.6 us, (128, 32) 80.6, (64, 16) 79.9, (256, 16) 84.1, (32, 16) 99.4; at T = 8,192: (64, 16) 18.8, (32, 16) 20.7,
 # (256, 16) 31.8, the factored kernel 20.1.  ``dot=None``: 128 tokens a program where that grid has
 # _EMIT_DOT_MIN_PROGRAMS per SM (T >= 33,792 on 132 SMs), 64 from T = _EMIT_DOT_MIN_T_64 (measured there), the factored
-# kernel below (not measured).
+# kernel below (not measured).  Session 17 (2026-12-04_h200_{ncu_emit,profile_emit,profile_emit2}*_s17.txt): Nsight put
+# the kernel on shared memory, 63 % of its wavefronts excess (fp32 tf32 operands; the rope rows loaded with 16 lanes
+# down the rows, then read from unswizzled shared memory); bf16 MMA operands 23.8 -> 22.0 us, then the rope values as
+# one row-major load 22.0 -> 15.0 us (excess wavefronts 9 %); at T = 8,192 7.7 -> 6.2 us.  num_stages 1 and 32 rows
+# a group within 1 us of the defaults (_EMIT_DOT_STAGES).
 _EMIT_DOT_BLOCK_T = 128
 _EMIT_DOT_ROWS = 16
 _EMIT_DOT_WARPS = 4
+_EMIT_DOT_STAGES: int | None = None  # Triton's num_stages of the group loop (None: Triton's default)
 _EMIT_DOT_MIN_PROGRAMS = 2
 _EMIT_DOT_BLOCK_T_SMALL = 64
 _EMIT_DOT_MIN_T_64 = 8192
@@ -1122,7 +1136,7 @@ def compressor_step(
         c*d >= _WRITE_LANES_MIN_CD, else 0), ``pool_div_after`` (pool kernel: divide the channel's weighted sum
         by the softmax denominator once instead of each row's weight; default from tiles of _POOL_DIV_AFTER_MIN
         values), ``pool_fast_rows`` / ``pool_fast_exp`` (``_pool_token``'s FAST_ROWS / FAST_EXP, the latter also
-        in the online state's prefix; default _POOL_FAST_ROWS / _POOL_FAST_EXP).
+        in the online state's prefix; default ``_pool_fast_defaults``).
     Preconditions: the step contract of the module docstring.
     """
     c, cm, t, cd, d = _check_step(kv, score, positions, token_slot, kv_state, score_state, ratio, overlap, state_pos)
@@ -1157,12 +1171,14 @@ def compressor_step(
     _check_pow2("pool_block_t", bt)
     _check_pow2("block_d", bd)
     rl = bool(_POOL_ROW_LOADS if row_loads is None else row_loads)
-    fast_exp = bool(_POOL_FAST_EXP if pool_fast_exp is None else pool_fast_exp)
+    div_after = bool(block_r * bd >= _POOL_DIV_AFTER_MIN if pool_div_after is None else pool_div_after)
+    auto_rows, auto_exp = _pool_fast_defaults(cm, block_r * bd >= _POOL_DIV_AFTER_MIN, online)
+    fast_exp = bool(auto_exp if pool_fast_exp is None else pool_fast_exp)
     _compressor_pool_kernel[(triton.cdiv(t, bt), triton.cdiv(d, bd))](
         *head, pooled, emits.view(torch.uint8), t, state_pos if online else kv_state,
         M=ratio, CM=cm, D=d, OVERLAP=overlap, BLOCK_T=bt, BLOCK_R=block_r, BLOCK_D=bd, ROW_LOADS=rl, ONLINE=online,
-        DIV_AFTER=bool(block_r * bd >= _POOL_DIV_AFTER_MIN if pool_div_after is None else pool_div_after),
-        FAST_ROWS=bool(_POOL_FAST_ROWS if pool_fast_rows is None else pool_fast_rows)
+        DIV_AFTER=div_after,
+        FAST_ROWS=bool(auto_rows if pool_fast_rows is None else pool_fast_rows)
         and max(kv.stride(0), score.stride(0)) * cm < 2**31,  # (its 32-bit row offsets)
         FAST_EXP=fast_exp, INTERP=interpreter_enabled(),
         num_warps=num_warps or (_POOL_WARPS if block_r > 8 else _POOL_WARPS_SMALL),
@@ -1413,10 +1429,10 @@ def _emit_indexer_dot_kernel(
     emitting token (a prefill with m = 4 has BLOCK_T / 4 of them; without the compaction
     3 of 4 rows were masked work).  Each group: rows loaded ([ROWS, NOPE] nope values, [ROWS, HR, 2] rope
     pairs), normed and roped as in the window store, then the Hadamard as H_2 (x) H_NOPE (needs NOPE = 2*HR =
-    DIM / 2): two tf32 MMAs with one [NOPE, NOPE] sign matrix (built in registers once per program) and a sum /
-    difference.  The operands are bf16 values and +-1, so every product is exact and only the fp32
-    accumulation order differs from the reference's matmul (as with the factorised kernel).  The two halves
-    are quantised to MXFP4 blocks and stored separately."""
+    DIM / 2): two MMAs (bf16 operands on the GPU, tf32 under the interpreter) with one [NOPE, NOPE] sign matrix
+    (built in registers once per program) and a sum / difference.  The operands are bf16 values and +-1, so
+    every product is exact and only the fp32 accumulation order differs from the reference's matmul (as with the
+    factorised kernel).  The two halves are quantised to MXFP4 blocks and stored separately."""
     a = tl.program_id(0).to(tl.int64)
     ii = a * BLOCK_T + tl.arange(0, BLOCK_T)
     im = ii < n_rows
@@ -1432,7 +1448,7 @@ def _emit_indexer_dot_kernel(
         tl.store(scratch_ptr + a * BLOCK_T + rank, kk, mask=go)
         tl.debug_barrier()
         cn = tl.arange(0, NOPE)
-        h = parity_sign(cn[:, None] & cn[None, :])  # [NOPE, NOPE]
+        h = _dot_signs(cn, INTERP)  # [NOPE, NOPE]
         roff = NOPE + 2 * tl.arange(0, HR)[:, None] + tl.arange(0, 2)[None, :]  # [HR, 2]
         wn = tl.load(w_ptr + cn).to(tl.float32)
         we, wo = tl.split(tl.load(w_ptr + roff).to(tl.float32))
@@ -1449,6 +1465,16 @@ def _emit_indexer_dot_kernel(
 
 
 @triton.jit
+def _dot_signs(cn, INTERP: tl.constexpr):
+    """The Sylvester signs [n, n] of ``cn`` = arange(n) as the MMA operand of ``_emit_indexer_dot_rows``: bf16 on
+    the GPU (+-1 are exact), fp32 under the interpreter (its tf32 dot)."""
+    h = parity_sign(cn[:, None] & cn[None, :])
+    if not INTERP:
+        h = h.to(tl.bfloat16)
+    return h
+
+
+@triton.jit
 def _emit_indexer_dot_rows(
     x_ptr, stride_x, ii, go, sl, wn, we, wo, roff, eps, pos_ptr, inv_ptr, ratio, bs, h, data_ptr, data_sp, data_sr,
     scale_ptr, scale_sp, scale_sr, INTERP: tl.constexpr, ROWS: tl.constexpr, DIM: tl.constexpr, NOPE: tl.constexpr,
@@ -1462,8 +1488,10 @@ def _emit_indexer_dot_rows(
     j = tl.arange(0, HR)
     xrow = x_ptr + ii.to(tl.int64) * stride_x
     xn = bf16_rne(tl.load(xrow[:, None] + cn[None, :], mask=go[:, None], other=0.0), INTERP)
-    xr = bf16_rne(tl.load(xrow[:, None, None] + roff[None, :, :], mask=go[:, None, None], other=0.0), INTERP)
-    xe, xo = tl.split(xr)
+    # the rope values as one contiguous [ROWS, 2 * HR] load (row-major lanes, as the nope values), split in registers
+    cr = NOPE + tl.arange(0, 2 * HR)
+    xr = bf16_rne(tl.load(xrow[:, None] + cr[None, :], mask=go[:, None], other=0.0), INTERP)
+    xe, xo = tl.split(tl.reshape(xr, [ROWS, HR, 2]))
     ss = tl.sum(xn * xn, axis=1) + tl.sum(xe * xe + xo * xo, axis=1)
     r = tl.div_rn(tl.zeros([ROWS], tl.float32) + 1.0, tl.sqrt_rn(tl.div_rn(ss, DIM) + eps))
     yn = bf16_rne(wn[None, :] * (xn * r[:, None]), INTERP)
@@ -1472,10 +1500,14 @@ def _emit_indexer_dot_rows(
     c, s = rope_cos_sin_rows(pos_ptr + ii, go, ratio, inv_ptr + j, INTERP)
     rot = tl.reshape(tl.join(bf16_rne(ye * c - yo * s, INTERP), bf16_rne(ye * s + yo * c, INTERP)), [ROWS, 2 * HR])
     # H_DIM = H_2 (x) H_NOPE (nope = rope = DIM / 2): z[:NOPE] = A + B, z[NOPE:] = A - B with
-    # A = yn @ H_NOPE, B = rope @ H_NOPE; tf32 MMAs (the values are bf16, exact in tf32; the signs +-1: exact
-    # products; bf16 operands would halve the shared memory but the interpreter's bf16 dot is wrong)
-    za = tl.dot(yn, h, input_precision="tf32")
-    zb = tl.dot(rot, h, input_precision="tf32")
+    # A = yn @ H_NOPE, B = rope @ H_NOPE.  The values are bf16 and the signs +-1, so every product is exact in
+    # bf16 MMAs (fp32 accumulation) on the GPU; the interpreter's bf16 dot is wrong, so it takes tf32 (also exact)
+    if INTERP:
+        za = tl.dot(yn, h, input_precision="tf32")
+        zb = tl.dot(rot, h, input_precision="tf32")
+    else:
+        za = tl.dot(yn.to(tl.bfloat16), h)
+        zb = tl.dot(rot.to(tl.bfloat16), h)
     s32 = tl.where(go, sl, 0).to(tl.int32)
     page = (s32 // bs).to(tl.int64)
     row = (s32 % bs).to(tl.int64)
@@ -1564,6 +1596,7 @@ def emit_entries(
     scan: int | None = None,
     dot: int | None = None,
     rows: int | None = None,
+    stages: int | None = None,
 ) -> None:
     """Finish and store the entries pooled by ``compressor_step`` (spec §3 "after pooling").
 
@@ -1581,10 +1614,11 @@ def emit_entries(
     indexer: 1), ``scan`` (main, when neither ``block_t`` nor ``iters`` is given: rows per program whose
     flags are read at once, the emitting ones stored in turn by one warp; power of two, default
     min(next_pow2(m), 128, T / 512 rounded down to a power of two); 1 = one-row programs), ``dot``
-    (indexer, 0/1: the Hadamard as tf32 MMAs over ``block_t`` >= 16 tokens per program, default
+    (indexer, 0/1: the Hadamard as MMAs over ``block_t`` >= 16 tokens per program, default
     _EMIT_DOT_BLOCK_T; None: the MMA kernel when ``block_t`` is None and T is long enough, with the block of
     ``_emit_indexer_dot_block_t``), ``rows`` (indexer, dot=1 only: emitting rows a group of MMAs, power of two in
-    [16, block_t], default min(_EMIT_DOT_ROWS, block_t)).
+    [16, block_t], default min(_EMIT_DOT_ROWS, block_t)), ``stages`` (dot=1 only: Triton's ``num_stages`` of the MMA
+    kernel's group loop, default _EMIT_DOT_STAGES; None = Triton's).
     The indexer kernel needs nope and rope widths that are power-of-two multiples of the MXFP4 block
     (128 = 64 + 64, blocks of 32 in the released model).
     """
@@ -1601,8 +1635,9 @@ def emit_entries(
         return
     if pooled.stride(1) != 1 or not norm_weight.is_contiguous() or not inv_freq.is_contiguous():
         raise ValueError("pooled (unit inner stride), norm_weight, inv_freq (contiguous): bad layout")
-    if rows is not None and (kind == "main" or dot != 1):
-        raise ValueError(f"rows: the indexer's MMA emit only (kind='indexer', dot=1), got rows={rows!r}, dot={dot!r}")
+    for name, v in (("rows", rows), ("stages", stages)):
+        if v is not None and (kind == "main" or dot != 1):
+            raise ValueError(f"{name}: the indexer's MMA emit only (kind='indexer', dot=1), got {v!r} with dot={dot!r}")
     if kind == "main":
         _launch_norm_rope_fp8(
             pooled, norm_weight, eps, positions, ratio, inv_freq, slots, pages, fmt, None, emits, block_t, num_warps,
@@ -1632,6 +1667,7 @@ def emit_entries(
             slots, scratch, pages.data.shape[0] * bs, bs, *pargs,
             INTERP=interpreter_enabled(), BLOCK_T=bt, ROWS=nr, DIM=d, NOPE=geo["NOPE"], HR=geo["HR"],
             HAD_SCALE=geo["HAD_SCALE"], num_warps=num_warps or _EMIT_DOT_WARPS, **kw,
+            **({"num_stages": stages or _EMIT_DOT_STAGES} if (stages or _EMIT_DOT_STAGES) else {}),
         )  # fmt: skip
         return
     bt = block_t or min(triton.next_power_of_2(ratio), _EMIT_BLOCK_T)
