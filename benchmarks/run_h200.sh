@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One H200 session: environment, GPU tests, then the kernel benchmarks. Results go to $OUT (or ./out).
-# Usage (on the device machine, repo root): bash benchmarks/run_h200.sh [tests|bench|all|pending|ncu|attention|attention_ncu|indexer_gluon|indexer_live|indexer_fold|pending_s12|topk_rows|indexer_default|indexer_p2|indexer_ablate|flush_topk|skeleton|topk_short|fold_auto|hca_online|write_s15|emit_s15|emit2_s15|main_s15|write2_s15|final_s15|gemv_s15|online_regs|write_s16|final_s16|ncu_pool|div_s16|lean_s17|fast_s17|emit_s17|emit2_s17]
+# Usage (on the device machine, repo root): bash benchmarks/run_h200.sh [tests|bench|all|pending|ncu|attention|attention_ncu|indexer_gluon|indexer_live|indexer_fold|pending_s12|topk_rows|indexer_default|indexer_p2|indexer_ablate|flush_topk|skeleton|topk_short|fold_auto|hca_online|write_s15|emit_s15|emit2_s15|main_s15|write2_s15|final_s15|gemv_s15|online_regs|write_s16|final_s16|ncu_pool|div_s16|lean_s17|fast_s17|emit_s17|emit2_s17|warps_s17]
 # "pending": the norm and top-k GPU tests (~4 min, most of it compiling the top-k kernels), launch D's rank
 # threshold on/off, top-k with both flush kinds, the decode step; about 8 minutes.  "ncu": Nsight Compute
 # sections of the indexer scores, dense attention and gather kernels (benchmarks/ncu_cases.py).  "attention": the
@@ -365,4 +365,20 @@ if [ "$what" = emit2_s17 ]; then  # the MMA emit with row-major rope loads (a co
   timeout 120 ncu -k regex:_emit_indexer_dot_kernel --launch-skip 2 --launch-count 1 $secs python3 benchmarks/ncu_cases.py \
     write:csa_indexer:prefill:65536 2>&1 | grep -v "^==PROF==" | tee "$OUT/${stamp}_h200_ncu_emit2_s17.txt" \
     | grep -E "Duration|Throughput|Issued|Executed Instructions|wavefronts|sectors" | head -20
+fi
+if [ "$what" = warps_s17 ]; then  # the MMA emit's warps (one latency-bound group a program at 8,192 tokens), then Nsight
+  # on the CSA indexer's pool (73 % of its bytes' roofline at 65,536) (~2.5 min)
+  d="csa_indexer:emit_dot=1,emit_block_t=64"
+  tn="--tune csa_indexer: --tune $d,emit_num_warps=8 --tune $d,emit_num_warps=2"
+  timeout 60 python3 benchmarks/profile_write.py --modes prefill --tokens 8192 --ops csa_indexer $tn 2>&1 \
+    | grep -v -i warn | tee "$OUT/${stamp}_h200_profile_emit_warps8k_s17.txt" | grep -E "==|emit"
+  d="csa_indexer:emit_dot=1,emit_block_t=128"
+  tn="--tune csa_indexer: --tune $d,emit_num_warps=8 --tune $d,emit_num_warps=8,emit_rows=32"
+  timeout 60 python3 benchmarks/profile_write.py --modes prefill --ops csa_indexer $tn 2>&1 \
+    | grep -v -i warn | tee "$OUT/${stamp}_h200_profile_emit_warps_s17.txt" | grep -E "==|emit"
+  secs="--section SpeedOfLight --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis \
+    --section SchedulerStats --section LaunchStats"
+  timeout 150 ncu -k regex:_compressor_pool_kernel --launch-skip 2 --launch-count 1 $secs python3 benchmarks/ncu_cases.py \
+    write:csa_indexer:prefill:65536 2>&1 | grep -v "^==PROF==" | tee "$OUT/${stamp}_h200_ncu_indexer_pool_s17.txt" \
+    | grep -E "Duration|Throughput|Occupancy|Registers|Issued|Eligible|Block Limit|Waves|Hit" | head -40
 fi
