@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One H200 session: environment, GPU tests, then the kernel benchmarks. Results go to $OUT (or ./out).
-# Usage (on the device machine, repo root): bash benchmarks/run_h200.sh [tests|bench|all|pending|ncu|attention|attention_ncu|indexer_gluon|indexer_live|indexer_fold|pending_s12|topk_rows|indexer_default|indexer_p2|indexer_ablate|flush_topk|skeleton|topk_short|fold_auto|hca_online|write_s15|emit_s15|emit2_s15|main_s15|write2_s15|final_s15|gemv_s15|online_regs|write_s16|final_s16|ncu_pool|div_s16|lean_s17|fast_s17|emit_s17|emit2_s17|warps_s17]
+# Usage (on the device machine, repo root): bash benchmarks/run_h200.sh [tests|bench|all|pending|ncu|attention|attention_ncu|indexer_gluon|indexer_live|indexer_fold|pending_s12|topk_rows|indexer_default|indexer_p2|indexer_ablate|flush_topk|skeleton|topk_short|fold_auto|hca_online|write_s15|emit_s15|emit2_s15|main_s15|write2_s15|final_s15|gemv_s15|online_regs|write_s16|final_s16|ncu_pool|div_s16|lean_s17|fast_s17|emit_s17|emit2_s17|warps_s17|ipool_s17]
 # "pending": the norm and top-k GPU tests (~4 min, most of it compiling the top-k kernels), launch D's rank
 # threshold on/off, top-k with both flush kinds, the decode step; about 8 minutes.  "ncu": Nsight Compute
 # sections of the indexer scores, dense attention and gather kernels (benchmarks/ncu_cases.py).  "attention": the
@@ -381,4 +381,10 @@ if [ "$what" = warps_s17 ]; then  # the MMA emit's warps (one latency-bound grou
   timeout 150 ncu -k regex:_compressor_pool_kernel --launch-skip 2 --launch-count 1 $secs python3 benchmarks/ncu_cases.py \
     write:csa_indexer:prefill:65536 2>&1 | grep -v "^==PROF==" | tee "$OUT/${stamp}_h200_ncu_indexer_pool_s17.txt" \
     | grep -E "Duration|Throughput|Occupancy|Registers|Issued|Eligible|Block Limit|Waves|Hit" | head -40
+fi
+if [ "$what" = ipool_s17 ]; then  # the CSA indexer pool on one warp ([8, 128] tiles: two warps split the 8 rows, so
+  # every softmax reduction crossed warps through shared memory; ncu: 35 % of stalls on MIO) (~1.5 min)
+  tn="--tune csa_indexer: --tune csa_indexer:num_warps=1 --tune csa_indexer:num_warps=1,block_d=64"
+  for n in 65536 8192; do timeout 60 python3 benchmarks/profile_write.py --modes prefill --tokens $n --ops csa_indexer $tn 2>&1 \
+    | grep -v -i warn | tee "$OUT/${stamp}_h200_profile_ipool_${n}_s17.txt" | grep -E "==|pool"; done
 fi
