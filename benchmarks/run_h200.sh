@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One H200 session: environment, GPU tests, then the kernel benchmarks. Results go to $OUT (or ./out).
-# Usage (on the device machine, repo root): bash benchmarks/run_h200.sh [tests|bench|all|pending|ncu|attention|attention_ncu|indexer_gluon|indexer_live|indexer_fold|pending_s12|topk_rows|indexer_default|indexer_p2|indexer_ablate|flush_topk|skeleton|topk_short|fold_auto|hca_online|write_s15|emit_s15|emit2_s15|main_s15|write2_s15|final_s15|gemv_s15|online_regs|write_s16|final_s16|ncu_pool|div_s16|lean_s17|fast_s17|emit_s17|emit2_s17|warps_s17|ipool_s17]
+# Usage (on the device machine, repo root): bash benchmarks/run_h200.sh [tests|bench|all|pending|ncu|attention|attention_ncu|indexer_gluon|indexer_live|indexer_fold|pending_s12|topk_rows|indexer_default|indexer_p2|indexer_ablate|flush_topk|skeleton|topk_short|fold_auto|hca_online|write_s15|emit_s15|emit2_s15|main_s15|write2_s15|final_s15|gemv_s15|online_regs|write_s16|final_s16|ncu_pool|div_s16|lean_s17|fast_s17|emit_s17|emit2_s17|warps_s17|ipool_s17|final_s17]
 # "pending": the norm and top-k GPU tests (~4 min, most of it compiling the top-k kernels), launch D's rank
 # threshold on/off, top-k with both flush kinds, the decode step; about 8 minutes.  "ncu": Nsight Compute
 # sections of the indexer scores, dense attention and gather kernels (benchmarks/ncu_cases.py).  "attention": the
@@ -387,4 +387,13 @@ if [ "$what" = ipool_s17 ]; then  # the CSA indexer pool on one warp ([8, 128] t
   tn="--tune csa_indexer: --tune csa_indexer:num_warps=1 --tune csa_indexer:num_warps=1,block_d=64"
   for n in 65536 8192; do timeout 60 python3 benchmarks/profile_write.py --modes prefill --tokens $n --ops csa_indexer $tn 2>&1 \
     | grep -v -i warn | tee "$OUT/${stamp}_h200_profile_ipool_${n}_s17.txt" | grep -E "==|pool"; done
+fi
+if [ "$what" = final_s17 ]; then  # session 17's defaults (indexer pool on one warp, MMA emit warps): the CSA indexer's
+  # per-kernel and graph times, then the compressor GPU tests (~2.5 min)
+  for n in 65536 8192; do timeout 60 python3 benchmarks/profile_write.py --modes prefill --tokens $n --ops csa_indexer 2>&1 \
+    | grep -v -i warn | tee "$OUT/${stamp}_h200_profile_final_${n}_s17.txt" | grep -E "==|_"; done
+  timeout 100 python3 benchmarks/bench_write.py --models v4-flash --ops csa_indexer --modes prefill \
+    --out "$OUT/${stamp}_h200_write_final_s17.jsonl" 2>&1 | tee "$OUT/${stamp}_h200_write_final_s17.txt" | grep prefill | cut -c1-200
+  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_compressor.py tests/kernels/test_compressor_online.py \
+    -k "cuda or gpu" 2>&1 | tee "$OUT/${stamp}_h200_gpu_tests_final_s17.txt" | tail -2
 fi

@@ -126,6 +126,14 @@ _POOL_WARPS_SMALL = 2
 # (2026-12-04_h200_write_main_s15.txt): CSA main 182.9 us with 2 vs 195.3 with 4 (T = 8,192: 35.0 vs 38.5), so
 # every CSA pool (c*m = 8 rows a tile) takes _POOL_WARPS_SMALL and only HCA's 128-row tiles _POOL_WARPS.
 _POOL_WARPS = 4
+# Small pool tiles (the CSA indexer's [8, 128]) on one warp: with two, the warps split the 8 rows, so each of the
+# softmax's three row reductions crossed warps through shared memory (Nsight: 35 % of stalls on MIO,
+# 2026-12-04_h200_ncu_indexer_pool_s17.txt).  Pool device time, 2 warps / 1 warp / 1 warp with 64 channels a program
+# (2026-12-04_h200_profile_ipool_*_s17.txt): T = 65,536 46.8 / 41.7 / 36.5 us (94 % of its bytes' roofline);
+# T = 8,192 7.5 / 4.9 / 5.5.  So 1 warp, and half the channels from _POOL_SPLIT_D_MIN_BLOCKS token blocks (between
+# the two measured grids, 2,048 and 16,384 blocks).
+_POOL_WARPS_TINY = 1
+_POOL_SPLIT_D_MIN_BLOCKS = 8192
 # The pool's softmax division: once a channel after the weighted sum on full tiles (CSA main [8, 512], HCA [128, 32]),
 # once a row's weight on the CSA indexer's [8, 128].  Nsight put the HCA pool at 0.56 instructions issued a scheduler
 # cycle with one eligible warp (2026-12-04_h200_ncu_hca_pool_s16.txt); pool device time at 65,536 tokens, a division
@@ -172,6 +180,10 @@ _EMIT_INDEXER_WARPS = 1
 _EMIT_DOT_BLOCK_T = 128
 _EMIT_DOT_ROWS = 16
 _EMIT_DOT_WARPS = 4
+# a grid of at most one program an SM (T = 8,192: 128 programs of 64 tokens, one 16-row group each, latency-bound):
+# 8 warps, 6.2 -> 5.2 us (2 warps 8.9; 2026-12-04_h200_profile_emit_warps8k_s17.txt); at T = 65,536 (512 programs)
+# 8 warps were slower, 15.1 -> 19.5 us
+_EMIT_DOT_WARPS_FEW = 8
 _EMIT_DOT_STAGES: int | None = None  # Triton's num_stages of the group loop (None: Triton's default)
 _EMIT_DOT_MIN_PROGRAMS = 2
 _EMIT_DOT_BLOCK_T_SMALL = 64
@@ -1168,6 +1180,9 @@ def compressor_step(
     bd = block_d or max(16, min(triton.next_power_of_2(d), _POOL_TILE // block_r))
     full_csa = block_r <= 8 and block_r * bd >= _POOL_TILE  # CSA main's [8, 512] tiles
     bt = pool_block_t or (_POOL_BLOCK_T_CSA_MAIN if full_csa else min(triton.next_power_of_2(ratio), _POOL_BLOCK_T))
+    tiny = block_r <= 8 and block_r * bd < _POOL_TILE  # the CSA indexer's [8, 128] tiles (_POOL_WARPS_TINY)
+    if tiny and block_d is None and bd >= 32 and triton.cdiv(t, bt) >= _POOL_SPLIT_D_MIN_BLOCKS:
+        bd //= 2
     _check_pow2("pool_block_t", bt)
     _check_pow2("block_d", bd)
     rl = bool(_POOL_ROW_LOADS if row_loads is None else row_loads)
@@ -1181,7 +1196,7 @@ def compressor_step(
         FAST_ROWS=bool(auto_rows if pool_fast_rows is None else pool_fast_rows)
         and max(kv.stride(0), score.stride(0)) * cm < 2**31,  # (its 32-bit row offsets)
         FAST_EXP=fast_exp, INTERP=interpreter_enabled(),
-        num_warps=num_warps or (_POOL_WARPS if block_r > 8 else _POOL_WARPS_SMALL),
+        num_warps=num_warps or (_POOL_WARPS if block_r > 8 else _POOL_WARPS_TINY if tiny else _POOL_WARPS_SMALL),
     )  # fmt: skip
     if online:
         wbt = write_block_t or _ONLINE_WRITE_BLOCK_T
@@ -1611,7 +1626,8 @@ def emit_entries(
     Tuning (Triton path only; results do not depend on them): ``block_t`` tokens per program (power of
     two; main: 1 row per block and a warp per row by default, ``iters`` blocks per program (default 1), as
     ``store_window``; indexer: min(m, 8), emitting ones handled in turn), ``num_warps`` (main: min(block_t, 8);
-    indexer: 1), ``scan`` (main, when neither ``block_t`` nor ``iters`` is given: rows per program whose
+    indexer: 1; its MMA kernel: _EMIT_DOT_WARPS, _EMIT_DOT_WARPS_FEW on grids of at most one program an SM),
+    ``scan`` (main, when neither ``block_t`` nor ``iters`` is given: rows per program whose
     flags are read at once, the emitting ones stored in turn by one warp; power of two, default
     min(next_pow2(m), 128, T / 512 rounded down to a power of two); 1 = one-row programs), ``dot``
     (indexer, 0/1: the Hadamard as MMAs over ``block_t`` >= 16 tokens per program, default
@@ -1662,11 +1678,12 @@ def emit_entries(
                 f"dot=1: needs 16 <= rows <= block_t (got {nr}, {bt}), nope = rope (got {d - rd}, {rd}), even blocks"
             )
         scratch = torch.empty(triton.cdiv(t, bt) * bt, dtype=torch.int32, device=pooled.device)
+        nw = _EMIT_DOT_WARPS_FEW if triton.cdiv(t, bt) <= num_sms(pooled.device) else _EMIT_DOT_WARPS
         _emit_indexer_dot_kernel[(triton.cdiv(t, bt),)](
             pooled, pooled.stride(0), t, norm_weight, float(eps), positions, inv_freq, ratio, emits.view(torch.uint8),
             slots, scratch, pages.data.shape[0] * bs, bs, *pargs,
             INTERP=interpreter_enabled(), BLOCK_T=bt, ROWS=nr, DIM=d, NOPE=geo["NOPE"], HR=geo["HR"],
-            HAD_SCALE=geo["HAD_SCALE"], num_warps=num_warps or _EMIT_DOT_WARPS, **kw,
+            HAD_SCALE=geo["HAD_SCALE"], num_warps=num_warps or nw, **kw,
             **({"num_stages": stages or _EMIT_DOT_STAGES} if (stages or _EMIT_DOT_STAGES) else {}),
         )  # fmt: skip
         return
