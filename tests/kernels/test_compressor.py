@@ -539,12 +539,12 @@ TUNINGS = [
 
 @pytest.mark.parametrize("tuning", TUNINGS)
 @pytest.mark.parametrize("kind", ["csa", "hca"])
-def test_step_path_many_emitters_per_token_block(device, kind, tuning):
+def test_step_path_many_emitters_per_token_block(device, kind, tuning, d=16):
     """Non-decode launch (token-blocked pool pass + tiled state write): a step mixing one-token requests that
     all emit (several per pool block, partial last block), a long chunk and a token without a state slot;
     for any tuning of the Triton launch (tokens per pool program, channel block, warps)."""
     ratio, overlap = CONFIGS[kind]
-    c, d = (2 if overlap else 1), 16
+    c = 2 if overlap else 1
     g = torch.Generator().manual_seed(12)
     n_single = 21
     starts = [(3 * k + 1) * ratio - 1 for k in range(n_single)]  # emitting positions
@@ -582,6 +582,25 @@ def test_write_lanes_with_many_writing_sub_blocks(device, kind, lanes, monkeypat
     64 values: sub-blocks of 2 (CSA) / 4 (HCA) tokens, superblocks of 16): each lane copies every LANES-th of them."""
     monkeypatch.setattr(compressor_module, "_WRITE_LANE_TILE", 64)
     test_step_path_many_emitters_per_token_block(device, kind, {"write_lanes": lanes, "write_block_t": 16})
+
+
+def test_small_tile_pool_splits_channels_on_long_steps(device, monkeypatch):
+    """CSA pools on small tiles (d < 512: the indexer's) take half the channels a program from
+    _POOL_SPLIT_D_MIN_BLOCKS token blocks (patched to 1 here, so a short step takes that path): same values."""
+    grids = []
+    kernel = compressor_module._compressor_pool_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(compressor_module, "_POOL_SPLIT_D_MIN_BLOCKS", 1)
+    monkeypatch.setattr(compressor_module, "_compressor_pool_kernel", Spy())
+    test_step_path_many_emitters_per_token_block(device, "csa", {}, d=64)
+    if device.type == "cpu" and not compressor_module.interpreter_enabled():
+        return  # the torch path on a CPU without the interpreter: no launch to look at
+    assert grids and all(g[1] == 2 for g in grids), grids  # 64 channels -> 2 programs of 32
 
 
 def test_emit_entries_rope_at_entry_position_far_out(device):
