@@ -400,9 +400,13 @@ fi
 if [ "$what" = hca_layout_s18 ]; then  # left for session 18: the HCA pools with fewer warps a tile, so the 128-row
   # softmax reductions stay inside a warp (the CSA indexer's pool gained 22 % from one warp, session 17); 128 registers
   # each on sm_90 (sass_report); then the prefill rows' graph time of every write op (~4 min)
+  # CSA main's [8, 512] tile takes 223 registers on 2 warps (4 programs an SM); [8, 256] tiles on 1 / 2 warps (143
+  # registers) with the full tile's division / fast rows forced on, for the 8,192-token grid's tail (1.3 waves)
   tn=""; for op in hca hca_online; do
     tn="$tn --tune $op: --tune $op:num_warps=1,block_d=8 --tune $op:num_warps=2,block_d=16"; done
-  for n in 65536 8192; do timeout 90 python3 benchmarks/profile_write.py --modes prefill --tokens $n --ops hca,hca_online $tn \
+  f="pool_div_after=1,pool_fast_rows=1"
+  tn="$tn --tune csa_main: --tune csa_main:block_d=256,$f --tune csa_main:block_d=256,num_warps=2,$f"
+  for n in 65536 8192; do timeout 120 python3 benchmarks/profile_write.py --modes prefill --tokens $n --ops hca,hca_online,csa_main $tn \
     2>&1 | grep -v -i warn | tee "$OUT/${stamp}_h200_profile_hca_layout_${n}_s18.txt" | grep -E "==|pool"; done
   timeout 200 python3 benchmarks/bench_write.py --models v4-flash --modes prefill \
     --out "$OUT/${stamp}_h200_write_prefill_s18.jsonl" 2>&1 | tee "$OUT/${stamp}_h200_write_prefill_s18.txt" | grep prefill | cut -c1-200
