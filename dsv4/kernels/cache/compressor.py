@@ -1139,9 +1139,12 @@ def compressor_step(
     Tuning (Triton path only; results do not depend on them): ``pool_block_t`` tokens scanned per pool
         program (power of two; default min(m, 128): one emitting token per program in a prefill; CSA main's full
         tiles: _POOL_BLOCK_T_CSA_MAIN),
-        ``block_d`` channels per program (power of two; pool and decode kernels), ``num_warps`` of the
-        pool / decode kernel, ``row_loads`` (0/1, pool kernel: find the pooled rows that are in the step by
-        loading their tokens' slots / positions, see ``_pool_token``; default ``_POOL_ROW_LOADS``), ``write_block_t`` /
+        ``block_d`` channels per program (power of two; pool and decode kernels; default: [c*m, block_d] tiles of
+        _POOL_TILE values, halved on small tiles from _POOL_SPLIT_D_MIN_BLOCKS token blocks), ``num_warps`` of the
+        pool / decode kernel (pool default: _POOL_WARPS on HCA's 128-row tiles, _POOL_WARPS_TINY on tiles under
+        _POOL_TILE values, else _POOL_WARPS_SMALL), ``row_loads`` (0/1, pool kernel: find the pooled rows that are
+        in the step by loading their tokens' slots / positions, see ``_pool_token``; default ``_POOL_ROW_LOADS``),
+        ``write_block_t`` /
         ``write_warps`` (state-write kernel: tokens per program, power of two, and warps; default
         _WRITE_BLOCK_T / _WRITE_WARPS), ``write_lanes`` (0: ``_compressor_write_kernel``; > 0: the lanes of
         ``_compressor_write_lanes_kernel``, ``write_block_t`` its superblock; default _WRITE_LANES where
