@@ -41,9 +41,10 @@ Bytes (``bytes``: the minimum the op must move; roofline_s = bytes / 4.17e12, H2
   write B entries; ``hca_online``: read the row (kv + score), read the state's prefix (max, den, acc: 3 x d fp32)
   and position, write prefix + raw row (5 x d) and position, write B entries (the timed calls re-run the same
   positions, so the raw row is replaced, not read: a first run reads 2 x d x 4 bytes a request more);
-- compressor prefill (T tokens from 0, E = T/m entries): read kv + score once, write the last c*m rows
-  of the state (``hca_online``: the 5 x d state + position a request), pooled written + read (E x d fp32), write E
-  entries.
+- compressor prefill (T tokens from 0, E = T/m entries; the op is ``compress_prefill``, pool then emit and state
+  write, the latter on a side stream with the tuning key ``overlap_write=1``): read kv + score once, write the
+  last c*m rows of the state (``hca_online``: the 5 x d state + position a request), pooled written + read (E x d
+  fp32), write E entries.
 The norm weights and inv_freq (< 3 KB) are not counted.
 """
 
@@ -69,7 +70,13 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from dsv4.config import get_preset  # noqa: E402
 from dsv4.engine.graphs import capture_graph  # noqa: E402
 from dsv4.formats import FP8EntryFormat, MXFP4KeyFormat  # noqa: E402
-from dsv4.kernels.cache.compressor import compress_decode, compressor_step, emit_entries, online_state  # noqa: E402
+from dsv4.kernels.cache.compressor import (  # noqa: E402
+    compress_decode,
+    compress_prefill,
+    compressor_step,
+    emit_entries,
+    online_state,
+)
 from dsv4.kernels.cache.store import store_window  # noqa: E402
 
 PEAK_HBM_BYTES = 4.17e12
@@ -279,6 +286,7 @@ def case_compressor(kind, cfg, mode, n, device, gen, tune=None):
     emit_kw = {k[len("emit_") :]: tune.pop(k) for k in list(tune) if k.startswith("emit_")}
 
     two_launch = bool(tune.pop("two_launch", 0))
+    overlap_write = tune.pop("overlap_write", None)  # prefill: the state write on a side stream (compress_prefill)
     counters = torch.zeros(n_req, dtype=torch.int32, device=device)
 
     def run(backend, pages, ks, ss, spos):
@@ -293,8 +301,16 @@ def case_compressor(kind, cfg, mode, n, device, gen, tune=None):
                     backend=backend, **kw_s,
                 )  # fmt: skip
                 return
+            if mode == "prefill":  # what a layer's prefill step runs (LayerCacheHandle.compress)
+                sk = {k: v for k, v in kw_s.items() if k != "state_pos"}
+                compress_prefill(
+                    kv, sc, pos, tslot, ks, ss, ratio, overlap, w, 1e-6, inv, eslot, pages, fmt, ekind, backend,
+                    state_pos=kw_s.get("state_pos"), overlap_write=None if backend == "torch" else overlap_write,
+                    step_kw=sk, emit_kw=kw_e,
+                )  # fmt: skip
+                return
             pooled, emits = compressor_step(
-                kv, sc, pos, tslot, ks, ss, ratio, overlap, decode=mode == "decode", backend=backend, **kw_s
+                kv, sc, pos, tslot, ks, ss, ratio, overlap, decode=True, backend=backend, **kw_s
             )
             emit_entries(pooled, emits, pos, w, 1e-6, inv, eslot, pages, fmt, ratio, ekind, backend=backend, **kw_e)
 

@@ -259,23 +259,26 @@ class LayerCacheHandle:
         ape: torch.Tensor | None = None,
     ) -> None:
         """``update_compressor`` then ``emit_compressed`` (same arguments, same effect).  A decode step
-        (``plan.is_decode``) runs them as ONE fused launch (``compress_decode``); otherwise as those two
-        calls (pool + state write, then emit: 3 launches on the Triton path).  With ``ape`` (fp32
+        (``plan.is_decode``) runs them as ONE fused launch (``compress_decode``); otherwise as
+        ``compress_prefill`` (the pool, then the emit and the state write: 3 launches on the Triton path, 4 with
+        the online state).  With ``ape`` (fp32
         [m, c*d]) ``score`` is ``wgate(x)`` alone and ``ape[pos mod m]`` is added here (inside the fused
         decode launch)."""
         if not self.plan.is_decode:
-            from dsv4.kernels.cache.compressor import check_emit_arguments
+            from dsv4.kernels.cache.compressor import compress_prefill
             from dsv4.model.functional import ape_rows
 
-            # the emit's arguments first: the state update below must not happen for a call that then fails
+            # (compress_prefill checks the emit's arguments before it touches the state)
             rp = self._need_ratio("compress")
-            self._compressor(which)
+            st = self._compressor(which)
             pages, fmt = self._emit_target(which)
-            check_emit_arguments(self.plan.positions, norm_weight, inv_freq, rp.emit_slots, pages, fmt, rp.ratio, which)
             if ape is not None:
                 score = score + ape_rows(ape, self.plan.positions, ape.shape[0])
-            pooled, emits = self.update_compressor(kv, score, which, backend=backend)
-            self.emit_compressed(pooled, emits, norm_weight, inv_freq, which, backend=backend)
+            compress_prefill(
+                kv, score, self.plan.positions, self.plan.token_slots, st.kv, st.score, st.shape.ratio,
+                st.shape.overlap, norm_weight, self.schema.config.norm_eps, inv_freq, rp.emit_slots, pages, fmt,
+                kind=which, backend=backend, state_pos=st.positions,
+            )  # fmt: skip
             return
         from dsv4.kernels.cache.compressor import compress_decode
 

@@ -44,7 +44,8 @@ Launches (Triton path; no host synchronisation, no copies, no fills, CUDA-graph 
 token); otherwise 2 (token-blocked pool pass, then the tiled state-write pass: a pool must read the state
 as it was before the step, so the writes wait for a grid-wide boundary; the state write spreads the blocks that
 hold writing tokens over lanes of a superblock where c*d >= 512, ``_compressor_write_lanes_kernel``), 3 with an
-online state (pool, state write, state positions).  ``emit_entries`` 1 (RMSNorm,
+online state (pool, state write, state positions); ``compress_prefill`` runs them and the emit, the state write
+optionally on a side stream alongside the emit (both wait only for the pool).  ``emit_entries`` 1 (RMSNorm,
 RoPE at the entry position computed in the kernel, [Hadamard], quantise, store; a block of tokens per
 program, only the emitting ones read; the indexer's Hadamard factorised as H_NB (x) H_32).  A decode-step CSA/HCA
 layer thus costs 2 launches per compressor; fusing emit into the pool would need each token's whole
@@ -87,6 +88,7 @@ from dsv4.kernels.cache.store import (
     _mxfp4_args,
     _mxfp4_store_row,
     _norm_rope_rows,
+    check_fp8_kernel_geometry,
     store_fp8_entries_reference,
     store_mxfp4_keys_reference,
 )
@@ -1119,6 +1121,7 @@ def compressor_step(
     pool_div_after: bool | None = None,
     pool_fast_rows: bool | None = None,
     pool_fast_exp: bool | None = None,
+    write_stream: torch.cuda.Stream | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fold one step's compressor projections into the state ring and pool the entries that complete.
 
@@ -1152,6 +1155,10 @@ def compressor_step(
         by the softmax denominator once instead of each row's weight; default from tiles of _POOL_DIV_AFTER_MIN
         values), ``pool_fast_rows`` / ``pool_fast_exp`` (``_pool_token``'s FAST_ROWS / FAST_EXP, the latter also
         in the online state's prefix; default ``_pool_fast_defaults``).
+    ``write_stream`` (non-decode Triton path on CUDA; ignored otherwise): the state-write launches go to this
+        stream, after it waits for the pool; the call then returns with the write possibly still running, and the
+        caller must make its stream wait for ``write_stream`` before anything reads or writes the state (or
+        ``kv`` / ``score`` / ``positions`` / ``token_slot`` change).  ``compress_prefill`` does this.
     Preconditions: the step contract of the module docstring.
     """
     c, cm, t, cd, d = _check_step(kv, score, positions, token_slot, kv_state, score_state, ratio, overlap, state_pos)
@@ -1201,6 +1208,31 @@ def compressor_step(
         FAST_EXP=fast_exp, INTERP=interpreter_enabled(),
         num_warps=num_warps or (_POOL_WARPS if block_r > 8 else _POOL_WARPS_TINY if tiny else _POOL_WARPS_SMALL),
     )  # fmt: skip
+    if write_stream is not None and kv.is_cuda:  # the state write on the caller's side stream, after the pool
+        write_stream.wait_stream(torch.cuda.current_stream(dev))
+        for x in (kv, score, positions, token_slot, kv_state, score_state, state_pos):
+            if x is not None:
+                x.record_stream(write_stream)  # (kept alive until the side stream's work is done)
+        with torch.cuda.stream(write_stream):
+            _launch_state_write(
+                head, t, d, cd, cm, ratio, block_r, bd, online, state_pos, fast_exp, positions, token_slot,
+                kv_state.shape[0], write_block_t, write_warps, write_lanes,
+            )  # fmt: skip
+    else:
+        _launch_state_write(
+            head, t, d, cd, cm, ratio, block_r, bd, online, state_pos, fast_exp, positions, token_slot,
+            kv_state.shape[0], write_block_t, write_warps, write_lanes,
+        )  # fmt: skip
+    return pooled, emits
+
+
+def _launch_state_write(
+    head, t, d, cd, cm, ratio, block_r, bd, online, state_pos, fast_exp, positions, token_slot, n_slots,
+    write_block_t, write_warps, write_lanes,
+) -> None:  # fmt: skip
+    """The state-write launches of a non-decode ``compressor_step`` (after its pool launch; ``head`` its kernel
+    arguments up to the state's slot count): the online state's write and positions, else the lanes or the
+    token-block write kernel."""
     if online:
         wbt = write_block_t or _ONLINE_WRITE_BLOCK_T
         _check_pow2("write_block_t", wbt)
@@ -1210,9 +1242,9 @@ def compressor_step(
             num_warps=write_warps or (_POOL_WARPS if block_r * bd >= _POOL_TILE else _POOL_WARPS_SMALL),
         )  # fmt: skip
         _online_pos_kernel[(triton.cdiv(t, wbt),)](
-            positions, token_slot, kv_state.shape[0], t, state_pos, BLOCK_T=wbt, num_warps=_WRITE_WARPS
+            positions, token_slot, n_slots, t, state_pos, BLOCK_T=wbt, num_warps=_WRITE_WARPS
         )
-        return pooled, emits
+        return
     lanes = (_WRITE_LANES if cd >= _WRITE_LANES_MIN_CD else 0) if write_lanes is None else write_lanes
     if not isinstance(lanes, int) or lanes < 0:
         raise ValueError(f"write_lanes: expected an int >= 0, got {lanes!r}")
@@ -1225,14 +1257,13 @@ def compressor_step(
         _compressor_write_lanes_kernel[(triton.cdiv(t, sup), lanes)](
             *head, t, CM=cm, CD=cd, SUPER=sup, SUB=sub, LANES=lanes, BLOCK_D=wd, num_warps=write_warps or _WRITE_WARPS,
         )  # fmt: skip
-        return pooled, emits
+        return
     wd = min(triton.next_power_of_2(cd), _WRITE_BLOCK_D)
     wbt = write_block_t or _WRITE_BLOCK_T
     _check_pow2("write_block_t", wbt)
     _compressor_write_kernel[(triton.cdiv(t, wbt),)](
         *head, t, CM=cm, CD=cd, BLOCK_T=wbt, BLOCK_D=wd, num_warps=write_warps or _WRITE_WARPS,
     )  # fmt: skip
-    return pooled, emits
 
 
 # ============================================================================ emit
@@ -1572,13 +1603,22 @@ def _check_emit(t, positions, norm_weight, inv_freq, slots, pages, fmt, ratio, k
     return d, rd
 
 
-def check_emit_arguments(positions, norm_weight, inv_freq, slots, pages, fmt, ratio: int, kind: str) -> None:
-    """ValueError unless ``emit_entries`` would accept these arguments for T = len(positions) rows (a caller that
-    changes state before the emit, e.g. ``LayerCacheHandle.compress``, checks first)."""
+def check_emit_arguments(
+    positions, norm_weight, inv_freq, slots, pages, fmt, ratio: int, kind: str, backend: str = "auto"
+) -> None:
+    """ValueError unless ``emit_entries`` (with ``backend``) would accept these arguments for T = len(positions) rows,
+    including the Triton kernels' own preconditions where that backend runs them (a caller that changes state
+    before the emit, e.g. ``LayerCacheHandle.compress`` / ``compress_prefill``, checks first)."""
     t = positions.shape[0] if isinstance(positions, torch.Tensor) and positions.ndim == 1 else -1
     if t < 0:
         raise ValueError(f"positions: expected a 1-D tensor, got {type(positions).__name__}")
-    _check_emit(t, positions, norm_weight, inv_freq, slots, pages, fmt, ratio, kind)
+    d, rd = _check_emit(t, positions, norm_weight, inv_freq, slots, pages, fmt, ratio, kind)
+    if t == 0 or not use_triton(backend, positions, slots, norm_weight, inv_freq):
+        return
+    if kind == "main":
+        check_fp8_kernel_geometry(fmt, pages)
+    else:
+        _indexer_emit_geometry(fmt, d, rd)
 
 
 def _indexer_emit_geometry(fmt: MXFP4KeyFormat, d: int, rd: int) -> dict:
@@ -1697,6 +1737,76 @@ def emit_entries(
         slots, pages.data.shape[0] * bs, bs, *pargs,
         INTERP=interpreter_enabled(), BLOCK_T=bt, DIM=d, num_warps=num_warps or _EMIT_INDEXER_WARPS, **geo, **kw,
     )  # fmt: skip
+
+
+# ============================================================================ prefill: pool, then emit and state write
+# The state write and the emit of a prefill both wait only for the pool: on one stream they run one after the other,
+# on two they can share the GPU (the emit's grid is one wave at 65,536 tokens).  Off until measured on the H200
+# (``run_h200.sh overlap_s18``).
+_OVERLAP_WRITE = False
+_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream | None:
+    """The per-device stream ``compress_prefill`` writes the state on; None (run in order) when it does not exist yet
+    and the current stream is being captured (a stream is created outside a capture only)."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    side = _SIDE_STREAMS.get(idx)
+    if side is None:
+        if torch.cuda.is_current_stream_capturing():
+            return None
+        side = _SIDE_STREAMS[idx] = torch.cuda.Stream(device=idx)
+    return side
+
+
+def compress_prefill(
+    kv: torch.Tensor,
+    score: torch.Tensor,
+    positions: torch.Tensor,
+    token_slot: torch.Tensor,
+    kv_state: torch.Tensor,
+    score_state: torch.Tensor,
+    ratio: int,
+    overlap: bool,
+    norm_weight: torch.Tensor,
+    eps: float,
+    inv_freq: torch.Tensor,
+    slots: torch.Tensor,
+    pages: EntryPages | KeyPages,
+    fmt: FP8EntryFormat | MXFP4KeyFormat,
+    kind: str = "main",
+    backend: str = "auto",
+    *,
+    state_pos: torch.Tensor | None = None,
+    overlap_write: bool | None = None,
+    step_kw: dict | None = None,
+    emit_kw: dict | None = None,
+) -> None:
+    """A non-decode step of one compressor: ``compressor_step`` then ``emit_entries`` (same arguments, same effect).
+
+    The emit's arguments are checked first, so a call that fails changes nothing.  ``overlap_write`` (default
+    _OVERLAP_WRITE; CUDA Triton path only): the state write runs on a per-device side stream while the emit runs on
+    the caller's; both start after the pool, and the caller's stream waits for the side stream before this returns,
+    so to the caller (and in a captured CUDA graph, as two branches joined) the call stays one ordered unit.  The
+    side stream is created on first use outside a capture; a call captured before that runs in order.
+    ``step_kw`` / ``emit_kw``: tuning keywords of the two calls.
+    """
+    check_emit_arguments(positions, norm_weight, inv_freq, slots, pages, fmt, ratio, kind, backend)
+    side = None
+    if (_OVERLAP_WRITE if overlap_write is None else overlap_write) and kv.is_cuda and use_triton(backend, kv, score):
+        side = _side_stream(kv.device)
+    pooled, emits = compressor_step(
+        kv, score, positions, token_slot, kv_state, score_state, ratio, overlap, backend=backend,
+        state_pos=state_pos, write_stream=side, **(step_kw or {}),
+    )  # fmt: skip
+    try:
+        emit_entries(
+            pooled, emits, positions, norm_weight, eps, inv_freq, slots, pages, fmt, ratio, kind, backend=backend,
+            **(emit_kw or {}),
+        )  # fmt: skip
+    finally:
+        if side is not None:
+            torch.cuda.current_stream(kv.device).wait_stream(side)
 
 
 # ============================================================================ fused decode step

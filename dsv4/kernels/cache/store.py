@@ -623,6 +623,15 @@ def _check_pow2(name: str, n: int) -> None:
         raise ValueError(f"{name}: the Triton kernel needs a power of two, got {n}")
 
 
+def check_fp8_kernel_geometry(fmt: FP8EntryFormat, pages: EntryPages) -> None:
+    """ValueError unless the Triton FP8-entry kernels (``_norm_rope_fp8_kernel``) take this format and these pages:
+    power-of-two tile and rope half, slots indexable in int32."""
+    _check_pow2("fmt.tile", fmt.tile)
+    _check_pow2("fmt.rope_dim // 2", fmt.rope_dim // 2)
+    if pages.num_slots >= 2**31:
+        raise ValueError(f"pages: the Triton kernel indexes slots in int32, got {pages.num_slots} slots")
+
+
 def _launch_norm_rope_fp8(
     x: torch.Tensor,
     norm_weight: torch.Tensor,
@@ -652,10 +661,7 @@ def _launch_norm_rope_fp8(
     n = x.shape[0]
     if n == 0:
         return
-    _check_pow2("fmt.tile", fmt.tile)
-    _check_pow2("fmt.rope_dim // 2", fmt.rope_dim // 2)
-    if pages.num_slots >= 2**31:
-        raise ValueError(f"pages: the Triton kernel indexes slots in int32, got {pages.num_slots} slots")
+    check_fp8_kernel_geometry(fmt, pages)
     bt = _ROW_BLOCK if block_t is None else block_t
     _check_pow2("block_t", bt)
     nw = num_warps or min(bt, _MAX_WARPS)
