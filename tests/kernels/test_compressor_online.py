@@ -63,10 +63,13 @@ def check(got, hist, state, slot_map, ratio):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("ratio", [8, 128])
-@pytest.mark.parametrize("tuning", [{}, {"pool_fast_rows": 1, "pool_fast_exp": 1}])
+@pytest.mark.parametrize(
+    "tuning",
+    [{}, {"pool_fast_rows": 1, "pool_fast_exp": 1}, {"pool_online_rows_in_step": 1, "pool_maxnreg": 128}],
+)
 def test_online_chunked_steps_equal_one_pass(device, backend, ratio, tuning):
     """Any chunking, prefill or decode, gives the one-pass oracle's entries and state; for the Triton path also with
-    the pool's fast-row and fast-exp forms."""
+    the pool's fast-row and fast-exp forms, and with whole-chunk entries pooled by the fast loads alone."""
     chunks = [
         [(0, 5), (1, 1), (2, 3)],
         [(0, 1), (1, 130), (2, 3)],

@@ -153,6 +153,14 @@ _POOL_DIV_AFTER_MIN = 4096
 # (cm = 1: HCA); ``_pool_fast_defaults``.
 
 
+# The online pool's entries that take no state share: their rows are all in the step, so only the fast loads could be
+# compiled for them (``_compressor_pool_kernel``'s ONLINE_ROWS_IN_STEP).  sm_90 (Triton 3.6, sass_report, hca_online
+# prefill 65,536): the default 128 registers / 2,384 static instructions; ONLINE_ROWS_IN_STEP 165 / 2,072 (3 programs
+# an SM instead of 4: fast rows with both paths compiled took 168 and were slower on the H200, 88.5 vs 80.5 us);
+# with ``pool_maxnreg=128`` 128 / 2,160, no spills.  Off until timed (``run_h200.sh hca_layout_s18``).
+_POOL_ONLINE_ROWS_IN_STEP = False
+
+
 def _pool_fast_defaults(cm: int, full_tile: bool, online: bool) -> tuple[bool, bool]:
     """(FAST_ROWS, FAST_EXP) of the pool kernel when the caller leaves them (see the measurements above)."""
     return full_tile and not online, cm == 1
@@ -537,6 +545,17 @@ def _pool_rows(
 
 
 @triton.jit
+def _step_rows(i, k, rmask, col, chm, kv_ptr, sc_ptr, stride_kv, stride_sc, CM: tl.constexpr):
+    """kv / score tiles [BLOCK_R, BLOCK_D] of the entry completed by token i when all its rows i-CM+1 .. i are this
+    step's: one 64-bit base a tensor, 32-bit offsets from it (rows k < CM; the caller keeps stride * CM < 2^31)."""
+    j0 = i - CM + 1
+    m2 = rmask[:, None] & chm[None, :]
+    kv_r = tl.load((kv_ptr + j0 * stride_kv) + (k[:, None] * stride_kv + col), mask=m2, other=0.0)
+    sc_r = tl.load((sc_ptr + j0 * stride_sc) + (k[:, None] * stride_sc + col), mask=m2, other=float("-inf"))
+    return kv_r, sc_r
+
+
+@triton.jit
 def _pool_token(
     i,
     t,
@@ -569,6 +588,7 @@ def _pool_token(
     FAST_ROWS: tl.constexpr = False,
     FAST_EXP: tl.constexpr = False,
     INTERP: tl.constexpr = False,
+    ROWS_IN_STEP: tl.constexpr = False,
 ):
     """Pool channels [b*BLOCK_D, ...) of the entry completed by token i (position t, state slot ``slot``).
 
@@ -581,7 +601,9 @@ def _pool_token(
     Fewer instructions a row (the HCA pool is issue-bound, ``_POOL_DIV_AFTER_MIN``'s note): ``DIV_AFTER`` divides
     once a channel; ``FAST_ROWS`` (non-decode, not ``ROW_LOADS``) loads an entry whose rows are all in the step
     without the per-row select between step and state pointers; ``FAST_EXP`` takes exp as one FMA and one
-    ``ex2.approx.ftz`` (``_exp2_ftz``: weights below 2^-126 of the channel's largest flush to 0)."""
+    ``ex2.approx.ftz`` (``_exp2_ftz``: weights below 2^-126 of the channel's largest flush to 0).  ``ROWS_IN_STEP``:
+    the caller knows every pooled row is this step's (the online pool's whole-chunk entries), so only the fast
+    loads are compiled (no state pointers, no branch)."""
     k = tl.arange(0, BLOCK_R)
     rmask = k < CM
     ch = b * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -591,19 +613,19 @@ def _pool_token(
     else:
         coff = tl.zeros([BLOCK_R], tl.int32)
     col = coff[:, None] + ch[None, :]
-    fast = False
-    if FAST_ROWS:
-        fast = (i0 <= i - CM + 1) & (t >= CM - 1)  # every pooled row is this step's, none before position 0
-    if fast:  # (one 64-bit base a tensor, 32-bit offsets from it: rows k < c*m, strides < 2^31 / c*m)
-        j0 = i - CM + 1
-        m2 = rmask[:, None] & chm[None, :]
-        kv_r = tl.load((kv_ptr + j0 * stride_kv) + (k[:, None] * stride_kv + col), mask=m2, other=0.0)
-        sc_r = tl.load((sc_ptr + j0 * stride_sc) + (k[:, None] * stride_sc + col), mask=m2, other=float("-inf"))
+    if ROWS_IN_STEP:
+        kv_r, sc_r = _step_rows(i, k, rmask, col, chm, kv_ptr, sc_ptr, stride_kv, stride_sc, CM)
     else:
-        kv_r, sc_r = _pool_rows(
-            i, t, slot, k, rmask, col, chm, kv_ptr, sc_ptr, stride_kv, stride_sc, pos_ptr, tslot_ptr, kvs_ptr,
-            scs_ptr, st_ss, st_sr, T, M, CM, D, OVERLAP, DECODE, i0, ROW_LOADS, ape_ptr, HAS_APE,
-        )  # fmt: skip
+        fast = False
+        if FAST_ROWS:
+            fast = (i0 <= i - CM + 1) & (t >= CM - 1)  # every pooled row is this step's, none before position 0
+        if fast:
+            kv_r, sc_r = _step_rows(i, k, rmask, col, chm, kv_ptr, sc_ptr, stride_kv, stride_sc, CM)
+        else:
+            kv_r, sc_r = _pool_rows(
+                i, t, slot, k, rmask, col, chm, kv_ptr, sc_ptr, stride_kv, stride_sc, pos_ptr, tslot_ptr, kvs_ptr,
+                scs_ptr, st_ss, st_sr, T, M, CM, D, OVERLAP, DECODE, i0, ROW_LOADS, ape_ptr, HAS_APE,
+            )  # fmt: skip
     mx = tl.max(sc_r, axis=0)
     mx = tl.where(mx == float("-inf"), 0.0, mx)  # all-absent (padding) channels: no inf - inf
     e = _softmax_exp(sc_r, mx, FAST_EXP, INTERP)
@@ -822,6 +844,7 @@ def _compressor_pool_kernel(
     FAST_ROWS: tl.constexpr = False,
     FAST_EXP: tl.constexpr = False,
     INTERP: tl.constexpr = False,
+    ONLINE_ROWS_IN_STEP: tl.constexpr = False,
 ):
     """Program (token block a, channel block b): write ``emits`` of tokens [a*BLOCK_T, ...) (b == 0) and
     pool channels [b*BLOCK_D, ...) of each emitting token with a state slot, one after another (visiting
@@ -832,7 +855,10 @@ def _compressor_pool_kernel(
     the block, and each emitting token's request start i0 (``_pool_token``) is found from these registers:
     the first index of the run of tokens ending at the token with the same slot and consecutive positions
     (the step contract makes it the request's first token of the step, or the run reaches back past every
-    row the pooling needs)."""
+    row the pooling needs).  ``ONLINE_ROWS_IN_STEP`` (online, not ``ROW_LOADS``): an entry that does not combine the
+    state has, by that test, all its rows in the step (for HCA, t + 1 = 0 mod m, so none before position 0), so it
+    is pooled by the fast loads alone, without the state-reading path compiled beside them (``_pool_token``'s
+    ``ROWS_IN_STEP``)."""
     a = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1)
     ii = a * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -866,6 +892,7 @@ def _compressor_pool_kernel(
                 a * BLOCK_T + k, t, slot, b, kv_ptr, sc_ptr, stride_kv, stride_sc, pos_ptr, tslot_ptr, kvs_ptr,
                 scs_ptr, st_ss, st_sr, pooled_ptr, T, M, CM, D, OVERLAP, BLOCK_R, BLOCK_D, False, i0, ROW_LOADS,
                 None, False, DIV_AFTER, FAST_ROWS and not ROW_LOADS, FAST_EXP, INTERP,
+                ONLINE and ONLINE_ROWS_IN_STEP and not ROW_LOADS,
             )  # fmt: skip
         k = tl.min(tl.where(work & (kk > k), kk, BLOCK_T), axis=0)
 
@@ -1121,6 +1148,8 @@ def compressor_step(
     pool_div_after: bool | None = None,
     pool_fast_rows: bool | None = None,
     pool_fast_exp: bool | None = None,
+    pool_online_rows_in_step: bool | None = None,
+    pool_maxnreg: int | None = None,
     write_stream: torch.cuda.Stream | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fold one step's compressor projections into the state ring and pool the entries that complete.
@@ -1154,7 +1183,9 @@ def compressor_step(
         c*d >= _WRITE_LANES_MIN_CD, else 0), ``pool_div_after`` (pool kernel: divide the channel's weighted sum
         by the softmax denominator once instead of each row's weight; default from tiles of _POOL_DIV_AFTER_MIN
         values), ``pool_fast_rows`` / ``pool_fast_exp`` (``_pool_token``'s FAST_ROWS / FAST_EXP, the latter also
-        in the online state's prefix; default ``_pool_fast_defaults``).
+        in the online state's prefix; default ``_pool_fast_defaults``), ``pool_online_rows_in_step`` (online
+        state: the pool kernel's ONLINE_ROWS_IN_STEP; default _POOL_ONLINE_ROWS_IN_STEP), ``pool_maxnreg`` (the pool
+        kernel's register cap, ptxas ``maxnreg``, an int in [24, 255]; default none; ignored by the interpreter).
     ``write_stream`` (non-decode Triton path on CUDA; ignored otherwise): the state-write launches go to this
         stream, after it waits for the pool; the call then returns with the write possibly still running, and the
         caller must make its stream wait for ``write_stream`` before anything reads or writes the state (or
@@ -1199,14 +1230,21 @@ def compressor_step(
     div_after = bool(block_r * bd >= _POOL_DIV_AFTER_MIN if pool_div_after is None else pool_div_after)
     auto_rows, auto_exp = _pool_fast_defaults(cm, block_r * bd >= _POOL_DIV_AFTER_MIN, online)
     fast_exp = bool(auto_exp if pool_fast_exp is None else pool_fast_exp)
+    offsets32 = max(kv.stride(0), score.stride(0)) * cm < 2**31  # (the fast loads' 32-bit row offsets)
+    if pool_maxnreg is not None and (not isinstance(pool_maxnreg, int) or not 24 <= pool_maxnreg <= 255):
+        raise ValueError(f"pool_maxnreg: expected None or an int in [24, 255], got {pool_maxnreg!r}")
+    cap = {} if pool_maxnreg is None or interpreter_enabled() else {"maxnreg": pool_maxnreg}
     _compressor_pool_kernel[(triton.cdiv(t, bt), triton.cdiv(d, bd))](
         *head, pooled, emits.view(torch.uint8), t, state_pos if online else kv_state,
         M=ratio, CM=cm, D=d, OVERLAP=overlap, BLOCK_T=bt, BLOCK_R=block_r, BLOCK_D=bd, ROW_LOADS=rl, ONLINE=online,
         DIV_AFTER=div_after,
-        FAST_ROWS=bool(auto_rows if pool_fast_rows is None else pool_fast_rows)
-        and max(kv.stride(0), score.stride(0)) * cm < 2**31,  # (its 32-bit row offsets)
+        FAST_ROWS=bool(auto_rows if pool_fast_rows is None else pool_fast_rows) and offsets32,
+        ONLINE_ROWS_IN_STEP=online and offsets32 and bool(
+            _POOL_ONLINE_ROWS_IN_STEP if pool_online_rows_in_step is None else pool_online_rows_in_step
+        ),
         FAST_EXP=fast_exp, INTERP=interpreter_enabled(),
         num_warps=num_warps or (_POOL_WARPS if block_r > 8 else _POOL_WARPS_TINY if tiny else _POOL_WARPS_SMALL),
+        **cap,
     )  # fmt: skip
     if write_stream is not None and kv.is_cuda:  # the state write on the caller's side stream, after the pool
         write_stream.wait_stream(torch.cuda.current_stream(dev))
