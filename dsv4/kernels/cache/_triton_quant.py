@@ -9,7 +9,6 @@ or fast-math:
 - ``ceil_log2_ratio``: ``ceil(log2(max(amax, floor) / qmax))`` without a division (see below);
 - ``pow2_neg``: the fp32 ``2**-e`` built from its exponent field;
 - ``e4m3_code``: fp32 with |v| <= 448 -> float8_e4m3fn byte, round to nearest even, sign kept;
-- ``rope_cos_sin_rows`` / ``rope_cos_sin_pos``: the same for a block of rows ([rows, rope_dim/2]);
 - ``bf16_rne``: ``bf16_round`` by the hardware conversion on a GPU (the same values);
 - ``e2m1_code``: fp32 -> e2m1 code, nearest with ties to the even code (the format's thresholds);
 - ``parity_sign``: the signs of the Sylvester Hadamard matrix;
@@ -19,7 +18,8 @@ or fast-math:
   reduction; the same CUDA math-library functions ``torch.cos``/``torch.sin`` use on the GPU, so the
   values match the reference's; ``tl.cos``/``tl.sin`` may lower to the ``.approx`` instructions, whose
   error grows with the angle, and positions reach 1M).  Under the interpreter (``INTERP``) libdevice
-  is not available: ``tl.cos``/``tl.sin`` (numpy float32, within an ulp of torch's CPU values).
+  is not available: ``tl.cos``/``tl.sin`` (numpy float32, within an ulp of torch's CPU values);
+- ``rope_cos_sin_pos``: the same for a block of rows ([rows, rope_dim/2]) with a compile-time ratio.
 
 NaN/Inf inputs are out of contract (the PyTorch references define those cases).
 """
@@ -127,28 +127,11 @@ def rope_cos_sin_at(pos_ptr, ratio, inv_ptrs, INTERP: tl.constexpr):
 
 
 @triton.jit
-def rope_cos_sin_rows(pos_ptrs, mask, ratio, inv_ptrs, INTERP: tl.constexpr):
-    """``rope_cos_sin_at`` for a block of rows: positions at ``pos_ptrs`` [R] (masked by ``mask``), fp32
-    frequencies at ``inv_ptrs`` [H]; returns (cos, sin) [R, H].  Computed once per (row, rope pair); the
-    angle is the same single fp32 multiplication as the reference's."""
-    p = tl.load(pos_ptrs, mask=mask, other=0).to(tl.int64)
-    q = p // ratio
-    q = tl.where((q * ratio != p) & (p < 0), q - 1, q)
-    p = q * ratio
-    ang = p.to(tl.float32)[:, None] * tl.load(inv_ptrs)[None, :]
-    if INTERP:
-        c = tl.cos(ang)
-        s = tl.sin(ang)
-    else:
-        c = libdevice.cos(ang)
-        s = libdevice.sin(ang)
-    return c, s
-
-
-@triton.jit
 def rope_cos_sin_pos(p, RATIO: tl.constexpr, inv_ptrs, INTERP: tl.constexpr):
-    """``rope_cos_sin_rows`` for already loaded positions ``p`` [R] (int32/int64) and a compile-time ``RATIO``
-    (1: no division; a power of two: a shift): (cos, sin) [R, H] at ``fp32(RATIO * (p // RATIO)) * inv_freq``."""
+    """``rope_cos_sin_at`` for a block of rows: loaded positions ``p`` [R] (int32/int64), a compile-time ``RATIO``
+    (1: no division; a power of two: a shift), fp32 frequencies at ``inv_ptrs`` [H]: (cos, sin) [R, H] at
+    ``fp32(RATIO * (p // RATIO)) * inv_freq``, computed once per (row, rope pair); the angle is the same single fp32
+    multiplication as the reference's."""
     if RATIO != 1:
         p = p.to(tl.int64)
         q = p // RATIO

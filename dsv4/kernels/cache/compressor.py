@@ -75,7 +75,7 @@ from dsv4.kernels.cache._triton_quant import (
     parity_sign,
     pow2_neg,
     rope_cos_sin_at,
-    rope_cos_sin_rows,
+    rope_cos_sin_pos,
 )
 from dsv4.kernels.cache.store import (
     _VEC_ELEMS,
@@ -1482,7 +1482,6 @@ def _emit_indexer_dot_kernel(
     eps,
     pos_ptr,
     inv_ptr,
-    ratio,
     emit_ptr,
     slot_ptr,
     scratch_ptr,
@@ -1495,6 +1494,7 @@ def _emit_indexer_dot_kernel(
     scale_sp,
     scale_sr,
     INTERP: tl.constexpr,
+    RATIO: tl.constexpr,
     BLOCK_T: tl.constexpr,
     ROWS: tl.constexpr,
     DIM: tl.constexpr,
@@ -1545,7 +1545,7 @@ def _emit_indexer_dot_kernel(
             rows = a * BLOCK_T + tl.load(scratch_ptr + a * BLOCK_T + jj, mask=gm, other=0)
             slot = tl.load(slot_ptr + rows, mask=gm, other=0)  # (read by this program above: cached)
             _emit_indexer_dot_rows(
-                x_ptr, stride_x, rows, gm, slot, wn, we, wo, roff, eps, pos_ptr, inv_ptr, ratio, bs, h, data_ptr,
+                x_ptr, stride_x, rows, gm, slot, wn, we, wo, roff, eps, pos_ptr, inv_ptr, RATIO, bs, h, data_ptr,
                 data_sp, data_sr, scale_ptr, scale_sp, scale_sr, INTERP, ROWS, DIM, NOPE, HR, HAD_SCALE, NB, HB, FLOOR,
                 Q_EXP, Q_MANT,
             )  # fmt: skip
@@ -1563,10 +1563,10 @@ def _dot_signs(cn, INTERP: tl.constexpr):
 
 @triton.jit
 def _emit_indexer_dot_rows(
-    x_ptr, stride_x, ii, go, sl, wn, we, wo, roff, eps, pos_ptr, inv_ptr, ratio, bs, h, data_ptr, data_sp, data_sr,
-    scale_ptr, scale_sp, scale_sr, INTERP: tl.constexpr, ROWS: tl.constexpr, DIM: tl.constexpr, NOPE: tl.constexpr,
-    HR: tl.constexpr, HAD_SCALE: tl.constexpr, NB: tl.constexpr, HB: tl.constexpr, FLOOR: tl.constexpr,
-    Q_EXP: tl.constexpr, Q_MANT: tl.constexpr,
+    x_ptr, stride_x, ii, go, sl, wn, we, wo, roff, eps, pos_ptr, inv_ptr, RATIO: tl.constexpr, bs, h, data_ptr,
+    data_sp, data_sr, scale_ptr, scale_sp, scale_sr, INTERP: tl.constexpr, ROWS: tl.constexpr, DIM: tl.constexpr,
+    NOPE: tl.constexpr, HR: tl.constexpr, HAD_SCALE: tl.constexpr, NB: tl.constexpr, HB: tl.constexpr,
+    FLOOR: tl.constexpr, Q_EXP: tl.constexpr, Q_MANT: tl.constexpr,
 ):  # fmt: skip
     """Rows ``ii`` [ROWS] where ``go`` to key slots ``sl``: the body of ``_emit_indexer_dot_kernel`` (h: the
     [NOPE, NOPE] Sylvester signs; wn [NOPE], we / wo [HR]: the fp32 norm weights of the nope values and of the even /
@@ -1584,7 +1584,7 @@ def _emit_indexer_dot_rows(
     yn = bf16_rne(wn[None, :] * (xn * r[:, None]), INTERP)
     ye = bf16_rne(we[None, :] * (xe * r[:, None]), INTERP)
     yo = bf16_rne(wo[None, :] * (xo * r[:, None]), INTERP)
-    c, s = rope_cos_sin_rows(pos_ptr + ii, go, ratio, inv_ptr + j, INTERP)
+    c, s = rope_cos_sin_pos(tl.load(pos_ptr + ii, mask=go, other=0), RATIO, inv_ptr + j, INTERP)
     rot = tl.reshape(tl.join(bf16_rne(ye * c - yo * s, INTERP), bf16_rne(ye * s + yo * c, INTERP)), [ROWS, 2 * HR])
     # H_DIM = H_2 (x) H_NOPE (nope = rope = DIM / 2): z[:NOPE] = A + B, z[NOPE:] = A - B with
     # A = yn @ H_NOPE, B = rope @ H_NOPE.  The values are bf16 and the signs +-1, so every product is exact in
@@ -1761,9 +1761,9 @@ def emit_entries(
         scratch = torch.empty(triton.cdiv(t, bt) * bt, dtype=torch.int32, device=pooled.device)
         nw = _EMIT_DOT_WARPS_FEW if triton.cdiv(t, bt) <= num_sms(pooled.device) else _EMIT_DOT_WARPS
         _emit_indexer_dot_kernel[(triton.cdiv(t, bt),)](
-            pooled, pooled.stride(0), t, norm_weight, float(eps), positions, inv_freq, ratio, emits.view(torch.uint8),
+            pooled, pooled.stride(0), t, norm_weight, float(eps), positions, inv_freq, emits.view(torch.uint8),
             slots, scratch, pages.data.shape[0] * bs, bs, *pargs,
-            INTERP=interpreter_enabled(), BLOCK_T=bt, ROWS=nr, DIM=d, NOPE=geo["NOPE"], HR=geo["HR"],
+            INTERP=interpreter_enabled(), RATIO=ratio, BLOCK_T=bt, ROWS=nr, DIM=d, NOPE=geo["NOPE"], HR=geo["HR"],
             HAD_SCALE=geo["HAD_SCALE"], num_warps=num_warps or nw, **kw,
             **({"num_stages": stages or _EMIT_DOT_STAGES} if (stages or _EMIT_DOT_STAGES) else {}),
         )  # fmt: skip
