@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One H200 session: environment, GPU tests, then the kernel benchmarks. Results go to $OUT (or ./out).
-# Usage (on the device machine, repo root): bash benchmarks/run_h200.sh [tests|bench|all|pending|ncu|attention|attention_ncu|indexer_gluon|indexer_live|indexer_fold|pending_s12|topk_rows|indexer_default|indexer_p2|indexer_ablate|flush_topk|skeleton|topk_short|fold_auto|hca_online|write_s15|emit_s15|emit2_s15|main_s15|write2_s15|final_s15|gemv_s15|online_regs|write_s16|final_s16|ncu_pool|div_s16|lean_s17|fast_s17|emit_s17|emit2_s17|warps_s17|ipool_s17|final_s17|hca_layout_s18|overlap_s18]
+# Usage (on the device machine, repo root): bash benchmarks/run_h200.sh [tests|bench|all|pending|ncu|attention|attention_ncu|indexer_gluon|indexer_live|indexer_fold|pending_s12|topk_rows|indexer_default|indexer_p2|indexer_ablate|flush_topk|skeleton|topk_short|fold_auto|hca_online|write_s15|emit_s15|emit2_s15|main_s15|write2_s15|final_s15|gemv_s15|online_regs|write_s16|final_s16|ncu_pool|div_s16|lean_s17|fast_s17|emit_s17|emit2_s17|warps_s17|ipool_s17|final_s17|sweep_s18|overlap_s18]
 # "pending": the norm and top-k GPU tests (~4 min, most of it compiling the top-k kernels), launch D's rank
 # threshold on/off, top-k with both flush kinds, the decode step; about 8 minutes.  "ncu": Nsight Compute
 # sections of the indexer scores, dense attention and gather kernels (benchmarks/ncu_cases.py).  "attention": the
@@ -397,21 +397,29 @@ if [ "$what" = final_s17 ]; then  # session 17's defaults (indexer pool on one w
   timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_compressor.py tests/kernels/test_compressor_online.py \
     -k "cuda or gpu" 2>&1 | tee "$OUT/${stamp}_h200_gpu_tests_final_s17.txt" | tail -2
 fi
-if [ "$what" = hca_layout_s18 ]; then  # left for session 18: the HCA pools with fewer warps a tile, so the 128-row
-  # softmax reductions stay inside a warp (the CSA indexer's pool gained 22 % from one warp, session 17); 128 registers
-  # each on sm_90 (sass_report); then the prefill rows' graph time of every write op (~4 min)
-  # CSA main's [8, 512] tile takes 223 registers on 2 warps (4 programs an SM); [8, 256] tiles on 1 / 2 warps (143
-  # registers) with the full tile's division / fast rows forced on, for the 8,192-token grid's tail (1.3 waves)
+if [ "$what" = sweep_s18 ]; then  # left for session 18 (~5 min): pool and emit variants prepared on the CPU (sm_90
+  # registers / static instructions from sass_report), per-kernel device time at 65,536 and 8,192 tokens, then the
+  # prefill rows' graph time of every write op with the defaults.
+  # - HCA pools with fewer warps a tile, so the 128-row softmax reductions stay inside a warp (the CSA indexer's pool
+  #   gained 22 % from one warp, session 17); 128 registers each;
+  # - the online pool's whole-chunk entries by the fast loads alone, capped at 128 registers (2,160 static
+  #   instructions instead of 2,384, no spills), and uncapped (165 registers);
+  # - CSA main: [8, 256] tiles on 1 / 2 warps with the full tile's division / fast rows forced on (the 8,192-token
+  #   grid's tail: 1.3 waves), and its [8, 512] tile capped at 168 registers (223 now; 16 B of stack): 6 programs an
+  #   SM instead of 4;
+  # - the indexer's MMA emit with 256 tokens (4 groups) a program, on 4 / 8 warps (one program's sign matrix and
+  #   compaction for twice the rows).
   tn=""; for op in hca hca_online; do
     tn="$tn --tune $op: --tune $op:num_warps=1,block_d=8 --tune $op:num_warps=2,block_d=16"; done
-  # the online pool's whole-chunk entries by the fast loads alone, capped at 128 registers (sass_report: 2,160 static
-  # instructions instead of 2,384, no spills), and uncapped (165 registers)
   tn="$tn --tune hca_online:pool_online_rows_in_step=1,pool_maxnreg=128 --tune hca_online:pool_online_rows_in_step=1"
   f="pool_div_after=1,pool_fast_rows=1"
   tn="$tn --tune csa_main: --tune csa_main:block_d=256,$f --tune csa_main:block_d=256,num_warps=2,$f"
-  tn="$tn --tune csa_main:pool_maxnreg=168"  # 223 -> 168 registers (16 B of stack): 6 programs an SM instead of 4
-  for n in 65536 8192; do timeout 120 python3 benchmarks/profile_write.py --modes prefill --tokens $n --ops hca,hca_online,csa_main $tn \
-    2>&1 | grep -v -i warn | tee "$OUT/${stamp}_h200_profile_hca_layout_${n}_s18.txt" | grep -E "==|pool"; done
+  tn="$tn --tune csa_main:pool_maxnreg=168"
+  e="csa_indexer:emit_dot=1,emit_block_t=256"
+  tn="$tn --tune csa_indexer: --tune $e --tune $e,emit_num_warps=8"
+  for n in 65536 8192; do timeout 150 python3 benchmarks/profile_write.py --modes prefill --tokens $n \
+    --ops hca,hca_online,csa_main,csa_indexer $tn 2>&1 | grep -v -i warn | tee "$OUT/${stamp}_h200_profile_sweep_${n}_s18.txt" \
+    | grep -E "==|pool|emit"; done
   timeout 200 python3 benchmarks/bench_write.py --models v4-flash --modes prefill \
     --out "$OUT/${stamp}_h200_write_prefill_s18.jsonl" 2>&1 | tee "$OUT/${stamp}_h200_write_prefill_s18.txt" | grep prefill | cut -c1-200
 fi

@@ -157,7 +157,7 @@ _POOL_DIV_AFTER_MIN = 4096
 # compiled for them (``_compressor_pool_kernel``'s ONLINE_ROWS_IN_STEP).  sm_90 (Triton 3.6, sass_report, hca_online
 # prefill 65,536): the default 128 registers / 2,384 static instructions; ONLINE_ROWS_IN_STEP 165 / 2,072 (3 programs
 # an SM instead of 4: fast rows with both paths compiled took 168 and were slower on the H200, 88.5 vs 80.5 us);
-# with ``pool_maxnreg=128`` 128 / 2,160, no spills.  Off until timed (``run_h200.sh hca_layout_s18``).
+# with ``pool_maxnreg=128`` 128 / 2,160, no spills.  Off until timed (``run_h200.sh sweep_s18``).
 _POOL_ONLINE_ROWS_IN_STEP = False
 
 
