@@ -1188,8 +1188,10 @@ def compressor_step(
         kernel's register cap, ptxas ``maxnreg``, an int in [24, 255]; default none; ignored by the interpreter).
     ``write_stream`` (non-decode Triton path on CUDA; ignored otherwise): the state-write launches go to this
         stream, after it waits for the pool; the call then returns with the write possibly still running, and the
-        caller must make its stream wait for ``write_stream`` before anything reads or writes the state (or
-        ``kv`` / ``score`` / ``positions`` / ``token_slot`` change).  ``compress_prefill`` does this.
+        caller must make its stream wait for ``write_stream`` before anything reads or writes the state, and keep
+        ``kv`` / ``score`` / ``positions`` / ``token_slot`` alive and unchanged until then (no ``record_stream``:
+        it is not safe under graph capture).  ``positions`` / ``token_slot`` must then be contiguous (a copy made
+        here would be freed before the write runs).  ``compress_prefill`` does all this.
     Preconditions: the step contract of the module docstring.
     """
     c, cm, t, cd, d = _check_step(kv, score, positions, token_slot, kv_state, score_state, ratio, overlap, state_pos)
@@ -1200,6 +1202,8 @@ def compressor_step(
         return compressor_step_reference(
             kv, score, positions, token_slot, kv_state, score_state, ratio, overlap, state_pos
         )
+    if write_stream is not None and not (positions.is_contiguous() and token_slot.is_contiguous()):
+        raise ValueError("positions / token_slot: expected contiguous tensors with write_stream")
     positions, token_slot = positions.contiguous(), token_slot.contiguous()  # indexed as ptr + i
     pooled = torch.empty(t, d, dtype=torch.float32, device=dev)
     emits = torch.empty(t, dtype=torch.bool, device=dev)
@@ -1248,9 +1252,6 @@ def compressor_step(
     )  # fmt: skip
     if write_stream is not None and kv.is_cuda:  # the state write on the caller's side stream, after the pool
         write_stream.wait_stream(torch.cuda.current_stream(dev))
-        for x in (kv, score, positions, token_slot, kv_state, score_state, state_pos):
-            if x is not None:
-                x.record_stream(write_stream)  # (kept alive until the side stream's work is done)
         with torch.cuda.stream(write_stream):
             _launch_state_write(
                 head, t, d, cd, cm, ratio, block_r, bd, online, state_pos, fast_exp, positions, token_slot,
@@ -1824,12 +1825,14 @@ def compress_prefill(
 
     The emit's arguments are checked first, so a call that fails changes nothing.  ``overlap_write`` (default
     _OVERLAP_WRITE; CUDA Triton path only): the state write runs on a per-device side stream while the emit runs on
-    the caller's; both start after the pool, and the caller's stream waits for the side stream before this returns,
-    so to the caller (and in a captured CUDA graph, as two branches joined) the call stays one ordered unit.  The
+    the caller's; both start after the pool, and the caller's stream waits for the side stream before this returns
+    (every tensor the write reads is referenced here until then), so to the caller (and in a captured CUDA graph, as
+    two branches joined) the call stays one ordered unit.  The
     side stream is created on first use outside a capture; a call captured before that runs in order.
     ``step_kw`` / ``emit_kw``: tuning keywords of the two calls.
     """
     check_emit_arguments(positions, norm_weight, inv_freq, slots, pages, fmt, ratio, kind, backend)
+    positions, token_slot = positions.contiguous(), token_slot.contiguous()  # held here until the join below
     side = None
     if (_OVERLAP_WRITE if overlap_write is None else overlap_write) and kv.is_cuda and use_triton(backend, kv, score):
         side = _side_stream(kv.device)
