@@ -62,3 +62,9 @@ def use_triton(backend: str, *tensors: torch.Tensor | None, has_kernel: bool = T
             raise ValueError("backend='triton' needs CUDA tensors, or TRITON_INTERPRET=1 for CPU tensors")
         return True
     return has_kernel and on_cuda
+
+
+def check_maxnreg(name: str, value: int | None) -> None:
+    """ValueError unless ``value`` is None or a ptxas register cap Triton accepts (an int in [24, 255])."""
+    if value is not None and (not isinstance(value, int) or not 24 <= value <= 255):
+        raise ValueError(f"{name}: expected None or an int in [24, 255], got {value!r}")

@@ -526,6 +526,11 @@ def test_validation_errors(device):
         compressor_step(kv, kv.double(), pos, pos, kv_state, sc_state, 4, True)
     with pytest.raises(ValueError, match="ratio"):
         compressor_step(kv, kv, pos, pos, kv_state, sc_state, 0, True)
+    before = kv_state.clone(), sc_state.clone()
+    for bad in (16, 300, 128.0):  # a register cap ptxas would not take: refused before any launch
+        with pytest.raises(ValueError, match="pool_maxnreg"):
+            compressor_step(kv, kv, pos, pos, kv_state, sc_state, 4, True, backend="triton", pool_maxnreg=bad)
+    assert torch.equal(kv_state, before[0]) and torch.equal(sc_state, before[1])
 
 
 TUNINGS = [

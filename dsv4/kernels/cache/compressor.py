@@ -59,6 +59,8 @@ positions p0 - c*m .. p0 - 1 (those >= 0), p0 being its first position in the st
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
@@ -92,7 +94,7 @@ from dsv4.kernels.cache.store import (
     store_fp8_entries_reference,
     store_mxfp4_keys_reference,
 )
-from dsv4.kernels.dispatch import interpreter_enabled, num_sms, use_triton
+from dsv4.kernels.dispatch import check_maxnreg, interpreter_enabled, num_sms, use_triton
 from dsv4.model.functional import ape_rows, apply_rope, hadamard, rms_norm
 
 __all__ = [
@@ -1231,12 +1233,12 @@ def compressor_step(
     _check_pow2("pool_block_t", bt)
     _check_pow2("block_d", bd)
     rl = bool(_POOL_ROW_LOADS if row_loads is None else row_loads)
-    div_after = bool(block_r * bd >= _POOL_DIV_AFTER_MIN if pool_div_after is None else pool_div_after)
-    auto_rows, auto_exp = _pool_fast_defaults(cm, block_r * bd >= _POOL_DIV_AFTER_MIN, online)
+    full_tile = block_r * bd >= _POOL_DIV_AFTER_MIN
+    div_after = bool(full_tile if pool_div_after is None else pool_div_after)
+    auto_rows, auto_exp = _pool_fast_defaults(cm, full_tile, online)
     fast_exp = bool(auto_exp if pool_fast_exp is None else pool_fast_exp)
     offsets32 = max(kv.stride(0), score.stride(0)) * cm < 2**31  # (the fast loads' 32-bit row offsets)
-    if pool_maxnreg is not None and (not isinstance(pool_maxnreg, int) or not 24 <= pool_maxnreg <= 255):
-        raise ValueError(f"pool_maxnreg: expected None or an int in [24, 255], got {pool_maxnreg!r}")
+    check_maxnreg("pool_maxnreg", pool_maxnreg)
     cap = {} if pool_maxnreg is None or interpreter_enabled() else {"maxnreg": pool_maxnreg}
     _compressor_pool_kernel[(triton.cdiv(t, bt), triton.cdiv(d, bd))](
         *head, pooled, emits.view(torch.uint8), t, state_pos if online else kv_state,
@@ -1250,14 +1252,10 @@ def compressor_step(
         num_warps=num_warps or (_POOL_WARPS if block_r > 8 else _POOL_WARPS_TINY if tiny else _POOL_WARPS_SMALL),
         **cap,
     )  # fmt: skip
-    if write_stream is not None and kv.is_cuda:  # the state write on the caller's side stream, after the pool
+    side = write_stream is not None and kv.is_cuda  # the state write on the caller's side stream, after the pool
+    if side:
         write_stream.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(write_stream):
-            _launch_state_write(
-                head, t, d, cd, cm, ratio, block_r, bd, online, state_pos, fast_exp, positions, token_slot,
-                kv_state.shape[0], write_block_t, write_warps, write_lanes,
-            )  # fmt: skip
-    else:
+    with torch.cuda.stream(write_stream) if side else contextlib.nullcontext():
         _launch_state_write(
             head, t, d, cd, cm, ratio, block_r, bd, online, state_pos, fast_exp, positions, token_slot,
             kv_state.shape[0], write_block_t, write_warps, write_lanes,
@@ -1546,7 +1544,7 @@ def _emit_indexer_dot_kernel(
             rows = a * BLOCK_T + tl.load(scratch_ptr + a * BLOCK_T + jj, mask=gm, other=0)
             slot = tl.load(slot_ptr + rows, mask=gm, other=0)  # (read by this program above: cached)
             _emit_indexer_dot_rows(
-                x_ptr, stride_x, rows, gm, slot, wn, we, wo, roff, eps, pos_ptr, inv_ptr, RATIO, bs, h, data_ptr,
+                x_ptr, stride_x, rows, gm, slot, wn, we, wo, eps, pos_ptr, inv_ptr, RATIO, bs, h, data_ptr,
                 data_sp, data_sr, scale_ptr, scale_sp, scale_sr, INTERP, ROWS, DIM, NOPE, HR, HAD_SCALE, NB, HB, FLOOR,
                 Q_EXP, Q_MANT,
             )  # fmt: skip
@@ -1564,14 +1562,14 @@ def _dot_signs(cn, INTERP: tl.constexpr):
 
 @triton.jit
 def _emit_indexer_dot_rows(
-    x_ptr, stride_x, ii, go, sl, wn, we, wo, roff, eps, pos_ptr, inv_ptr, RATIO: tl.constexpr, bs, h, data_ptr,
+    x_ptr, stride_x, ii, go, sl, wn, we, wo, eps, pos_ptr, inv_ptr, RATIO: tl.constexpr, bs, h, data_ptr,
     data_sp, data_sr, scale_ptr, scale_sp, scale_sr, INTERP: tl.constexpr, ROWS: tl.constexpr, DIM: tl.constexpr,
     NOPE: tl.constexpr, HR: tl.constexpr, HAD_SCALE: tl.constexpr, NB: tl.constexpr, HB: tl.constexpr,
     FLOOR: tl.constexpr, Q_EXP: tl.constexpr, Q_MANT: tl.constexpr,
 ):  # fmt: skip
     """Rows ``ii`` [ROWS] where ``go`` to key slots ``sl``: the body of ``_emit_indexer_dot_kernel`` (h: the
     [NOPE, NOPE] Sylvester signs; wn [NOPE], we / wo [HR]: the fp32 norm weights of the nope values and of the even /
-    odd rope lanes, at offsets ``roff`` [HR, 2] of the row)."""
+    odd rope lanes)."""
     cn = tl.arange(0, NOPE)
     j = tl.arange(0, HR)
     xrow = x_ptr + ii.to(tl.int64) * stride_x
@@ -1766,7 +1764,7 @@ def emit_entries(
             slots, scratch, pages.data.shape[0] * bs, bs, *pargs,
             INTERP=interpreter_enabled(), RATIO=ratio, BLOCK_T=bt, ROWS=nr, DIM=d, NOPE=geo["NOPE"], HR=geo["HR"],
             HAD_SCALE=geo["HAD_SCALE"], num_warps=num_warps or nw, **kw,
-            **({"num_stages": stages or _EMIT_DOT_STAGES} if (stages or _EMIT_DOT_STAGES) else {}),
+            **({"num_stages": ns} if (ns := stages or _EMIT_DOT_STAGES) else {}),
         )  # fmt: skip
         return
     bt = block_t or min(triton.next_power_of_2(ratio), _EMIT_BLOCK_T)

@@ -92,7 +92,7 @@ import triton.language as tl
 from dsv4.errors import check_tensor
 from dsv4.formats import FP8_DTYPE, KeyPages, MXFP4KeyFormat, e2m1_decode
 from dsv4.formats.ue8m0 import ceil_log2_ratio
-from dsv4.kernels.dispatch import interpreter_enabled, num_sms, use_triton
+from dsv4.kernels.dispatch import check_maxnreg, interpreter_enabled, num_sms, use_triton
 
 __all__ = [
     "FP8KeyPages",
@@ -987,8 +987,7 @@ def _launch_config(T, H, N, device, block_n, tiles_per_program, num_warps, num_s
         raise ValueError(f"block_n and num_warps: expected powers of two, got {block_n}, {num_warps}")
     if not isinstance(num_stages, int) or num_stages < 1:
         raise ValueError(f"num_stages: expected a positive int, got {num_stages!r}")
-    if maxnreg is not None and (not isinstance(maxnreg, int) or not 24 <= maxnreg <= 255):
-        raise ValueError(f"maxnreg: expected None or an int in [24, 255], got {maxnreg!r}")
+    check_maxnreg("maxnreg", maxnreg)
     grid = (T, -(-n_tiles // tiles_per_program))
     return LaunchConfig(hp, block_n, tiles_per_program, num_warps, num_stages, grid, None if interp else maxnreg)
 
