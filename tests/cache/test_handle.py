@@ -182,6 +182,46 @@ def test_handle_rejects_bad_input_and_changes_nothing():
         m.acquire(0, other_plan)
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_low_level_compressor_calls_equal_compress(backend, device):
+    """``update_compressor`` then ``emit_compressed`` (the handle's low-level API) write the state and page bytes
+    that ``compress`` writes for a prefill (which runs ``compress_prefill``), for both CSA compressors."""
+    g = torch.Generator().manual_seed(4)
+    inputs = {}
+    results = []
+    for low_level in (False, True):
+        m = _manager(device)
+        m.add("a")
+        plan = m.plan({"a": 21})
+        h = m.acquire(1, plan)  # CSA
+        for which in ("main", "indexer"):
+            st = getattr(h.compressor_state(), which)
+            if which not in inputs:
+                w = st.kv.shape[-1]
+                d = TINY.head_dim if which == "main" else TINY.index_head_dim
+                inputs[which] = [
+                    x.to(device)
+                    for x in (
+                        torch.randn(21, w, generator=g),
+                        torch.randn(21, w, generator=g),
+                        torch.rand(d, generator=g) + 0.5,
+                        1.0 / (160000.0 ** (torch.arange(0, TINY.rope_head_dim, 2).float() / TINY.rope_head_dim)),
+                    )
+                ]
+            kv, sc, w, inv = inputs[which]
+            if low_level:
+                pooled, emits = h.update_compressor(kv, sc, which, backend=backend)
+                h.emit_compressed(pooled, emits, w, inv, which, backend=backend)
+            else:
+                h.compress(kv, sc, w, inv, which, backend=backend)
+        c = h.compressor_state()
+        results.append((c.main.kv.clone(), c.main.score.clone(), c.indexer.kv.clone(), h.paged.buffer.clone()))
+        m.commit(plan)
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b)
+    assert results[0][3].any()
+
+
 def test_failed_compress_or_flush_changes_no_state_or_page_byte():
     """A prefill ``compress`` whose emit arguments are bad fails before the compressor state moves; a CSA
     ``flush_compression`` whose indexer keys are bad (strided, another device) fails before the entries are stored."""
