@@ -474,6 +474,12 @@ def test_emit_indexer_dot_compacts_sparse_emitters(device, block_t, rows):
                 *args[:4], 1e-6, inv.to(device), slots.to(device), fmt.key_pages(bufs[0], n_pages, bs), fmt,
                 ratio, "indexer", backend="triton", **bad,
             )  # fmt: skip
+    for bad in ({"stages": 1}, {"dot": 0, "stages": 2}):  # num_stages: the MMA kernel's only
+        with pytest.raises(ValueError, match="stages"):
+            emit_entries(
+                *args[:4], 1e-6, inv.to(device), slots.to(device), fmt.key_pages(bufs[0], n_pages, bs), fmt,
+                ratio, "indexer", backend="triton", **bad,
+            )  # fmt: skip
     assert torch.equal(bufs[0], before)
 
 
