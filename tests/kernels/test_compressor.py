@@ -376,6 +376,7 @@ TUNE_EMIT = [
     {"dot": 1, "block_t": 32, "num_warps": 1},
     {"dot": 1, "block_t": 64, "rows": 16},
     {"dot": 1, "block_t": 32, "rows": 32},
+    {"dot": 1, "block_t": 32, "stages": 1},
 ]
 
 
