@@ -42,9 +42,10 @@ Bytes (``bytes``: the minimum the op must move; roofline_s = bytes / 4.17e12, H2
   and position, write prefix + raw row (5 x d) and position, write B entries (the timed calls re-run the same
   positions, so the raw row is replaced, not read: a first run reads 2 x d x 4 bytes a request more);
 - compressor prefill (T tokens from 0, E = T/m entries; the op is ``compress_prefill``, pool then emit and state
-  write, the latter on a side stream with the tuning key ``overlap_write=1``): read kv + score once, write the
-  last c*m rows of the state (``hca_online``: the 5 x d state + position a request), pooled written + read (E x d
-  fp32), write E entries.
+  write, the latter on a side stream with the tuning key ``overlap_write=1``; ``fuse_emit=1``: the pool kernel
+  emits, where the geometry allows): read kv + score once, write the last c*m rows of the state (``hca_online``:
+  the 5 x d state + position a request), pooled written + read (E x d fp32; not with the fused emit, where they
+  stay in registers or L2, as in the decode kernel), write E entries.
 The norm weights and inv_freq (< 3 KB) are not counted.
 """
 
@@ -67,16 +68,17 @@ import triton  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+import dsv4.kernels.cache.compressor_prefill as compressor_prefill  # noqa: E402
 from dsv4.config import get_preset  # noqa: E402
 from dsv4.engine.graphs import capture_graph  # noqa: E402
 from dsv4.formats import FP8EntryFormat, MXFP4KeyFormat  # noqa: E402
 from dsv4.kernels.cache.compressor import (  # noqa: E402
     compress_decode,
-    compress_prefill,
     compressor_step,
     emit_entries,
     online_state,
 )
+from dsv4.kernels.cache.compressor_prefill import compress_prefill  # noqa: E402
 from dsv4.kernels.cache.store import store_window  # noqa: E402
 
 PEAK_HBM_BYTES = 4.17e12
@@ -235,6 +237,13 @@ def case_store_window(fmt, mode, n, device, gen, tune=None):
     return run("triton", pk, ok_), run("torch", pr, or_), ok, f"bytes equal {same:.6f}", nbytes
 
 
+def _fused_prefill(fuse_emit, online: bool, rows: int, d: int) -> bool:
+    """Whether ``compress_prefill`` takes its fused launch for this compressor (``compressor_prefill._fusable``'s
+    geometry rule, for the released formats)."""
+    fuse = compressor_prefill._FUSE_EMIT if fuse_emit is None else bool(int(fuse_emit))
+    return fuse and not online and triton.next_power_of_2(rows) * d <= compressor_prefill._FUSE_TILE_MAX
+
+
 def case_compressor(kind, cfg, mode, n, device, gen, tune=None):
     fmt8, fmt4 = FP8EntryFormat(cfg.head_dim, cfg.rope_head_dim), MXFP4KeyFormat(cfg.index_head_dim)
     ratio, overlap = (4, True) if kind.startswith("csa") else (128, False)
@@ -287,6 +296,7 @@ def case_compressor(kind, cfg, mode, n, device, gen, tune=None):
 
     two_launch = bool(tune.pop("two_launch", 0))
     overlap_write = tune.pop("overlap_write", None)  # prefill: the state write on a side stream (compress_prefill)
+    fuse_emit = tune.pop("fuse_emit", None)  # prefill: the pool kernel emits (compress_prefill's fused launch)
     counters = torch.zeros(n_req, dtype=torch.int32, device=device)
 
     def run(backend, pages, ks, ss, spos):
@@ -306,6 +316,7 @@ def case_compressor(kind, cfg, mode, n, device, gen, tune=None):
                 compress_prefill(
                     kv, sc, pos, tslot, ks, ss, ratio, overlap, w, 1e-6, inv, eslot, pages, fmt, ekind, backend,
                     state_pos=kw_s.get("state_pos"), overlap_write=None if backend == "torch" else overlap_write,
+                    fuse_emit=None if backend == "torch" else fuse_emit,
                     step_kw=sk, emit_kw=kw_e,
                 )  # fmt: skip
                 return
@@ -340,6 +351,8 @@ def case_compressor(kind, cfg, mode, n, device, gen, tune=None):
         state_reads = e * (c * ratio - 1) * d * 4 * 2  # the other pooled rows, kv + score
     idx = t * 4 * 3  # positions, token slots, entry slots
     handoff = e * d * 4 * 2 if mode == "prefill" or two_launch else 0  # pooled rows between launches
+    if mode == "prefill" and _fused_prefill(fuse_emit, online, c * ratio, d):
+        handoff = 0  # fused: registers (main) or a scratch row the writing program reads back from L2 (indexer)
     nbytes = rows_in + state + state_reads + handoff + e * entry_w + idx
     return (
         run("triton", pk, ksk, ssk, spk),

@@ -38,7 +38,7 @@ KERNELS = {
 }
 
 
-def kernel_bytes(op: str, cfg, mode: str, n: int) -> dict[str, int]:
+def kernel_bytes(op: str, cfg, mode: str, n: int, fused: bool = False) -> dict[str, int]:
     """Bytes each kernel of ``op`` must move (DRAM, minimum) for bench_write's case of ``n`` tokens.
 
     store_window: as bench_write.  Compressor prefill (one request from position 0, E = T // m entries):
@@ -47,7 +47,9 @@ def kernel_bytes(op: str, cfg, mode: str, n: int) -> dict[str, int]:
     look-ahead re-read, from L2: not counted) + the last c*m rows (kv + score) written; emit = read
     ``emits`` + E pooled rows + E positions / slots, write E entries.  Decode (B emitting tokens): the fused
     pool + own-row kernel reads the step's rows and the (c*m - 1) x d pooled state values (kv + score),
-    writes the own rows, pooled, emits; emit as above with E = B.
+    writes the own rows, pooled, emits; emit as above with E = B.  ``fused`` (prefill: ``compress_prefill``'s fused
+    emit): one pool + emit kernel reads kv + score, positions and slots, reads E entry slots and writes E entries
+    (no ``emits``; the indexer's pooled scratch row is read back by the program that wrote it, from L2: not counted).
     """
     if op == "store_window":
         fmt = FP8EntryFormat(cfg.head_dim, cfg.rope_head_dim)
@@ -68,6 +70,10 @@ def kernel_bytes(op: str, cfg, mode: str, n: int) -> dict[str, int]:
     e = n // ratio
     pool = n * c * d * kvsc + n * 8 + n + e * d * 4
     write = n * 8 + min(n, c * ratio) * c * d * kvsc
+    if fused:
+        kind = "indexer" if op == "csa_indexer" else "main"
+        fused_k = n * c * d * kvsc + n * 8 + e * (4 + entry_w)
+        return {f"_pool_emit_{kind}_kernel": fused_k, "_compressor_write_kernel": write}
     return {"_compressor_pool_kernel": pool, "_compressor_write_kernel": write, emit_k: n + e * (d * 4 + 8 + entry_w)}
 
 
@@ -119,7 +125,10 @@ def main() -> None:
                     tri, _, ok, note, _ = bw.case_store_window(fmt, mode, n, device, gen, variant)
                 else:
                     tri, _, ok, note, _ = bw.case_compressor(op, cfg, mode, n, device, gen, variant)
-                want = kernel_bytes(op, cfg, mode, n)
+                d = cfg.index_head_dim if op == "csa_indexer" else cfg.head_dim
+                rows = 8 if op.startswith("csa") else 128
+                fused = mode == "prefill" and bw._fused_prefill(variant.get("fuse_emit"), op == "hca_online", rows, d)
+                want = kernel_bytes(op, cfg, mode, n, fused)
                 if gpu:
                     got = {}
                     for name, s in device_times(tri, args.reps).items():

@@ -261,11 +261,11 @@ class LayerCacheHandle:
         """``update_compressor`` then ``emit_compressed`` (same arguments, same effect).  A decode step
         (``plan.is_decode``) runs them as ONE fused launch (``compress_decode``); otherwise as
         ``compress_prefill`` (the pool, then the emit and the state write: 3 launches on the Triton path, 4 with
-        the online state).  With ``ape`` (fp32
+        the online state; 2 where its fused emit is on and applies, see ``compressor_prefill``).  With ``ape`` (fp32
         [m, c*d]) ``score`` is ``wgate(x)`` alone and ``ape[pos mod m]`` is added here (inside the fused
         decode launch)."""
         if not self.plan.is_decode:
-            from dsv4.kernels.cache.compressor import compress_prefill
+            from dsv4.kernels.cache.compressor_prefill import compress_prefill
             from dsv4.model.functional import ape_rows
 
             # (compress_prefill checks the emit's arguments before it touches the state)

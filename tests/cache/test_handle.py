@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+import dsv4.kernels.cache.compressor_prefill as prefill_module
 from dsv4.cache import KVCacheManager
 from dsv4.config import get_preset
 from dsv4.formats import FP8EntryFormat, MXFP4KeyFormat
@@ -182,10 +183,13 @@ def test_handle_rejects_bad_input_and_changes_nothing():
         m.acquire(0, other_plan)
 
 
+@pytest.mark.parametrize("fuse", [False, True])
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_low_level_compressor_calls_equal_compress(backend, device):
+def test_low_level_compressor_calls_equal_compress(backend, device, fuse, monkeypatch):
     """``update_compressor`` then ``emit_compressed`` (the handle's low-level API) write the state and page bytes
-    that ``compress`` writes for a prefill (which runs ``compress_prefill``), for both CSA compressors."""
+    that ``compress`` writes for a prefill (which runs ``compress_prefill``, in order or, ``fuse``, with its fused
+    emit), for both CSA compressors."""
+    monkeypatch.setattr(prefill_module, "_FUSE_EMIT", fuse)
     g = torch.Generator().manual_seed(4)
     inputs = {}
     results = []
@@ -218,7 +222,10 @@ def test_low_level_compressor_calls_equal_compress(backend, device):
         results.append((c.main.kv.clone(), c.main.score.clone(), c.indexer.kv.clone(), h.paged.buffer.clone()))
         m.commit(plan)
     for a, b in zip(*results, strict=True):
-        assert torch.equal(a, b)
+        if fuse and a.is_cuda and a.dtype == torch.uint8:  # pages: the fused emit's norm sums run on other warps,
+            assert (a != b).sum() <= 4  # so a bf16 rounding may rarely differ (tests/kernels/test_compressor_prefill)
+        else:
+            assert torch.equal(a, b)
     assert results[0][3].any()
 
 

@@ -14,12 +14,11 @@ from dsv4.engine.graphs import capture_graph
 from dsv4.formats import FP8EntryFormat, MXFP4KeyFormat
 from dsv4.kernels.cache.compressor import (
     compress_decode,
-    compress_prefill,
     compressor_step,
     emit_entries,
     entry_positions,
-    online_state,
 )
+from dsv4.kernels.cache.compressor_prefill import compress_prefill
 
 BACKENDS = ["torch", "triton"]
 CONFIGS = {"csa": (4, True), "hca": (128, False)}
@@ -622,74 +621,6 @@ def test_small_tile_pool_splits_channels_on_long_steps(device, monkeypatch):
     assert grids and all(g[1] == 2 for g in grids), grids  # 64 channels -> 2 programs of 32
 
 
-@pytest.mark.parametrize("overlap_write", [False, True])
-@pytest.mark.parametrize("kind", ["csa_indexer", "hca", "hca_online"])
-def test_compress_prefill_equals_step_then_emit(device, kind, overlap_write):
-    """``compress_prefill`` = ``compressor_step`` then ``emit_entries`` (entry bytes and state equal), with the state
-    write in order or on the side stream (CUDA; on the CPU there is none); a call whose emit arguments are bad
-    raises before touching the state."""
-    ratio, overlap = (4, True) if kind.startswith("csa") else (128, False)
-    fmt = MXFP4KeyFormat() if kind == "csa_indexer" else FP8EntryFormat()
-    d = fmt.dim if kind == "csa_indexer" else fmt.head_dim
-    ekind = "indexer" if kind == "csa_indexer" else "main"
-    c = 2 if overlap else 1
-    g = torch.Generator().manual_seed(21)
-    pos = torch.arange(ratio - 3, 3 * ratio + 2, dtype=torch.int32)  # one request, a partial chunk at each end
-    t = pos.numel()
-    kv, sc = torch.randn(t, c * d, generator=g), torch.randn(t, c * d, generator=g)
-    w = torch.rand(d, generator=g) + 0.5
-    inv = 1.0 / (160000.0 ** (torch.arange(0, 64, 2).float() / 64))
-    eslot = torch.arange(t, dtype=torch.int32)
-    tslot = torch.zeros(t, dtype=torch.int32)
-    n_pages = -(-t // 4)
-    args = [x.to(device) for x in (kv, sc, pos, tslot, w, inv, eslot)]
-    kv, sc, pos, tslot, w, inv, eslot = args
-    if kind == "hca_online":
-        st0 = online_state(1, d, device)
-    else:
-        st0 = (
-            torch.zeros(1, c * ratio, c * d, device=device),
-            torch.full((1, c * ratio, c * d), float("-inf"), device=device),
-            None,
-        )
-
-    def make():
-        flat = torch.zeros(fmt.page_bytes(4) * n_pages, dtype=torch.uint8, device=device)
-        pages = fmt.entry_pages(flat, n_pages, 4) if ekind == "main" else fmt.key_pages(flat, n_pages, 4)
-        if st0[2] is None:
-            return flat, pages, st0[0].clone(), st0[1].clone(), None
-        buf = torch.cat([st0[0], st0[1]], 1).clone()  # one [S, 5, d] buffer, as online_state
-        return flat, pages, buf[:, 0:3], buf[:, 3:5], st0[2].clone()
-
-    f1, p1, k1, s1, sp1 = make()
-    pooled, emits = compressor_step(kv, sc, pos, tslot, k1, s1, ratio, overlap, backend="triton", state_pos=sp1)
-    emit_entries(pooled, emits, pos, w, 1e-6, inv, eslot, p1, fmt, ratio, ekind, backend="triton")
-    f2, p2, k2, s2, sp2 = make()
-    compress_prefill(
-        kv, sc, pos, tslot, k2, s2, ratio, overlap, w, 1e-6, inv, eslot, p2, fmt, ekind, "triton", state_pos=sp2,
-        overlap_write=overlap_write,
-    )  # fmt: skip
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    assert f1.any() and torch.equal(f2, f1) and torch.equal(k2, k1) and torch.equal(s2, s1)
-    if sp1 is not None:
-        assert torch.equal(sp2, sp1)
-    f3, p3, k3, s3, sp3 = make()
-    # a norm weight of the wrong width (every backend); for the indexer a rope half of 31 frequencies, which only
-    # the Triton emit rejects (the reference takes any even rope width): both before the state changes
-    bad = [{"w": w[:-1], "inv": inv, "match": "norm_weight"}]
-    if ekind == "indexer":
-        bad.append({"w": w, "inv": inv[:-1], "match": "power of two"})
-    for b in bad:
-        with pytest.raises(ValueError, match=b["match"]):
-            compress_prefill(
-                kv, sc, pos, tslot, k3, s3, ratio, overlap, b["w"], 1e-6, b["inv"], eslot, p3, fmt, ekind, "triton",
-                state_pos=sp3, overlap_write=overlap_write,
-            )  # fmt: skip
-    fresh = make()
-    assert torch.equal(k3, fresh[2]) and torch.equal(s3, fresh[3]) and not f3.any()
-
-
 def test_emit_entries_rope_at_entry_position_far_out(device):
     """Entries far out (positions near 2^20, HCA ratio): the kernel's in-kernel RoPE angle is the reference's."""
     (pooled, emits, pos, w, inv, slots), fmt, _ = _emit_setup("main", device)
@@ -714,15 +645,15 @@ def test_emit_entries_rope_at_entry_position_far_out(device):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("decode", [True, False, "fused", "overlap"])
+@pytest.mark.parametrize("decode", [True, False, "fused", "overlap", "fuse_emit"])
 @pytest.mark.parametrize("kind", ["csa_main", "csa_indexer", "hca"])
 def test_compress_emit_sync_free_and_capturable(kind, decode):
     """compressor_step + emit_entries (Triton) never sync with the host and replay from a CUDA graph; so does
     the fused decode launch (``compress_decode``), whose results equal the two-launch path's, and a prefill with
-    the state write on the side stream (``compress_prefill(overlap_write=True)``: two branches in the graph), whose
-    results equal the in-order path's."""
-    overlapped = decode == "overlap"
-    decode = False if overlapped else decode
+    the state write on the side stream (``compress_prefill(overlap_write=True)``: two branches in the graph), and
+    one whose pool emits (``fuse_emit=True``; HCA runs in order), whose results equal the in-order path's."""
+    overlapped, fuse_emit = decode == "overlap", decode == "fuse_emit"
+    decode = False if overlapped or fuse_emit else decode
     dev = torch.device("cuda")
     ratio, overlap = (4, True) if kind.startswith("csa") else (128, False)
     fmt = MXFP4KeyFormat() if kind == "csa_indexer" else FP8EntryFormat()
@@ -758,10 +689,10 @@ def test_compress_emit_sync_free_and_capturable(kind, decode):
                 backend="triton",
             )  # fmt: skip
             return
-        if overlapped:
+        if overlapped or fuse_emit:
             compress_prefill(
                 kv, sc, pos, tslot, ks, ss, ratio, overlap, w, 1e-6, inv, eslot, pages, fmt, ekind, backend="triton",
-                overlap_write=True,
+                overlap_write=overlapped, fuse_emit=fuse_emit,
             )  # fmt: skip
             return
         pooled, emits = compressor_step(
@@ -784,9 +715,10 @@ def test_compress_emit_sync_free_and_capturable(kind, decode):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(fg, fe) and torch.equal(ksg, kse) and torch.equal(ssg, sse)
-    if fused or overlapped:  # the one-launch / two-stream path writes what the in-order two-launch one writes
-        assert not counters.any()
+    if fused or overlapped or fuse_emit:  # the one-launch / two-stream / fused-emit path writes what the in-order
+        assert not counters.any()  # two-launch one writes (the fused emit's sums on other warps: rarely a bf16 ulp)
         f2, p2, ks2, ss2 = make()
         pooled, emits = compressor_step(kv, sc, pos, tslot, ks2, ss2, ratio, overlap, decode=fused, backend="triton")
         emit_entries(pooled, emits, pos, w, 1e-6, inv, eslot, p2, fmt, ratio, ekind, backend="triton")
-        assert torch.equal(f2, fe) and torch.equal(ks2, kse) and torch.equal(ss2, sse)
+        same = torch.equal(f2, fe) if not fuse_emit else (f2 != fe).sum().item() <= 4
+        assert same and torch.equal(ks2, kse) and torch.equal(ss2, sse)

@@ -47,10 +47,11 @@ hold writing tokens over lanes of a superblock where c*d >= 512, ``_compressor_w
 online state (pool, state write, state positions); ``compress_prefill`` runs them and the emit, the state write
 optionally on a side stream alongside the emit (both wait only for the pool).  ``emit_entries`` 1 (RMSNorm,
 RoPE at the entry position computed in the kernel, [Hadamard], quantise, store; a block of tokens per
-program, only the emitting ones read; the indexer's Hadamard factorised as H_NB (x) H_32).  A decode-step CSA/HCA
-layer thus costs 2 launches per compressor; fusing emit into the pool would need each token's whole
-pooled row in one program (for HCA 128 x 512 values, in a per-token loop), serialising what the channel
-blocks of the pool kernel now spread over many programs.
+program, only the emitting ones read; the indexer's Hadamard factorised as H_NB (x) H_32).  A decode step is one
+launch a compressor (``compress_decode``: the last channel-block program of an emitting token emits it).  In a
+prefill, ``compressor_prefill.compress_prefill(fuse_emit=True)`` lets the pool program emit where it holds a token's
+whole pooled row (CSA's 8-row tiles); HCA's would be 128 x 512 values, so its channel blocks stay spread over many
+programs and its emit a launch of its own.
 
 Step contract (not checked: it would need a host sync): the tokens of one request are contiguous in
 the batch, in increasing consecutive positions; a request appears in one run only; its state holds
@@ -591,8 +592,10 @@ def _pool_token(
     FAST_EXP: tl.constexpr = False,
     INTERP: tl.constexpr = False,
     ROWS_IN_STEP: tl.constexpr = False,
+    STORE: tl.constexpr = True,
 ):
-    """Pool channels [b*BLOCK_D, ...) of the entry completed by token i (position t, state slot ``slot``).
+    """Pool channels [b*BLOCK_D, ...) of the entry completed by token i (position t, state slot ``slot``): returns
+    them ([BLOCK_D] fp32) and, with ``STORE``, writes them to ``pooled_ptr`` row i.
 
     Which of the pooled rows come from this step (non-decode): with ``ROW_LOADS`` by loading the slots and
     positions of their candidate tokens (a dependent round trip before the bulk loads); otherwise from
@@ -636,7 +639,9 @@ def _pool_token(
         out = tl.sum(kv_r * e, axis=0) / tl.where(den == 0.0, 1.0, den)
     else:
         out = tl.sum(kv_r * (e / tl.where(den == 0.0, 1.0, den)[None, :]), axis=0)
-    tl.store(pooled_ptr + i * D + ch, out, mask=chm)
+    if STORE:
+        tl.store(pooled_ptr + i * D + ch, out, mask=chm)
+    return out
 
 
 @triton.jit
@@ -817,6 +822,43 @@ def _compressor_decode_emit_indexer_kernel(
 
 
 @triton.jit
+def _pool_block_head(
+    a, b, T, pos_ptr, tslot_ptr, emits_ptr, num_state_slots, M: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_R: tl.constexpr, ROW_LOADS: tl.constexpr, EMITS: tl.constexpr,
+):  # fmt: skip
+    """Token block a of a pool program: positions ``tt`` and state slots ``ss`` (int64) [BLOCK_T], unless
+    ``ROW_LOADS`` the BLOCK_R tokens before the block (``_tokens_before``: ``tp``, ``sp``; else ``tt``, ``ss`` again,
+    unused), and which tokens to pool (``work``: they complete an entry and have a state slot).  ``EMITS``: channel
+    block b == 0 also writes the block's ``emits`` flags."""
+    ii = a * BLOCK_T + tl.arange(0, BLOCK_T)
+    im = ii < T
+    tt = tl.load(pos_ptr + ii, mask=im, other=0).to(tl.int64)
+    ss = tl.load(tslot_ptr + ii, mask=im, other=-1).to(tl.int64)
+    if not ROW_LOADS:
+        tp, sp = _tokens_before(a, pos_ptr, tslot_ptr, BLOCK_T, BLOCK_R)
+    else:
+        tp, sp = tt, ss
+    ee = ((tt + 1) % M) == 0
+    if EMITS:
+        if b == 0:
+            tl.store(emits_ptr + ii, ee.to(tl.uint8), mask=im)
+    work = im & ee & (ss >= 0) & (ss < num_state_slots)
+    return tt, ss, tp, sp, work
+
+
+@triton.jit
+def _pool_block_token(a, k, kk, tt, ss, tp, sp, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, ROW_LOADS: tl.constexpr):
+    """Token k of block a (``_pool_block_head``'s registers): its position, state slot, and (unless ``ROW_LOADS``)
+    the batch index of its request's first token in the step (``_run_start``; with ``ROW_LOADS`` the token's own
+    index, unused)."""
+    t, slot = _token_at(kk, k, tt, ss)
+    i0 = a * BLOCK_T + k
+    if not ROW_LOADS:
+        i0 = _run_start(a, k, kk, tt, ss, tp, sp, t, slot, BLOCK_T, BLOCK_R)
+    return t, slot, i0
+
+
+@triton.jit
 def _compressor_pool_kernel(
     kv_ptr,
     sc_ptr,
@@ -863,24 +905,14 @@ def _compressor_pool_kernel(
     ``ROWS_IN_STEP``)."""
     a = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1)
-    ii = a * BLOCK_T + tl.arange(0, BLOCK_T)
-    im = ii < T
-    tt = tl.load(pos_ptr + ii, mask=im, other=0).to(tl.int64)
-    ss = tl.load(tslot_ptr + ii, mask=im, other=-1).to(tl.int64)
-    if not ROW_LOADS:
-        tp, sp = _tokens_before(a, pos_ptr, tslot_ptr, BLOCK_T, BLOCK_R)
-    ee = ((tt + 1) % M) == 0
-    if b == 0:
-        tl.store(emits_ptr + ii, ee.to(tl.uint8), mask=im)
-    work = im & ee & (ss >= 0) & (ss < num_state_slots)
+    tt, ss, tp, sp, work = _pool_block_head(
+        a, b, T, pos_ptr, tslot_ptr, emits_ptr, num_state_slots, M, BLOCK_T, BLOCK_R, ROW_LOADS, True
+    )
     kk = tl.arange(0, BLOCK_T)
     # visit the emitting tokens only; their position / slot come from the registers loaded above
     k = tl.min(tl.where(work, kk, BLOCK_T), axis=0)
     while k < BLOCK_T:
-        t, slot = _token_at(kk, k, tt, ss)
-        i0 = a * BLOCK_T + k
-        if not ROW_LOADS:
-            i0 = _run_start(a, k, kk, tt, ss, tp, sp, t, slot, BLOCK_T, BLOCK_R)
+        t, slot, i0 = _pool_block_token(a, k, kk, tt, ss, tp, sp, BLOCK_T, BLOCK_R, ROW_LOADS)
         # online: a chunk whose rows are all in the step pools as the ring does (touching no state); one that began
         # before the step combines the state's share (``_pool_token_online``)
         partial = ONLINE and (i0 > a * BLOCK_T + k - t % M)
@@ -1224,6 +1256,52 @@ def compressor_step(
         )  # fmt: skip
         return pooled, emits
     # pooling reads the state as it was before the step: every pool finishes before any state write
+    grid, kw, bd, fast_exp = _pool_launch_params(
+        kv, score, t, d, cm, ratio, online, pool_block_t=pool_block_t, block_d=block_d, num_warps=num_warps,
+        row_loads=row_loads, pool_div_after=pool_div_after, pool_fast_rows=pool_fast_rows, pool_fast_exp=pool_fast_exp,
+        pool_online_rows_in_step=pool_online_rows_in_step, pool_maxnreg=pool_maxnreg,
+    )  # fmt: skip
+    _compressor_pool_kernel[grid](
+        *head, pooled, emits.view(torch.uint8), t, state_pos if online else kv_state, OVERLAP=overlap, **kw
+    )
+    side = write_stream is not None and kv.is_cuda  # the state write on the caller's side stream, after the pool
+    if side:
+        write_stream.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(write_stream) if side else contextlib.nullcontext():
+        _launch_state_write(
+            head, t, d, cd, cm, ratio, block_r, bd, online, state_pos, fast_exp, positions, token_slot,
+            kv_state.shape[0], write_block_t, write_warps, write_lanes,
+        )  # fmt: skip
+    return pooled, emits
+
+
+def _pool_launch_params(
+    kv: torch.Tensor,
+    score: torch.Tensor,
+    t: int,
+    d: int,
+    cm: int,
+    ratio: int,
+    online: bool,
+    *,
+    whole_rows: bool = False,
+    pool_block_t: int | None = None,
+    block_d: int | None = None,
+    num_warps: int | None = None,
+    row_loads: int | None = None,
+    pool_div_after: bool | None = None,
+    pool_fast_rows: bool | None = None,
+    pool_fast_exp: bool | None = None,
+    pool_online_rows_in_step: bool | None = None,
+    pool_maxnreg: int | None = None,
+) -> tuple[tuple[int, int], dict, int, bool]:
+    """The non-decode pool launch of ``compressor_step`` for T = ``t`` tokens: (grid, keyword arguments of
+    ``_compressor_pool_kernel`` but OVERLAP, channels a program, FAST_EXP), from the tuning arguments
+    (``compressor_step``'s docstring).  ``whole_rows``: a program takes all d channels (``block_d`` ignored; d a
+    power of two), as the fused emit of ``compress_prefill`` needs."""
+    block_r = triton.next_power_of_2(cm)
+    if whole_rows:
+        block_d = triton.next_power_of_2(d)
     bd = block_d or max(16, min(triton.next_power_of_2(d), _POOL_TILE // block_r))
     full_csa = block_r <= 8 and block_r * bd >= _POOL_TILE  # CSA main's [8, 512] tiles
     bt = pool_block_t or (_POOL_BLOCK_T_CSA_MAIN if full_csa else min(triton.next_power_of_2(ratio), _POOL_BLOCK_T))
@@ -1240,10 +1318,8 @@ def compressor_step(
     offsets32 = max(kv.stride(0), score.stride(0)) * cm < 2**31  # (the fast loads' 32-bit row offsets)
     check_maxnreg("pool_maxnreg", pool_maxnreg)
     cap = {} if pool_maxnreg is None or interpreter_enabled() else {"maxnreg": pool_maxnreg}
-    _compressor_pool_kernel[(triton.cdiv(t, bt), triton.cdiv(d, bd))](
-        *head, pooled, emits.view(torch.uint8), t, state_pos if online else kv_state,
-        M=ratio, CM=cm, D=d, OVERLAP=overlap, BLOCK_T=bt, BLOCK_R=block_r, BLOCK_D=bd, ROW_LOADS=rl, ONLINE=online,
-        DIV_AFTER=div_after,
+    kw = dict(
+        M=ratio, CM=cm, D=d, BLOCK_T=bt, BLOCK_R=block_r, BLOCK_D=bd, ROW_LOADS=rl, ONLINE=online, DIV_AFTER=div_after,
         FAST_ROWS=bool(auto_rows if pool_fast_rows is None else pool_fast_rows) and offsets32,
         ONLINE_ROWS_IN_STEP=online and offsets32 and bool(
             _POOL_ONLINE_ROWS_IN_STEP if pool_online_rows_in_step is None else pool_online_rows_in_step
@@ -1252,15 +1328,7 @@ def compressor_step(
         num_warps=num_warps or (_POOL_WARPS if block_r > 8 else _POOL_WARPS_TINY if tiny else _POOL_WARPS_SMALL),
         **cap,
     )  # fmt: skip
-    side = write_stream is not None and kv.is_cuda  # the state write on the caller's side stream, after the pool
-    if side:
-        write_stream.wait_stream(torch.cuda.current_stream(dev))
-    with torch.cuda.stream(write_stream) if side else contextlib.nullcontext():
-        _launch_state_write(
-            head, t, d, cd, cm, ratio, block_r, bd, online, state_pos, fast_exp, positions, token_slot,
-            kv_state.shape[0], write_block_t, write_warps, write_lanes,
-        )  # fmt: skip
-    return pooled, emits
+    return (triton.cdiv(t, bt), triton.cdiv(d, bd)), kw, bd, fast_exp
 
 
 def _launch_state_write(
@@ -1774,78 +1842,6 @@ def emit_entries(
         slots, pages.data.shape[0] * bs, bs, *pargs,
         INTERP=interpreter_enabled(), BLOCK_T=bt, DIM=d, num_warps=num_warps or _EMIT_INDEXER_WARPS, **geo, **kw,
     )  # fmt: skip
-
-
-# ============================================================================ prefill: pool, then emit and state write
-# The state write and the emit of a prefill both wait only for the pool: on one stream they run one after the other,
-# on two they can share the GPU (the emit's grid is one wave at 65,536 tokens).  Off until measured on the H200
-# (``run_h200.sh overlap_s18``).
-_OVERLAP_WRITE = False
-_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
-
-
-def _side_stream(device: torch.device) -> torch.cuda.Stream | None:
-    """The per-device stream ``compress_prefill`` writes the state on; None (run in order) when it does not exist yet
-    and the current stream is being captured (a stream is created outside a capture only)."""
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    side = _SIDE_STREAMS.get(idx)
-    if side is None:
-        if torch.cuda.is_current_stream_capturing():
-            return None
-        side = _SIDE_STREAMS[idx] = torch.cuda.Stream(device=idx)
-    return side
-
-
-def compress_prefill(
-    kv: torch.Tensor,
-    score: torch.Tensor,
-    positions: torch.Tensor,
-    token_slot: torch.Tensor,
-    kv_state: torch.Tensor,
-    score_state: torch.Tensor,
-    ratio: int,
-    overlap: bool,
-    norm_weight: torch.Tensor,
-    eps: float,
-    inv_freq: torch.Tensor,
-    slots: torch.Tensor,
-    pages: EntryPages | KeyPages,
-    fmt: FP8EntryFormat | MXFP4KeyFormat,
-    kind: str = "main",
-    backend: str = "auto",
-    *,
-    state_pos: torch.Tensor | None = None,
-    overlap_write: bool | None = None,
-    step_kw: dict | None = None,
-    emit_kw: dict | None = None,
-) -> None:
-    """A non-decode step of one compressor: ``compressor_step`` then ``emit_entries`` (same arguments, same effect).
-
-    The emit's arguments are checked first, so a call that fails changes nothing.  ``overlap_write`` (default
-    _OVERLAP_WRITE; CUDA Triton path only): the state write runs on a per-device side stream while the emit runs on
-    the caller's; both start after the pool, and the caller's stream waits for the side stream before this returns
-    (every tensor the write reads is referenced here until then), so to the caller (and in a captured CUDA graph, as
-    two branches joined) the call stays one ordered unit.  The
-    side stream is created on first use outside a capture; a call captured before that runs in order.
-    ``step_kw`` / ``emit_kw``: tuning keywords of the two calls.
-    """
-    check_emit_arguments(positions, norm_weight, inv_freq, slots, pages, fmt, ratio, kind, backend)
-    positions, token_slot = positions.contiguous(), token_slot.contiguous()  # held here until the join below
-    side = None
-    if (_OVERLAP_WRITE if overlap_write is None else overlap_write) and kv.is_cuda and use_triton(backend, kv, score):
-        side = _side_stream(kv.device)
-    pooled, emits = compressor_step(
-        kv, score, positions, token_slot, kv_state, score_state, ratio, overlap, backend=backend,
-        state_pos=state_pos, write_stream=side, **(step_kw or {}),
-    )  # fmt: skip
-    try:
-        emit_entries(
-            pooled, emits, positions, norm_weight, eps, inv_freq, slots, pages, fmt, ratio, kind, backend=backend,
-            **(emit_kw or {}),
-        )  # fmt: skip
-    finally:
-        if side is not None:
-            torch.cuda.current_stream(kv.device).wait_stream(side)
 
 
 # ============================================================================ fused decode step
