@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One H200 session: environment, GPU tests, then the kernel benchmarks. Results go to $OUT (or ./out).
-# Usage (on the device machine, repo root): bash benchmarks/run_h200.sh [tests|bench|all|pending|ncu|attention|attention_ncu|indexer_gluon|indexer_live|indexer_fold|pending_s12|topk_rows|indexer_default|indexer_p2|indexer_ablate|flush_topk|skeleton|topk_short|fold_auto|hca_online|write_s15|emit_s15|emit2_s15|main_s15|write2_s15|final_s15|gemv_s15|online_regs|write_s16|final_s16|ncu_pool|div_s16|lean_s17|fast_s17|emit_s17|emit2_s17|warps_s17|ipool_s17|final_s17|sweep_s18|overlap_s18|fuse_s19]
+# Usage (on the device machine, repo root): bash benchmarks/run_h200.sh [tests|bench|all|pending|ncu|attention|attention_ncu|indexer_gluon|indexer_live|indexer_fold|pending_s12|topk_rows|indexer_default|indexer_p2|indexer_ablate|flush_topk|skeleton|topk_short|fold_auto|hca_online|write_s15|emit_s15|emit2_s15|main_s15|write2_s15|final_s15|gemv_s15|online_regs|write_s16|final_s16|ncu_pool|div_s16|lean_s17|fast_s17|emit_s17|emit2_s17|warps_s17|ipool_s17|final_s17|sweep_s18|overlap_s18|fuse_s19|pdl_s19]
 # "pending": the norm and top-k GPU tests (~4 min, most of it compiling the top-k kernels), launch D's rank
 # threshold on/off, top-k with both flush kinds, the decode step; about 8 minutes.  "ncu": Nsight Compute
 # sections of the indexer scores, dense attention and gather kernels (benchmarks/ncu_cases.py).  "attention": the
@@ -446,4 +446,17 @@ if [ "$what" = fuse_s19 ]; then  # left for session 19 (~4 min): compress_prefil
   tn="--tune csa_main: --tune csa_main:fuse_emit=1 --tune csa_indexer: --tune csa_indexer:fuse_emit=1"
   timeout 150 python3 benchmarks/bench_write.py --models v4-flash --modes prefill --ops csa_main,csa_indexer $tn \
     --out "$OUT/${stamp}_h200_write_fuse_s19.jsonl" 2>&1 | tee "$OUT/${stamp}_h200_write_fuse_s19.txt" | grep prefill | cut -c1-220
+fi
+if [ "$what" = pdl_s19 ]; then  # left for session 19 (~6 min): programmatic dependent launch of the write kernels
+  # (dispatch.PDL, off until measured; DSV4_PDL=1 turns it on): the write-path GPU tests with it on (test_pdl: eager and
+  # graph-replayed bytes equal PDL off), then bench_write prefill and decode rows with it off and on, and the decode
+  # step (where the write kernels are 3-4 of a layer's launches)
+  DSV4_PDL=1 timeout 240 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_pdl.py tests/kernels/test_store.py \
+    tests/kernels/test_compressor.py tests/kernels/test_compressor_prefill.py tests/kernels/test_compressor_online.py \
+    -k "cuda or gpu" 2>&1 | tee "$OUT/${stamp}_h200_gpu_tests_pdl_s19.txt" | tail -2
+  for p in 0 1; do DSV4_PDL=$p timeout 150 python3 benchmarks/bench_write.py --models v4-flash \
+    --out "$OUT/${stamp}_h200_write_pdl${p}_s19.jsonl" 2>&1 | tee "$OUT/${stamp}_h200_write_pdl${p}_s19.txt" | grep -E "prefill|decode" \
+    | cut -c1-150; done
+  for p in 0 1; do DSV4_PDL=$p timeout 120 python3 -m dsv4.cli bench --models v4-flash --kinds csa,hca --contexts 131072 \
+    --batches 1,64 --out "$OUT/${stamp}_h200_decode_pdl${p}_s19.jsonl" 2>&1 | tee "$OUT/${stamp}_h200_decode_pdl${p}_s19.txt" | tail -6; done
 fi

@@ -62,8 +62,9 @@ class _StandInDriver:
 COMPILED: list = []
 
 
-def _install() -> None:
-    """Stand-in driver, every launch a compile-only warmup, and the dsv4 dispatch forced onto Triton."""
+def _install(pdl: bool = False) -> None:
+    """Stand-in driver, every launch a compile-only warmup, and the dsv4 dispatch forced onto Triton (``pdl``: and
+    onto programmatic dependent launch, which ``dispatch.pdl_launch`` gives CUDA tensors only)."""
     _driver.set_active(_StandInDriver())
     run = JITFunction.run
 
@@ -88,9 +89,14 @@ def _install() -> None:
 
     attn = sys.modules["dsv4.kernels.attention.sparse_attention"]
     attn.gluon_dense_supported = lambda q, head_dim: True  # CPU tensors: compile the sm_90 Gluon kernel anyway
-    for mod in list(sys.modules.values()):  # modules that imported the name before the patch
+    orig_pdl = dispatch.pdl_launch
+    if pdl:
+        dispatch.pdl_launch = lambda device: {"PDL": True, "launch_pdl": True}
+    for mod in list(sys.modules.values()):  # modules that imported the names before the patch
         if getattr(mod, "__name__", "").startswith("dsv4") and getattr(mod, "use_triton", None) is orig:
             mod.use_triton = forced
+        if getattr(mod, "__name__", "").startswith("dsv4") and getattr(mod, "pdl_launch", None) is orig_pdl:
+            mod.pdl_launch = dispatch.pdl_launch
 
 
 def res_usage(cubin: bytes) -> str:
@@ -146,8 +152,9 @@ def main() -> None:
     ap.add_argument("--model", default="v4-flash")
     ap.add_argument("--tune", action="append", default=[], metavar="OP:KEY=VAL[,KEY=VAL]", help="as bench_write")
     ap.add_argument("--sass", help="write each kernel's SASS (also with source lines) and PTX into this folder")
+    ap.add_argument("--pdl", action="store_true", help="compile with PDL where dispatch.pdl_launch applies")
     args = ap.parse_args()
-    _install()
+    _install(args.pdl)
     import bench_write as bw
     from bench_indexer import make_problem
 

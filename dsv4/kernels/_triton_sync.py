@@ -1,4 +1,4 @@
-"""Triton device helper shared by kernels whose programs hand work to one another inside a launch.
+"""Triton device helpers for kernels whose programs hand work to one another inside a launch, or across launches.
 
 ``last_arrival(cnt_ptr, n)``: the "last block done" pattern.  Each of n programs calls it once after
 storing its share of some data; exactly one of them (the last to arrive) gets True and may then read
@@ -11,14 +11,23 @@ loads).  Release/acquire is cumulative over the barrier, so the last program obs
 that the others made before they arrived.  The counter must be 0 when the launch starts; the last
 arrival sets it back to 0, so one counter serves every launch (and every replay of a CUDA graph) as
 long as launches using it do not overlap.
+
+``pdl_enter(PDL)``: programmatic dependent launch (Hopper+; ``dispatch.pdl_launch`` decides and gives the launch
+keywords).  A kernel launched with ``launch_pdl`` may start while the kernel before it on the stream is still running;
+its programs call ``pdl_enter`` first, which waits until that kernel has completed (its writes visible) and then lets
+the next kernel launch.  Waiting before letting the next one launch keeps the chain transitive: when a kernel's
+programs get past ``pdl_enter``, every kernel launched before it has completed.  What is saved is the launch gap
+between dependent kernels (the next grid is resident and waiting when the previous one ends), not any overlap of
+their work.
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-__all__ = ["last_arrival"]
+__all__ = ["last_arrival", "pdl_enter"]
 
 
 @triton.jit
@@ -32,3 +41,12 @@ def last_arrival(cnt_ptr, n):
         tl.store(cnt_ptr, 0)
     tl.debug_barrier()  # the acquire precedes every thread's loads
     return last
+
+
+@triton.jit
+def pdl_enter(PDL: tl.constexpr):
+    """At a kernel's start: with ``PDL``, wait for the previous kernel on the stream, then release the next one
+    (module docstring); without, nothing (the interpreter has no such instructions)."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()

@@ -17,6 +17,9 @@ import os
 import torch
 
 BACKENDS = ("auto", "torch", "triton")
+# Programmatic dependent launch of the cache-write kernels (``pdl_launch``): off until measured on the H200
+# (``run_h200.sh pdl_s19``); the environment variable DSV4_PDL=1 / 0 overrides it.
+PDL = False
 DEFAULT_NUM_SMS = 132  # the H200's SM count, assumed by launch heuristics when no CUDA device is present
 
 
@@ -68,3 +71,14 @@ def check_maxnreg(name: str, value: int | None) -> None:
     """ValueError unless ``value`` is None or a ptxas register cap Triton accepts (an int in [24, 255])."""
     if value is not None and (not isinstance(value, int) or not 24 <= value <= 255):
         raise ValueError(f"{name}: expected None or an int in [24, 255], got {value!r}")
+
+
+def pdl_launch(device: torch.device) -> dict:
+    """Launch keywords for a kernel with a ``PDL`` constexpr that calls ``_triton_sync.pdl_enter`` first:
+    ``{"PDL": True, "launch_pdl": True}`` where programmatic dependent launch is on (``PDL``, or DSV4_PDL=1 / 0) and
+    ``device`` is a CUDA device of compute capability 9 or more, outside the interpreter; else ``{"PDL": False}``."""
+    env = os.environ.get("DSV4_PDL", "")
+    on = PDL if env not in ("0", "1") else env == "1"
+    if on and device.type == "cuda" and not interpreter_enabled() and sm_major(device) >= 9:
+        return {"PDL": True, "launch_pdl": True}
+    return {"PDL": False}

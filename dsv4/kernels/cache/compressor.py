@@ -69,7 +69,7 @@ import triton.language as tl
 from dsv4.errors import check_tensor
 from dsv4.formats.fp8_entry import EntryPages, FP8EntryFormat
 from dsv4.formats.mxfp4_key import KeyPages, MXFP4KeyFormat
-from dsv4.kernels._triton_sync import last_arrival
+from dsv4.kernels._triton_sync import last_arrival, pdl_enter
 from dsv4.kernels.cache._triton_quant import (
     bf16_rne,
     bf16_round,
@@ -95,7 +95,7 @@ from dsv4.kernels.cache.store import (
     store_fp8_entries_reference,
     store_mxfp4_keys_reference,
 )
-from dsv4.kernels.dispatch import check_maxnreg, interpreter_enabled, num_sms, use_triton
+from dsv4.kernels.dispatch import check_maxnreg, interpreter_enabled, num_sms, pdl_launch, use_triton
 from dsv4.model.functional import ape_rows, apply_rope, hadamard, rms_norm
 
 __all__ = [
@@ -722,9 +722,11 @@ def _compressor_decode_kernel(
     kv_ptr, sc_ptr, stride_kv, stride_sc, pos_ptr, tslot_ptr, kvs_ptr, scs_ptr, st_ss, st_sr, num_state_slots,
     pooled_ptr, emits_ptr, T, spos_ptr, M: tl.constexpr, CM: tl.constexpr, D: tl.constexpr,
     OVERLAP: tl.constexpr, C: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, ONLINE: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """decode=True, program (token i, channel block b): ``_decode_pool_write`` (``ONLINE``: ``_decode_online``;
     ``spos_ptr``: its ``state_pos``, unused otherwise)."""
+    pdl_enter(PDL)
     i = tl.program_id(0).to(tl.int64)
     if ONLINE:
         _decode_online(
@@ -764,11 +766,13 @@ def _compressor_decode_emit_main_kernel(
     N_POOL: tl.constexpr, INTERP: tl.constexpr, NOPE: tl.constexpr, NT: tl.constexpr, NT_PAD: tl.constexpr,
     TILE: tl.constexpr, HR: tl.constexpr, FLOOR: tl.constexpr, QMAX: tl.constexpr, Q_EXP: tl.constexpr,
     Q_MANT: tl.constexpr, VEC_RUNS: tl.constexpr, HAS_APE: tl.constexpr = False, ONLINE: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Decode step of a main compressor in one launch: ``_decode_pool_write`` (``ONLINE``: ``_decode_online``),
     then the last channel-block program of each emitting token (``_last_arrival``) reads the token's pooled row
     back and emits its FP8 entry (``_norm_rope_rows``: RMSNorm -> RoPE at the entry position -> quantise ->
     store)."""
+    pdl_enter(PDL)
     i = tl.program_id(0).to(tl.int64)
     if ONLINE:
         pooled, slot = _decode_online(
@@ -803,9 +807,11 @@ def _compressor_decode_emit_indexer_kernel(
     INTERP: tl.constexpr, NOPE: tl.constexpr, HR: tl.constexpr, HAD_SCALE: tl.constexpr, KB: tl.constexpr,
     NA: tl.constexpr, RA: tl.constexpr, NB: tl.constexpr, HB: tl.constexpr, FLOOR: tl.constexpr, Q_EXP: tl.constexpr,
     Q_MANT: tl.constexpr, HAS_APE: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """``_compressor_decode_emit_main_kernel`` for the CSA indexer's compressor: the emit is
     ``_emit_indexer_rows`` (RMSNorm -> RoPE -> Hadamard -> MXFP4 key)."""
+    pdl_enter(PDL)
     i = tl.program_id(0).to(tl.int64)
     pooled, slot = _decode_pool_write(
         i, tl.program_id(1), kv_ptr, sc_ptr, stride_kv, stride_sc, pos_ptr, tslot_ptr, kvs_ptr, scs_ptr, st_ss, st_sr,
@@ -889,6 +895,7 @@ def _compressor_pool_kernel(
     FAST_EXP: tl.constexpr = False,
     INTERP: tl.constexpr = False,
     ONLINE_ROWS_IN_STEP: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     """Program (token block a, channel block b): write ``emits`` of tokens [a*BLOCK_T, ...) (b == 0) and
     pool channels [b*BLOCK_D, ...) of each emitting token with a state slot, one after another (visiting
@@ -903,6 +910,7 @@ def _compressor_pool_kernel(
     state has, by that test, all its rows in the step (for HCA, t + 1 = 0 mod m, so none before position 0), so it
     is pooled by the fast loads alone, without the state-reading path compiled beside them (``_pool_token``'s
     ``ROWS_IN_STEP``)."""
+    pdl_enter(PDL)
     a = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1)
     tt, ss, tp, sp, work = _pool_block_head(
@@ -949,12 +957,14 @@ def _compressor_write_kernel(
     CD: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Program a (token block): copy this step's rows [a*BLOCK_T, ...) into the state ring, masked to the
     tokens not superseded by a later token of their request (position t + c*m in this step), in [BLOCK_T,
     BLOCK_D] tiles over the channels (a compile-time loop: the channel mask folds away, wide accesses).  A
     block with no such token (in a prefill all but the request's last c*m tokens) exits after its index
     loads: one program per token block keeps the grid small."""
+    pdl_enter(PDL)
     a = tl.program_id(0).to(tl.int64)
     ii = a * BLOCK_T + tl.arange(0, BLOCK_T)
     tt, ss, wr = _state_writers(ii, T, CM, pos_ptr, tslot_ptr, num_state_slots)
@@ -1004,12 +1014,14 @@ def _compressor_write_lanes_kernel(
     kv_ptr, sc_ptr, stride_kv, stride_sc, pos_ptr, tslot_ptr, kvs_ptr, scs_ptr, st_ss, st_sr, num_state_slots, T,
     CM: tl.constexpr, CD: tl.constexpr, SUPER: tl.constexpr, SUB: tl.constexpr, LANES: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """``_compressor_write_kernel`` with fewer programs and one round trip a writing block: program (superblock g of
     SUPER tokens, lane w) finds which of the superblock's SUB-token blocks hold a writing token (one vector load of
     the SUPER tokens' positions and slots) and copies the w-th, (w + LANES)-th, ... of them ([SUB, BLOCK_D] tiles
     of both tensors, every channel block's loads before its stores).  A prefill's writers (its last c*m tokens)
     are thus spread over the lanes of one superblock while the other superblocks' programs exit."""
+    pdl_enter(PDL)
     g = tl.program_id(0).to(tl.int64)
     w = tl.program_id(1)
     NS: tl.constexpr = SUPER // SUB
@@ -1083,11 +1095,13 @@ def _compressor_online_write_kernel(
     kv_ptr, sc_ptr, stride_kv, stride_sc, pos_ptr, tslot_ptr, kvs_ptr, scs_ptr, st_ss, st_sr, num_state_slots, T,
     spos_ptr, M: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
     FAST_EXP: tl.constexpr = False, INTERP: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Online state, non-decode, after the pool pass: program (token block a, channel block b) writes, for each
     token of [a*BLOCK_T, ...) that is its request's last in the step, its chunk's prefix (``_online_prefix``) and
     its own row as its slot's state.  ``state_pos`` is read here and written by the next launch
     (``_online_pos_kernel``): the channel blocks of one request must all see the old value."""
+    pdl_enter(PDL)
     a = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1)
     tt, ss, last = _online_last_tokens(a, T, pos_ptr, tslot_ptr, num_state_slots, BLOCK_T)
@@ -1114,8 +1128,11 @@ def _compressor_online_write_kernel(
 
 
 @triton.jit
-def _online_pos_kernel(pos_ptr, tslot_ptr, num_state_slots, T, spos_ptr, BLOCK_T: tl.constexpr):
+def _online_pos_kernel(
+    pos_ptr, tslot_ptr, num_state_slots, T, spos_ptr, BLOCK_T: tl.constexpr, PDL: tl.constexpr = False
+):
     """Online state, non-decode, last launch: ``state_pos[slot]`` = the position of each request's last token."""
+    pdl_enter(PDL)
     a = tl.program_id(0).to(tl.int64)
     tt, ss, last = _online_last_tokens(a, T, pos_ptr, tslot_ptr, num_state_slots, BLOCK_T)
     tl.store(spos_ptr + tl.where(last, ss, 0), tt.to(tl.int32), mask=last)
@@ -1253,6 +1270,7 @@ def compressor_step(
         _compressor_decode_kernel[(t, triton.cdiv(cd, bd))](
             *head, pooled, emits.view(torch.uint8), t, state_pos if online else kv_state,
             M=ratio, CM=cm, D=d, OVERLAP=overlap, C=c, BLOCK_R=block_r, BLOCK_D=bd, ONLINE=online, num_warps=nw,
+            **pdl_launch(dev),
         )  # fmt: skip
         return pooled, emits
     # pooling reads the state as it was before the step: every pool finishes before any state write
@@ -1262,7 +1280,14 @@ def compressor_step(
         pool_online_rows_in_step=pool_online_rows_in_step, pool_maxnreg=pool_maxnreg,
     )  # fmt: skip
     _compressor_pool_kernel[grid](
-        *head, pooled, emits.view(torch.uint8), t, state_pos if online else kv_state, OVERLAP=overlap, **kw
+        *head,
+        pooled,
+        emits.view(torch.uint8),
+        t,
+        state_pos if online else kv_state,
+        OVERLAP=overlap,
+        **kw,
+        **pdl_launch(dev),
     )
     side = write_stream is not None and kv.is_cuda  # the state write on the caller's side stream, after the pool
     if side:
@@ -1338,16 +1363,17 @@ def _launch_state_write(
     """The state-write launches of a non-decode ``compressor_step`` (after its pool launch; ``head`` its kernel
     arguments up to the state's slot count): the online state's write and positions, else the lanes or the
     token-block write kernel."""
+    pdl = pdl_launch(positions.device)
     if online:
         wbt = write_block_t or _ONLINE_WRITE_BLOCK_T
         _check_pow2("write_block_t", wbt)
         _compressor_online_write_kernel[(triton.cdiv(t, wbt), triton.cdiv(d, bd))](
             *head, t, state_pos, M=ratio, D=d, BLOCK_T=wbt, BLOCK_R=block_r, BLOCK_D=bd, FAST_EXP=fast_exp,
             INTERP=interpreter_enabled(),
-            num_warps=write_warps or (_POOL_WARPS if block_r * bd >= _POOL_TILE else _POOL_WARPS_SMALL),
+            num_warps=write_warps or (_POOL_WARPS if block_r * bd >= _POOL_TILE else _POOL_WARPS_SMALL), **pdl,
         )  # fmt: skip
         _online_pos_kernel[(triton.cdiv(t, wbt),)](
-            positions, token_slot, n_slots, t, state_pos, BLOCK_T=wbt, num_warps=_WRITE_WARPS
+            positions, token_slot, n_slots, t, state_pos, BLOCK_T=wbt, num_warps=_WRITE_WARPS, **pdl
         )
         return
     lanes = (_WRITE_LANES if cd >= _WRITE_LANES_MIN_CD else 0) if write_lanes is None else write_lanes
@@ -1361,13 +1387,14 @@ def _launch_state_write(
         sub = min(sub, sup)
         _compressor_write_lanes_kernel[(triton.cdiv(t, sup), lanes)](
             *head, t, CM=cm, CD=cd, SUPER=sup, SUB=sub, LANES=lanes, BLOCK_D=wd, num_warps=write_warps or _WRITE_WARPS,
+            **pdl,
         )  # fmt: skip
         return
     wd = min(triton.next_power_of_2(cd), _WRITE_BLOCK_D)
     wbt = write_block_t or _WRITE_BLOCK_T
     _check_pow2("write_block_t", wbt)
     _compressor_write_kernel[(triton.cdiv(t, wbt),)](
-        *head, t, CM=cm, CD=cd, BLOCK_T=wbt, BLOCK_D=wd, num_warps=write_warps or _WRITE_WARPS,
+        *head, t, CM=cm, CD=cd, BLOCK_T=wbt, BLOCK_D=wd, num_warps=write_warps or _WRITE_WARPS, **pdl,
     )  # fmt: skip
 
 
@@ -1431,6 +1458,7 @@ def _emit_indexer_kernel(
     FLOOR: tl.constexpr,
     Q_EXP: tl.constexpr,
     Q_MANT: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Tokens [a*BLOCK_T, ...), each emitting one in turn: bf16 -> RMSNorm -> RoPE -> Sylvester Hadamard
     (fp32, x DIM^-1/2, bf16) -> MXFP4.
@@ -1440,6 +1468,7 @@ def _emit_indexer_kernel(
     the transform is H_NB (x) H_KB: a [KB x KB] pass inside each input block, then an [NB x NB] pass across
     blocks (~DIM * (KB + NB) products instead of DIM**2).  The row is loaded straight in that layout: nope
     values as [NOPE/KB, KB], rope pairs as [2*HR/KB, HB] even / odd lanes (cos/sin once per pair)."""
+    pdl_enter(PDL)
     a = tl.program_id(0).to(tl.int64)
     ii = a * BLOCK_T + tl.arange(0, BLOCK_T)
     im = ii < n_rows
@@ -1573,6 +1602,7 @@ def _emit_indexer_dot_kernel(
     FLOOR: tl.constexpr,
     Q_EXP: tl.constexpr,
     Q_MANT: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """``_emit_indexer_kernel`` for BLOCK_T tokens a program, the Hadamard as two MMAs over ROWS (>= 16)
     emitting rows at a time.
@@ -1587,6 +1617,7 @@ def _emit_indexer_dot_kernel(
     (built in registers once per program) and a sum / difference.  The operands are bf16 values and +-1, so
     every product is exact and only the fp32 accumulation order differs from the reference's matmul (as with the
     factorised kernel).  The two halves are quantised to MXFP4 blocks and stored separately."""
+    pdl_enter(PDL)
     a = tl.program_id(0).to(tl.int64)
     ii = a * BLOCK_T + tl.arange(0, BLOCK_T)
     im = ii < n_rows
@@ -1831,7 +1862,7 @@ def emit_entries(
             pooled, pooled.stride(0), t, norm_weight, float(eps), positions, inv_freq, emits.view(torch.uint8),
             slots, scratch, pages.data.shape[0] * bs, bs, *pargs,
             INTERP=interpreter_enabled(), RATIO=ratio, BLOCK_T=bt, ROWS=nr, DIM=d, NOPE=geo["NOPE"], HR=geo["HR"],
-            HAD_SCALE=geo["HAD_SCALE"], num_warps=num_warps or nw, **kw,
+            HAD_SCALE=geo["HAD_SCALE"], num_warps=num_warps or nw, **kw, **pdl_launch(pooled.device),
             **({"num_stages": ns} if (ns := stages or _EMIT_DOT_STAGES) else {}),
         )  # fmt: skip
         return
@@ -1841,6 +1872,7 @@ def emit_entries(
         pooled, pooled.stride(0), t, norm_weight, float(eps), positions, inv_freq, ratio, emits.view(torch.uint8),
         slots, pages.data.shape[0] * bs, bs, *pargs,
         INTERP=interpreter_enabled(), BLOCK_T=bt, DIM=d, num_warps=num_warps or _EMIT_INDEXER_WARPS, **geo, **kw,
+        **pdl_launch(pooled.device),
     )  # fmt: skip
 
 
@@ -1937,12 +1969,12 @@ def compress_decode(
         pargs, kw = _fp8_args(pages, fmt)
         _compressor_decode_emit_main_kernel[grid](
             *head, *emit, pages.num_slots, pages.entries_per_page, *pargs, **geo, INTERP=interp, NOPE=fmt.nope_dim,
-            VEC_RUNS=fmt.tile % _VEC_ELEMS == 0, num_warps=nw, **kw,
+            VEC_RUNS=fmt.tile % _VEC_ELEMS == 0, num_warps=nw, **kw, **pdl_launch(dev),
         )  # fmt: skip
     else:
         pargs, kw = _mxfp4_args(pages, fmt)
         bs = pages.entries_per_page
         _compressor_decode_emit_indexer_kernel[grid](
             *head, *emit, pages.data.shape[0] * bs, bs, *pargs, **geo, INTERP=interp,
-            **_indexer_emit_geometry(fmt, d, rd), num_warps=nw, **kw,
+            **_indexer_emit_geometry(fmt, d, rd), num_warps=nw, **kw, **pdl_launch(dev),
         )  # fmt: skip

@@ -28,6 +28,7 @@ import triton.language as tl
 
 from dsv4.formats.fp8_entry import EntryPages, FP8EntryFormat
 from dsv4.formats.mxfp4_key import KeyPages, MXFP4KeyFormat
+from dsv4.kernels._triton_sync import pdl_enter
 from dsv4.kernels.cache.compressor import (
     _check_step,
     _emit_indexer_rows,
@@ -42,7 +43,7 @@ from dsv4.kernels.cache.compressor import (
     emit_entries,
 )
 from dsv4.kernels.cache.store import _VEC_ELEMS, _fp8_args, _fp8_row_offsets, _mxfp4_args, _norm_rope_rows
-from dsv4.kernels.dispatch import use_triton
+from dsv4.kernels.dispatch import pdl_launch, use_triton
 
 __all__ = ["compress_prefill"]
 
@@ -184,7 +185,7 @@ def _pool_emit(
         pargs, fkw = _fp8_args(pages, fmt)
         _pool_emit_main_kernel[grid[:1]](
             *head, t, *emit, pages.num_slots, pages.entries_per_page, *pargs, OVERLAP=overlap, NOPE=fmt.nope_dim,
-            VEC_RUNS=fmt.tile % _VEC_ELEMS == 0, **kw, **fkw,
+            VEC_RUNS=fmt.tile % _VEC_ELEMS == 0, **kw, **fkw, **pdl_launch(kv.device),
         )  # fmt: skip
     else:
         geo = _indexer_emit_geometry(fmt, d, 2 * inv_freq.shape[0])
@@ -193,6 +194,7 @@ def _pool_emit(
         pooled = torch.empty(t, d, dtype=torch.float32, device=kv.device)  # the emitting rows' scratch
         _pool_emit_indexer_kernel[grid[:1]](
             *head, t, pooled, *emit, pages.data.shape[0] * bs, bs, *pargs, OVERLAP=overlap, **geo, **kw, **fkw,
+            **pdl_launch(kv.device),
         )  # fmt: skip
     block_r = triton.next_power_of_2(cm)
     _launch_state_write(
@@ -227,12 +229,14 @@ def _pool_emit_main_kernel(
     FAST_EXP: tl.constexpr, INTERP: tl.constexpr, NOPE: tl.constexpr, NT: tl.constexpr, NT_PAD: tl.constexpr,
     TILE: tl.constexpr, HR: tl.constexpr, FLOOR: tl.constexpr, QMAX: tl.constexpr, Q_EXP: tl.constexpr,
     Q_MANT: tl.constexpr, VEC_RUNS: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Program a: the pool kernel's token block a over all D channels (``_compressor_pool_kernel``), each emitting
     token's pooled row [D] then, from registers, its FP8 entry (``_norm_rope_rows``: RMSNorm -> RoPE at the entry
     position -> quantise -> store at ``eslot_ptr[i]``, -1 = skip).  The row splits as the emit loads it: nope tiles
     [1, NT_PAD, TILE] (tile NT, the rope, masked to 0) and rope pairs [1, HR, 2] = tile NT (D = NT_PAD * TILE,
     TILE = 2 * HR)."""
+    pdl_enter(PDL)
     a = tl.program_id(0).to(tl.int64)
     tt, ss, tp, sp, work = _pool_block_head(
         a, 0, T, pos_ptr, tslot_ptr, pos_ptr, num_state_slots, M, BLOCK_T, BLOCK_R, False, False
@@ -267,10 +271,12 @@ def _pool_emit_indexer_kernel(
     INTERP: tl.constexpr, NOPE: tl.constexpr, HR: tl.constexpr, HAD_SCALE: tl.constexpr, KB: tl.constexpr,
     NA: tl.constexpr, RA: tl.constexpr, NB: tl.constexpr, HB: tl.constexpr, FLOOR: tl.constexpr, Q_EXP: tl.constexpr,
     Q_MANT: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """``_pool_emit_main_kernel`` for the CSA indexer's compressor: each emitting token's pooled row goes to its
     ``pooled_ptr`` row, a CTA barrier, and ``_emit_indexer_rows`` reads it back (RMSNorm -> RoPE -> Hadamard ->
     MXFP4 key at ``eslot_ptr[i]``, -1 = skip)."""
+    pdl_enter(PDL)
     a = tl.program_id(0).to(tl.int64)
     tt, ss, tp, sp, work = _pool_block_head(
         a, 0, T, pos_ptr, tslot_ptr, pos_ptr, num_state_slots, M, BLOCK_T, BLOCK_R, False, False

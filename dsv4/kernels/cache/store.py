@@ -44,6 +44,7 @@ import triton.language as tl
 from dsv4.errors import check_tensor
 from dsv4.formats.fp8_entry import FP8_DTYPE, ROPE_DTYPE, EntryPages, FP8EntryFormat
 from dsv4.formats.mxfp4_key import KeyPages, MXFP4KeyFormat
+from dsv4.kernels._triton_sync import pdl_enter
 from dsv4.kernels.cache._triton_quant import (
     bf16_bits,
     bf16_rne,
@@ -56,7 +57,7 @@ from dsv4.kernels.cache._triton_quant import (
     rope_cos_sin_pos,
 )
 from dsv4.kernels.cache.ring import record_ring_positions_reference
-from dsv4.kernels.dispatch import interpreter_enabled, use_triton
+from dsv4.kernels.dispatch import interpreter_enabled, pdl_launch, use_triton
 from dsv4.model.functional import apply_rope, rms_norm
 
 __all__ = [
@@ -250,7 +251,9 @@ def _store_fp8_kernel(
     QMAX: tl.constexpr,
     Q_EXP: tl.constexpr,
     Q_MANT: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_enter(PDL)
     i = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + i).to(tl.int64)
     if (slot >= 0) & (slot < num_slots):
@@ -446,6 +449,7 @@ def _norm_rope_fp8_kernel(
     SCAN: tl.constexpr = 1,
     rpos_ptr=None,
     HAS_RPOS: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     """Rows [a*ITERS*BLOCK_T, ...): x -> bf16 -> RMSNorm (fp32, bf16 out) -> RoPE (fp32, bf16 out) -> [out] + FP8.
 
@@ -464,6 +468,7 @@ def _norm_rope_fp8_kernel(
     [a*SCAN, ...), reads their SCAN flags with one vector load and processes the flagged rows one after
     another (a prefill emits one row in ``ratio``: with SCAN = ratio most programs do one row and none is
     empty, instead of ``ratio`` one-row programs of which ``ratio - 1`` only read their flag)."""
+    pdl_enter(PDL)
     a = tl.program_id(0).to(tl.int64)
     noff, tin, roff, rin = _fp8_row_offsets(HEAD_DIM, NOPE, NT, NT_PAD, TILE, HR, VEC_RUNS)
     if SCAN > 1:
@@ -562,7 +567,9 @@ def _store_mxfp4_kernel(
     FLOOR: tl.constexpr,
     Q_EXP: tl.constexpr,
     Q_MANT: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_enter(PDL)
     i = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + i).to(tl.int64)
     if (slot >= 0) & (slot < num_slots):
@@ -689,7 +696,7 @@ def _launch_norm_rope_fp8(
         RATIO=ratio, HAS_EMIT=emits is not None, HAS_OUT=out is not None, INTERP=interpreter_enabled(), BLOCK_T=bt,
         ITERS=it, HEAD_DIM=fmt.head_dim, NOPE=fmt.nope_dim, VEC_RUNS=fmt.tile % _VEC_ELEMS == 0, SCAN=sc,
         rpos_ptr=ring_positions if ring_positions is not None else slots, HAS_RPOS=ring_positions is not None,
-        num_warps=nw, **kw,
+        num_warps=nw, **kw, **pdl_launch(x.device),
     )  # fmt: skip
 
 
@@ -718,7 +725,15 @@ def store_fp8_entries(
     _check_pow2("fmt.rope_dim // 2", fmt.rope_dim // 2)
     pargs, kw = _fp8_args(pages, fmt)
     _store_fp8_kernel[(n,)](
-        x, x.stride(0), slots, pages.num_slots, pages.entries_per_page, *pargs, NOPE=fmt.nope_dim, **kw
+        x,
+        x.stride(0),
+        slots,
+        pages.num_slots,
+        pages.entries_per_page,
+        *pargs,
+        NOPE=fmt.nope_dim,
+        **kw,
+        **pdl_launch(x.device),
     )
 
 
@@ -744,7 +759,7 @@ def store_mxfp4_keys(
     _check_pow2("fmt.block", fmt.block)
     pargs, kw = _mxfp4_args(pages, fmt)
     bs = pages.entries_per_page
-    _store_mxfp4_kernel[(n,)](x, x.stride(0), slots, pages.data.shape[0] * bs, bs, *pargs, **kw)
+    _store_mxfp4_kernel[(n,)](x, x.stride(0), slots, pages.data.shape[0] * bs, bs, *pargs, **kw, **pdl_launch(x.device))
 
 
 def store_window(

@@ -1,0 +1,119 @@
+"""Programmatic dependent launch of the cache-write kernels (``dispatch.pdl_launch``, ``_triton_sync.pdl_enter``).
+
+The switch is checked everywhere; the launches themselves need Hopper: there the whole write path (window store,
+compressor prefill in order and fused, compressor decode) with PDL must write the bytes it writes without, eagerly
+and replayed from a captured CUDA graph.
+"""
+
+import pytest
+import torch
+
+import dsv4.kernels.dispatch as dispatch
+from dsv4.engine.graphs import capture_graph
+from dsv4.formats import FP8EntryFormat, MXFP4KeyFormat
+from dsv4.kernels.cache.compressor import compress_decode, online_state
+from dsv4.kernels.cache.compressor_prefill import compress_prefill
+from dsv4.kernels.cache.store import store_window
+
+ON = {"PDL": True, "launch_pdl": True}
+OFF = {"PDL": False}
+
+
+def test_pdl_launch_switch(monkeypatch):
+    """Off by default; DSV4_PDL=1 / 0 overrides ``dispatch.PDL``; only CUDA devices of compute capability >= 9 outside
+    the interpreter get the launch keywords."""
+    monkeypatch.setattr(dispatch, "interpreter_enabled", lambda: False)
+    monkeypatch.setattr(dispatch, "sm_major", lambda device: 9)
+    monkeypatch.delenv("DSV4_PDL", raising=False)
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    monkeypatch.setattr(dispatch, "PDL", False)
+    assert dispatch.pdl_launch(cuda) == OFF
+    monkeypatch.setenv("DSV4_PDL", "1")
+    assert dispatch.pdl_launch(cuda) == ON and dispatch.pdl_launch(cpu) == OFF
+    monkeypatch.setattr(dispatch, "sm_major", lambda device: 8)
+    assert dispatch.pdl_launch(cuda) == OFF
+    monkeypatch.setattr(dispatch, "sm_major", lambda device: 9)
+    monkeypatch.setattr(dispatch, "interpreter_enabled", lambda: True)
+    assert dispatch.pdl_launch(cuda) == OFF
+    monkeypatch.setattr(dispatch, "interpreter_enabled", lambda: False)
+    monkeypatch.setattr(dispatch, "PDL", True)
+    monkeypatch.setenv("DSV4_PDL", "0")
+    assert dispatch.pdl_launch(cuda) == OFF
+    monkeypatch.setenv("DSV4_PDL", "")
+    assert dispatch.pdl_launch(cuda) == ON
+
+
+def _write_path(dev: torch.device):
+    """A function that runs one prefill of every write op (window store; CSA main, CSA indexer, HCA, HCA online
+    compressors, in order; CSA main and indexer fused) and one decode step of the CSA main and HCA online compressors
+    over fresh buffers, and returns every buffer it wrote."""
+    g = torch.Generator().manual_seed(17)
+    f8, f4 = FP8EntryFormat(), MXFP4KeyFormat()
+    inv = (1.0 / (160000.0 ** (torch.arange(0, 64, 2).float() / 64))).to(dev)
+    t = 300
+    pos = torch.arange(t, dtype=torch.int32, device=dev)
+    zero = torch.zeros(t, dtype=torch.int32, device=dev)
+    rnd = {}
+
+    def rand(name, *shape):
+        if name not in rnd:
+            rnd[name] = torch.randn(*shape, generator=g).to(dev)
+        return rnd[name]
+
+    def run():
+        out = []
+        x = rand("x", t, 512).to(torch.bfloat16)
+        flat = torch.zeros(f8.page_bytes(128) * 3, dtype=torch.uint8, device=dev)
+        store_window(
+            x, rand("w", 512).abs() + 0.5, 1e-6, pos, inv, pos % 384, f8.entry_pages(flat, 3, 128), f8, backend="triton"
+        )
+        out.append(flat)
+        csa_main, csa_indexer = ("main", 4, True, f8, 512), ("indexer", 4, True, f4, 128)
+        for (kind, ratio, overlap, fmt, d), fuse in (
+            (csa_main, False), (csa_indexer, False), (("main", 128, False, f8, 512), False), (csa_main, True),
+            (csa_indexer, True), (("online", 128, False, f8, 512), False),
+        ):  # fmt: skip
+            c = 2 if overlap else 1
+            kv, sc = rand(f"kv{d}{c}", t, c * d), rand(f"sc{d}{c}", t, c * d)
+            n_pages = t // ratio // 4 + 1
+            flat = torch.zeros(fmt.page_bytes(4) * n_pages, dtype=torch.uint8, device=dev)
+            pages = fmt.entry_pages(flat, n_pages, 4) if fmt is f8 else fmt.key_pages(flat, n_pages, 4)
+            eslot = torch.where((pos + 1) % ratio == 0, pos // ratio, -1).to(torch.int32)
+            if kind == "online":
+                ks, ss, sp = online_state(1, d, dev)
+            else:
+                ks, ss, sp = torch.zeros(1, c * ratio, c * d, device=dev), None, None
+                ss = torch.full_like(ks, float("-inf"))
+            compress_prefill(
+                kv, sc, pos, zero, ks, ss, ratio, overlap, rand(f"w{d}", d).abs() + 0.5, 1e-6, inv, eslot, pages,
+                fmt, "indexer" if fmt is f4 else "main", "triton", state_pos=sp, fuse_emit=fuse,
+            )  # fmt: skip
+            out += [flat, ks, ss] + ([sp] if sp is not None else [])
+            if kind == "main" and ratio == 4 and not fuse:  # four decode steps after it, the last one emits
+                cnt = torch.zeros(1, dtype=torch.int32, device=dev)
+                for p in range(t, t + 4):
+                    compress_decode(
+                        rand(f"kv1{p}", 1, c * d), rand(f"sc1{p}", 1, c * d), pos[:1] + p, zero[:1], ks, ss, cnt,
+                        ratio, overlap, rand(f"w{d}", d).abs() + 0.5, 1e-6, inv, pos[:1] + p // ratio, pages, fmt,
+                        "main", "triton",
+                    )  # fmt: skip
+        return out
+
+    return run
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9, reason="needs sm_90")
+def test_write_path_with_pdl_writes_the_same_bytes_eagerly_and_from_a_graph(monkeypatch):
+    dev = torch.device("cuda")
+    monkeypatch.setenv("DSV4_PDL", "0")
+    want = [x.clone() for x in _write_path(dev)()]
+    monkeypatch.setenv("DSV4_PDL", "1")
+    run = _write_path(dev)
+    got = run()
+    torch.cuda.synchronize()
+    assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    graph, static = capture_graph(run)  # (the buffers are made inside: each replay starts from fresh ones)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(static, want, strict=True))
