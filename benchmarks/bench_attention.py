@@ -44,6 +44,7 @@ from dsv4.config import get_preset  # noqa: E402
 from dsv4.formats import FP8EntryFormat  # noqa: E402
 from dsv4.kernels.attention import sparse_attention_reference, sparse_attention_triton  # noqa: E402
 from dsv4.kernels.attention.sparse_attention import gluon_dense_supported, selected_path  # noqa: E402
+from dsv4.kernels.dispatch import pdl_launch  # noqa: E402
 
 PEAK_BF16_FLOPS = 776e12
 PEAK_HBM_BYTES = 4.17e12
@@ -230,6 +231,7 @@ def main(argv=None) -> int:
         "gpu": gpu,
         "torch": torch.__version__,
         "triton": triton.__version__,
+        "pdl": pdl_launch(device)["PDL"],
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
     compiled = None if args.no_compile else torch.compile(plain_attention, dynamic=False)

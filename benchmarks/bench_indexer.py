@@ -58,6 +58,7 @@ import triton  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from dsv4.formats import FP8_DTYPE, MXFP4KeyFormat  # noqa: E402
+from dsv4.kernels.dispatch import pdl_launch  # noqa: E402
 from dsv4.kernels.indexer import (  # noqa: E402
     fp8_key_pages_from_mxfp4,
     indexer_scores,
@@ -116,6 +117,7 @@ def env_info(dev) -> dict:
         "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu (TRITON_INTERPRET)",
         "torch": torch.__version__,
         "triton": triton.__version__,
+        "pdl": pdl_launch(dev)["PDL"],
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
 

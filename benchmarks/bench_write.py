@@ -80,6 +80,7 @@ from dsv4.kernels.cache.compressor import (  # noqa: E402
 )
 from dsv4.kernels.cache.compressor_prefill import compress_prefill  # noqa: E402
 from dsv4.kernels.cache.store import store_window  # noqa: E402
+from dsv4.kernels.dispatch import pdl_launch  # noqa: E402
 
 PEAK_HBM_BYTES = 4.17e12
 ENTRIES_PER_PAGE = 64
@@ -435,6 +436,7 @@ def main() -> None:
                         "gpu": gpu,
                         "torch": torch.__version__,
                         "triton": triton.__version__,
+                        "pdl": pdl_launch(device)["PDL"],
                         "shape": {"mode": mode, ("B" if mode == "decode" else "T"): n},
                         "tune": variant,
                         "time_s": t_tri,

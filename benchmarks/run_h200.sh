@@ -447,13 +447,13 @@ if [ "$what" = fuse_s19 ]; then  # left for session 19 (~4 min): compress_prefil
   timeout 150 python3 benchmarks/bench_write.py --models v4-flash --modes prefill --ops csa_main,csa_indexer $tn \
     --out "$OUT/${stamp}_h200_write_fuse_s19.jsonl" 2>&1 | tee "$OUT/${stamp}_h200_write_fuse_s19.txt" | grep prefill | cut -c1-220
 fi
-if [ "$what" = pdl_s19 ]; then  # left for session 19 (~6 min): programmatic dependent launch of the write kernels
-  # (dispatch.PDL, off until measured; DSV4_PDL=1 turns it on): the write-path GPU tests with it on (test_pdl: eager and
-  # graph-replayed bytes equal PDL off), then bench_write prefill and decode rows with it off and on, and the decode
-  # step (where the write kernels are 3-4 of a layer's launches)
+if [ "$what" = pdl_s19 ]; then  # left for session 19 (~7 min): programmatic dependent launch of dsv4's Triton kernels
+  # (dispatch.PDL, off until measured; DSV4_PDL=1 turns it on): the write-path, model and engine GPU tests with it on
+  # (test_pdl: eager and graph-replayed bytes equal PDL off), then bench_write prefill and decode rows with it off and
+  # on, and the decode step (its check compares the step with the plain one, so it covers the read-path kernels)
   DSV4_PDL=1 timeout 240 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_pdl.py tests/kernels/test_store.py \
     tests/kernels/test_compressor.py tests/kernels/test_compressor_prefill.py tests/kernels/test_compressor_online.py \
-    -k "cuda or gpu" 2>&1 | tee "$OUT/${stamp}_h200_gpu_tests_pdl_s19.txt" | tail -2
+    tests/model tests/engine -k "cuda or gpu" 2>&1 | tee "$OUT/${stamp}_h200_gpu_tests_pdl_s19.txt" | tail -2
   for p in 0 1; do DSV4_PDL=$p timeout 150 python3 benchmarks/bench_write.py --models v4-flash \
     --out "$OUT/${stamp}_h200_write_pdl${p}_s19.jsonl" 2>&1 | tee "$OUT/${stamp}_h200_write_pdl${p}_s19.txt" | grep -E "prefill|decode" \
     | cut -c1-150; done

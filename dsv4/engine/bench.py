@@ -472,8 +472,10 @@ def _part_cost(part: str, blk: AttentionSubBlock, m: KVCacheManager, bsz: int, c
 def _env(device: torch.device) -> dict:
     import triton
 
+    from dsv4.kernels.dispatch import pdl_launch
+
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    return {"gpu": gpu, "torch": torch.__version__, "triton": triton.__version__}
+    return {"gpu": gpu, "torch": torch.__version__, "triton": triton.__version__, "pdl": pdl_launch(device)["PDL"]}
 
 
 def _resolve_device(name: str) -> torch.device:

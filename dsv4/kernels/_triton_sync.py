@@ -13,12 +13,12 @@ arrival sets it back to 0, so one counter serves every launch (and every replay 
 long as launches using it do not overlap.
 
 ``pdl_enter(PDL)``: programmatic dependent launch (Hopper+; ``dispatch.pdl_launch`` decides and gives the launch
-keywords).  A kernel launched with ``launch_pdl`` may start while the kernel before it on the stream is still running;
-its programs call ``pdl_enter`` first, which waits until that kernel has completed (its writes visible) and then lets
-the next kernel launch.  Waiting before letting the next one launch keeps the chain transitive: when a kernel's
-programs get past ``pdl_enter``, every kernel launched before it has completed.  What is saved is the launch gap
-between dependent kernels (the next grid is resident and waiting when the previous one ends), not any overlap of
-their work.
+keywords; every Triton kernel of dsv4 takes it, the Gluon ones do not).  A kernel launched with ``launch_pdl`` may
+start while the kernel before it on the stream is still running; its programs call ``pdl_enter`` first, which waits
+until that kernel has completed (its writes visible) and then lets the next kernel launch.  Waiting before letting the
+next one launch keeps the chain transitive: when a kernel's programs get past ``pdl_enter``, every kernel launched
+before it has completed.  What is saved is the launch gap between dependent kernels (the next grid is resident and
+waiting when the previous one ends), not any overlap of their work.
 """
 
 from __future__ import annotations

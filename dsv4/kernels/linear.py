@@ -59,8 +59,8 @@ import triton
 import triton.language as tl
 
 from dsv4.errors import check_tensor
-from dsv4.kernels._triton_sync import last_arrival
-from dsv4.kernels.dispatch import DEFAULT_NUM_SMS, num_sms, use_triton
+from dsv4.kernels._triton_sync import last_arrival, pdl_enter
+from dsv4.kernels.dispatch import DEFAULT_NUM_SMS, num_sms, pdl_launch, use_triton
 
 __all__ = [
     "MAX_GROUP",
@@ -229,6 +229,7 @@ def _linear_group_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, SWAP_AB: tl.constexpr, PARTIAL: tl.constexpr, PRECISION: tl.constexpr,
     FUSED_SUM: tl.constexpr = False, SPLIT: tl.constexpr = 1,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """One [BLOCK_M, BLOCK_N] tile of x·w_iᵀ over K range [pid_k·k_per_split, +k_per_split), into columns
     N1 + ... + N_(i-1) + [0, N_i) of out [M, N1 + N2 + N3 + N4] (row stride the total).  The program's weight is
@@ -241,6 +242,7 @@ def _linear_group_kernel(
     into out -- the sum, order and bits of ``_sum_splits_kernel``, without its launch (SPLIT = split, a
     compile-time count so that the partials' loads are all issued at once).
     """
+    pdl_enter(PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -291,6 +293,7 @@ def _linear_gemv_kernel(
     M, N1, N2, N3, N4, K, stride_xm, stride_w1, stride_w2, stride_w3, stride_w4, t1, t2, t3, split,
     M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ITERS: tl.constexpr, EVEN_K: tl.constexpr,
     PARTIAL: tl.constexpr, FUSED_SUM: tl.constexpr, SPLIT: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Few tokens (M <= M_PAD): program (n tile, k split) computes the [M, BLOCK_N] block of x·w_iᵀ over K range
     [pid_k·BLOCK_K·ITERS, +BLOCK_K·ITERS) with fp32 FMAs, weights chosen and outputs placed as in
@@ -298,6 +301,7 @@ def _linear_gemv_kernel(
     are loaded in an unrolled loop with nothing stored in between, so all of them are in flight at once; each
     token row accumulates x[m, k]·w[n, k] elementwise in an [M_PAD, BLOCK_N, BLOCK_K] fp32 tile, reduced over K
     once at the end: every product exact in fp32, the sum's order fixed by the launch."""
+    pdl_enter(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     w_ptr, n, stride_w, col0, rn = _tile_weight(
@@ -330,8 +334,9 @@ def _linear_gemv_kernel(
 
 
 @triton.jit
-def _sum_splits_kernel(part_ptr, out_ptr, numel, split, BLOCK: tl.constexpr):
+def _sum_splits_kernel(part_ptr, out_ptr, numel, split, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """out = Σ_s part[s] in the order s = 0, 1, ... (part [split, M, NT] fp32, out [M, NT], numel = M·NT)."""
+    pdl_enter(PDL)
     e = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = e < numel
     ptrs = part_ptr + e
@@ -430,11 +435,13 @@ def linear_fp32_group(
         x, *wl, out, part, counters if fused else out, m, *ns4, k, k_per_split, x.stride(0),
         *(w.stride(0) for w in wl), *bounds, split,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=k % bk == 0, SWAP_AB=swap, PARTIAL=split > 1, PRECISION=precision,
-        FUSED_SUM=fused, SPLIT=split if fused else 1, num_warps=warps, num_stages=stages,
+        FUSED_SUM=fused, SPLIT=split if fused else 1, num_warps=warps, num_stages=stages, **pdl_launch(x.device),
     )  # fmt: skip
     if split > 1 and not fused:
         numel = m * nt
-        _sum_splits_kernel[(triton.cdiv(numel, _SUM_BLOCK),)](part, out, numel, split, BLOCK=_SUM_BLOCK, num_warps=4)
+        _sum_splits_kernel[(triton.cdiv(numel, _SUM_BLOCK),)](
+            part, out, numel, split, BLOCK=_SUM_BLOCK, num_warps=4, **pdl_launch(part.device)
+        )
     return views
 
 
@@ -457,10 +464,13 @@ def _linear_gemv(x, wl, ns, ns4, out, counters) -> None:
         x, *wl, out, part, counters if fused else out, m, *ns4, k, x.stride(0), *(w.stride(0) for w in wl), *bounds,
         split, M_PAD=triton.next_power_of_2(m), BLOCK_N=_GEMV_BLOCK_N, BLOCK_K=_GEMV_BLOCK_K, ITERS=_GEMV_ITERS,
         EVEN_K=k % chunk == 0, PARTIAL=split > 1, FUSED_SUM=fused, SPLIT=split if fused else 1, num_warps=_GEMV_WARPS,
+        **pdl_launch(x.device),
     )  # fmt: skip
     if split > 1 and not fused:
         numel = out.numel()
-        _sum_splits_kernel[(triton.cdiv(numel, _SUM_BLOCK),)](part, out, numel, split, BLOCK=_SUM_BLOCK, num_warps=4)
+        _sum_splits_kernel[(triton.cdiv(numel, _SUM_BLOCK),)](
+            part, out, numel, split, BLOCK=_SUM_BLOCK, num_warps=4, **pdl_launch(part.device)
+        )
 
 
 def linear_fp32_pair(

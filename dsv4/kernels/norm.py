@@ -31,8 +31,9 @@ import triton
 import triton.language as tl
 
 from dsv4.errors import check_tensor
+from dsv4.kernels._triton_sync import pdl_enter
 from dsv4.kernels.cache._triton_quant import bf16_bits, bf16_rne, mul_rn
-from dsv4.kernels.dispatch import interpreter_enabled, use_triton
+from dsv4.kernels.dispatch import interpreter_enabled, pdl_launch, use_triton
 from dsv4.kernels.rope import _rsqrt
 from dsv4.model import functional as F
 
@@ -48,9 +49,11 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, stride_x, w_ptr, out_ptr, n, n_f, inv_n, eps, INTERP: tl.constexpr, BLOCK: tl.constexpr
+    x_ptr, stride_x, w_ptr, out_ptr, n, n_f, inv_n, eps, INTERP: tl.constexpr, BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Row ``program_id(0)``: out[t] = bf16(w * (x * rsqrt(mean(x²) + eps))), fp32 math (module docstring)."""
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK)
     m = c < n
@@ -92,6 +95,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, backend: str = "
     inv_n = float(torch.tensor(1.0 / n, dtype=torch.float32))  # fp32(1 / n), as torch's CUDA mean
     _rms_norm_kernel[(t,)](
         x, x.stride(0), weight.contiguous(), out.view(torch.int16), n, float(n), inv_n, float(eps),
-        INTERP=interpreter_enabled(), BLOCK=block, num_warps=max(1, min(8, block // 256)),
+        INTERP=interpreter_enabled(), BLOCK=block, num_warps=max(1, min(8, block // 256)), **pdl_launch(x.device),
     )  # fmt: skip
     return out

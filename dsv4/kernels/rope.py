@@ -64,8 +64,9 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from dsv4.errors import check_tensor
+from dsv4.kernels._triton_sync import pdl_enter
 from dsv4.kernels.cache._triton_quant import bf16_bits, bf16_rne, mul_rn, rope_cos_sin_pos
-from dsv4.kernels.dispatch import interpreter_enabled, use_triton
+from dsv4.kernels.dispatch import interpreter_enabled, pdl_launch, use_triton
 from dsv4.model import functional as F
 
 __all__ = ["q_norm_rope", "q_norm_rope_reference", "rope_inverse", "rope_inverse_reference"]
@@ -117,6 +118,7 @@ def _rope_heads_kernel(
     D: tl.constexpr,
     NOPE_PAD: tl.constexpr,
     HR: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Token ``program_id(0)``, heads [program_id(1) * BLOCK_H, ...): x -> [per-head RMSNorm] -> RoPE -> out.
 
@@ -126,6 +128,7 @@ def _rope_heads_kernel(
     pairs [BLOCK_H, HR, 2], split into their even / odd lanes in registers.  ``eps``: the norm's epsilon
     as torch adds it on the tensor's device (``_eps_as_added``).
     """
+    pdl_enter(PDL)
     NOPE: tl.constexpr = D - 2 * HR
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -206,7 +209,7 @@ def _launch(
     _rope_heads_kernel[(t, triton.cdiv(h, bh))](
         x, x.stride(0), x.stride(1), o16, positions, positions.stride(0), inv_freq, inv_freq.stride(0), h,
         _eps_as_added(float(eps), x.device), NORM=norm, INVERSE=inverse, INTERP=interpreter_enabled(), BLOCK_H=bh, D=d,
-        NOPE_PAD=triton.next_power_of_2(max(1, d - 2 * hr)), HR=hr, num_warps=nw,
+        NOPE_PAD=triton.next_power_of_2(max(1, d - 2 * hr)), HR=hr, num_warps=nw, **pdl_launch(x.device),
     )  # fmt: skip
     return out
 

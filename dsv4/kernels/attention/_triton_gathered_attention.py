@@ -24,6 +24,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from dsv4.kernels._triton_sync import pdl_enter
 from dsv4.kernels.attention._triton_sparse_attention import _mma, _to_bf16, _write_result
 
 
@@ -135,9 +136,11 @@ def _gather_dequant_kernel(
     N_TILES: tl.constexpr,
     NOPE_TILES: tl.constexpr,
     HAS_B: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Column block ``pid_c`` of row ``pid_t``: blocks of cache A's list first, then cache B's (each list
     padded to a whole number of BLOCK_G blocks); columns start at ``col_offset``."""
+    pdl_enter(PDL)
     pid_t = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
     col0 = col_offset + blk * BLOCK_G
@@ -184,8 +187,10 @@ def _dense_attn_fwd(
     D: tl.constexpr,
     SPLIT: tl.constexpr,
     INTERPRETER: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Flash-decoding over the gathered bf16 rows ``kv[t, :, :]`` (K = V) with additive ``bias[t, :]``."""
+    pdl_enter(PDL)
     pid_t = tl.program_id(0).to(tl.int64)
     pid_h = tl.program_id(1)
     pid_s = tl.program_id(2)

@@ -20,6 +20,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from dsv4.kernels._triton_sync import pdl_enter
+
 LOG2E = 1.4426950408889634
 
 
@@ -295,7 +297,9 @@ def _sparse_attn_fwd(
     QK_TILES: tl.constexpr,
     D_SPLIT: tl.constexpr,
     INTERPRETER: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_enter(PDL)
     D: tl.constexpr = N_TILES * TILE
     V_TILES: tl.constexpr = N_TILES // D_SPLIT  # output tiles of this program
     DV: tl.constexpr = V_TILES * TILE
@@ -422,7 +426,9 @@ def _sparse_attn_combine(
     D: tl.constexpr,
     BLOCK_S: tl.constexpr,
     INTERPRETER: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_enter(PDL)
     pid_t = tl.program_id(0).to(tl.int64)
     pid_h = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)

@@ -92,7 +92,7 @@ import triton
 
 from dsv4.errors import check_tensor
 from dsv4.formats.fp8_entry import FP8_DTYPE, ROPE_DTYPE, EntryPages, FP8EntryFormat
-from dsv4.kernels.dispatch import DEFAULT_NUM_SMS, interpreter_enabled, num_sms, sm_major, use_triton
+from dsv4.kernels.dispatch import DEFAULT_NUM_SMS, interpreter_enabled, num_sms, pdl_launch, sm_major, use_triton
 
 __all__ = [
     "MIN_KEYS_PER_SPLIT",
@@ -334,7 +334,7 @@ def _combine(ws, splits: int, sink, out, lse, interp: bool) -> None:
     T, H, D = out.shape
     _sparse_attn_combine[(T, H)](
         *ws, splits, sink, out, out.stride(0), out.stride(1), lse, lse.stride(0), lse.stride(1), H, D=D,
-        BLOCK_S=max(1, 1 << (splits - 1).bit_length()), INTERPRETER=interp, num_warps=4,
+        BLOCK_S=max(1, 1 << (splits - 1).bit_length()), INTERPRETER=interp, num_warps=4, **pdl_launch(out.device),
     )  # fmt: skip
 
 
@@ -561,8 +561,9 @@ def _gathered_rows(
         n_prog = a[-1] + (b[-1] if len(group) == 2 else 0)
         if n_prog:
             _gather_dequant_kernel[(T, n_prog)](
-                kv, bias, kv.stride(0), bias.stride(0), col, *a, *b, HAS_B=len(group) == 2, num_warps=4, **gkw
-            )
+                kv, bias, kv.stride(0), bias.stride(0), col, *a, *b, HAS_B=len(group) == 2, num_warps=4, **gkw,
+                **pdl_launch(kv.device),
+            )  # fmt: skip
         col += sum(widths[i : i + 2])
     head_blocks = -(-H // block_h)
     if dense == "gluon" or (dense == "auto" and _auto_gluon(q, D, cols, head_blocks, block_n)):
@@ -577,7 +578,7 @@ def _gathered_rows(
         q, q.stride(0), q.stride(1), sink, kv, bias, kv.stride(0), bias.stride(0), n_blocks, bps, out,
         out.stride(0), out.stride(1), lse, lse.stride(0), lse.stride(1), *ws, ns, H,
         float(scale) * LOG2E, BLOCK_H=block_h, BLOCK_N=block_n, D=D, SPLIT=split, INTERPRETER=interp,
-        num_warps=num_warps or DEFAULT_NUM_WARPS, num_stages=num_stages or GATHERED_NUM_STAGES,
+        num_warps=num_warps or DEFAULT_NUM_WARPS, num_stages=num_stages or GATHERED_NUM_STAGES, **pdl_launch(q.device),
     )  # fmt: skip
     if split:
         _combine(ws, ns, sink, out, lse, interp)
@@ -749,6 +750,7 @@ def sparse_attention_triton(
             D_SPLIT=d_split,
             INTERPRETER=interp,
             **kw,
+            **pdl_launch(q.device),
         )
         offset += ns
     if use_ws:

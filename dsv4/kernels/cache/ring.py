@@ -18,7 +18,8 @@ import triton
 import triton.language as tl
 
 from dsv4.errors import check_tensor
-from dsv4.kernels.dispatch import use_triton
+from dsv4.kernels._triton_sync import pdl_enter
+from dsv4.kernels.dispatch import pdl_launch, use_triton
 
 __all__ = [
     "advance_ring_head",
@@ -47,7 +48,10 @@ def ring_window_slots_reference(positions: torch.Tensor, token_slots: torch.Tens
 
 
 @triton.jit
-def _ring_window_kernel(pos_ptr, tslot_ptr, out_ptr, T, RING: tl.constexpr, ROWS: tl.constexpr):
+def _ring_window_kernel(
+    pos_ptr, tslot_ptr, out_ptr, T, RING: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr = False
+):
+    pdl_enter(PDL)
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     rm = r < T
     p = tl.load(pos_ptr + r, mask=rm, other=0).to(tl.int64)
@@ -78,7 +82,14 @@ def ring_window_slots(
     out = torch.empty(t, ring, dtype=torch.int32, device=positions.device)
     if t:
         _ring_window_kernel[(triton.cdiv(t, _ROWS_PER_PROGRAM),)](
-            positions.contiguous(), token_slots.contiguous(), out, t, RING=ring, ROWS=_ROWS_PER_PROGRAM, num_warps=4
+            positions.contiguous(),
+            token_slots.contiguous(),
+            out,
+            t,
+            RING=ring,
+            ROWS=_ROWS_PER_PROGRAM,
+            num_warps=4,
+            **pdl_launch(positions.device),
         )
     return out
 
@@ -94,8 +105,11 @@ def _scatter_to_table_reference(slots: torch.Tensor, values: torch.Tensor, table
 
 
 @triton.jit
-def _scatter_to_table_kernel(slot_ptr, val_ptr, table_ptr, n, scratch, mod, MOD: tl.constexpr, BLOCK: tl.constexpr):
+def _scatter_to_table_kernel(
+    slot_ptr, val_ptr, table_ptr, n, scratch, mod, MOD: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False
+):
     """``table[slot] = value`` (``value mod mod`` with MOD) for slots in [0, scratch); the others are skipped."""
+    pdl_enter(PDL)
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     im = i < n
     s = tl.load(slot_ptr + i, mask=im, other=-1).to(tl.int64)
@@ -112,7 +126,7 @@ def _scatter_to_table(slots: torch.Tensor, values: torch.Tensor, table: torch.Te
         block = max(16, min(1024, triton.next_power_of_2(n)))
         _scatter_to_table_kernel[(triton.cdiv(n, block),)](
             slots.contiguous(), values.contiguous(), table, n, table.numel() - 1, mod, MOD=mod != 0, BLOCK=block,
-            num_warps=4,
+            num_warps=4, **pdl_launch(slots.device),
         )  # fmt: skip
 
 

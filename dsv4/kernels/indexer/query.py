@@ -35,6 +35,7 @@ import triton.language as tl
 
 from dsv4.errors import check_tensor
 from dsv4.formats import MXFP4KeyFormat
+from dsv4.kernels._triton_sync import pdl_enter
 from dsv4.kernels.cache._triton_quant import (
     bf16_rne,
     ceil_log2_ratio,
@@ -45,7 +46,7 @@ from dsv4.kernels.cache._triton_quant import (
     qmax_split,
     rope_cos_sin_pos,
 )
-from dsv4.kernels.dispatch import interpreter_enabled, use_triton
+from dsv4.kernels.dispatch import interpreter_enabled, pdl_launch, use_triton
 from dsv4.model import functional as F
 
 __all__ = ["indexer_query_tail", "indexer_query_tail_reference"]
@@ -110,9 +111,11 @@ def _indexer_query_kernel(
     Q_MANT: tl.constexpr,
     BLOCK_H: tl.constexpr,
     INTERP: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Token ``program_id(0)``, heads [program_id(1) * BLOCK_H, ...); see the module docstring.  The token's
     cos/sin are computed once for its heads.  Requires DI = 2 * (2 * HR): nope and rope halves of equal width."""
+    pdl_enter(PDL)
     NOPE: tl.constexpr = DI // 2
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -188,6 +191,6 @@ def indexer_query_tail(
         q_lin, q_lin.stride(0), w_lin, w_lin.stride(0), positions, inv_freq, q_out, w_out,
         F.indexer_weight_scale(hi, di), HI=hi, DI=di, HR=rd // 2, HAD_SCALE=di**-0.5, QB=fmt.block,
         FLOOR=fmt.amax_floor, Q_EXP=q_exp, Q_MANT=q_mant, BLOCK_H=_BLOCK_H, INTERP=interpreter_enabled(),
-        num_warps=_WARPS,
+        num_warps=_WARPS, **pdl_launch(q_lin.device),
     )  # fmt: skip
     return q_out, w_out

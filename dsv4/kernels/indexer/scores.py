@@ -92,7 +92,8 @@ import triton.language as tl
 from dsv4.errors import check_tensor
 from dsv4.formats import FP8_DTYPE, KeyPages, MXFP4KeyFormat, e2m1_decode
 from dsv4.formats.ue8m0 import ceil_log2_ratio
-from dsv4.kernels.dispatch import check_maxnreg, interpreter_enabled, num_sms, use_triton
+from dsv4.kernels._triton_sync import pdl_enter
+from dsv4.kernels.dispatch import check_maxnreg, interpreter_enabled, num_sms, pdl_launch, use_triton
 
 __all__ = [
     "FP8KeyPages",
@@ -588,11 +589,13 @@ def _mxfp4_scores_kernel(
     KSPLIT: tl.constexpr = 1,
     GENERAL: tl.constexpr = True,
     GEN_N: tl.constexpr = 1,
+    PDL: tl.constexpr = False,
 ):
     """One program: query row t, tiles [chunk*tiles, (chunk+1)*tiles) of BLOCK_N entries.  Logits are
     computed as keys @ q^T, [BLOCK_N, HP] (entries on the MMA's M side, heads on N), so the head sum is a
     reduction along axis 1, within a warp.  Tiles at or past n_visible are written -inf without loads;
     the loop over live tiles has no branch inside, so Triton can software-pipeline its loads."""
+    pdl_enter(PDL)
     t = tl.program_id(0)
     chunk = tl.program_id(1)
     row = tl.load(row_ptr + t).to(tl.int64)
@@ -867,8 +870,10 @@ def _fp8_scores_kernel(
     D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     FP32_DOT: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """The MXFP4 kernel's layout on FP8 keys: logits = bf16(keys) @ q^T, scaled by each key's scale."""
+    pdl_enter(PDL)
     t = tl.program_id(0)
     chunk = tl.program_id(1)
     row = tl.load(row_ptr + t).to(tl.int64)
@@ -1045,6 +1050,7 @@ def _launch_mxfp4(impl, q, weights, data, scale32, block_table, token_row, n_vis
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **_reg_cap(cfg),
+        **pdl_launch(q.device),
     )
 
 
@@ -1296,5 +1302,6 @@ def indexer_scores_fp8keys(
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **_reg_cap(cfg),
+        **pdl_launch(q.device),
     )
     return out

@@ -121,7 +121,8 @@ import triton
 import triton.language as tl
 
 from dsv4.errors import check_tensor
-from dsv4.kernels.dispatch import interpreter_enabled, use_triton
+from dsv4.kernels._triton_sync import pdl_enter
+from dsv4.kernels.dispatch import interpreter_enabled, pdl_launch, use_triton
 
 __all__ = [
     "to_physical",
@@ -268,8 +269,10 @@ def _topk_kernel(
     HAS_NV: tl.constexpr,
     BLOCK: tl.constexpr,
     KP: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Grid (T,): the single-program path, one program per row (scratch: N int32 at ws_ptr's row)."""
+    pdl_enter(PDL)
     r = tl.program_id(0).to(tl.int64)
     nv = _visible(nv_ptr, r, N, HAS_NV)
     _select_row(s_ptr + r * stride_s, nv, out_ptr + r * stride_o, ws_ptr + r * stride_w, K, BLOCK, KP)
@@ -410,9 +413,11 @@ def _masked_hist(digit, m, bins):
 def _split_hist1(
     s_ptr, nv_ptr, ws_ptr, stride_s, stride_w, N, CH,
     HAS_NV: tl.constexpr, BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Grid (T, S): the chunk's d1 histogram, added into the row's H1 (zero on entry) with integer atomics.
     Program s == 0 also zeroes the row's H2 and candidate counter (first used by the next launches)."""
+    pdl_enter(PDL)
     r = tl.program_id(0).to(tl.int64)
     sp = tl.program_id(1)
     row = s_ptr + r * stride_s
@@ -433,9 +438,11 @@ def _split_hist1(
 def _split_hist2(
     s_ptr, nv_ptr, ws_ptr, stride_s, stride_w, N, K, CH,
     HAS_NV: tl.constexpr, BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Grid (T, S): from the row's H1, the bucket b1 holding the kk-th largest; the chunk's d2 histogram of
     the entries with d1 == b1, added into the row's H2 (zeroed by launch 1) with integer atomics."""
+    pdl_enter(PDL)
     r = tl.program_id(0).to(tl.int64)
     sp = tl.program_id(1)
     row = s_ptr + r * stride_s
@@ -456,11 +463,13 @@ def _split_hist2(
 def _split_cand(
     s_ptr, nv_ptr, ws_ptr, stride_s, stride_w, N, K, CH, LIST_OFF, KEY_OFF,
     HAS_NV: tl.constexpr, BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Grid (T, S): from H1, H2 the 16-bit prefix P of the kk-th largest key.  Counts the chunk's winners
     (prefix > P) into W[t, s] (own slot) and appends its candidates (prefix == P: index, key) to the row's
     candidate list at a position reserved with one atomic per block (list order is arbitrary; the last
     launch only uses order-free functions of it).  Program s == 0 writes the row's kk, P, need."""
+    pdl_enter(PDL)
     r = tl.program_id(0).to(tl.int64)
     sp = tl.program_id(1)
     row = s_ptr + r * stride_s
@@ -497,11 +506,13 @@ def _split_cand(
 def _split_write(
     s_ptr, nv_ptr, out_ptr, ws_ptr, stride_s, stride_o, stride_w, N, K, CH, LIST_OFF, KEY_OFF,
     HAS_NV: tl.constexpr, BLOCK: tl.constexpr, CBLOCK: tl.constexpr, SP: tl.constexpr, PBLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Grid (T, S): every program of the row derives the same exact threshold from the candidate list
     (radix select on the low 16 key bits), counts the chosen entries of the chunks before its own (W and
     the list), re-reads its chunk and writes its chosen entries in index order.  Pads its share of
     out[t, kk:K] with -1.  Program s == 0 zeroes the row's H1 for the next call."""
+    pdl_enter(PDL)
     r = tl.program_id(0).to(tl.int64)
     sp = tl.program_id(1)
     S = tl.num_programs(1)
@@ -599,10 +610,12 @@ def _group_max_tile(row, gm_row, start, tile, gi, hi, G: tl.constexpr, MASKED: t
 def _filter_max(
     s_ptr, nv_ptr, ws_ptr, stride_s, stride_w, N, NG, S, GM_OFF,
     HAS_NV: tl.constexpr, G: tl.constexpr, NGB: tl.constexpr, ALIGN: tl.constexpr, LEVELS: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """A, grid (T, S): the max key of every group of the row's level (G >> lv entries, ``_row_plan``) of the
     chunk's visible entries (selectable entries only; INT32_MIN for a group without any) into GM[t, g], the
     chunk's selectable count into W[t, s] (own slots)."""
+    pdl_enter(PDL)
     r = tl.program_id(0).to(tl.int64)
     sp = tl.program_id(1)
     row = s_ptr + r * stride_s
@@ -635,11 +648,13 @@ def _filter_level(
     nv_ptr, ws_ptr, stride_w, N, K, NG, S, GM_OFF,
     HAS_NV: tl.constexpr, G: tl.constexpr, ALIGN: tl.constexpr, LEVELS: tl.constexpr, NGP: tl.constexpr,
     SP: tl.constexpr, BITS: tl.constexpr = 32, R: tl.constexpr = 2,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """B, grid (T,): kk = min(K, selectable entries of the row) and L = the kk-th largest group max, its
     low 32 - BITS key bits cleared (``_kth_largest``; INT32_MIN when fewer than kk groups hold a selectable
     entry) into META.  At least kk selectable entries have key >= L (one per such group), so every chosen
     entry has key >= L."""
+    pdl_enter(PDL)
     r = tl.program_id(0).to(tl.int64)
     ws_row = ws_ptr + r * stride_w
     sidx = tl.arange(0, SP)
@@ -767,10 +782,12 @@ def _take_dense(
 def _filter_cand(
     s_ptr, nv_ptr, ws_ptr, stride_s, stride_w, N, NG, S, GM_OFF, RIDX, RKEY,
     HAS_NV: tl.constexpr, G: tl.constexpr, NGB: tl.constexpr, ALIGN: tl.constexpr, LEVELS: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """C, grid (T, S): lists the chunk's selectable entries with key >= L (index, key; only groups whose max
     is >= L are read) in its own region of the workspace (region s starts at the chunk start: it cannot
     overflow), in index order, and their count into C[t, s]."""
+    pdl_enter(PDL)
     r = tl.program_id(0).to(tl.int64)
     sp = tl.program_id(1)
     row = s_ptr + r * stride_s
@@ -807,11 +824,13 @@ def _filter_write(
     HAS_NV: tl.constexpr, G: tl.constexpr, ALIGN: tl.constexpr, LEVELS: tl.constexpr,
     SB1: tl.constexpr, SB2: tl.constexpr, CPB: tl.constexpr,
     BLOCK: tl.constexpr, KP: tl.constexpr, SP: tl.constexpr, R: tl.constexpr, RANK_SLOTS: tl.constexpr = 0,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """D, grid (T,): when the listed candidates fit SB2 register slots, copies the S regions into one dense
     list in region order (= index order; [SP, CPB] tiles of (region, position)), then takes the exact top kk
     of it (``_take_dense``); else runs the single-program radix select over the whole row (adversarial rows:
     many equal scores; exact, slow).  Writes the whole output row."""
+    pdl_enter(PDL)
     r = tl.program_id(0).to(tl.int64)
     ws_row = ws_ptr + r * stride_w
     out_row = out_ptr + r * stride_o
@@ -956,6 +975,7 @@ def topk_indices(
         _topk_kernel[(T,)](
             scores, nv, out, workspace[:, _WS_LIST:], ss, so, sw, N, k,
             HAS_NV=has_nv, BLOCK=1024 if interp else 4096, KP=max(16, triton.next_power_of_2(k)), num_warps=8,
+            **pdl_launch(scores.device),
         )  # fmt: skip
         return out
     if method == "filter" and N > 0:  # (N == 0: the single-program kernel pads the rows)
@@ -967,15 +987,16 @@ def topk_indices(
     # One loop iteration per program where the chunk allows: all of its loads are issued at once.
     block = 256 if interp else max(256, min(_MAX_BLOCK, triton.next_power_of_2(ch)))
     grid = (T, S)
-    _split_hist1[grid](scores, nv, workspace, ss, sw, N, ch, HAS_NV=has_nv, BLOCK=block, num_warps=8)
-    _split_hist2[grid](scores, nv, workspace, ss, sw, N, k, ch, HAS_NV=has_nv, BLOCK=block, num_warps=8)
+    pdl = pdl_launch(scores.device)
+    _split_hist1[grid](scores, nv, workspace, ss, sw, N, ch, HAS_NV=has_nv, BLOCK=block, num_warps=8, **pdl)
+    _split_hist2[grid](scores, nv, workspace, ss, sw, N, k, ch, HAS_NV=has_nv, BLOCK=block, num_warps=8, **pdl)
     _split_cand[grid](
-        scores, nv, workspace, ss, sw, N, k, ch, list_off, key_off, HAS_NV=has_nv, BLOCK=block, num_warps=8
+        scores, nv, workspace, ss, sw, N, k, ch, list_off, key_off, HAS_NV=has_nv, BLOCK=block, num_warps=8, **pdl
     )
     _split_write[grid](
         scores, nv, out, workspace, ss, so, sw, N, k, ch, list_off, key_off,
         HAS_NV=has_nv, BLOCK=block, CBLOCK=_CBLOCK, SP=_MAX_SPLITS, PBLOCK=_PBLOCK,
-        num_warps=8,
+        num_warps=8, **pdl,
     )  # fmt: skip
     return out
 
@@ -1011,6 +1032,7 @@ def _launch_filter(scores, nv, out, ws, k, splits, has_nv, interp):
     p = _filter_plan(N, k, splits, interp, T)
     grid = (T, splits)
     row = dict(HAS_NV=has_nv, G=p["G"], ALIGN=p["ALIGN"], LEVELS=p["LEVELS"], num_warps=8)
+    row.update(pdl_launch(scores.device))
     _filter_max[grid](scores, nv, ws, ss, sw, N, p["NG"], splits, p["GM"], NGB=p["NGB"], **row)
     _filter_level[(T,)](
         nv, ws, sw, N, k, p["NG"], splits, p["GM"], NGP=p["NGP"], SP=_MAX_SPLITS, BITS=_LEVEL_BITS,
@@ -1049,9 +1071,11 @@ def visible_logical(n_visible: torch.Tensor, width: int) -> torch.Tensor:
 def _to_physical_kernel(
     idx_ptr, s_idx, nv_ptr, bt_ptr, s_bt, row_ptr, out_ptr, s_out, K, max_blocks,
     EPP: tl.constexpr, ALL: tl.constexpr, BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Program (row t, column block c): columns [c*BLOCK, ...) of row t.  ALL: the logical indices are
     ``j if j < n_visible[t] else -1`` (no index tensor is read)."""
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     jm = j < K
@@ -1082,7 +1106,7 @@ def _launch_to_physical(idx, n_visible, width, block_table, token_row, entries_p
     _to_physical_kernel[(T, triton.cdiv(width, block))](
         src, src.stride(0), n_visible if n_visible is not None else token_row, bt, bt.stride(0),
         token_row.contiguous(), out, out.stride(0), width, bt.shape[1],
-        EPP=entries_per_page, ALL=idx is None, BLOCK=block, num_warps=4,
+        EPP=entries_per_page, ALL=idx is None, BLOCK=block, num_warps=4, **pdl_launch(src.device),
     )  # fmt: skip
     return out
 
