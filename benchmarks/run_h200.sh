@@ -448,9 +448,10 @@ if [ "$what" = fuse_s19 ]; then  # left for session 19 (~4 min): compress_prefil
     --out "$OUT/${stamp}_h200_write_fuse_s19.jsonl" 2>&1 | tee "$OUT/${stamp}_h200_write_fuse_s19.txt" | grep prefill | cut -c1-220
 fi
 if [ "$what" = pdl_s19 ]; then  # left for session 19 (~7 min): programmatic dependent launch of dsv4's Triton kernels
-  # (dispatch.PDL, off until measured; DSV4_PDL=1 turns it on): the write-path, model and engine GPU tests with it on
-  # (test_pdl: eager and graph-replayed bytes equal PDL off), then bench_write prefill and decode rows with it off and
-  # on, and the decode step (its check compares the step with the plain one, so it covers the read-path kernels)
+  # (dispatch.PDL, off until measured; DSV4_PDL=1 turns it on; in a prefill the state write then loads before it waits
+  # and the emit runs beside it): the write-path, model and engine GPU tests with it on (test_pdl: eager and
+  # graph-replayed bytes equal PDL off), then bench_write prefill and decode rows with it off and on, and the decode
+  # step (its check compares the step with the plain one, so it covers the read-path kernels)
   DSV4_PDL=1 timeout 240 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_pdl.py tests/kernels/test_store.py \
     tests/kernels/test_compressor.py tests/kernels/test_compressor_prefill.py tests/kernels/test_compressor_online.py \
     tests/model tests/engine -k "cuda or gpu" 2>&1 | tee "$OUT/${stamp}_h200_gpu_tests_pdl_s19.txt" | tail -2

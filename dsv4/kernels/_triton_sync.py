@@ -18,7 +18,11 @@ start while the kernel before it on the stream is still running; its programs ca
 until that kernel has completed (its writes visible) and then lets the next kernel launch.  Waiting before letting the
 next one launch keeps the chain transitive: when a kernel's programs get past ``pdl_enter``, every kernel launched
 before it has completed.  What is saved is the launch gap between dependent kernels (the next grid is resident and
-waiting when the previous one ends), not any overlap of their work.
+waiting when the previous one ends).  A kernel may do work before ``pdl_enter`` when that work only reads what was
+written before the previous kernel started and touches nothing the previous kernel reads or writes (when its
+programs start, every kernel before the previous one has completed): the state writes of a prefill load their rows
+before it and store after it, and an emit that follows them (``PDL_LATE``, ``pdl_start`` / ``pdl_end``) runs whole
+before it, beside the state write.  Every program reaches ``pdl_enter`` before it exits.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-__all__ = ["last_arrival", "pdl_enter"]
+__all__ = ["last_arrival", "pdl_end", "pdl_enter", "pdl_start"]
 
 
 @triton.jit
@@ -50,3 +54,18 @@ def pdl_enter(PDL: tl.constexpr):
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
+
+
+@triton.jit
+def pdl_start(PDL: tl.constexpr, LATE: tl.constexpr):
+    """``pdl_enter`` at a kernel's start, unless ``LATE`` (then ``pdl_end`` calls it)."""
+    if not LATE:
+        pdl_enter(PDL)
+
+
+@triton.jit
+def pdl_end(PDL: tl.constexpr, LATE: tl.constexpr):
+    """``pdl_enter`` at a kernel's end (and before any early return) when ``LATE``: the kernel ran whole beside the
+    previous one (module docstring)."""
+    if LATE:
+        pdl_enter(PDL)

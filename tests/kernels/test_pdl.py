@@ -2,7 +2,9 @@
 
 The switch is checked everywhere; the launches themselves need Hopper: there the whole write path (window store,
 compressor prefill in order and fused, compressor decode) with PDL must write the bytes it writes without, eagerly
-and replayed from a captured CUDA graph.
+and replayed from a captured CUDA graph.  In order, a prefill's state write loads its rows before it waits for the
+pool and its emit runs whole before it waits for the state write (``pdl_late``), so these runs are where a wrong
+ordering would show.
 """
 
 import pytest

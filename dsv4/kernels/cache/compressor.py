@@ -69,7 +69,7 @@ import triton.language as tl
 from dsv4.errors import check_tensor
 from dsv4.formats.fp8_entry import EntryPages, FP8EntryFormat
 from dsv4.formats.mxfp4_key import KeyPages, MXFP4KeyFormat
-from dsv4.kernels._triton_sync import last_arrival, pdl_enter
+from dsv4.kernels._triton_sync import last_arrival, pdl_end, pdl_enter, pdl_start
 from dsv4.kernels.cache._triton_quant import (
     bf16_rne,
     bf16_round,
@@ -963,8 +963,8 @@ def _compressor_write_kernel(
     tokens not superseded by a later token of their request (position t + c*m in this step), in [BLOCK_T,
     BLOCK_D] tiles over the channels (a compile-time loop: the channel mask folds away, wide accesses).  A
     block with no such token (in a prefill all but the request's last c*m tokens) exits after its index
-    loads: one program per token block keeps the grid small."""
-    pdl_enter(PDL)
+    loads: one program per token block keeps the grid small.  PDL: the rows are loaded before the wait for the
+    previous launch (the pool, which reads the state), the state stored after it (``_triton_sync``)."""
     a = tl.program_id(0).to(tl.int64)
     ii = a * BLOCK_T + tl.arange(0, BLOCK_T)
     tt, ss, wr = _state_writers(ii, T, CM, pos_ptr, tslot_ptr, num_state_slots)
@@ -987,10 +987,12 @@ def _compressor_write_kernel(
             sc0 = tl.load(sc_ptr + src_sc[:, None] + ch0[None, :], mask=m0)
             kv1 = tl.load(kv_ptr + src_kv[:, None] + ch1[None, :], mask=m1)
             sc1 = tl.load(sc_ptr + src_sc[:, None] + ch1[None, :], mask=m1)
+            pdl_enter(PDL)
             tl.store(kvs_ptr + dst_row[:, None] + ch0[None, :], kv0, mask=m0)
             tl.store(scs_ptr + dst_row[:, None] + ch0[None, :], sc0, mask=m0)
             tl.store(kvs_ptr + dst_row[:, None] + ch1[None, :], kv1, mask=m1)
             tl.store(scs_ptr + dst_row[:, None] + ch1[None, :], sc1, mask=m1)
+    pdl_enter(PDL)
 
 
 @triton.jit
@@ -1020,8 +1022,8 @@ def _compressor_write_lanes_kernel(
     SUPER tokens, lane w) finds which of the superblock's SUB-token blocks hold a writing token (one vector load of
     the SUPER tokens' positions and slots) and copies the w-th, (w + LANES)-th, ... of them ([SUB, BLOCK_D] tiles
     of both tensors, every channel block's loads before its stores).  A prefill's writers (its last c*m tokens)
-    are thus spread over the lanes of one superblock while the other superblocks' programs exit."""
-    pdl_enter(PDL)
+    are thus spread over the lanes of one superblock while the other superblocks' programs exit.  PDL: as
+    ``_compressor_write_kernel``, loads before the wait, stores after it."""
     g = tl.program_id(0).to(tl.int64)
     w = tl.program_id(1)
     NS: tl.constexpr = SUPER // SUB
@@ -1044,9 +1046,11 @@ def _compressor_write_lanes_kernel(
             m = wj[:, None] & (ch < CD)[None, :]
             kv = tl.load(kv_ptr + jj[:, None] * stride_kv + ch[None, :], mask=m)
             sc = tl.load(sc_ptr + jj[:, None] * stride_sc + ch[None, :], mask=m)
+            pdl_enter(PDL)
             tl.store(kvs_ptr + dst_row[:, None] + ch[None, :], kv, mask=m)
             tl.store(scs_ptr + dst_row[:, None] + ch[None, :], sc, mask=m)
         r += LANES
+    pdl_enter(PDL)
 
 
 @triton.jit
@@ -1100,8 +1104,9 @@ def _compressor_online_write_kernel(
     """Online state, non-decode, after the pool pass: program (token block a, channel block b) writes, for each
     token of [a*BLOCK_T, ...) that is its request's last in the step, its chunk's prefix (``_online_prefix``) and
     its own row as its slot's state.  ``state_pos`` is read here and written by the next launch
-    (``_online_pos_kernel``): the channel blocks of one request must all see the old value."""
-    pdl_enter(PDL)
+    (``_online_pos_kernel``): the channel blocks of one request must all see the old value.  PDL: everything is
+    loaded and computed before the wait for the previous launch (the pool, which reads the state), the state stored
+    after it."""
     a = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1)
     tt, ss, last = _online_last_tokens(a, T, pos_ptr, tslot_ptr, num_state_slots, BLOCK_T)
@@ -1123,18 +1128,21 @@ def _compressor_online_write_kernel(
         )  # fmt: skip
         sc_row = tl.load(sc_ptr + i * stride_sc + ch, mask=chm)
         kv_row = tl.load(kv_ptr + i * stride_kv + ch, mask=chm)
+        pdl_enter(PDL)
         _store_online_state(kvs_ptr, scs_ptr, slot * st_ss + ch, st_sr, chm, mx, den, acc, sc_row, kv_row)
         k = tl.min(tl.where(last & (kk > k), kk, BLOCK_T), axis=0)
+    pdl_enter(PDL)
 
 
 @triton.jit
 def _online_pos_kernel(
     pos_ptr, tslot_ptr, num_state_slots, T, spos_ptr, BLOCK_T: tl.constexpr, PDL: tl.constexpr = False
 ):
-    """Online state, non-decode, last launch: ``state_pos[slot]`` = the position of each request's last token."""
-    pdl_enter(PDL)
+    """Online state, non-decode, last launch: ``state_pos[slot]`` = the position of each request's last token
+    (PDL: stored after the wait for the state write, which reads it)."""
     a = tl.program_id(0).to(tl.int64)
     tt, ss, last = _online_last_tokens(a, T, pos_ptr, tslot_ptr, num_state_slots, BLOCK_T)
+    pdl_enter(PDL)
     tl.store(spos_ptr + tl.where(last, ss, 0), tt.to(tl.int32), mask=last)
 
 
@@ -1459,6 +1467,7 @@ def _emit_indexer_kernel(
     Q_EXP: tl.constexpr,
     Q_MANT: tl.constexpr,
     PDL: tl.constexpr = False,
+    PDL_LATE: tl.constexpr = False,
 ):
     """Tokens [a*BLOCK_T, ...), each emitting one in turn: bf16 -> RMSNorm -> RoPE -> Sylvester Hadamard
     (fp32, x DIM^-1/2, bf16) -> MXFP4.
@@ -1468,7 +1477,7 @@ def _emit_indexer_kernel(
     the transform is H_NB (x) H_KB: a [KB x KB] pass inside each input block, then an [NB x NB] pass across
     blocks (~DIM * (KB + NB) products instead of DIM**2).  The row is loaded straight in that layout: nope
     values as [NOPE/KB, KB], rope pairs as [2*HR/KB, HB] even / odd lanes (cos/sin once per pair)."""
-    pdl_enter(PDL)
+    pdl_start(PDL, PDL_LATE)
     a = tl.program_id(0).to(tl.int64)
     ii = a * BLOCK_T + tl.arange(0, BLOCK_T)
     im = ii < n_rows
@@ -1480,6 +1489,7 @@ def _emit_indexer_kernel(
         scale_ptr, scale_sp, scale_sr, INTERP, BLOCK_T, DIM, NOPE, HR, HAD_SCALE, KB, NA, RA, NB, HB, FLOOR, Q_EXP,
         Q_MANT,
     )  # fmt: skip
+    pdl_end(PDL, PDL_LATE)
 
 
 @triton.jit
@@ -1603,6 +1613,7 @@ def _emit_indexer_dot_kernel(
     Q_EXP: tl.constexpr,
     Q_MANT: tl.constexpr,
     PDL: tl.constexpr = False,
+    PDL_LATE: tl.constexpr = False,
 ):
     """``_emit_indexer_kernel`` for BLOCK_T tokens a program, the Hadamard as two MMAs over ROWS (>= 16)
     emitting rows at a time.
@@ -1617,7 +1628,7 @@ def _emit_indexer_dot_kernel(
     (built in registers once per program) and a sum / difference.  The operands are bf16 values and +-1, so
     every product is exact and only the fp32 accumulation order differs from the reference's matmul (as with the
     factorised kernel).  The two halves are quantised to MXFP4 blocks and stored separately."""
-    pdl_enter(PDL)
+    pdl_start(PDL, PDL_LATE)
     a = tl.program_id(0).to(tl.int64)
     ii = a * BLOCK_T + tl.arange(0, BLOCK_T)
     im = ii < n_rows
@@ -1647,6 +1658,7 @@ def _emit_indexer_dot_kernel(
                 data_sp, data_sr, scale_ptr, scale_sp, scale_sr, INTERP, ROWS, DIM, NOPE, HR, HAD_SCALE, NB, HB, FLOOR,
                 Q_EXP, Q_MANT,
             )  # fmt: skip
+    pdl_end(PDL, PDL_LATE)
 
 
 @triton.jit
@@ -1791,6 +1803,7 @@ def emit_entries(
     dot: int | None = None,
     rows: int | None = None,
     stages: int | None = None,
+    pdl_late: bool = False,
 ) -> None:
     """Finish and store the entries pooled by ``compressor_step`` (spec §3 "after pooling").
 
@@ -1816,6 +1829,10 @@ def emit_entries(
     kernel's group loop, default _EMIT_DOT_STAGES; None = Triton's).
     The indexer kernel needs nope and rope widths that are power-of-two multiples of the MXFP4 block
     (128 = 64 + 64, blocks of 32 in the released model).
+    ``pdl_late`` (Triton path with PDL on, ``dispatch.pdl_launch``): the kernel runs whole before it waits for the
+    previous launch on the stream, so it overlaps that launch.  Only for a caller that knows that launch neither
+    writes what the emit reads nor touches the pages, and that ``pooled`` / ``emits`` were written before it started
+    (``compress_prefill``: the state write after the pool).
     """
     check_tensor("pooled", pooled, dtype=torch.float32, ndim=2)
     t = pooled.shape[0]
@@ -1836,7 +1853,7 @@ def emit_entries(
     if kind == "main":
         _launch_norm_rope_fp8(
             pooled, norm_weight, eps, positions, ratio, inv_freq, slots, pages, fmt, None, emits, block_t, num_warps,
-            iters, scan,
+            iters, scan, pdl_late=pdl_late,
         )  # fmt: skip
         return
     if scan is not None or iters is not None:
@@ -1862,7 +1879,7 @@ def emit_entries(
             pooled, pooled.stride(0), t, norm_weight, float(eps), positions, inv_freq, emits.view(torch.uint8),
             slots, scratch, pages.data.shape[0] * bs, bs, *pargs,
             INTERP=interpreter_enabled(), RATIO=ratio, BLOCK_T=bt, ROWS=nr, DIM=d, NOPE=geo["NOPE"], HR=geo["HR"],
-            HAD_SCALE=geo["HAD_SCALE"], num_warps=num_warps or nw, **kw, **pdl_launch(pooled.device),
+            HAD_SCALE=geo["HAD_SCALE"], num_warps=num_warps or nw, **kw, **pdl_launch(pooled.device), PDL_LATE=pdl_late,
             **({"num_stages": ns} if (ns := stages or _EMIT_DOT_STAGES) else {}),
         )  # fmt: skip
         return
@@ -1872,7 +1889,7 @@ def emit_entries(
         pooled, pooled.stride(0), t, norm_weight, float(eps), positions, inv_freq, ratio, emits.view(torch.uint8),
         slots, pages.data.shape[0] * bs, bs, *pargs,
         INTERP=interpreter_enabled(), BLOCK_T=bt, DIM=d, num_warps=num_warps or _EMIT_INDEXER_WARPS, **geo, **kw,
-        **pdl_launch(pooled.device),
+        **pdl_launch(pooled.device), PDL_LATE=pdl_late,
     )  # fmt: skip
 
 

@@ -6,7 +6,9 @@ Two ways to run it on the Triton path, same arguments, same results:
 - **In order** (default): ``compressor_step``'s pool launch writes each completed entry's pooled fp32 row to a
   scratch tensor, its state-write launch rolls the state, and ``emit_entries`` reads the pooled rows back to
   finish and store the entries: 3 launches (4 with an online state).  ``overlap_write`` puts the state write on
-  a side stream beside the emit (both wait only for the pool).
+  a side stream beside the emit (both wait only for the pool).  With programmatic dependent launch on
+  (``dispatch.PDL``) the same overlap comes without a second stream: the state write loads its rows before it waits
+  for the pool, and the emit (``pdl_late``) runs whole before it waits for the state write.
 - **Fused emit** (``fuse_emit``): where one pool program can hold a token's whole pooled row -- the pool tile
   [next_pow2(c*m), d] is at most ``_FUSE_TILE_MAX`` values: CSA main [8, 512] and the CSA indexer [8, 128], not
   HCA's [128, 512] -- the pool program emits the entry itself, then the state write runs: 2 launches, and the
@@ -133,9 +135,11 @@ def compress_prefill(
         state_pos=state_pos, write_stream=side, **(step_kw or {}),
     )  # fmt: skip
     try:
+        # in order, the state write is the launch before the emit: neither touches what the other reads or writes,
+        # and the pool that wrote ``pooled`` came before it, so with PDL the emit runs beside the state write
         emit_entries(
             pooled, emits, positions, norm_weight, eps, inv_freq, slots, pages, fmt, ratio, kind, backend=backend,
-            **(emit_kw or {}),
+            pdl_late=side is None, **(emit_kw or {}),
         )  # fmt: skip
     finally:
         if side is not None:

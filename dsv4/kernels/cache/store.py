@@ -44,7 +44,7 @@ import triton.language as tl
 from dsv4.errors import check_tensor
 from dsv4.formats.fp8_entry import FP8_DTYPE, ROPE_DTYPE, EntryPages, FP8EntryFormat
 from dsv4.formats.mxfp4_key import KeyPages, MXFP4KeyFormat
-from dsv4.kernels._triton_sync import pdl_enter
+from dsv4.kernels._triton_sync import pdl_end, pdl_enter, pdl_start
 from dsv4.kernels.cache._triton_quant import (
     bf16_bits,
     bf16_rne,
@@ -450,6 +450,7 @@ def _norm_rope_fp8_kernel(
     rpos_ptr=None,
     HAS_RPOS: tl.constexpr = False,
     PDL: tl.constexpr = False,
+    PDL_LATE: tl.constexpr = False,
 ):
     """Rows [a*ITERS*BLOCK_T, ...): x -> bf16 -> RMSNorm (fp32, bf16 out) -> RoPE (fp32, bf16 out) -> [out] + FP8.
 
@@ -468,7 +469,7 @@ def _norm_rope_fp8_kernel(
     [a*SCAN, ...), reads their SCAN flags with one vector load and processes the flagged rows one after
     another (a prefill emits one row in ``ratio``: with SCAN = ratio most programs do one row and none is
     empty, instead of ``ratio`` one-row programs of which ``ratio - 1`` only read their flag)."""
-    pdl_enter(PDL)
+    pdl_start(PDL, PDL_LATE)
     a = tl.program_id(0).to(tl.int64)
     noff, tin, roff, rin = _fp8_row_offsets(HEAD_DIM, NOPE, NT, NT_PAD, TILE, HR, VEC_RUNS)
     if SCAN > 1:
@@ -487,30 +488,32 @@ def _norm_rope_fp8_kernel(
                 noff, tin, roff, RATIO, HAS_OUT, INTERP, BLOCK_T, HEAD_DIM, NOPE, NT, NT_PAD, TILE, HR,
                 FLOOR, QMAX, Q_EXP, Q_MANT, rpos_ptr, HAS_RPOS,
             )  # fmt: skip
+            pdl_end(PDL, PDL_LATE)
             k = tl.min(tl.where(fl & (kk > k), kk, SCAN), axis=0)
-        return
-    ii = a * (ITERS * BLOCK_T) + tl.arange(0, BLOCK_T)
-    lim = tl.minimum(n_rows, (a + 1) * (ITERS * BLOCK_T))  # end of this program's rows
-    go = _rows_to_do(ii, lim, emit_ptr, HAS_EMIT)
-    xrow = x_ptr + ii * stride_x
-    xn = tl.load(xrow[:, None, None] + noff, mask=go[:, None, None] & tin, other=0.0)
-    xr = tl.load(xrow[:, None, None] + roff, mask=go[:, None, None] & rin, other=0.0)
-    for _ in range(ITERS):
-        if ITERS > 1:  # prefetch the next block (masked off after the last one)
-            ii_n = ii + BLOCK_T
-            go_n = _rows_to_do(ii_n, lim, emit_ptr, HAS_EMIT)
-            xrow_n = x_ptr + ii_n * stride_x
-            xn_n = tl.load(xrow_n[:, None, None] + noff, mask=go_n[:, None, None] & tin, other=0.0)
-            xr_n = tl.load(xrow_n[:, None, None] + roff, mask=go_n[:, None, None] & rin, other=0.0)
-        if tl.sum(go.to(tl.int32), axis=0) > 0:
-            _norm_rope_rows(
-                xn, xr, ii, go, w_ptr, eps, pos_ptr, inv_ptr, slot_ptr, num_slots, bs, out_ptr, stride_out,
-                nope_ptr, nope_sp, nope_sr, rope_ptr, rope_sp, rope_sr, scale_ptr, scale_sp, scale_sr,
-                noff, tin, roff, RATIO, HAS_OUT, INTERP, BLOCK_T, HEAD_DIM, NOPE, NT, NT_PAD, TILE, HR,
-                FLOOR, QMAX, Q_EXP, Q_MANT, rpos_ptr, HAS_RPOS,
-            )  # fmt: skip
-        if ITERS > 1:
-            ii, go, xn, xr = ii_n, go_n, xn_n, xr_n
+    else:
+        ii = a * (ITERS * BLOCK_T) + tl.arange(0, BLOCK_T)
+        lim = tl.minimum(n_rows, (a + 1) * (ITERS * BLOCK_T))  # end of this program's rows
+        go = _rows_to_do(ii, lim, emit_ptr, HAS_EMIT)
+        xrow = x_ptr + ii * stride_x
+        xn = tl.load(xrow[:, None, None] + noff, mask=go[:, None, None] & tin, other=0.0)
+        xr = tl.load(xrow[:, None, None] + roff, mask=go[:, None, None] & rin, other=0.0)
+        for _ in range(ITERS):
+            if ITERS > 1:  # prefetch the next block (masked off after the last one)
+                ii_n = ii + BLOCK_T
+                go_n = _rows_to_do(ii_n, lim, emit_ptr, HAS_EMIT)
+                xrow_n = x_ptr + ii_n * stride_x
+                xn_n = tl.load(xrow_n[:, None, None] + noff, mask=go_n[:, None, None] & tin, other=0.0)
+                xr_n = tl.load(xrow_n[:, None, None] + roff, mask=go_n[:, None, None] & rin, other=0.0)
+            if tl.sum(go.to(tl.int32), axis=0) > 0:
+                _norm_rope_rows(
+                    xn, xr, ii, go, w_ptr, eps, pos_ptr, inv_ptr, slot_ptr, num_slots, bs, out_ptr, stride_out,
+                    nope_ptr, nope_sp, nope_sr, rope_ptr, rope_sp, rope_sr, scale_ptr, scale_sp, scale_sr,
+                    noff, tin, roff, RATIO, HAS_OUT, INTERP, BLOCK_T, HEAD_DIM, NOPE, NT, NT_PAD, TILE, HR,
+                    FLOOR, QMAX, Q_EXP, Q_MANT, rpos_ptr, HAS_RPOS,
+                )  # fmt: skip
+            if ITERS > 1:
+                ii, go, xn, xr = ii_n, go_n, xn_n, xr_n
+    pdl_end(PDL, PDL_LATE)
 
 
 @triton.jit
@@ -656,6 +659,7 @@ def _launch_norm_rope_fp8(
     iters: int | None = None,
     scan: int | None = None,
     ring_positions: torch.Tensor | None = None,
+    pdl_late: bool = False,
 ) -> None:
     """One launch, shared by ``store_window`` (ratio 1) and the main compressor's ``emit_entries``:
     RoPE at ``ratio * (positions // ratio)``, computed in the kernel (no cos/sin tensors).
@@ -664,7 +668,8 @@ def _launch_norm_rope_fp8(
     is computed (default 1).  With ``emits``: ``scan`` rows per program whose flags are read at once, the
     flagged ones processed in turn (power of two; default min(next_pow2(ratio), _EMIT_SCAN_MAX, the largest
     power of two <= max(1, n / _EMIT_SCAN_MIN_PROGRAMS)); 1 = the row-block path above, which ``block_t`` /
-    ``iters`` then select)."""
+    ``iters`` then select).  ``pdl_late``: with PDL on, the kernel runs whole before it waits for the previous launch
+    (``_triton_sync``; the caller vouches that this is safe)."""
     n = x.shape[0]
     if n == 0:
         return
@@ -696,7 +701,7 @@ def _launch_norm_rope_fp8(
         RATIO=ratio, HAS_EMIT=emits is not None, HAS_OUT=out is not None, INTERP=interpreter_enabled(), BLOCK_T=bt,
         ITERS=it, HEAD_DIM=fmt.head_dim, NOPE=fmt.nope_dim, VEC_RUNS=fmt.tile % _VEC_ELEMS == 0, SCAN=sc,
         rpos_ptr=ring_positions if ring_positions is not None else slots, HAS_RPOS=ring_positions is not None,
-        num_warps=nw, **kw, **pdl_launch(x.device),
+        num_warps=nw, **kw, **pdl_launch(x.device), PDL_LATE=pdl_late,
     )  # fmt: skip
 
 
