@@ -316,7 +316,8 @@ def case_compressor(kind, cfg, mode, n, device, gen, tune=None):
                 sk = {k: v for k, v in kw_s.items() if k != "state_pos"}
                 compress_prefill(
                     kv, sc, pos, tslot, ks, ss, ratio, overlap, w, 1e-6, inv, eslot, pages, fmt, ekind, backend,
-                    state_pos=kw_s.get("state_pos"), overlap_write=None if backend == "torch" else overlap_write,
+                    state_pos=kw_s.get("state_pos"), counters=counters if online else None,
+                    overlap_write=None if backend == "torch" else overlap_write,
                     fuse_emit=None if backend == "torch" else fuse_emit,
                     step_kw=sk, emit_kw=kw_e,
                 )  # fmt: skip

@@ -260,8 +260,8 @@ class LayerCacheHandle:
     ) -> None:
         """``update_compressor`` then ``emit_compressed`` (same arguments, same effect).  A decode step
         (``plan.is_decode``) runs them as ONE fused launch (``compress_decode``); otherwise as
-        ``compress_prefill`` (the pool, then the emit and the state write: 3 launches on the Triton path, 4 with
-        the online state; 2 where its fused emit is on and applies, see ``compressor_prefill``).  With ``ape`` (fp32
+        ``compress_prefill`` (the pool, then the emit and the state write: 3 launches on the Triton path; 2 where
+        its fused emit is on and applies, see ``compressor_prefill``).  With ``ape`` (fp32
         [m, c*d]) ``score`` is ``wgate(x)`` alone and ``ape[pos mod m]`` is added here (inside the fused
         decode launch)."""
         if not self.plan.is_decode:
@@ -277,7 +277,7 @@ class LayerCacheHandle:
             compress_prefill(
                 kv, score, self.plan.positions, self.plan.token_slots, st.kv, st.score, st.shape.ratio,
                 st.shape.overlap, norm_weight, self.schema.config.norm_eps, inv_freq, rp.emit_slots, pages, fmt,
-                kind=which, backend=backend, state_pos=st.positions,
+                kind=which, backend=backend, state_pos=st.positions, counters=st.counters,
             )  # fmt: skip
             return
         from dsv4.kernels.cache.compressor import compress_decode

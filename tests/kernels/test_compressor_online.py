@@ -36,6 +36,8 @@ def run_online(chunks, ratio, d, backend, device, slot_map, decode_steps=(), **k
     """chunks: steps, each a list of (request, n_tokens); step indices in ``decode_steps`` use decode=True (one
     token per request).  Returns pooled per (request, entry), the histories and the state (CPU)."""
     kv_state, sc_state, spos = online_state(max(slot_map) + 1, d, device)
+    if kw.get("counters") is True:  # the state slots' arrival counters: positions written by the state write
+        kw = {**kw, "counters": torch.zeros(kv_state.shape[0], dtype=torch.int32, device=device)}
 
     def run_step(si, kv, sc, pos, slot):
         dec = si in decode_steps
@@ -43,6 +45,8 @@ def run_online(chunks, ratio, d, backend, device, slot_map, decode_steps=(), **k
                                state_pos=spos, **({} if dec else kw))  # fmt: skip
 
     got, hist = drive(chunks, ratio, d, slot_map, 3, run_step, device)
+    if "counters" in kw:
+        assert not kw["counters"].any()  # 0 again after every launch
     return got, hist, (kv_state.cpu(), sc_state.cpu(), spos.cpu())
 
 
@@ -65,11 +69,15 @@ def check(got, hist, state, slot_map, ratio):
 @pytest.mark.parametrize("ratio", [8, 128])
 @pytest.mark.parametrize(
     "tuning",
-    [{}, {"pool_fast_rows": 1, "pool_fast_exp": 1}, {"pool_online_rows_in_step": 1, "pool_maxnreg": 128}],
-)
+    [
+        {}, {"pool_fast_rows": 1, "pool_fast_exp": 1}, {"pool_online_rows_in_step": 1, "pool_maxnreg": 128},
+        {"counters": True}, {"counters": True, "block_d": 8},
+    ],
+)  # fmt: skip
 def test_online_chunked_steps_equal_one_pass(device, backend, ratio, tuning):
     """Any chunking, prefill or decode, gives the one-pass oracle's entries and state; for the Triton path also with
-    the pool's fast-row and fast-exp forms, and with whole-chunk entries pooled by the fast loads alone."""
+    the pool's fast-row and fast-exp forms, with whole-chunk entries pooled by the fast loads alone, and with the
+    positions written by the state write (``counters``; two channel blocks a request arriving on one counter)."""
     chunks = [
         [(0, 5), (1, 1), (2, 3)],
         [(0, 1), (1, 130), (2, 3)],

@@ -47,8 +47,8 @@ def _equal_pages(got, ref, device):
 @pytest.mark.parametrize("kind", ["csa_indexer", "hca", "hca_online"])
 def test_compress_prefill_equals_step_then_emit(device, kind, overlap_write):
     """``compress_prefill`` = ``compressor_step`` then ``emit_entries`` (entry bytes and state equal), with the state
-    write in order or on the side stream (CUDA; on the CPU there is none); a call whose emit arguments are bad
-    raises before touching the state."""
+    write in order or on the side stream (CUDA; on the CPU there is none), an online state's positions written by
+    its state write (``counters``); a call whose emit arguments are bad raises before touching the state."""
     _skip_cpu_without_interpreter(device)
     ratio, overlap, fmt, d, ekind = _geometry(kind.removesuffix("_online"))
     c = 2 if overlap else 1
@@ -83,15 +83,16 @@ def test_compress_prefill_equals_step_then_emit(device, kind, overlap_write):
     pooled, emits = compressor_step(kv, sc, pos, tslot, k1, s1, ratio, overlap, backend="triton", state_pos=sp1)
     emit_entries(pooled, emits, pos, w, 1e-6, inv, eslot, p1, fmt, ratio, ekind, backend="triton")
     f2, p2, k2, s2, sp2 = make()
+    cnt = torch.zeros(1, dtype=torch.int32, device=device)  # (online: the positions written by the state write)
     compress_prefill(
         kv, sc, pos, tslot, k2, s2, ratio, overlap, w, 1e-6, inv, eslot, p2, fmt, ekind, "triton", state_pos=sp2,
-        overlap_write=overlap_write, fuse_emit=False,
+        counters=cnt if sp2 is not None else None, overlap_write=overlap_write, fuse_emit=False,
     )  # fmt: skip
     if device.type == "cuda":
         torch.cuda.synchronize()
     assert f1.any() and torch.equal(f2, f1) and torch.equal(k2, k1) and torch.equal(s2, s1)
     if sp1 is not None:
-        assert torch.equal(sp2, sp1)
+        assert torch.equal(sp2, sp1) and int(sp2[0]) == int(pos[-1]) and not cnt.any()
     f3, p3, k3, s3, sp3 = make()
     # a norm weight of the wrong width (every backend); for the indexer a rope half of 31 frequencies, which only
     # the Triton emit rejects (the reference takes any even rope width); a format of another width than the

@@ -43,8 +43,9 @@ Launches (Triton path; no host synchronisation, no copies, no fills, CUDA-graph 
 ``compressor_step(decode=True)`` 1 (pool + own state row: safe in one launch as each request has one
 token); otherwise 2 (token-blocked pool pass, then the tiled state-write pass: a pool must read the state
 as it was before the step, so the writes wait for a grid-wide boundary; the state write spreads the blocks that
-hold writing tokens over lanes of a superblock where c*d >= 512, ``_compressor_write_lanes_kernel``), 3 with an
-online state (pool, state write, state positions); ``compress_prefill`` runs them and the emit, the state write
+hold writing tokens over lanes of a superblock where c*d >= 512, ``_compressor_write_lanes_kernel``); with an
+online state the state write also writes the positions given the slots' counters (``counters``; else a third launch
+does); ``compress_prefill`` runs them and the emit, the state write
 optionally on a side stream alongside the emit (both wait only for the pool).  ``emit_entries`` 1 (RMSNorm,
 RoPE at the entry position computed in the kernel, [Hadamard], quantise, store; a block of tokens per
 program, only the emitting ones read; the indexer's Hadamard factorised as H_NB (x) H_32).  A decode step is one
@@ -1097,16 +1098,17 @@ def _online_last_tokens(a, T, pos_ptr, tslot_ptr, num_state_slots, BLOCK_T: tl.c
 @triton.jit
 def _compressor_online_write_kernel(
     kv_ptr, sc_ptr, stride_kv, stride_sc, pos_ptr, tslot_ptr, kvs_ptr, scs_ptr, st_ss, st_sr, num_state_slots, T,
-    spos_ptr, M: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
-    FAST_EXP: tl.constexpr = False, INTERP: tl.constexpr = False,
-    PDL: tl.constexpr = False,
+    spos_ptr, cnt_ptr, M: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr, FAST_EXP: tl.constexpr = False, INTERP: tl.constexpr = False, N_CB: tl.constexpr = 1,
+    POS_IN_WRITE: tl.constexpr = False, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Online state, non-decode, after the pool pass: program (token block a, channel block b) writes, for each
     token of [a*BLOCK_T, ...) that is its request's last in the step, its chunk's prefix (``_online_prefix``) and
-    its own row as its slot's state.  ``state_pos`` is read here and written by the next launch
-    (``_online_pos_kernel``): the channel blocks of one request must all see the old value.  PDL: everything is
-    loaded and computed before the wait for the previous launch (the pool, which reads the state), the state stored
-    after it."""
+    its own row as its slot's state.  The N_CB channel blocks of one request all read the old ``state_pos``; with
+    ``POS_IN_WRITE`` the last of them to arrive on the slot's counter (``cnt_ptr``, int32, 0 before and after,
+    ``_last_arrival``) then writes the new one, else the next launch does (``_online_pos_kernel``).  PDL: everything
+    is loaded and computed before the wait for the previous launch (the pool, which reads the state), the state
+    stored after it."""
     a = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1)
     tt, ss, last = _online_last_tokens(a, T, pos_ptr, tslot_ptr, num_state_slots, BLOCK_T)
@@ -1130,6 +1132,9 @@ def _compressor_online_write_kernel(
         kv_row = tl.load(kv_ptr + i * stride_kv + ch, mask=chm)
         pdl_enter(PDL)
         _store_online_state(kvs_ptr, scs_ptr, slot * st_ss + ch, st_sr, chm, mx, den, acc, sc_row, kv_row)
+        if POS_IN_WRITE:
+            if _last_arrival(True, cnt_ptr, slot, N_CB):  # every channel block has read the old position
+                tl.store(spos_ptr + slot, t.to(tl.int32))
         k = tl.min(tl.where(last & (kk > k), kk, BLOCK_T), axis=0)
     pdl_enter(PDL)
 
@@ -1210,6 +1215,7 @@ def compressor_step(
     pool_online_rows_in_step: bool | None = None,
     pool_maxnreg: int | None = None,
     write_stream: torch.cuda.Stream | None = None,
+    counters: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fold one step's compressor projections into the state ring and pool the entries that complete.
 
@@ -1251,6 +1257,9 @@ def compressor_step(
         ``kv`` / ``score`` / ``positions`` / ``token_slot`` alive and unchanged until then (no ``record_stream``:
         it is not safe under graph capture).  ``positions`` / ``token_slot`` must then be contiguous (a copy made
         here would be freed before the write runs).  ``compress_prefill`` does all this.
+    ``counters`` (online state, non-decode, Triton path; ignored otherwise): the state slots' arrival counters, int32
+        [num_state_slots], all 0 (``CompressorState.counters``, which the fused decode launch also uses; they are 0
+        again after the call).  With them the state write also writes ``state_pos`` (one launch fewer).
     Preconditions: the step contract of the module docstring.
     """
     c, cm, t, cd, d = _check_step(kv, score, positions, token_slot, kv_state, score_state, ratio, overlap, state_pos)
@@ -1263,6 +1272,10 @@ def compressor_step(
         )
     if write_stream is not None and not (positions.is_contiguous() and token_slot.is_contiguous()):
         raise ValueError("positions / token_slot: expected contiguous tensors with write_stream")
+    if counters is not None:
+        check_tensor("counters", counters, dtype=torch.int32, shape=[kv_state.shape[0]], device=dev)
+        if not counters.is_contiguous():
+            raise ValueError("counters: expected a contiguous tensor")
     positions, token_slot = positions.contiguous(), token_slot.contiguous()  # indexed as ptr + i
     pooled = torch.empty(t, d, dtype=torch.float32, device=dev)
     emits = torch.empty(t, dtype=torch.bool, device=dev)
@@ -1303,7 +1316,7 @@ def compressor_step(
     with torch.cuda.stream(write_stream) if side else contextlib.nullcontext():
         _launch_state_write(
             head, t, d, cd, cm, ratio, block_r, bd, online, state_pos, fast_exp, positions, token_slot,
-            kv_state.shape[0], write_block_t, write_warps, write_lanes,
+            kv_state.shape[0], write_block_t, write_warps, write_lanes, counters if online and not decode else None,
         )  # fmt: skip
     return pooled, emits
 
@@ -1366,23 +1379,25 @@ def _pool_launch_params(
 
 def _launch_state_write(
     head, t, d, cd, cm, ratio, block_r, bd, online, state_pos, fast_exp, positions, token_slot, n_slots,
-    write_block_t, write_warps, write_lanes,
+    write_block_t, write_warps, write_lanes, counters=None,
 ) -> None:  # fmt: skip
     """The state-write launches of a non-decode ``compressor_step`` (after its pool launch; ``head`` its kernel
-    arguments up to the state's slot count): the online state's write and positions, else the lanes or the
-    token-block write kernel."""
+    arguments up to the state's slot count): the online state's write and positions (one launch with ``counters``),
+    else the lanes or the token-block write kernel."""
     pdl = pdl_launch(positions.device)
     if online:
         wbt = write_block_t or _ONLINE_WRITE_BLOCK_T
         _check_pow2("write_block_t", wbt)
         _compressor_online_write_kernel[(triton.cdiv(t, wbt), triton.cdiv(d, bd))](
-            *head, t, state_pos, M=ratio, D=d, BLOCK_T=wbt, BLOCK_R=block_r, BLOCK_D=bd, FAST_EXP=fast_exp,
-            INTERP=interpreter_enabled(),
+            *head, t, state_pos, counters if counters is not None else state_pos, M=ratio, D=d, BLOCK_T=wbt,
+            BLOCK_R=block_r, BLOCK_D=bd, FAST_EXP=fast_exp, INTERP=interpreter_enabled(), N_CB=triton.cdiv(d, bd),
+            POS_IN_WRITE=counters is not None,
             num_warps=write_warps or (_POOL_WARPS if block_r * bd >= _POOL_TILE else _POOL_WARPS_SMALL), **pdl,
         )  # fmt: skip
-        _online_pos_kernel[(triton.cdiv(t, wbt),)](
-            positions, token_slot, n_slots, t, state_pos, BLOCK_T=wbt, num_warps=_WRITE_WARPS, **pdl
-        )
+        if counters is None:
+            _online_pos_kernel[(triton.cdiv(t, wbt),)](
+                positions, token_slot, n_slots, t, state_pos, BLOCK_T=wbt, num_warps=_WRITE_WARPS, **pdl
+            )
         return
     lanes = (_WRITE_LANES if cd >= _WRITE_LANES_MIN_CD else 0) if write_lanes is None else write_lanes
     if not isinstance(lanes, int) or lanes < 0:

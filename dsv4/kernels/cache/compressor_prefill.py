@@ -5,10 +5,10 @@ Two ways to run it on the Triton path, same arguments, same results:
 
 - **In order** (default): ``compressor_step``'s pool launch writes each completed entry's pooled fp32 row to a
   scratch tensor, its state-write launch rolls the state, and ``emit_entries`` reads the pooled rows back to
-  finish and store the entries: 3 launches (4 with an online state).  ``overlap_write`` puts the state write on
-  a side stream beside the emit (both wait only for the pool).  With programmatic dependent launch on
-  (``dispatch.PDL``) the same overlap comes without a second stream: the state write loads its rows before it waits
-  for the pool, and the emit (``pdl_late``) runs whole before it waits for the state write.
+  finish and store the entries: 3 launches (4 with an online state and no ``counters``).  ``overlap_write`` puts
+  the state write on a side stream beside the emit (both wait only for the pool).  With programmatic dependent
+  launch on (``dispatch.PDL``) the same overlap comes without a second stream: the state write loads its rows before
+  it waits for the pool, and the emit (``pdl_late``) runs whole before it waits for the state write.
 - **Fused emit** (``fuse_emit``): where one pool program can hold a token's whole pooled row -- the pool tile
   [next_pow2(c*m), d] is at most ``_FUSE_TILE_MAX`` values: CSA main [8, 512] and the CSA indexer [8, 128], not
   HCA's [128, 512] -- the pool program emits the entry itself, then the state write runs: 2 launches, and the
@@ -91,6 +91,7 @@ def compress_prefill(
     backend: str = "auto",
     *,
     state_pos: torch.Tensor | None = None,
+    counters: torch.Tensor | None = None,
     overlap_write: bool | None = None,
     fuse_emit: bool | None = None,
     step_kw: dict | None = None,
@@ -109,7 +110,8 @@ def compress_prefill(
     is ignored.  ``step_kw`` / ``emit_kw``: tuning keywords of the two calls (the fused launch takes the pool and
     state-write ones of ``step_kw``, all but ``block_d`` and ``row_loads``, and no ``emit_kw``).
     A token without a state slot emits nothing when fused; in order, its entry slot is written from a pooled row
-    that was never computed, so give such tokens entry slot -1 (padding does).
+    that was never computed, so give such tokens entry slot -1 (padding does).  ``counters``: ``compressor_step``'s
+    (with an online state, its positions are then written by its state write: one launch fewer).
     """
     check_emit_arguments(positions, norm_weight, inv_freq, slots, pages, fmt, ratio, kind, backend)
     _, _, _, _, d = _check_step(kv, score, positions, token_slot, kv_state, score_state, ratio, overlap, state_pos)
@@ -132,7 +134,7 @@ def compress_prefill(
         side = _side_stream(kv.device)
     pooled, emits = compressor_step(
         kv, score, positions, token_slot, kv_state, score_state, ratio, overlap, backend=backend,
-        state_pos=state_pos, write_stream=side, **(step_kw or {}),
+        state_pos=state_pos, counters=counters, write_stream=side, **(step_kw or {}),
     )  # fmt: skip
     try:
         # in order, the state write is the launch before the emit: neither touches what the other reads or writes,
