@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One H200 session: environment, GPU tests, then the kernel benchmarks. Results go to $OUT (or ./out).
-# Usage (on the device machine, repo root): bash benchmarks/run_h200.sh [tests|bench|all|pending|ncu|attention|attention_ncu|indexer_gluon|indexer_live|indexer_fold|pending_s12|topk_rows|indexer_default|indexer_p2|indexer_ablate|flush_topk|skeleton|topk_short|fold_auto|hca_online|write_s15|emit_s15|emit2_s15|main_s15|write2_s15|final_s15|gemv_s15|online_regs|write_s16|final_s16|ncu_pool|div_s16|lean_s17|fast_s17|emit_s17|emit2_s17|warps_s17|ipool_s17|final_s17|sweep_s18|overlap_s18|fuse_s19|pdl_s19]
+# Usage (on the device machine, repo root): bash benchmarks/run_h200.sh [tests|bench|all|pending|ncu|attention|attention_ncu|indexer_gluon|indexer_live|indexer_fold|pending_s12|topk_rows|indexer_default|indexer_p2|indexer_ablate|flush_topk|skeleton|topk_short|fold_auto|hca_online|write_s15|emit_s15|emit2_s15|main_s15|write2_s15|final_s15|gemv_s15|online_regs|write_s16|final_s16|ncu_pool|div_s16|lean_s17|fast_s17|emit_s17|emit2_s17|warps_s17|ipool_s17|final_s17|sweep_s18|overlap_s18|fuse_s19|pdl_s19|pdl_decode_s19]
 # "pending": the norm and top-k GPU tests (~4 min, most of it compiling the top-k kernels), launch D's rank
 # threshold on/off, top-k with both flush kinds, the decode step; about 8 minutes.  "ncu": Nsight Compute
 # sections of the indexer scores, dense attention and gather kernels (benchmarks/ncu_cases.py).  "attention": the
@@ -447,17 +447,22 @@ if [ "$what" = fuse_s19 ]; then  # left for session 19 (~4 min): compress_prefil
   timeout 150 python3 benchmarks/bench_write.py --models v4-flash --modes prefill --ops csa_main,csa_indexer $tn \
     --out "$OUT/${stamp}_h200_write_fuse_s19.jsonl" 2>&1 | tee "$OUT/${stamp}_h200_write_fuse_s19.txt" | grep prefill | cut -c1-220
 fi
-if [ "$what" = pdl_s19 ]; then  # left for session 19 (~7 min): programmatic dependent launch of dsv4's Triton kernels
+if [ "$what" = pdl_s19 ]; then  # left for session 19 (~6 min): programmatic dependent launch of dsv4's Triton kernels
   # (dispatch.PDL, off until measured; DSV4_PDL=1 turns it on; in a prefill the state write then loads before it waits
   # and the emit runs beside it): the write-path, model and engine GPU tests with it on (test_pdl: eager and
-  # graph-replayed bytes equal PDL off), then bench_write prefill and decode rows with it off and on, and the decode
-  # step (its check compares the step with the plain one, so it covers the read-path kernels)
-  DSV4_PDL=1 timeout 240 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_pdl.py tests/kernels/test_store.py \
+  # graph-replayed bytes equal PDL off), then the compressor prefill rows with it off and on
+  DSV4_PDL=1 timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_pdl.py tests/kernels/test_store.py \
     tests/kernels/test_compressor.py tests/kernels/test_compressor_prefill.py tests/kernels/test_compressor_online.py \
     tests/model tests/engine -k "cuda or gpu" 2>&1 | tee "$OUT/${stamp}_h200_gpu_tests_pdl_s19.txt" | tail -2
-  for p in 0 1; do DSV4_PDL=$p timeout 150 python3 benchmarks/bench_write.py --models v4-flash \
+  for p in 0 1; do DSV4_PDL=$p timeout 100 python3 benchmarks/bench_write.py --models v4-flash --modes prefill \
+    --ops csa_main,csa_indexer,hca,hca_online \
     --out "$OUT/${stamp}_h200_write_pdl${p}_s19.jsonl" 2>&1 | tee "$OUT/${stamp}_h200_write_pdl${p}_s19.txt" | grep -E "prefill|decode" \
     | cut -c1-150; done
-  for p in 0 1; do DSV4_PDL=$p timeout 120 python3 -m dsv4.cli bench --models v4-flash --kinds csa,hca --contexts 131072 \
+fi
+if [ "$what" = pdl_decode_s19 ]; then  # left for session 19 (~4 min): the decode step and the decode-size writes with PDL
+  # off and on (the step's check compares it with the plain step, so it covers the read-path kernels too)
+  for p in 0 1; do DSV4_PDL=$p timeout 100 python3 -m dsv4.cli bench --models v4-flash --kinds csa,hca --contexts 131072 \
     --batches 1,64 --out "$OUT/${stamp}_h200_decode_pdl${p}_s19.jsonl" 2>&1 | tee "$OUT/${stamp}_h200_decode_pdl${p}_s19.txt" | tail -6; done
+  for p in 0 1; do DSV4_PDL=$p timeout 60 python3 benchmarks/bench_write.py --models v4-flash --modes decode \
+    --out "$OUT/${stamp}_h200_write_decode_pdl${p}_s19.jsonl" 2>&1 | grep decode | cut -c1-150; done
 fi
