@@ -82,15 +82,9 @@ def ring_window_slots(
     out = torch.empty(t, ring, dtype=torch.int32, device=positions.device)
     if t:
         _ring_window_kernel[(triton.cdiv(t, _ROWS_PER_PROGRAM),)](
-            positions.contiguous(),
-            token_slots.contiguous(),
-            out,
-            t,
-            RING=ring,
-            ROWS=_ROWS_PER_PROGRAM,
-            num_warps=4,
+            positions.contiguous(), token_slots.contiguous(), out, t, RING=ring, ROWS=_ROWS_PER_PROGRAM, num_warps=4,
             **pdl_launch(positions.device),
-        )
+        )  # fmt: skip
     return out
 
 
