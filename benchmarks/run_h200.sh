@@ -450,7 +450,10 @@ fi
 if [ "$what" = pdl_s19 ]; then  # left for session 19 (~6 min): programmatic dependent launch of dsv4's Triton kernels
   # (dispatch.PDL, off until measured; DSV4_PDL=1 turns it on; in a prefill the state write then loads before it waits
   # and the emit runs beside it): the write-path, model and engine GPU tests with it on (test_pdl: eager and
-  # graph-replayed bytes equal PDL off), then the compressor prefill rows with it off and on
+  # graph-replayed bytes equal PDL off), then the compressor prefill rows with it off and on; first study_pdl.py:
+  # the time a kernel of a 32-kernel chain in a graph, plain / PDL / PDL with the work before the wait
+  timeout 60 python3 benchmarks/study_pdl.py --out "$OUT/${stamp}_h200_study_pdl_s19.jsonl" 2>&1 \
+    | tee "$OUT/${stamp}_h200_study_pdl_s19.txt" | tail -12
   DSV4_PDL=1 timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_pdl.py tests/kernels/test_store.py \
     tests/kernels/test_compressor.py tests/kernels/test_compressor_prefill.py tests/kernels/test_compressor_online.py \
     tests/model tests/engine -k "cuda or gpu" 2>&1 | tee "$OUT/${stamp}_h200_gpu_tests_pdl_s19.txt" | tail -2
