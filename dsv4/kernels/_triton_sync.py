@@ -13,16 +13,17 @@ arrival sets it back to 0, so one counter serves every launch (and every replay 
 long as launches using it do not overlap.
 
 ``pdl_enter(PDL)``: programmatic dependent launch (Hopper+; ``dispatch.pdl_launch`` decides and gives the launch
-keywords; every Triton kernel of dsv4 takes it, the Gluon ones do not).  A kernel launched with ``launch_pdl`` may
-start while the kernel before it on the stream is still running; its programs call ``pdl_enter`` first, which waits
-until that kernel has completed (its writes visible) and then lets the next kernel launch.  Waiting before letting the
-next one launch keeps the chain transitive: when a kernel's programs get past ``pdl_enter``, every kernel launched
-before it has completed.  What is saved is the launch gap between dependent kernels (the next grid is resident and
-waiting when the previous one ends).  A kernel may do work before ``pdl_enter`` when that work only reads what was
-written before the previous kernel started and touches nothing the previous kernel reads or writes (when its
-programs start, every kernel before the previous one has completed): the state writes of a prefill load their rows
-before it and store after it, and an emit that follows them (``PDL_LATE``, ``pdl_start`` / ``pdl_end``) runs whole
-before it, beside the state write.  Every program reaches ``pdl_enter`` before it exits.
+keywords; every Triton kernel of dsv4 takes it, the Gluon ones ``_gluon_sync.pdl_enter_gl``).  A kernel launched
+with ``launch_pdl`` may start while the kernel before it on the stream is still running; its programs call
+``pdl_enter`` first, which waits until that kernel has completed (its writes visible) and then lets the next kernel
+launch.  Waiting before letting the next one launch keeps the chain transitive: when a kernel's programs get past
+``pdl_enter``, every kernel launched before it has completed.  What is saved is the launch gap between dependent
+kernels (the next grid is resident and waiting when the previous one ends).  A kernel may do work before
+``pdl_enter`` when that work only reads what was written before the previous kernel started and touches nothing the
+previous kernel reads or writes (when its programs start, every kernel before the previous one has completed): the
+state writes of a prefill load their rows before it and store after it, and an emit that follows them
+(``PDL_LATE``, ``pdl_start`` / ``pdl_end``) runs whole before it, beside the state write.  Every program reaches
+``pdl_enter`` before it exits.
 """
 
 from __future__ import annotations

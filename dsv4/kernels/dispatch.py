@@ -17,8 +17,8 @@ import os
 import torch
 
 BACKENDS = ("auto", "torch", "triton")
-# Programmatic dependent launch of dsv4's Triton kernels (``pdl_launch``; the Gluon kernels are launched without it):
-# off until measured on the H200 (``run_h200.sh pdl_s19``); the environment variable DSV4_PDL=1 / 0 overrides it.
+# Programmatic dependent launch of dsv4's Triton and Gluon kernels (``pdl_launch``): off until measured on the H200
+# (``run_h200.sh pdl_s19``); the environment variable DSV4_PDL=1 / 0 overrides it.
 PDL = False
 DEFAULT_NUM_SMS = 132  # the H200's SM count, assumed by launch heuristics when no CUDA device is present
 

@@ -65,6 +65,8 @@ try:  # Gluon's Hopper API (triton >= 3.5); absent -> the host never selects thi
         warpgroup_mma_wait,
     )
 
+    from dsv4.kernels._gluon_sync import pdl_enter_gl
+
     # triton 3.6 names the pointer-based cp.async ``async_copy_global_to_shared``; later versions ``async_load``
     _cp_async = getattr(async_copy, "async_load", None) or getattr(async_copy, "async_copy_global_to_shared", None)
     HAVE_GLUON = _cp_async is not None
@@ -301,8 +303,10 @@ if HAVE_GLUON:
         BLOCK_N: gl.constexpr,
         STAGES: gl.constexpr,
         WORKER_REGS: gl.constexpr,
+        PDL: gl.constexpr = False,
     ):
         """Grid (T, cdiv(H, 64), splits); launched with ``num_warps=4`` (+ 4 worker warps).  See the module doc."""
+        pdl_enter_gl(PDL)
         sw: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         # exchange rows padded by 8 fp32: the 8 rows a warp's MMA fragment touches start 8 banks apart, so a
         # warp's 64 words take the minimum 2 wavefronts (unpadded, the 128-byte rows all start in bank 0: 8-way)

@@ -56,6 +56,7 @@ if HAVE_GLUON:
         warpgroup_mma_wait,
     )
 
+    from dsv4.kernels._gluon_sync import pdl_enter_gl
     from dsv4.kernels.attention._gluon_dense_attention import (
         _cp_async,
         _q_half_to_smem,
@@ -323,6 +324,7 @@ if HAVE_GLUON:
         num_heads, qk_scale_log2,
         BLOCK_N: gl.constexpr, STAGES: gl.constexpr, RAW: gl.constexpr,
         WORKER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+        PDL: gl.constexpr = False,
     ):  # fmt: skip
         """Grid (T, cdiv(H, 64), splits); ``num_warps=4`` (consumer W = 0) + 4 (consumer W = 1) + 4 + 4 (producers).
 
@@ -333,6 +335,7 @@ if HAVE_GLUON:
 
         Barriers: [0, RAW) raw-ready, [RAW, RAW + STAGES) stage-ready, [RAW + STAGES, RAW + 2 STAGES) stage-free,
         then FULL + W, EMPTY + W (partial-logit exchange) and QBAR + W."""
+        pdl_enter_gl(PDL)
         sw: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         plain8: gl.constexpr = gl.SwizzledSharedLayout(vec=16, per_phase=1, max_phase=1, order=[2, 1, 0])
         plain2: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=1, order=[1, 0])

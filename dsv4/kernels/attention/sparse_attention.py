@@ -429,6 +429,7 @@ def _dense_gluon(q, sink, kv, bias, out, lse, scale, n_cols, num_splits, interp)
         q, q.stride(0), q.stride(1), sink, kv, bias, kv.stride(0), bias.stride(0), n_blocks, bps, out,
         out.stride(0), out.stride(1), lse, lse.stride(0), lse.stride(1), *ws, ns, H, float(scale) * LOG2E,
         BLOCK_N=GLUON_BLOCK_N, STAGES=GLUON_STAGES, WORKER_REGS=GLUON_WORKER_REGS, num_warps=4,
+        **pdl_launch(q.device),
     )  # fmt: skip
     if split:
         _combine(ws, ns, sink, out, lse, interp)
@@ -525,6 +526,7 @@ def _fused_gluon(q, caches, sink, scale, out, lse, num_splits) -> tuple[torch.Te
         q, q.stride(0), q.stride(1), sink, *args, a_blocks, n_blocks, bps, out, out.stride(0), out.stride(1), lse,
         lse.stride(0), lse.stride(1), *ws, ns, H, float(scale) * LOG2E, BLOCK_N=bn, STAGES=GLUON_FUSED_STAGES,
         RAW=GLUON_FUSED_RAW, WORKER_REGS=GLUON_FUSED_WORKER_REGS, PRODUCER_REGS=GLUON_PRODUCER_REGS, num_warps=4,
+        **pdl_launch(q.device),
     )  # fmt: skip
     if split:
         _combine(ws, ns, sink, out, lse, interpreter_enabled())

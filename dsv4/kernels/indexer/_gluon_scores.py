@@ -85,6 +85,8 @@ try:
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+    from dsv4.kernels._gluon_sync import pdl_enter_gl
+
     # triton 3.6 names the TMA load ``async_copy_global_to_shared``; later versions also ``async_load``
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
     HAVE_GLUON = True
@@ -590,6 +592,7 @@ if HAVE_GLUON:
         stride_bt, stride_ot, N, MAX_BLOCKS, NUM_PAGES, BS: gl.constexpr, STAGES: gl.constexpr,
         RAW: gl.constexpr, WORKER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
         FOLD: gl.constexpr = False, PRODUCERS: gl.constexpr = 1, ABLATE: gl.constexpr = 0,
+        PDL: gl.constexpr = False,
     ):  # fmt: skip
         """Grid (T, programs a row); ``num_warps=4`` (consumer W = 0) + 4 (consumer W = 1) + 4 (producer) + 1
         (loader; its warpgroup padded to 4).
@@ -598,6 +601,7 @@ if HAVE_GLUON:
         ``q`` [T, 64, 128] bf16 (last dim contiguous), ``w`` [T, 64] fp32, ``d_desc`` / ``s_desc``: TMA descriptors
         of the packed bytes [P, bs, 64] uint8 (box [1, BOXR, 64]) and the scale words [P, bs] int32 (box [1, BOXR]),
         BOXR = min(bs, 128); ``out`` [T, N] fp32 scores."""
+        pdl_enter_gl(PDL)
         BOXR: gl.constexpr = s_desc.block_type.shape[1]
         NP: gl.constexpr = _TILE_N // BOXR
         k_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
@@ -744,7 +748,7 @@ def launch_gluon_scores(
     zero).  ``producers``: producer warpgroups (1, or 2 taking alternate tiles; ``GLUON_PRODUCERS``), ``regs``:
     (consumer, producer) registers a thread (default by producers and fold), ``ablate``: bits of ``ABLATE_*`` (work
     left out, for timing studies; the scores are then wrong)."""
-    from dsv4.kernels.dispatch import num_sms
+    from dsv4.kernels.dispatch import num_sms, pdl_launch
 
     producers = producers or GLUON_PRODUCERS
     if regs is None:
@@ -768,7 +772,7 @@ def launch_gluon_scores(
         weights.stride(0), block_table.stride(0), out.stride(0), max_entries, block_table.shape[1], P, bs,
         STAGES=stages or GLUON_STAGES, RAW=raw or GLUON_RAW, WORKER_REGS=regs[0], PRODUCER_REGS=regs[1],
         LOADER_REGS=GLUON_LOADER_REGS, FOLD=bool(fold), PRODUCERS=producers, ABLATE=ablate,
-        num_warps=4,
+        num_warps=4, **pdl_launch(q.device),
     )  # fmt: skip
     return out
 
