@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One H200 session: environment, GPU tests, then the kernel benchmarks. Results go to $OUT (or ./out).
-# Usage (on the device machine, repo root): bash benchmarks/run_h200.sh [tests|bench|all|pending|ncu|attention|attention_ncu|indexer_gluon|indexer_live|indexer_fold|pending_s12|topk_rows|indexer_default|indexer_p2|indexer_ablate|flush_topk|skeleton|topk_short|fold_auto|hca_online|write_s15|emit_s15|emit2_s15|main_s15|write2_s15|final_s15|gemv_s15|online_regs|write_s16|final_s16|ncu_pool|div_s16|lean_s17|fast_s17|emit_s17|emit2_s17|warps_s17|ipool_s17|final_s17|sweep_s18|overlap_s18|fuse_s19|pdl_s19|pdl_decode_s19]
+# Usage (on the device machine, repo root): bash benchmarks/run_h200.sh [tests|bench|all|pending|ncu|attention|attention_ncu|indexer_gluon|indexer_live|indexer_fold|pending_s12|topk_rows|indexer_default|indexer_p2|indexer_ablate|flush_topk|skeleton|topk_short|fold_auto|hca_online|write_s15|emit_s15|emit2_s15|main_s15|write2_s15|final_s15|gemv_s15|online_regs|write_s16|final_s16|ncu_pool|div_s16|lean_s17|fast_s17|emit_s17|emit2_s17|warps_s17|ipool_s17|final_s17|sweep_s18|overlap_s18|fuse_s19|pdl_s19|pdl_decode_s19|writes_s19]
 # "pending": the norm and top-k GPU tests (~4 min, most of it compiling the top-k kernels), launch D's rank
 # threshold on/off, top-k with both flush kinds, the decode step; about 8 minutes.  "ncu": Nsight Compute
 # sections of the indexer scores, dense attention and gather kernels (benchmarks/ncu_cases.py).  "attention": the
@@ -468,4 +468,19 @@ if [ "$what" = pdl_decode_s19 ]; then  # left for session 19 (~4 min): the decod
     --batches 1,64 --out "$OUT/${stamp}_h200_decode_pdl${p}_s19.jsonl" 2>&1 | tee "$OUT/${stamp}_h200_decode_pdl${p}_s19.txt" | tail -6; done
   for p in 0 1; do DSV4_PDL=$p timeout 60 python3 benchmarks/bench_write.py --models v4-flash --modes decode \
     --out "$OUT/${stamp}_h200_write_decode_pdl${p}_s19.jsonl" 2>&1 | grep decode | cut -c1-150; done
+fi
+if [ "$what" = writes_s19 ]; then  # overlap_s18 and fuse_s19 in one call (~8 min): the compressor, prefill, online and
+  # handle GPU tests once (side-stream write, fused emit, online positions in the state write, their captures), then
+  # the prefill rows in order / side-stream / fused, and the fused kernels' device times
+  timeout 220 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_compressor.py tests/kernels/test_compressor_prefill.py \
+    tests/kernels/test_compressor_online.py tests/cache/test_handle.py -k "cuda or gpu" 2>&1 \
+    | tee "$OUT/${stamp}_h200_gpu_tests_writes_s19.txt" | tail -2
+  tn=""; for op in csa_main csa_indexer; do tn="$tn --tune $op: --tune $op:overlap_write=1 --tune $op:fuse_emit=1"; done
+  for op in hca hca_online; do tn="$tn --tune $op: --tune $op:overlap_write=1"; done
+  timeout 200 python3 benchmarks/bench_write.py --models v4-flash --modes prefill --ops csa_main,csa_indexer,hca,hca_online \
+    $tn --out "$OUT/${stamp}_h200_write_writes_s19.jsonl" 2>&1 | tee "$OUT/${stamp}_h200_write_writes_s19.txt" \
+    | grep prefill | cut -c1-220
+  tn="--tune csa_main: --tune csa_main:fuse_emit=1 --tune csa_indexer: --tune csa_indexer:fuse_emit=1"
+  for n in 65536 8192; do timeout 60 python3 benchmarks/profile_write.py --modes prefill --tokens $n --ops csa_main,csa_indexer \
+    $tn 2>&1 | grep -v -i warn | tee "$OUT/${stamp}_h200_profile_fuse_${n}_s19.txt" | grep -E "==|_"; done
 fi
