@@ -12,6 +12,7 @@ import pytest
 import torch
 from test_compressor import check_entries, drive
 
+import dsv4.kernels.cache.compressor as compressor_module
 from dsv4.formats import FP8EntryFormat
 from dsv4.kernels.cache.compressor import (
     compress_decode,
@@ -242,6 +243,14 @@ def test_online_validation(device):
         compress_decode(kv, sc, pos, tslot, k, s, counters, 128, False, torch.ones(d, device=device), 1e-6,
                         torch.ones(32, device=device), eslot, fmt.entry_pages(flat, 2, 4), fmt, "indexer",
                         state_pos=p)  # fmt: skip
+    if device.type == "cuda" or compressor_module.interpreter_enabled():  # (counters are checked on the Triton path)
+        n = k.shape[0]
+        for bad, what in ((torch.zeros(n, device=device), "dtype"), (counters[: n - 1], "shape")):
+            with pytest.raises(ValueError, match=what):
+                compressor_step(kv, sc, pos, tslot, k, s, 128, False, state_pos=p, counters=bad, backend="triton")
+        with pytest.raises(ValueError, match="contiguous"):
+            strided = torch.zeros(2 * n, dtype=torch.int32, device=device)[::2]
+            compressor_step(kv, sc, pos, tslot, k, s, 128, False, state_pos=p, counters=strided, backend="triton")
     assert torch.equal(k, k0) and torch.equal(s, s0) and torch.equal(p, p0)  # a failed call changes nothing
 
 
