@@ -298,6 +298,9 @@ def case_compressor(kind, cfg, mode, n, device, gen, tune=None):
     two_launch = bool(tune.pop("two_launch", 0))
     overlap_write = tune.pop("overlap_write", None)  # prefill: the state write on a side stream (compress_prefill)
     fuse_emit = tune.pop("fuse_emit", None)  # prefill: the pool kernel emits (compress_prefill's fused launch)
+    # ape=1: the score rows are wgate(x) alone and the kernels add ape[pos mod m] (what a layer passes; both backends
+    # get the same raw scores and ape, so the check compares the same sums)
+    ape = (torch.randn(ratio, c * d, generator=gen) * 0.5).to(device) if int(tune.pop("ape", 0)) else None
     counters = torch.zeros(n_req, dtype=torch.int32, device=device)
 
     def run(backend, pages, ks, ss, spos):
@@ -309,21 +312,21 @@ def case_compressor(kind, cfg, mode, n, device, gen, tune=None):
             if mode == "decode" and not two_launch:  # what a layer's decode step runs: one fused launch
                 compress_decode(
                     kv, sc, pos, tslot, ks, ss, counters, ratio, overlap, w, 1e-6, inv, eslot, pages, fmt, ekind,
-                    backend=backend, **kw_s,
+                    backend=backend, ape=ape, **kw_s,
                 )  # fmt: skip
                 return
             if mode == "prefill":  # what a layer's prefill step runs (LayerCacheHandle.compress)
                 sk = {k: v for k, v in kw_s.items() if k != "state_pos"}
                 compress_prefill(
                     kv, sc, pos, tslot, ks, ss, ratio, overlap, w, 1e-6, inv, eslot, pages, fmt, ekind, backend,
-                    state_pos=kw_s.get("state_pos"), counters=counters if online else None,
+                    state_pos=kw_s.get("state_pos"), counters=counters if online else None, ape=ape,
                     overlap_write=None if backend == "torch" else overlap_write,
                     fuse_emit=None if backend == "torch" else fuse_emit,
                     step_kw=sk, emit_kw=kw_e,
                 )  # fmt: skip
                 return
             pooled, emits = compressor_step(
-                kv, sc, pos, tslot, ks, ss, ratio, overlap, decode=True, backend=backend, **kw_s
+                kv, sc, pos, tslot, ks, ss, ratio, overlap, decode=True, backend=backend, ape=ape, **kw_s
             )
             emit_entries(pooled, emits, pos, w, 1e-6, inv, eslot, pages, fmt, ratio, ekind, backend=backend, **kw_e)
 

@@ -262,22 +262,20 @@ class LayerCacheHandle:
         (``plan.is_decode``) runs them as ONE fused launch (``compress_decode``); otherwise as
         ``compress_prefill`` (the pool, then the emit and the state write: 3 launches on the Triton path; 2 where
         its fused emit is on and applies, see ``compressor_prefill``).  With ``ape`` (fp32
-        [m, c*d]) ``score`` is ``wgate(x)`` alone and ``ape[pos mod m]`` is added here (inside the fused
-        decode launch)."""
+        [m, c*d]) ``score`` is ``wgate(x)`` alone and ``ape[pos mod m]`` is added inside the kernels (where they
+        read the step's score rows)."""
         if not self.plan.is_decode:
             from dsv4.kernels.cache.compressor_prefill import compress_prefill
-            from dsv4.model.functional import ape_rows
 
             # (compress_prefill checks the emit's arguments before it touches the state)
             rp = self._need_ratio("compress")
             st = self._compressor(which)
             pages, fmt = self._emit_target(which)
-            if ape is not None:
-                score = score + ape_rows(ape, self.plan.positions, ape.shape[0])
             compress_prefill(
                 kv, score, self.plan.positions, self.plan.token_slots, st.kv, st.score, st.shape.ratio,
                 st.shape.overlap, norm_weight, self.schema.config.norm_eps, inv_freq, rp.emit_slots, pages, fmt,
                 kind=which, backend=backend, state_pos=st.positions, counters=st.counters,
+                ape=None if ape is None else ape.float().contiguous(),
             )  # fmt: skip
             return
         from dsv4.kernels.cache.compressor import compress_decode

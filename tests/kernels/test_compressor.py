@@ -17,6 +17,7 @@ from dsv4.kernels.cache.compressor import (
     compressor_step,
     emit_entries,
     entry_positions,
+    online_state,
 )
 from dsv4.kernels.cache.compressor_prefill import compress_prefill
 
@@ -722,3 +723,85 @@ def test_compress_emit_sync_free_and_capturable(kind, decode):
         emit_entries(pooled, emits, pos, w, 1e-6, inv, eslot, p2, fmt, ratio, ekind, backend="triton")
         same = torch.equal(f2, fe) if not fuse_emit else (f2 != fe).sum().item() <= 4
         assert same and torch.equal(ks2, kse) and torch.equal(ss2, sse)
+
+
+APE_TUNINGS = [
+    {},
+    {"pool_fast_rows": 1, "pool_fast_exp": 1},
+    {"pool_fast_rows": 0, "row_loads": 1},
+    {"write_lanes": 0},
+    {"write_lanes": 3, "write_block_t": 16},
+    {"pool_online_rows_in_step": 1},
+    {"counters": True},
+]
+
+
+@pytest.mark.parametrize("tuning", APE_TUNINGS)
+@pytest.mark.parametrize("kind", ["csa", "hca", "hca_online"])
+def test_ape_added_in_the_kernels_equals_ape_added_first(device, kind, tuning, d=16):
+    """``compressor_step(ape=)`` (the kernels add ``ape[pos mod m]`` to the step's score rows where they read them:
+    pooling, state writes, the online prefix) gives the bits of adding it to ``score`` first, over chunked prefill and
+    decode steps of three requests: state (and state positions) after every step and every emitted pooled row."""
+    if device.type == "cpu" and not compressor_module.interpreter_enabled():
+        pytest.skip("the Triton path on the CPU needs TRITON_INTERPRET=1")
+    online = kind == "hca_online"
+    ratio, overlap = (4, True) if kind == "csa" else (8, False)
+    if "pool_online_rows_in_step" in tuning and not online or "counters" in tuning and not online:
+        pytest.skip("an online-state tuning")
+    c = 2 if overlap else 1
+    g = torch.Generator().manual_seed(31)
+    ape = (torch.randn(ratio, c * d, generator=g) * 3).to(device)
+    steps = [[(0, 5), (1, 13), (2, 2)], [(0, 1), (1, 1), (2, 1)], [(2, 17), (0, 3)], [(1, 9), (0, 1), (2, 6)]]
+    decode = {1}
+    slot_map = [2, 0, 1]
+    states = []
+    for added_first in (True, False):
+        if online:
+            ks, ss, sp = online_state(3, d, device)
+        else:
+            (ks, ss), sp = fresh_state(3, ratio, overlap, d, device), None
+        kw = dict(tuning)
+        if kw.pop("counters", None):
+            kw["counters"] = torch.zeros(3, dtype=torch.int32, device=device)
+        hist = {r: ([], []) for r in range(3)}
+        gs = torch.Generator().manual_seed(5)
+        out = []
+        for si, step in enumerate(steps):
+            pos, slot, _, kv, sc = next_step(step, hist, slot_map, c * d, gs)
+            pos_t = torch.tensor(pos, dtype=torch.int32, device=device)
+            slot_t = torch.tensor(slot, dtype=torch.int32, device=device)
+            kv, sc = kv.to(device), sc.to(device)
+            step_kw = {} if si in decode else kw
+            if added_first:
+                sc = sc + ape[pos_t.long() % ratio]
+            pooled, emits = compressor_step(
+                kv, sc, pos_t, slot_t, ks, ss, ratio, overlap, decode=si in decode, backend="triton", state_pos=sp,
+                ape=None if added_first else ape, **step_kw,
+            )  # fmt: skip
+            out.append((pooled[emits].clone(), ks.clone(), ss.clone(), None if sp is None else sp.clone()))
+        states.append(out)
+        if "counters" in kw:
+            assert not kw["counters"].any()
+    for (p1, k1, s1, q1), (p2, k2, s2, q2) in zip(*states, strict=True):
+        assert p1.numel() == 0 or torch.equal(p2, p1)
+        assert torch.equal(k2, k1) and torch.equal(s2, s1) and (q1 is None or torch.equal(q2, q1))
+    assert any(p.numel() for p, *_ in states[0])  # some entries completed
+
+
+def test_ape_is_checked_before_anything_changes(device):
+    """A wrong ``ape`` (shape, dtype, layout) fails before the state moves."""
+    if device.type == "cpu" and not compressor_module.interpreter_enabled():
+        pytest.skip("the Triton path on the CPU needs TRITON_INTERPRET=1")
+    ks, ss = fresh_state(1, 4, True, 16, device)
+    k0, s0 = ks.clone(), ss.clone()
+    kv = torch.randn(9, 32, device=device)
+    pos = torch.arange(9, dtype=torch.int32, device=device)
+    slot = torch.zeros(9, dtype=torch.int32, device=device)
+    for bad, what in (
+        (torch.zeros(4, 16, device=device), "shape"),
+        (torch.zeros(4, 32, device=device, dtype=torch.float64), "dtype"),
+        (torch.zeros(32, 4, device=device).t(), "contiguous"),
+    ):
+        with pytest.raises(ValueError, match=what):
+            compressor_step(kv, kv, pos, slot, ks, ss, 4, True, backend="triton", ape=bad)
+    assert torch.equal(ks, k0) and torch.equal(ss, s0)

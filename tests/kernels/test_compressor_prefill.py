@@ -134,11 +134,13 @@ def _multi_request_step(kind, device, g):
     return tensors, (ratio, overlap, fmt, ekind, n_pages)
 
 
+@pytest.mark.parametrize("with_ape", [False, True])
 @pytest.mark.parametrize("kind", ["csa_main", "csa_indexer", "hca"])
-def test_fused_emit_equals_in_order(device, kind, monkeypatch):
+def test_fused_emit_equals_in_order(device, kind, with_ape, monkeypatch):
     """``fuse_emit=True`` writes the in-order path's entry bytes and state (CSA main and indexer take the fused
     launch; HCA's 128-row tiles cannot, and run in order), over several requests, a request continuing from its
-    state, an entry slot of -1, and padding."""
+    state, an entry slot of -1, and padding; ``with_ape``: the fused call adds ``ape`` in its kernels, the in-order
+    one gets it added to ``score`` first."""
     _skip_cpu_without_interpreter(device)
     calls = []
     real = prefill_module._pool_emit
@@ -151,14 +153,16 @@ def test_fused_emit_equals_in_order(device, kind, monkeypatch):
     (kv, sc, pos, tslot, ks0, ss0, w, inv, eslot), (ratio, overlap, fmt, ekind, n_pages) = _multi_request_step(
         kind, device, torch.Generator().manual_seed(5)
     )
+    ape = (torch.randn(ratio, kv.shape[1], generator=torch.Generator().manual_seed(6)) * 3).to(device)
     out = []
     for fuse in (False, True):
         flat = torch.zeros(fmt.page_bytes(4) * n_pages, dtype=torch.uint8, device=device)
         pages = fmt.entry_pages(flat, n_pages, 4) if ekind == "main" else fmt.key_pages(flat, n_pages, 4)
         ks, ss = ks0.clone(), ss0.clone()
+        score = sc + ape[pos.long() % ratio] if with_ape and not fuse else sc
         compress_prefill(
-            kv, sc, pos, tslot, ks, ss, ratio, overlap, w, 1e-6, inv, eslot, pages, fmt, ekind, "triton",
-            fuse_emit=fuse,
+            kv, score, pos, tslot, ks, ss, ratio, overlap, w, 1e-6, inv, eslot, pages, fmt, ekind, "triton",
+            fuse_emit=fuse, ape=ape if with_ape and fuse else None,
         )  # fmt: skip
         out.append((flat, ks, ss))
     assert calls == ([1] if kind != "hca" else [])

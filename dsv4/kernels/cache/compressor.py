@@ -163,6 +163,11 @@ _POOL_DIV_AFTER_MIN = 4096
 # an SM instead of 4: fast rows with both paths compiled took 168 and were slower on the H200, 88.5 vs 80.5 us);
 # with ``pool_maxnreg=128`` 128 / 2,160, no spills.  Off until timed (``run_h200.sh sweep_s18``).
 _POOL_ONLINE_ROWS_IN_STEP = False
+# A pool that adds ape (``compressor_step(ape=)``) holds the ape rows beside the score rows: sm_90 (Triton 3.6,
+# sass_report, V4-Flash prefill 65,536) HCA's [128, 32] tile 128 -> 168 registers, online 128 -> 143 (3 programs an SM
+# instead of 4), CSA main 223 -> 254 (still 4).  HCA's pools with ape are capped at this many (HCA 16 B of stack,
+# online none) unless ``pool_maxnreg`` says otherwise.  Not timed.
+_POOL_APE_MAXNREG = 128
 
 
 def _pool_fast_defaults(cm: int, full_tile: bool, online: bool) -> tuple[bool, bool]:
@@ -439,13 +444,15 @@ def _rows_in_step(j, p, jin, slot, i0, tslot_ptr, pos_ptr, ROW_LOADS: tl.constex
 def _online_prefix(
     i, t, slot, ch, chm, kv_ptr, sc_ptr, stride_kv, stride_sc, pos_ptr, tslot_ptr, kvs_ptr, scs_ptr, st_ss, st_sr,
     spos_ptr, M: tl.constexpr, BLOCK_R: tl.constexpr, i0=0, ROW_LOADS: tl.constexpr = True,
-    FAST_EXP: tl.constexpr = False, INTERP: tl.constexpr = False,
+    FAST_EXP: tl.constexpr = False, INTERP: tl.constexpr = False, ape_ptr=None, HAS_APE: tl.constexpr = False,
+    D: tl.constexpr = 1,
 ):  # fmt: skip
     """Online state, non-decode: the running softmax (max, den, acc) [BLOCK_D] of channels ``ch`` over the rows of
     token i's chunk *before* position t: those in this step combined with the state's share
     (``_online_state_part``, as it was before the step).  Which rows are in the step: with ``ROW_LOADS`` by loading
     their tokens' slots and positions, else from ``i0``, the batch index of the request's first token in the step
-    (the caller's registers, as ``_pool_token``).
+    (the caller's registers, as ``_pool_token``).  ``HAS_APE``: the step's score rows get ape row (position mod M)
+    [D] added (the state's share holds score + ape already).
 
     The step's rows are folded into an empty running softmax (max -inf) before the state's share: the same values as
     taking their (max, den, acc) directly (exp(0) = 1, the empty side's factor exp(-inf) = 0), and with it sm_90
@@ -459,6 +466,8 @@ def _online_prefix(
     m2 = in_step[:, None] & chm[None, :]
     kv_r = tl.load(kv_ptr + j[:, None] * stride_kv + ch[None, :], mask=m2, other=0.0)
     sc_r = tl.load(sc_ptr + j[:, None] * stride_sc + ch[None, :], mask=m2, other=float("-inf"))
+    if HAS_APE:  # (the step's rows: positions p >= 0 where m2)
+        sc_r += tl.load(ape_ptr + tl.where(p >= 0, p % M, 0)[:, None] * D + ch[None, :], mask=m2, other=0.0)
     mx_p = tl.max(sc_r, axis=0)
     ref = tl.where(mx_p == float("-inf"), 0.0, mx_p)
     e = tl.where(m2, _softmax_exp(sc_r, ref, FAST_EXP, INTERP), 0.0)
@@ -474,18 +483,21 @@ def _online_prefix(
 def _pool_token_online(
     i, t, slot, b, kv_ptr, sc_ptr, stride_kv, stride_sc, pos_ptr, tslot_ptr, kvs_ptr, scs_ptr, st_ss, st_sr,
     spos_ptr, pooled_ptr, M: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, i0,
-    ROW_LOADS: tl.constexpr, FAST_EXP: tl.constexpr = False, INTERP: tl.constexpr = False,
+    ROW_LOADS: tl.constexpr, FAST_EXP: tl.constexpr = False, INTERP: tl.constexpr = False, ape_ptr=None,
+    HAS_APE: tl.constexpr = False,
 ):  # fmt: skip
     """``_pool_token`` for an online state (non-decode): ``_online_prefix`` of the entry's chunk combined with the
-    emitting token's own row, then acc / den."""
+    emitting token's own row, then acc / den (``HAS_APE`` as ``_pool_token``)."""
     ch = b * BLOCK_D + tl.arange(0, BLOCK_D)
     chm = ch < D
     mx, den, acc = _online_prefix(
         i, t, slot, ch, chm, kv_ptr, sc_ptr, stride_kv, stride_sc, pos_ptr, tslot_ptr, kvs_ptr, scs_ptr, st_ss, st_sr,
-        spos_ptr, M, BLOCK_R, i0, ROW_LOADS, FAST_EXP, INTERP,
+        spos_ptr, M, BLOCK_R, i0, ROW_LOADS, FAST_EXP, INTERP, ape_ptr, HAS_APE, D,
     )  # fmt: skip
     kv_t = tl.load(kv_ptr + i * stride_kv + ch, mask=chm, other=0.0)
     sc_t = tl.load(sc_ptr + i * stride_sc + ch, mask=chm, other=0.0)
+    if HAS_APE:
+        sc_t += tl.load(ape_ptr + (t % M) * D + ch, mask=chm, other=0.0)
     _store_pooled(pooled_ptr, i, ch, chm, mx, den, acc, sc_t, kv_t, D, BLOCK_D)
 
 
@@ -539,23 +551,30 @@ def _pool_rows(
     # depends on the row only, so the pointers stay contiguous along the channels: wide loads)
     kv_r = tl.load(tl.where(sel, kv_ptr + in_kv, kvs_ptr + st_off), mask=m_any, other=0.0)
     sc_r = tl.load(tl.where(sel, sc_ptr + in_sc, scs_ptr + st_off), mask=m_any, other=float("-inf"))
-    if HAS_APE:  # (ape rows are [c*d] wide, contiguous)
-        if OVERLAP:
-            ape_row = ape_ptr + (t % M) * (2 * D)
+    if HAS_APE:  # (ape rows are [c*d] wide, contiguous): added to this step's rows (the state's include it)
+        cd = 2 * D if OVERLAP else D
+        if DECODE:  # the one row of the step is the token's own (position t)
+            sc_r += tl.load(ape_ptr + (t % M) * cd + col, mask=sel & chm[None, :], other=0.0)
         else:
-            ape_row = ape_ptr + (t % M) * D
-        sc_r += tl.load(ape_row + col, mask=sel & chm[None, :], other=0.0)
+            prow = tl.where(p >= 0, p % M, 0)
+            sc_r += tl.load(ape_ptr + prow[:, None] * cd + col, mask=sel & chm[None, :], other=0.0)
     return kv_r, sc_r
 
 
 @triton.jit
-def _step_rows(i, k, rmask, col, chm, kv_ptr, sc_ptr, stride_kv, stride_sc, CM: tl.constexpr):
+def _step_rows(
+    i, k, rmask, col, chm, kv_ptr, sc_ptr, stride_kv, stride_sc, CM: tl.constexpr, t=0, ape_ptr=None,
+    HAS_APE: tl.constexpr = False, M: tl.constexpr = 1, CD: tl.constexpr = 1,
+):  # fmt: skip
     """kv / score tiles [BLOCK_R, BLOCK_D] of the entry completed by token i when all its rows i-CM+1 .. i are this
-    step's: one 64-bit base a tensor, 32-bit offsets from it (rows k < CM; the caller keeps stride * CM < 2^31)."""
+    step's: one 64-bit base a tensor, 32-bit offsets from it (rows k < CM; the caller keeps stride * CM < 2^31).
+    ``HAS_APE``: ape row (position mod M) [CD] added to each score row (token i at position t)."""
     j0 = i - CM + 1
     m2 = rmask[:, None] & chm[None, :]
     kv_r = tl.load((kv_ptr + j0 * stride_kv) + (k[:, None] * stride_kv + col), mask=m2, other=0.0)
     sc_r = tl.load((sc_ptr + j0 * stride_sc) + (k[:, None] * stride_sc + col), mask=m2, other=float("-inf"))
+    if HAS_APE:
+        sc_r += tl.load(ape_ptr + ((t - CM + 1 + k) % M)[:, None] * CD + col, mask=m2, other=0.0)
     return kv_r, sc_r
 
 
@@ -601,8 +620,9 @@ def _pool_token(
     Which of the pooled rows come from this step (non-decode): with ``ROW_LOADS`` by loading the slots and
     positions of their candidate tokens (a dependent round trip before the bulk loads); otherwise from
     ``i0``, the batch index of the request's first token in the step, which the caller found in registers:
-    by the step contract row j is in the step iff j >= i0.  ``HAS_APE`` (decode): the step's score row is
-    ``wgate(x)`` without ape; ``ape_ptr`` [M, C*D] fp32 row ``t mod M`` is added to it here.
+    by the step contract row j is in the step iff j >= i0.  ``HAS_APE``: the step's score rows are ``wgate(x)``
+    without ape; ``ape_ptr`` [M, C*D] fp32 row ``position mod M`` is added to each of them here (the state's rows
+    hold score + ape already).
 
     Fewer instructions a row (the HCA pool is issue-bound, ``_POOL_DIV_AFTER_MIN``'s note): ``DIV_AFTER`` divides
     once a channel; ``FAST_ROWS`` (non-decode, not ``ROW_LOADS``) loads an entry whose rows are all in the step
@@ -619,14 +639,19 @@ def _pool_token(
     else:
         coff = tl.zeros([BLOCK_R], tl.int32)
     col = coff[:, None] + ch[None, :]
+    CD: tl.constexpr = 2 * D if OVERLAP else D
     if ROWS_IN_STEP:
-        kv_r, sc_r = _step_rows(i, k, rmask, col, chm, kv_ptr, sc_ptr, stride_kv, stride_sc, CM)
+        kv_r, sc_r = _step_rows(
+            i, k, rmask, col, chm, kv_ptr, sc_ptr, stride_kv, stride_sc, CM, t, ape_ptr, HAS_APE, M, CD
+        )
     else:
         fast = False
         if FAST_ROWS:
             fast = (i0 <= i - CM + 1) & (t >= CM - 1)  # every pooled row is this step's, none before position 0
         if fast:
-            kv_r, sc_r = _step_rows(i, k, rmask, col, chm, kv_ptr, sc_ptr, stride_kv, stride_sc, CM)
+            kv_r, sc_r = _step_rows(
+                i, k, rmask, col, chm, kv_ptr, sc_ptr, stride_kv, stride_sc, CM, t, ape_ptr, HAS_APE, M, CD
+            )
         else:
             kv_r, sc_r = _pool_rows(
                 i, t, slot, k, rmask, col, chm, kv_ptr, sc_ptr, stride_kv, stride_sc, pos_ptr, tslot_ptr, kvs_ptr,
@@ -723,21 +748,21 @@ def _compressor_decode_kernel(
     kv_ptr, sc_ptr, stride_kv, stride_sc, pos_ptr, tslot_ptr, kvs_ptr, scs_ptr, st_ss, st_sr, num_state_slots,
     pooled_ptr, emits_ptr, T, spos_ptr, M: tl.constexpr, CM: tl.constexpr, D: tl.constexpr,
     OVERLAP: tl.constexpr, C: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, ONLINE: tl.constexpr = False,
-    PDL: tl.constexpr = False,
+    ape_ptr=None, HAS_APE: tl.constexpr = False, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """decode=True, program (token i, channel block b): ``_decode_pool_write`` (``ONLINE``: ``_decode_online``;
-    ``spos_ptr``: its ``state_pos``, unused otherwise)."""
+    ``spos_ptr``: its ``state_pos``, unused otherwise; ``HAS_APE``: ``ape_ptr`` added to the score rows)."""
     pdl_enter(PDL)
     i = tl.program_id(0).to(tl.int64)
     if ONLINE:
         _decode_online(
             i, tl.program_id(1), kv_ptr, sc_ptr, stride_kv, stride_sc, pos_ptr, tslot_ptr, kvs_ptr, scs_ptr, st_ss,
-            st_sr, num_state_slots, spos_ptr, pooled_ptr, emits_ptr, M, D, BLOCK_D,
+            st_sr, num_state_slots, spos_ptr, pooled_ptr, emits_ptr, M, D, BLOCK_D, ape_ptr, HAS_APE,
         )  # fmt: skip
     else:
         _decode_pool_write(
             i, tl.program_id(1), kv_ptr, sc_ptr, stride_kv, stride_sc, pos_ptr, tslot_ptr, kvs_ptr, scs_ptr, st_ss,
-            st_sr, num_state_slots, pooled_ptr, emits_ptr, T, M, CM, D, OVERLAP, C, BLOCK_R, BLOCK_D,
+            st_sr, num_state_slots, pooled_ptr, emits_ptr, T, M, CM, D, OVERLAP, C, BLOCK_R, BLOCK_D, ape_ptr, HAS_APE,
         )  # fmt: skip
 
 
@@ -896,6 +921,8 @@ def _compressor_pool_kernel(
     FAST_EXP: tl.constexpr = False,
     INTERP: tl.constexpr = False,
     ONLINE_ROWS_IN_STEP: tl.constexpr = False,
+    ape_ptr=None,
+    HAS_APE: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):
     """Program (token block a, channel block b): write ``emits`` of tokens [a*BLOCK_T, ...) (b == 0) and
@@ -929,12 +956,13 @@ def _compressor_pool_kernel(
             _pool_token_online(
                 a * BLOCK_T + k, t, slot, b, kv_ptr, sc_ptr, stride_kv, stride_sc, pos_ptr, tslot_ptr, kvs_ptr,
                 scs_ptr, st_ss, st_sr, spos_ptr, pooled_ptr, M, D, BLOCK_R, BLOCK_D, i0, ROW_LOADS, FAST_EXP, INTERP,
+                ape_ptr, HAS_APE,
             )  # fmt: skip
         else:
             _pool_token(
                 a * BLOCK_T + k, t, slot, b, kv_ptr, sc_ptr, stride_kv, stride_sc, pos_ptr, tslot_ptr, kvs_ptr,
                 scs_ptr, st_ss, st_sr, pooled_ptr, T, M, CM, D, OVERLAP, BLOCK_R, BLOCK_D, False, i0, ROW_LOADS,
-                None, False, DIV_AFTER, FAST_ROWS and not ROW_LOADS, FAST_EXP, INTERP,
+                ape_ptr, HAS_APE, DIV_AFTER, FAST_ROWS and not ROW_LOADS, FAST_EXP, INTERP,
                 ONLINE and ONLINE_ROWS_IN_STEP and not ROW_LOADS,
             )  # fmt: skip
         k = tl.min(tl.where(work & (kk > k), kk, BLOCK_T), axis=0)
@@ -958,13 +986,17 @@ def _compressor_write_kernel(
     CD: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    M: tl.constexpr = 1,
+    ape_ptr=None,
+    HAS_APE: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):
     """Program a (token block): copy this step's rows [a*BLOCK_T, ...) into the state ring, masked to the
     tokens not superseded by a later token of their request (position t + c*m in this step), in [BLOCK_T,
     BLOCK_D] tiles over the channels (a compile-time loop: the channel mask folds away, wide accesses).  A
     block with no such token (in a prefill all but the request's last c*m tokens) exits after its index
-    loads: one program per token block keeps the grid small.  PDL: the rows are loaded before the wait for the
+    loads: one program per token block keeps the grid small.  ``HAS_APE``: the score rows are wgate(x) and get ape
+    row (position mod M) added before they are stored.  PDL: the rows are loaded before the wait for the
     previous launch (the pool, which reads the state), the state stored after it (``_triton_sync``)."""
     a = tl.program_id(0).to(tl.int64)
     ii = a * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -988,6 +1020,10 @@ def _compressor_write_kernel(
             sc0 = tl.load(sc_ptr + src_sc[:, None] + ch0[None, :], mask=m0)
             kv1 = tl.load(kv_ptr + src_kv[:, None] + ch1[None, :], mask=m1)
             sc1 = tl.load(sc_ptr + src_sc[:, None] + ch1[None, :], mask=m1)
+            if HAS_APE:  # the state keeps score + ape (row position mod M, [CD])
+                arow = (tl.where(wr, tt, 0) % M).to(tl.int64) * CD
+                sc0 += tl.load(ape_ptr + arow[:, None] + ch0[None, :], mask=m0)
+                sc1 += tl.load(ape_ptr + arow[:, None] + ch1[None, :], mask=m1)
             pdl_enter(PDL)
             tl.store(kvs_ptr + dst_row[:, None] + ch0[None, :], kv0, mask=m0)
             tl.store(scs_ptr + dst_row[:, None] + ch0[None, :], sc0, mask=m0)
@@ -1016,7 +1052,7 @@ def _state_writers(ii, T, CM: tl.constexpr, pos_ptr, tslot_ptr, num_state_slots)
 def _compressor_write_lanes_kernel(
     kv_ptr, sc_ptr, stride_kv, stride_sc, pos_ptr, tslot_ptr, kvs_ptr, scs_ptr, st_ss, st_sr, num_state_slots, T,
     CM: tl.constexpr, CD: tl.constexpr, SUPER: tl.constexpr, SUB: tl.constexpr, LANES: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    BLOCK_D: tl.constexpr, M: tl.constexpr = 1, ape_ptr=None, HAS_APE: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):  # fmt: skip
     """``_compressor_write_kernel`` with fewer programs and one round trip a writing block: program (superblock g of
@@ -1047,6 +1083,8 @@ def _compressor_write_lanes_kernel(
             m = wj[:, None] & (ch < CD)[None, :]
             kv = tl.load(kv_ptr + jj[:, None] * stride_kv + ch[None, :], mask=m)
             sc = tl.load(sc_ptr + jj[:, None] * stride_sc + ch[None, :], mask=m)
+            if HAS_APE:  # as ``_compressor_write_kernel``
+                sc += tl.load(ape_ptr + ((tl.where(wj, tt, 0) % M).to(tl.int64) * CD)[:, None] + ch[None, :], mask=m)
             pdl_enter(PDL)
             tl.store(kvs_ptr + dst_row[:, None] + ch[None, :], kv, mask=m)
             tl.store(scs_ptr + dst_row[:, None] + ch[None, :], sc, mask=m)
@@ -1100,7 +1138,7 @@ def _compressor_online_write_kernel(
     kv_ptr, sc_ptr, stride_kv, stride_sc, pos_ptr, tslot_ptr, kvs_ptr, scs_ptr, st_ss, st_sr, num_state_slots, T,
     spos_ptr, cnt_ptr, M: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr, FAST_EXP: tl.constexpr = False, INTERP: tl.constexpr = False, N_CB: tl.constexpr = 1,
-    POS_IN_WRITE: tl.constexpr = False, PDL: tl.constexpr = False,
+    POS_IN_WRITE: tl.constexpr = False, ape_ptr=None, HAS_APE: tl.constexpr = False, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Online state, non-decode, after the pool pass: program (token block a, channel block b) writes, for each
     token of [a*BLOCK_T, ...) that is its request's last in the step, its chunk's prefix (``_online_prefix``) and
@@ -1126,9 +1164,11 @@ def _compressor_online_write_kernel(
         i0 = _run_start(a, k, kk, tt, ss, tp, sp, t, slot, BLOCK_T, BLOCK_R)
         mx, den, acc = _online_prefix(
             i, t, slot, ch, chm, kv_ptr, sc_ptr, stride_kv, stride_sc, pos_ptr, tslot_ptr, kvs_ptr, scs_ptr, st_ss,
-            st_sr, spos_ptr, M, BLOCK_R, i0, False, FAST_EXP, INTERP,
+            st_sr, spos_ptr, M, BLOCK_R, i0, False, FAST_EXP, INTERP, ape_ptr, HAS_APE, D,
         )  # fmt: skip
         sc_row = tl.load(sc_ptr + i * stride_sc + ch, mask=chm)
+        if HAS_APE:
+            sc_row += tl.load(ape_ptr + (t % M) * D + ch, mask=chm)
         kv_row = tl.load(kv_ptr + i * stride_kv + ch, mask=chm)
         pdl_enter(PDL)
         _store_online_state(kvs_ptr, scs_ptr, slot * st_ss + ch, st_sr, chm, mx, den, acc, sc_row, kv_row)
@@ -1216,6 +1256,7 @@ def compressor_step(
     pool_maxnreg: int | None = None,
     write_stream: torch.cuda.Stream | None = None,
     counters: torch.Tensor | None = None,
+    ape: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fold one step's compressor projections into the state ring and pool the entries that complete.
 
@@ -1260,13 +1301,22 @@ def compressor_step(
     ``counters`` (online state, non-decode, Triton path; ignored otherwise): the state slots' arrival counters, int32
         [num_state_slots], all 0 (``CompressorState.counters``, which the fused decode launch also uses; they are 0
         again after the call).  With them the state write also writes ``state_pos`` (one launch fewer).
+    ``ape`` (fp32 [ratio, c*d], optional): then ``score`` is ``wgate(x)`` alone and the kernels add
+        ``ape[pos mod ratio]`` to each of this step's score rows where they read them (pooling, state writes), as
+        ``compress_decode`` does: the same fp32 sums as adding it first, without writing the [T, c*d] sum.
     Preconditions: the step contract of the module docstring.
     """
     c, cm, t, cd, d = _check_step(kv, score, positions, token_slot, kv_state, score_state, ratio, overlap, state_pos)
     online = state_pos is not None
     dev = kv.device
     bd_online = _online_block_d(block_d, d) if online and decode else None
+    if ape is not None:
+        check_tensor("ape", ape, dtype=torch.float32, shape=[ratio, cd], device=dev)
+        if not ape.is_contiguous():
+            raise ValueError("ape: expected a contiguous tensor")
     if not use_triton(backend, kv, score, positions, token_slot, kv_state, score_state):
+        if ape is not None:
+            score = score + ape_rows(ape, positions, ratio)
         return compressor_step_reference(
             kv, score, positions, token_slot, kv_state, score_state, ratio, overlap, state_pos
         )
@@ -1291,32 +1341,26 @@ def compressor_step(
         _compressor_decode_kernel[(t, triton.cdiv(cd, bd))](
             *head, pooled, emits.view(torch.uint8), t, state_pos if online else kv_state,
             M=ratio, CM=cm, D=d, OVERLAP=overlap, C=c, BLOCK_R=block_r, BLOCK_D=bd, ONLINE=online, num_warps=nw,
-            **pdl_launch(dev),
+            ape_ptr=ape if ape is not None else kv, HAS_APE=ape is not None, **pdl_launch(dev),
         )  # fmt: skip
         return pooled, emits
     # pooling reads the state as it was before the step: every pool finishes before any state write
     grid, kw, bd, fast_exp = _pool_launch_params(
         kv, score, t, d, cm, ratio, online, pool_block_t=pool_block_t, block_d=block_d, num_warps=num_warps,
         row_loads=row_loads, pool_div_after=pool_div_after, pool_fast_rows=pool_fast_rows, pool_fast_exp=pool_fast_exp,
-        pool_online_rows_in_step=pool_online_rows_in_step, pool_maxnreg=pool_maxnreg,
+        pool_online_rows_in_step=pool_online_rows_in_step, pool_maxnreg=pool_maxnreg, ape=ape is not None,
     )  # fmt: skip
     _compressor_pool_kernel[grid](
-        *head,
-        pooled,
-        emits.view(torch.uint8),
-        t,
-        state_pos if online else kv_state,
-        OVERLAP=overlap,
-        **kw,
-        **pdl_launch(dev),
-    )
+        *head, pooled, emits.view(torch.uint8), t, state_pos if online else kv_state, OVERLAP=overlap, **kw,
+        ape_ptr=ape if ape is not None else kv, HAS_APE=ape is not None, **pdl_launch(dev),
+    )  # fmt: skip
     side = write_stream is not None and kv.is_cuda  # the state write on the caller's side stream, after the pool
     if side:
         write_stream.wait_stream(torch.cuda.current_stream(dev))
     with torch.cuda.stream(write_stream) if side else contextlib.nullcontext():
         _launch_state_write(
             head, t, d, cd, cm, ratio, block_r, bd, online, state_pos, fast_exp, positions, token_slot,
-            kv_state.shape[0], write_block_t, write_warps, write_lanes, counters if online and not decode else None,
+            kv_state.shape[0], write_block_t, write_warps, write_lanes, counters if online else None, ape,
         )  # fmt: skip
     return pooled, emits
 
@@ -1340,11 +1384,13 @@ def _pool_launch_params(
     pool_fast_exp: bool | None = None,
     pool_online_rows_in_step: bool | None = None,
     pool_maxnreg: int | None = None,
+    ape: bool = False,
 ) -> tuple[tuple[int, int], dict, int, bool]:
     """The non-decode pool launch of ``compressor_step`` for T = ``t`` tokens: (grid, keyword arguments of
     ``_compressor_pool_kernel`` but OVERLAP, channels a program, FAST_EXP), from the tuning arguments
     (``compressor_step``'s docstring).  ``whole_rows``: a program takes all d channels (``block_d`` ignored; d a
-    power of two), as the fused emit of ``compress_prefill`` needs."""
+    power of two), as the fused emit of ``compress_prefill`` needs; ``ape``: the pool adds ape
+    (``_POOL_APE_MAXNREG``)."""
     block_r = triton.next_power_of_2(cm)
     if whole_rows:
         block_d = triton.next_power_of_2(d)
@@ -1363,6 +1409,8 @@ def _pool_launch_params(
     fast_exp = bool(auto_exp if pool_fast_exp is None else pool_fast_exp)
     offsets32 = max(kv.stride(0), score.stride(0)) * cm < 2**31  # (the fast loads' 32-bit row offsets)
     check_maxnreg("pool_maxnreg", pool_maxnreg)
+    if pool_maxnreg is None and ape and block_r > 8:
+        pool_maxnreg = _POOL_APE_MAXNREG
     cap = {} if pool_maxnreg is None or interpreter_enabled() else {"maxnreg": pool_maxnreg}
     kw = dict(
         M=ratio, CM=cm, D=d, BLOCK_T=bt, BLOCK_R=block_r, BLOCK_D=bd, ROW_LOADS=rl, ONLINE=online, DIV_AFTER=div_after,
@@ -1379,12 +1427,13 @@ def _pool_launch_params(
 
 def _launch_state_write(
     head, t, d, cd, cm, ratio, block_r, bd, online, state_pos, fast_exp, positions, token_slot, n_slots,
-    write_block_t, write_warps, write_lanes, counters=None,
+    write_block_t, write_warps, write_lanes, counters=None, ape=None,
 ) -> None:  # fmt: skip
     """The state-write launches of a non-decode ``compressor_step`` (after its pool launch; ``head`` its kernel
     arguments up to the state's slot count): the online state's write and positions (one launch with ``counters``),
-    else the lanes or the token-block write kernel."""
+    else the lanes or the token-block write kernel (``ape``: added to the score rows they store)."""
     pdl = pdl_launch(positions.device)
+    pdl.update(ape_ptr=ape if ape is not None else head[0], HAS_APE=ape is not None)
     if online:
         wbt = write_block_t or _ONLINE_WRITE_BLOCK_T
         _check_pow2("write_block_t", wbt)
@@ -1396,7 +1445,14 @@ def _launch_state_write(
         )  # fmt: skip
         if counters is None:
             _online_pos_kernel[(triton.cdiv(t, wbt),)](
-                positions, token_slot, n_slots, t, state_pos, BLOCK_T=wbt, num_warps=_WRITE_WARPS, **pdl
+                positions,
+                token_slot,
+                n_slots,
+                t,
+                state_pos,
+                BLOCK_T=wbt,
+                num_warps=_WRITE_WARPS,
+                **pdl_launch(positions.device),
             )
         return
     lanes = (_WRITE_LANES if cd >= _WRITE_LANES_MIN_CD else 0) if write_lanes is None else write_lanes
@@ -1410,14 +1466,14 @@ def _launch_state_write(
         sub = min(sub, sup)
         _compressor_write_lanes_kernel[(triton.cdiv(t, sup), lanes)](
             *head, t, CM=cm, CD=cd, SUPER=sup, SUB=sub, LANES=lanes, BLOCK_D=wd, num_warps=write_warps or _WRITE_WARPS,
-            **pdl,
+            M=ratio, **pdl,
         )  # fmt: skip
         return
     wd = min(triton.next_power_of_2(cd), _WRITE_BLOCK_D)
     wbt = write_block_t or _WRITE_BLOCK_T
     _check_pow2("write_block_t", wbt)
     _compressor_write_kernel[(triton.cdiv(t, wbt),)](
-        *head, t, CM=cm, CD=cd, BLOCK_T=wbt, BLOCK_D=wd, num_warps=write_warps or _WRITE_WARPS, **pdl,
+        *head, t, CM=cm, CD=cd, BLOCK_T=wbt, BLOCK_D=wd, num_warps=write_warps or _WRITE_WARPS, M=ratio, **pdl,
     )  # fmt: skip
 
 

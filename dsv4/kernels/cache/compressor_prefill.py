@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from dsv4.errors import check_tensor
 from dsv4.formats.fp8_entry import EntryPages, FP8EntryFormat
 from dsv4.formats.mxfp4_key import KeyPages, MXFP4KeyFormat
 from dsv4.kernels._triton_sync import pdl_enter
@@ -92,6 +93,7 @@ def compress_prefill(
     *,
     state_pos: torch.Tensor | None = None,
     counters: torch.Tensor | None = None,
+    ape: torch.Tensor | None = None,
     overlap_write: bool | None = None,
     fuse_emit: bool | None = None,
     step_kw: dict | None = None,
@@ -111,7 +113,8 @@ def compress_prefill(
     state-write ones of ``step_kw``, all but ``block_d`` and ``row_loads``, and no ``emit_kw``).
     A token without a state slot emits nothing when fused; in order, its entry slot is written from a pooled row
     that was never computed, so give such tokens entry slot -1 (padding does).  ``counters``: ``compressor_step``'s
-    (with an online state, its positions are then written by its state write: one launch fewer).
+    (with an online state, its positions are then written by its state write: one launch fewer).  ``ape``:
+    ``compressor_step``'s (``score`` is ``wgate(x)`` alone; the kernels add ``ape[pos mod ratio]`` as they read it).
     """
     check_emit_arguments(positions, norm_weight, inv_freq, slots, pages, fmt, ratio, kind, backend)
     _, _, _, _, d = _check_step(kv, score, positions, token_slot, kv_state, score_state, ratio, overlap, state_pos)
@@ -125,7 +128,7 @@ def compress_prefill(
     ):  # fmt: skip
         _pool_emit(
             kv, score, positions, token_slot, kv_state, score_state, ratio, overlap, norm_weight, eps, inv_freq, slots,
-            pages, fmt, kind, dict(step_kw or {}),
+            pages, fmt, kind, dict(step_kw or {}), ape,
         )  # fmt: skip
         return
     positions, token_slot = positions.contiguous(), token_slot.contiguous()  # held here until the join below
@@ -134,7 +137,7 @@ def compress_prefill(
         side = _side_stream(kv.device)
     pooled, emits = compressor_step(
         kv, score, positions, token_slot, kv_state, score_state, ratio, overlap, backend=backend,
-        state_pos=state_pos, counters=counters, write_stream=side, **(step_kw or {}),
+        state_pos=state_pos, counters=counters, ape=ape, write_stream=side, **(step_kw or {}),
     )  # fmt: skip
     try:
         # in order, the state write is the launch before the emit: neither touches what the other reads or writes,
@@ -172,21 +175,28 @@ def _fusable(
 
 def _pool_emit(
     kv, score, positions, token_slot, kv_state, score_state, ratio, overlap, norm_weight, eps, inv_freq, slots, pages,
-    fmt, kind, step_kw,
+    fmt, kind, step_kw, ape=None,
 ) -> None:  # fmt: skip
     """The fused launch (pool + emit, ``_pool_emit_main_kernel`` / ``_pool_emit_indexer_kernel``), then the state
     write (``compressor._launch_state_write``), for a step ``_fusable`` accepted."""
     c, cm, t, cd, d = _check_step(kv, score, positions, token_slot, kv_state, score_state, ratio, overlap)
     if t == 0:
         return
+    if ape is not None:
+        check_tensor("ape", ape, dtype=torch.float32, shape=[ratio, cd], device=kv.device)
+        if not ape.is_contiguous():
+            raise ValueError("ape: expected a contiguous tensor")
     positions, token_slot, slots = positions.contiguous(), token_slot.contiguous(), slots.contiguous()
     write = [step_kw.pop(k, None) for k in ("write_block_t", "write_warps", "write_lanes")]
-    grid, kw, bd, fast_exp = _pool_launch_params(kv, score, t, d, cm, ratio, False, whole_rows=True, **step_kw)
+    grid, kw, bd, fast_exp = _pool_launch_params(
+        kv, score, t, d, cm, ratio, False, whole_rows=True, ape=ape is not None, **step_kw
+    )
     for k in ("BLOCK_D", "ROW_LOADS", "ONLINE", "ONLINE_ROWS_IN_STEP"):
         kw.pop(k)
     head = (kv, score, kv.stride(0), score.stride(0), positions, token_slot, kv_state, score_state, kv_state.stride(0))
     head = head + (kv_state.stride(1), kv_state.shape[0])
     emit = (norm_weight, float(eps), inv_freq, slots)
+    kw.update(ape_ptr=ape if ape is not None else kv, HAS_APE=ape is not None)
     if kind == "main":
         pargs, fkw = _fp8_args(pages, fmt)
         _pool_emit_main_kernel[grid[:1]](
@@ -204,7 +214,23 @@ def _pool_emit(
         )  # fmt: skip
     block_r = triton.next_power_of_2(cm)
     _launch_state_write(
-        head, t, d, cd, cm, ratio, block_r, bd, False, None, fast_exp, positions, token_slot, kv_state.shape[0], *write
+        head,
+        t,
+        d,
+        cd,
+        cm,
+        ratio,
+        block_r,
+        bd,
+        False,
+        None,
+        fast_exp,
+        positions,
+        token_slot,
+        kv_state.shape[0],
+        *write,
+        None,
+        ape,
     )
 
 
@@ -235,7 +261,7 @@ def _pool_emit_main_kernel(
     FAST_EXP: tl.constexpr, INTERP: tl.constexpr, NOPE: tl.constexpr, NT: tl.constexpr, NT_PAD: tl.constexpr,
     TILE: tl.constexpr, HR: tl.constexpr, FLOOR: tl.constexpr, QMAX: tl.constexpr, Q_EXP: tl.constexpr,
     Q_MANT: tl.constexpr, VEC_RUNS: tl.constexpr,
-    PDL: tl.constexpr = False,
+    ape_ptr=None, HAS_APE: tl.constexpr = False, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Program a: the pool kernel's token block a over all D channels (``_compressor_pool_kernel``), each emitting
     token's pooled row [D] then, from registers, its FP8 entry (``_norm_rope_rows``: RMSNorm -> RoPE at the entry
@@ -255,8 +281,8 @@ def _pool_emit_main_kernel(
         i = a * BLOCK_T + k
         out = _pool_token(
             i, t, slot, 0, kv_ptr, sc_ptr, stride_kv, stride_sc, pos_ptr, tslot_ptr, kvs_ptr, scs_ptr, st_ss, st_sr,
-            kv_ptr, T, M, CM, D, OVERLAP, BLOCK_R, D, False, i0, False, None, False, DIV_AFTER, FAST_ROWS, FAST_EXP,
-            INTERP, False, False,
+            kv_ptr, T, M, CM, D, OVERLAP, BLOCK_R, D, False, i0, False, ape_ptr, HAS_APE, DIV_AFTER, FAST_ROWS,
+            FAST_EXP, INTERP, False, False,
         )  # fmt: skip
         xn, xr = _entry_row_split(out, tin, NT, NT_PAD, TILE, HR)
         ii = i + tl.arange(0, 1)
@@ -277,7 +303,7 @@ def _pool_emit_indexer_kernel(
     INTERP: tl.constexpr, NOPE: tl.constexpr, HR: tl.constexpr, HAD_SCALE: tl.constexpr, KB: tl.constexpr,
     NA: tl.constexpr, RA: tl.constexpr, NB: tl.constexpr, HB: tl.constexpr, FLOOR: tl.constexpr, Q_EXP: tl.constexpr,
     Q_MANT: tl.constexpr,
-    PDL: tl.constexpr = False,
+    ape_ptr=None, HAS_APE: tl.constexpr = False, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """``_pool_emit_main_kernel`` for the CSA indexer's compressor: each emitting token's pooled row goes to its
     ``pooled_ptr`` row, a CTA barrier, and ``_emit_indexer_rows`` reads it back (RMSNorm -> RoPE -> Hadamard ->
@@ -294,7 +320,7 @@ def _pool_emit_indexer_kernel(
         i = a * BLOCK_T + k
         _pool_token(
             i, t, slot, 0, kv_ptr, sc_ptr, stride_kv, stride_sc, pos_ptr, tslot_ptr, kvs_ptr, scs_ptr, st_ss, st_sr,
-            pooled_ptr, T, M, CM, D, OVERLAP, BLOCK_R, D, False, i0, False, None, False, DIV_AFTER, FAST_ROWS,
+            pooled_ptr, T, M, CM, D, OVERLAP, BLOCK_R, D, False, i0, False, ape_ptr, HAS_APE, DIV_AFTER, FAST_ROWS,
             FAST_EXP, INTERP, False, True,
         )  # fmt: skip
         tl.debug_barrier()  # the emit reads back values other threads of this program stored
