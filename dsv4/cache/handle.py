@@ -182,12 +182,21 @@ class LayerCacheHandle:
         self._advance_ring_head(backend)
 
     def write_window(
-        self, kv_raw: torch.Tensor, norm_weight: torch.Tensor, inv_freq: torch.Tensor, backend: str = "auto"
-    ) -> torch.Tensor:
+        self,
+        kv_raw: torch.Tensor,
+        norm_weight: torch.Tensor,
+        inv_freq: torch.Tensor,
+        backend: str = "auto",
+        *,
+        copy_to: tuple[torch.Tensor, EntryPages] | None = None,
+        rows: bool = True,
+    ) -> torch.Tensor | None:
         """Fused window write from the raw ``wkv`` output ``kv_raw`` [T, head_dim] bf16: kv_norm (weight
         ``norm_weight``, the config's eps) -> RoPE(t) with ``inv_freq`` -> FP8 -> ring rows of the plan.
 
-        Returns the normed + RoPE'd bf16 rows [T, head_dim] (pre-FP8): the chunk's own window keys.
+        Returns the normed + RoPE'd bf16 rows [T, head_dim] (pre-FP8): the chunk's own window keys
+        (``rows=False``: None, not written).  ``copy_to`` = (slots [T], EntryPages of the entry format): every
+        token's entry is also stored there in the same launch (a prefill chunk's attention workspace).
         """
         from dsv4.kernels.cache.append_swa import append_window
 
@@ -206,6 +215,8 @@ class LayerCacheHandle:
             self.state.ring_positions_flat,
             self.schema.entry_fmt,
             backend=backend,
+            copy_to=copy_to,
+            rows=rows,
         )
         self._advance_ring_head(backend)
         return kv

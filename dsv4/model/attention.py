@@ -34,7 +34,6 @@ from dsv4.errors import check_tensor
 from dsv4.formats import EntryPages
 from dsv4.kernels.attention import sparse_attention
 from dsv4.kernels.cache.ring import ring_window_slots
-from dsv4.kernels.cache.store import store_fp8_entries
 from dsv4.kernels.dispatch import use_triton
 from dsv4.kernels.indexer import indexer_scores, to_physical, topk_indices, visible_physical
 from dsv4.kernels.linear import linear_counters, linear_fp32_group, linear_fp32_pair
@@ -94,8 +93,8 @@ class AttentionSubBlock:
             window = (handle.read_swa_view().pages, self._ring_window_index(handle))
         else:
             ws, ws_index, chunk_slots = self._window_workspace(handle)
-            kv = handle.write_window(kv_raw, w.kv_norm, self.inv_freq, backend=be)
-            store_fp8_entries(kv, chunk_slots, ws, handle.schema.entry_fmt, backend=be)
+            # the chunk's own keys go to the ring and, in the same launch, to the workspace
+            handle.write_window(kv_raw, w.kv_norm, self.inv_freq, backend=be, copy_to=(chunk_slots, ws), rows=False)
             window = (ws, ws_index)
         caches = [window]
 

@@ -169,6 +169,58 @@ def test_store_window_matches_reference(device):
         assert torch.equal(flat_k, flat_r)
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("geometry", [{}, {"block_t": 4, "num_warps": 2, "iters": 2}])
+def test_store_window_copy_to_writes_the_same_entries_at_second_slots(device, backend, geometry):
+    """``copy_to`` = (slots2, pages2): every row's entry also at slots2 of another pool (another page size), the
+    bytes ``store_fp8_entries`` writes from the rows ``out`` returns (what a prefill used to do in a second launch);
+    -1 / out-of-range second slots skipped, nothing else of either pool touched."""
+    if backend == "triton" and device.type == "cpu" and not interpreter_enabled():
+        pytest.skip("the Triton path on the CPU needs TRITON_INTERPRET=1")
+    slots = _slots(device)
+    t = slots.numel()
+    kv, w, pos, inv_freq = _rope_inputs(t, device)
+    kw = geometry if backend == "triton" else {}
+    bs2, n2 = 8, 4
+    g = torch.Generator().manual_seed(7)
+    slots2 = torch.randperm(bs2 * n2, generator=g)[:t].to(device)
+    slots2[3], slots2[9], slots2[12] = -1, bs2 * n2, -5
+    flat2_before = torch.randint(0, 256, (FMT.page_bytes(bs2) * n2,), generator=g, dtype=torch.uint8).to(device)
+    flat, pages = _fp8_buffer(device)
+    flat2 = flat2_before.clone()
+    out = torch.zeros(t, FMT.head_dim, dtype=torch.bfloat16, device=device)
+    store_window(
+        kv, w, 1e-6, pos, inv_freq, slots, pages, FMT, out=out, backend=backend,
+        copy_to=(slots2, FMT.entry_pages(flat2, n2, bs2)), **kw,
+    )  # fmt: skip
+    expect = flat2_before.clone()
+    store_fp8_entries(out, slots2, FMT.entry_pages(expect, n2, bs2), FMT, backend="torch")
+    assert torch.equal(flat2, expect) and not torch.equal(flat2, flat2_before)
+    flat_alone, pages_alone = _fp8_buffer(device)  # the ring's bytes are those of a call without copy_to
+    store_window(kv, w, 1e-6, pos, inv_freq, slots, pages_alone, FMT, backend=backend, **kw)
+    assert torch.equal(flat, flat_alone)
+
+
+def test_store_window_copy_to_is_checked_before_anything_changes(device):
+    slots = _slots(device)
+    t = slots.numel()
+    kv, w, pos, inv_freq = _rope_inputs(t, device)
+    flat, pages = _fp8_buffer(device)
+    before = flat.clone()
+    flat2 = torch.zeros(FMT.page_bytes(4) * 8, dtype=torch.uint8, device=device)
+    good = FMT.entry_pages(flat2, 8, 4)
+    s2 = torch.arange(t, dtype=torch.int32, device=device)
+    for copy_to, what in (
+        ((s2[:-1], good), "slots"),
+        ((s2.float(), good), "dtype"),
+        ((s2, FP8EntryFormat(256, 64).entry_pages(flat2, 8, 4)), "pages"),
+        (s2, "copy_to"),
+    ):
+        with pytest.raises(ValueError, match=what):
+            store_window(kv, w, 1e-6, pos, inv_freq, slots, pages, FMT, backend="torch", copy_to=copy_to)
+    assert torch.equal(flat, before) and not flat2.any()
+
+
 @pytest.mark.parametrize("geometry", [{}, {"block_t": 4, "num_warps": 2, "iters": 2}])
 def test_store_window_records_ring_positions(device, geometry):
     """``ring_positions``: the store launch also writes each stored row's position at its slot (the window

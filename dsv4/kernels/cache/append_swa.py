@@ -50,18 +50,23 @@ def append_window(
     ring_positions_flat: torch.Tensor,
     fmt: FP8EntryFormat,
     backend: str = "auto",
-) -> torch.Tensor:
+    *,
+    copy_to: tuple[torch.Tensor, EntryPages] | None = None,
+    rows: bool = True,
+) -> torch.Tensor | None:
     """Fused window write from the raw ``wkv`` output: kv_norm -> RoPE(t) -> FP8 -> ring, positions recorded.
 
     ``kv_raw`` [T, head_dim] bf16 (pre-norm).  Returns the normed + RoPE'd bf16 rows [T, head_dim] (before
-    FP8), which a prefill chunk's attention needs as its own keys.  See ``store_window``.
+    FP8), which a prefill chunk's attention needs as its own keys (``rows=False``: None, and they are not
+    written).  ``copy_to`` = (slots, pages): the entries also there (a chunk's attention workspace).  See
+    ``store_window``.
     """
     t = kv_raw.shape[0]
     check_tensor("swa_slots", swa_slots, dtype=(torch.int32, torch.int64), shape=(t,))
     check_tensor("ring_positions_flat", ring_positions_flat, dtype=torch.int32, shape=(ring.num_slots + 1,))
-    out = torch.empty_like(kv_raw)
+    out = torch.empty_like(kv_raw) if rows else None
     store_window(
         kv_raw, norm_weight, eps, positions, inv_freq, swa_slots, ring, fmt, out=out, backend=backend,
-        ring_positions=ring_positions_flat,
+        ring_positions=ring_positions_flat, copy_to=copy_to,
     )  # fmt: skip
     return out

@@ -171,12 +171,16 @@ def store_window_reference(
     pages: EntryPages,
     fmt: FP8EntryFormat,
     out: torch.Tensor | None = None,
+    copy_to: tuple[torch.Tensor, EntryPages] | None = None,
 ) -> None:
-    """PyTorch definition of ``store_window``: kv_norm -> RoPE(pos) -> ``store_fp8_entries_reference``."""
+    """PyTorch definition of ``store_window``: kv_norm -> RoPE(pos) -> ``store_fp8_entries_reference`` (also at
+    ``copy_to`` = (slots, pages) when given)."""
     y = apply_rope(rms_norm(kv, norm_weight, eps), positions, inv_freq)
     if out is not None:
         out.copy_(y)
     store_fp8_entries_reference(y, slots, pages, fmt)
+    if copy_to is not None:
+        store_fp8_entries_reference(y, copy_to[0], copy_to[1], fmt)
 
 
 # ============================================================================ Triton kernels
@@ -316,9 +320,23 @@ def _norm_rope_rows(
     Q_MANT: tl.constexpr,
     rpos_ptr=None,
     HAS_RPOS: tl.constexpr = False,
+    slot2_ptr=None,
+    num_slots2=0,
+    bs2=1,
+    nope2_ptr=None,
+    nope2_sp=0,
+    nope2_sr=0,
+    rope2_ptr=None,
+    rope2_sp=0,
+    rope2_sr=0,
+    scale2_ptr=None,
+    scale2_sp=0,
+    scale2_sr=0,
+    HAS_DST2: tl.constexpr = False,
 ):
     """RMSNorm -> RoPE -> [out] -> FP8 entry of one block of loaded rows (see ``_norm_rope_fp8_kernel``);
-    ``HAS_RPOS``: also ``rpos_ptr[slot] = position`` for every stored row (the window ring's positions)."""
+    ``HAS_RPOS``: also ``rpos_ptr[slot] = position`` for every stored row (the window ring's positions);
+    ``HAS_DST2``: the same entry bytes also at ``slot2_ptr[row]`` of a second pool (``*2`` page views)."""
     slot = tl.load(slot_ptr + ii, mask=go, other=-1)
     ok = go & (slot >= 0) & (slot < num_slots)
     # page / row in int32 (a pool has < 2**31 slots; an int64 division is a ~100-instruction call), the byte
@@ -360,15 +378,39 @@ def _norm_rope_rows(
         code = e4m3_code(tl.minimum(tl.maximum(v, -QMAX), QMAX)).to(tl.uint8)
     else:  # |v| <= QMAX by construction; cvt.rn.satfinite.e4m3x2.f32 rounds to nearest even and keeps -0
         code = v.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-    nbase = nope_ptr + page * nope_sp + row * nope_sr
-    tl.store(nbase[:, None, None] + noff, code, mask=ok[:, None, None] & tin)
-    sbyte = tl.minimum(tl.maximum(e + 127, 0), 254)
-    smask = ok[:, None] & (tiles < NT)[None, :]
-    tl.store((scale_ptr + page * scale_sp + row * scale_sr)[:, None] + tiles[None, :], sbyte.to(tl.uint8), mask=smask)
-    rb = (rope_ptr + page * rope_sp + row * rope_sr)[:, None, None] + (roff - NOPE)
-    tl.store(rb, bf16_bits(rot), mask=ok[:, None, None] & rin)
+    sbyte = tl.minimum(tl.maximum(e + 127, 0), 254).to(tl.uint8)
+    rbits = bf16_bits(rot)
+    _store_entry_rows(
+        code, sbyte, rbits, ok, page, row, nope_ptr, nope_sp, nope_sr, rope_ptr, rope_sp, rope_sr, scale_ptr, scale_sp,
+        scale_sr, noff, tin, roff, rin, NT, NT_PAD, NOPE,
+    )  # fmt: skip
     if HAS_RPOS:
         tl.store(rpos_ptr + s32, p.to(tl.int32), mask=ok)
+    if HAS_DST2:  # the same bytes at a second slot (another entry pool, e.g. a prefill's window workspace)
+        slot2 = tl.load(slot2_ptr + ii, mask=go, other=-1)
+        ok2 = go & (slot2 >= 0) & (slot2 < num_slots2)
+        t32 = tl.where(ok2, slot2, 0).to(tl.int32)
+        _store_entry_rows(
+            code, sbyte, rbits, ok2, (t32 // bs2).to(tl.int64), (t32 % bs2).to(tl.int64), nope2_ptr, nope2_sp,
+            nope2_sr, rope2_ptr, rope2_sp, rope2_sr, scale2_ptr, scale2_sp, scale2_sr, noff, tin, roff, rin, NT,
+            NT_PAD, NOPE,
+        )  # fmt: skip
+
+
+@triton.jit
+def _store_entry_rows(
+    code, sbyte, rbits, ok, page, row, nope_ptr, nope_sp, nope_sr, rope_ptr, rope_sp, rope_sr, scale_ptr, scale_sp,
+    scale_sr, noff, tin, roff, rin, NT: tl.constexpr, NT_PAD: tl.constexpr, NOPE: tl.constexpr,
+):  # fmt: skip
+    """Store quantised rows (``code`` [BLOCK_T, NT_PAD, TILE] e4m3 bytes, ``sbyte`` [BLOCK_T, NT_PAD] UE8M0 bytes,
+    ``rbits`` [BLOCK_T, HR, 2] bf16 bits of the rope pairs) at (``page``, ``row``) of one pool where ``ok``."""
+    tiles = tl.arange(0, NT_PAD)
+    nbase = nope_ptr + page * nope_sp + row * nope_sr
+    tl.store(nbase[:, None, None] + noff, code, mask=ok[:, None, None] & tin)
+    smask = ok[:, None] & (tiles < NT)[None, :]
+    tl.store((scale_ptr + page * scale_sp + row * scale_sr)[:, None] + tiles[None, :], sbyte, mask=smask)
+    rb = (rope_ptr + page * rope_sp + row * rope_sr)[:, None, None] + (roff - NOPE)
+    tl.store(rb, rbits, mask=ok[:, None, None] & rin)
 
 
 @triton.jit
@@ -449,6 +491,19 @@ def _norm_rope_fp8_kernel(
     SCAN: tl.constexpr = 1,
     rpos_ptr=None,
     HAS_RPOS: tl.constexpr = False,
+    slot2_ptr=None,
+    num_slots2=0,
+    bs2=1,
+    nope2_ptr=None,
+    nope2_sp=0,
+    nope2_sr=0,
+    rope2_ptr=None,
+    rope2_sp=0,
+    rope2_sr=0,
+    scale2_ptr=None,
+    scale2_sp=0,
+    scale2_sr=0,
+    HAS_DST2: tl.constexpr = False,
     PDL: tl.constexpr = False,
     PDL_LATE: tl.constexpr = False,
 ):
@@ -459,7 +514,9 @@ def _norm_rope_fp8_kernel(
     [BLOCK_T, HR, 2], split into its even / odd lanes in registers (``tl.split``), rotated, re-interleaved
     (``tl.join``).  cos/sin once per (row, pair) at ``RATIO * (pos // RATIO)``.  A program handles ITERS
     blocks one after the other, loading block i+1 before computing block i (its loads stay in flight during
-    the compute).  With ``HAS_RPOS`` every stored row also records its position at ``rpos_ptr[slot]`` (the
+    the compute).  With ``HAS_DST2`` every row's entry bytes are also stored at ``slot2_ptr[row]`` of a second
+    pool (``*2``: its slot count, page size and page views).  With ``HAS_RPOS`` every stored row also records its
+    position at ``rpos_ptr[slot]`` (the
     window ring's position table).  With ``HAS_EMIT`` only rows with ``emits`` != 0 are read and stored; a block without
     any is skipped after one vector load of its flags.  bf16 and e4m3 rounding: the hardware's
     round-to-nearest-even conversions on a GPU, the bit-exact integer emulation under the interpreter
@@ -486,7 +543,8 @@ def _norm_rope_fp8_kernel(
                 xn, xr, ii, go, w_ptr, eps, pos_ptr, inv_ptr, slot_ptr, num_slots, bs, out_ptr, stride_out,
                 nope_ptr, nope_sp, nope_sr, rope_ptr, rope_sp, rope_sr, scale_ptr, scale_sp, scale_sr,
                 noff, tin, roff, RATIO, HAS_OUT, INTERP, BLOCK_T, HEAD_DIM, NOPE, NT, NT_PAD, TILE, HR,
-                FLOOR, QMAX, Q_EXP, Q_MANT, rpos_ptr, HAS_RPOS,
+                FLOOR, QMAX, Q_EXP, Q_MANT, rpos_ptr, HAS_RPOS, slot2_ptr, num_slots2, bs2, nope2_ptr, nope2_sp,
+                nope2_sr, rope2_ptr, rope2_sp, rope2_sr, scale2_ptr, scale2_sp, scale2_sr, HAS_DST2,
             )  # fmt: skip
             pdl_end(PDL, PDL_LATE)
             k = tl.min(tl.where(fl & (kk > k), kk, SCAN), axis=0)
@@ -509,7 +567,8 @@ def _norm_rope_fp8_kernel(
                     xn, xr, ii, go, w_ptr, eps, pos_ptr, inv_ptr, slot_ptr, num_slots, bs, out_ptr, stride_out,
                     nope_ptr, nope_sp, nope_sr, rope_ptr, rope_sp, rope_sr, scale_ptr, scale_sp, scale_sr,
                     noff, tin, roff, RATIO, HAS_OUT, INTERP, BLOCK_T, HEAD_DIM, NOPE, NT, NT_PAD, TILE, HR,
-                    FLOOR, QMAX, Q_EXP, Q_MANT, rpos_ptr, HAS_RPOS,
+                    FLOOR, QMAX, Q_EXP, Q_MANT, rpos_ptr, HAS_RPOS, slot2_ptr, num_slots2, bs2, nope2_ptr, nope2_sp,
+                    nope2_sr, rope2_ptr, rope2_sp, rope2_sr, scale2_ptr, scale2_sp, scale2_sr, HAS_DST2,
                 )  # fmt: skip
             if ITERS > 1:
                 ii, go, xn, xr = ii_n, go_n, xn_n, xr_n
@@ -660,6 +719,7 @@ def _launch_norm_rope_fp8(
     scan: int | None = None,
     ring_positions: torch.Tensor | None = None,
     pdl_late: bool = False,
+    copy_to: tuple[torch.Tensor, EntryPages] | None = None,
 ) -> None:
     """One launch, shared by ``store_window`` (ratio 1) and the main compressor's ``emit_entries``:
     RoPE at ``ratio * (positions // ratio)``, computed in the kernel (no cos/sin tensors).
@@ -669,7 +729,8 @@ def _launch_norm_rope_fp8(
     flagged ones processed in turn (power of two; default min(next_pow2(ratio), _EMIT_SCAN_MAX, the largest
     power of two <= max(1, n / _EMIT_SCAN_MIN_PROGRAMS)); 1 = the row-block path above, which ``block_t`` /
     ``iters`` then select).  ``pdl_late``: with PDL on, the kernel runs whole before it waits for the previous launch
-    (``_triton_sync``; the caller vouches that this is safe)."""
+    (``_triton_sync``; the caller vouches that this is safe).  ``copy_to`` (slots [n], pages): every row's entry
+    also at those slots of those pages (same format)."""
     n = x.shape[0]
     if n == 0:
         return
@@ -701,7 +762,21 @@ def _launch_norm_rope_fp8(
         RATIO=ratio, HAS_EMIT=emits is not None, HAS_OUT=out is not None, INTERP=interpreter_enabled(), BLOCK_T=bt,
         ITERS=it, HEAD_DIM=fmt.head_dim, NOPE=fmt.nope_dim, VEC_RUNS=fmt.tile % _VEC_ELEMS == 0, SCAN=sc,
         rpos_ptr=ring_positions if ring_positions is not None else slots, HAS_RPOS=ring_positions is not None,
-        num_warps=nw, **kw, **pdl_launch(x.device), PDL_LATE=pdl_late,
+        num_warps=nw, **kw, **pdl_launch(x.device), PDL_LATE=pdl_late, **_dst2_args(copy_to),
+    )  # fmt: skip
+
+
+def _dst2_args(copy_to: tuple[torch.Tensor, EntryPages] | None) -> dict:
+    """``_norm_rope_fp8_kernel``'s second-destination keywords for ``copy_to`` = (slots, pages), or none."""
+    if copy_to is None:
+        return {}
+    slots2, pages2 = copy_to
+    nope, rope = pages2.nope.view(torch.uint8), pages2.rope.view(torch.int16)
+    return dict(
+        slot2_ptr=slots2, num_slots2=pages2.num_slots, bs2=pages2.entries_per_page, nope2_ptr=nope,
+        nope2_sp=nope.stride(0), nope2_sr=nope.stride(1), rope2_ptr=rope, rope2_sp=rope.stride(0),
+        rope2_sr=rope.stride(1), scale2_ptr=pages2.scale, scale2_sp=pages2.scale.stride(0),
+        scale2_sr=pages2.scale.stride(1), HAS_DST2=True,
     )  # fmt: skip
 
 
@@ -780,6 +855,7 @@ def store_window(
     backend: str = "auto",
     *,
     ring_positions: torch.Tensor | None = None,
+    copy_to: tuple[torch.Tensor, EntryPages] | None = None,
     block_t: int | None = None,
     num_warps: int | None = None,
     iters: int | None = None,
@@ -794,7 +870,10 @@ def store_window(
     rounded to bf16; then quantised as ``fmt.quantize``.  If ``out`` [T, head_dim] bf16 is given it
     receives the normed + roped rows for every token (whatever its slot).  If ``ring_positions`` (int32
     [pages.num_slots + 1], the ring's position table) is given, every stored row also records its position
-    there (``ring_positions[slot] = position``, as ``record_ring_positions``; in the same launch).
+    there (``ring_positions[slot] = position``, as ``record_ring_positions``; in the same launch).  ``copy_to`` =
+    (slots2 [T] int32/int64, pages2 EntryPages of ``fmt``): every row's entry bytes are also stored at ``slots2``
+    (-1 / out of range: not stored) in the same launch, as ``store_fp8_entries`` of the rows would (a prefill
+    chunk's own keys into its attention workspace, without the bf16 rows through memory).
     Triton vs reference: the bf16 rows agree up to the fp32 sum order of RMSNorm (rarely one bf16
     ulp); the stored bytes always equal ``fmt.quantize`` of the kernel's own bf16 rows.
     Tuning (Triton path only; results do not depend on them): ``block_t`` rows per block (a power of
@@ -816,15 +895,25 @@ def store_window(
         check_tensor("ring_positions", ring_positions, dtype=torch.int32, shape=[pages.num_slots + 1], device=dev)
         if not ring_positions.is_contiguous():
             raise ValueError("ring_positions: expected a contiguous tensor")
+    if copy_to is not None:
+        if not (isinstance(copy_to, tuple) and len(copy_to) == 2):
+            raise ValueError(f"copy_to: expected (slots, EntryPages), got {type(copy_to).__name__}")
+        _check_entry_pages(copy_to[1], fmt)
+        check_tensor("copy_to[0] (slots)", copy_to[0], dtype=_SLOT_DTYPES, shape=[t], device=dev)
+        if copy_to[1].nope.device != dev:
+            raise ValueError(f"copy_to: expected pages on {dev}, got {copy_to[1].nope.device}")
     if not use_triton(backend, kv, slots, pages.nope):
-        store_window_reference(kv, norm_weight, eps, positions, inv_freq, slots, pages, fmt, out)
+        store_window_reference(kv, norm_weight, eps, positions, inv_freq, slots, pages, fmt, out, copy_to)
         if ring_positions is not None:
             record_ring_positions_reference(slots, positions, ring_positions)
         return
     slots, positions = slots.contiguous(), positions.contiguous()
     if not norm_weight.is_contiguous() or not inv_freq.is_contiguous():
         raise ValueError("norm_weight, inv_freq: expected contiguous tensors")
+    if copy_to is not None:
+        check_fp8_kernel_geometry(fmt, copy_to[1])
+        copy_to = (copy_to[0].contiguous(), copy_to[1])
     _launch_norm_rope_fp8(
         kv, norm_weight, eps, positions, 1, inv_freq, slots, pages, fmt, out, None, block_t, num_warps, iters,
-        ring_positions=ring_positions,
+        ring_positions=ring_positions, copy_to=copy_to,
     )  # fmt: skip
