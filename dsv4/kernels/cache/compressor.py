@@ -1902,8 +1902,9 @@ def emit_entries(
     (128 = 64 + 64, blocks of 32 in the released model).
     ``pdl_late`` (Triton path with PDL on, ``dispatch.pdl_launch``): the kernel runs whole before it waits for the
     previous launch on the stream, so it overlaps that launch.  Only for a caller that knows that launch neither
-    writes what the emit reads nor touches the pages, and that ``pooled`` / ``emits`` were written before it started
-    (``compress_prefill``: the state write after the pool).
+    writes what the emit reads nor touches the pages, that ``pooled`` / ``emits`` were written before it started
+    (``compress_prefill``: the state write after the pool), and that nothing that launch uses was freed since it was
+    launched (the MMA kernel's scratch, allocated here, is written before the wait).
     """
     check_tensor("pooled", pooled, dtype=torch.float32, ndim=2)
     t = pooled.shape[0]
