@@ -473,8 +473,8 @@ if [ "$what" = writes_s19 ]; then  # overlap_s18 and fuse_s19 in one call (~8 mi
   # handle GPU tests once (side-stream write, fused emit, online positions in the state write, ape in the kernels,
   # their captures), then the prefill rows in order / side-stream / fused / with ape (what a layer now passes: the
   # score rows without ape, added by the kernels), and the fused kernels' device times
-  timeout 220 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_compressor.py tests/kernels/test_compressor_prefill.py \
-    tests/kernels/test_compressor_online.py tests/cache/test_handle.py -k "cuda or gpu" 2>&1 \
+  timeout 240 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_compressor.py tests/kernels/test_compressor_prefill.py \
+    tests/kernels/test_compressor_online.py tests/kernels/test_store.py tests/cache/test_handle.py -k "cuda or gpu" 2>&1 \
     | tee "$OUT/${stamp}_h200_gpu_tests_writes_s19.txt" | tail -2
   tn=""; for op in csa_main csa_indexer; do tn="$tn --tune $op: --tune $op:overlap_write=1 --tune $op:fuse_emit=1"; done
   for op in hca hca_online; do tn="$tn --tune $op: --tune $op:overlap_write=1"; done
