@@ -31,3 +31,14 @@ def test_writes_sass_with_source_lines(sass_report, tmp_path):
     listing = (tmp_path / "_linear_gemv_kernel.lines.sass").read_text()
     assert re.search(r'//## File ".*linear\.py", line \d+', listing)
     assert (tmp_path / "_linear_gemv_kernel.sass").exists() and (tmp_path / "_linear_gemv_kernel.ptx").exists()
+
+
+@pytest.mark.skipif(not os.path.exists(PTXAS), reason="triton without its bundled ptxas")
+def test_pdl_compiles_the_grid_dependency_instructions(sass_report, tmp_path):
+    """``--pdl`` compiles the kernels as ``dispatch.pdl_launch`` would launch them with programmatic dependent launch:
+    the SASS holds the grid-dependency wait (ACQBULK) and release (PREEXIT); without it, neither."""
+    for flags, want in ((("--pdl",), True), ((), False)):
+        out = tmp_path / ("pdl" if want else "plain")
+        sass_report("hca:decode:2", "--sass", str(out), *flags)
+        sass = (out / "_compressor_decode_emit_main_kernel.sass").read_text()
+        assert ("ACQBULK" in sass) == want and ("PREEXIT" in sass) == want
