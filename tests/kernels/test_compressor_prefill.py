@@ -16,7 +16,7 @@ import triton.language as tl
 
 import dsv4.kernels.cache.compressor_prefill as prefill_module
 from dsv4.formats import FP8EntryFormat, MXFP4KeyFormat
-from dsv4.kernels.cache.compressor import compressor_step, emit_entries, online_state
+from dsv4.kernels.cache.compressor import _check_step, compressor_step, emit_entries, online_state
 from dsv4.kernels.cache.compressor_prefill import _entry_row_split, _fusable, compress_prefill
 from dsv4.kernels.cache.store import _fp8_row_offsets
 from dsv4.kernels.dispatch import interpreter_enabled
@@ -207,10 +207,9 @@ def test_fusable_takes_the_fused_launch_only_where_it_applies():
 
     def ok(kind, backend="triton", state_pos=None, step_kw=None, emit_kw=None, fmt=None):
         (kv, sc, pos, tslot, ks, ss, w, inv, eslot), (ratio, overlap, f, ekind, _) = _multi_request_step(kind, dev, g)
-        d = w.shape[0]
+        geometry = _check_step(kv, sc, pos, tslot, ks, ss, ratio, overlap)
         return _fusable(
-            kv, sc, pos, tslot, ks, ss, d, ratio, overlap, w, inv, eslot, fmt or f, ekind, backend, state_pos,
-            step_kw, emit_kw,
+            kv, sc, pos, tslot, ks, ss, geometry, w, inv, eslot, fmt or f, ekind, backend, state_pos, step_kw, emit_kw,
         )  # fmt: skip
 
     assert ok("csa_main") and ok("csa_indexer") and not ok("hca")

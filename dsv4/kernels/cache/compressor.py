@@ -1221,6 +1221,24 @@ def _check_step(kv, score, positions, token_slot, kv_state, score_state, ratio, 
     return c, cm, t, cd, cd // c
 
 
+def _check_ape(ape: torch.Tensor | None, ratio: int, cd: int, device: torch.device) -> None:
+    """ValueError unless ``ape`` is None or the compressor's positional bias as the kernels read it: contiguous fp32
+    [ratio, c*d] on ``device``."""
+    if ape is not None:
+        check_tensor("ape", ape, dtype=torch.float32, shape=[ratio, cd], device=device)
+        if not ape.is_contiguous():
+            raise ValueError("ape: expected a contiguous tensor")
+
+
+def _kernel_head(kv, score, positions, token_slot, kv_state, score_state) -> tuple:
+    """The leading arguments every compressor kernel takes: inputs and their row strides, positions, token slots,
+    the state tensors with their slot and row strides, and the number of state slots."""
+    return (
+        kv, score, kv.stride(0), score.stride(0), positions, token_slot, kv_state, score_state, kv_state.stride(0),
+        kv_state.stride(1), kv_state.shape[0],
+    )  # fmt: skip
+
+
 def _online_block_d(block_d: int | None, d: int) -> int:
     """Channels a decode program of an online state: all d (it reads its slot's state_pos before writing it)."""
     bd = block_d or max(16, triton.next_power_of_2(d))
@@ -1310,10 +1328,7 @@ def compressor_step(
     online = state_pos is not None
     dev = kv.device
     bd_online = _online_block_d(block_d, d) if online and decode else None
-    if ape is not None:
-        check_tensor("ape", ape, dtype=torch.float32, shape=[ratio, cd], device=dev)
-        if not ape.is_contiguous():
-            raise ValueError("ape: expected a contiguous tensor")
+    _check_ape(ape, ratio, cd, dev)
     if not use_triton(backend, kv, score, positions, token_slot, kv_state, score_state):
         if ape is not None:
             score = score + ape_rows(ape, positions, ratio)
@@ -1332,8 +1347,7 @@ def compressor_step(
     if t == 0:
         return pooled, emits
     block_r = triton.next_power_of_2(cm)
-    head = (kv, score, kv.stride(0), score.stride(0), positions, token_slot, kv_state, score_state, kv_state.stride(0))
-    head = head + (kv_state.stride(1), kv_state.shape[0])
+    head = _kernel_head(kv, score, positions, token_slot, kv_state, score_state)
     if decode:
         # channels span c*d (the own-row write); [block_r, block_d] <= _DECODE_TILE values (online: [block_d])
         bd = bd_online or block_d or max(16, min(triton.next_power_of_2(cd), _DECODE_TILE // block_r))
@@ -2043,8 +2057,8 @@ def compress_decode(
     block_r = triton.next_power_of_2(cm)
     bd = bd_online or block_d or max(16, min(triton.next_power_of_2(cd), _DECODE_TILE // block_r))
     _check_pow2("block_d", bd)
-    head = (kv, score, kv.stride(0), score.stride(0), positions, token_slot, kv_state, score_state, kv_state.stride(0))
-    head = head + (kv_state.stride(1), kv_state.shape[0], pooled, emits, t, counters, ape if ape is not None else kv)
+    head = _kernel_head(kv, score, positions, token_slot, kv_state, score_state)
+    head = head + (pooled, emits, t, counters, ape if ape is not None else kv)
     head = head + (state_pos if online else counters,)
     geo = dict(M=ratio, CM=cm, D=d, OVERLAP=overlap, C=c, BLOCK_R=block_r, BLOCK_D=bd, N_POOL=triton.cdiv(d, bd))
     geo["HAS_APE"] = ape is not None

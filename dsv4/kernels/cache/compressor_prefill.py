@@ -28,14 +28,15 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4.errors import check_tensor
 from dsv4.formats.fp8_entry import EntryPages, FP8EntryFormat
 from dsv4.formats.mxfp4_key import KeyPages, MXFP4KeyFormat
 from dsv4.kernels._triton_sync import pdl_enter
 from dsv4.kernels.cache.compressor import (
+    _check_ape,
     _check_step,
     _emit_indexer_rows,
     _indexer_emit_geometry,
+    _kernel_head,
     _launch_state_write,
     _pool_block_head,
     _pool_block_token,
@@ -117,18 +118,19 @@ def compress_prefill(
     ``compressor_step``'s (``score`` is ``wgate(x)`` alone; the kernels add ``ape[pos mod ratio]`` as they read it).
     """
     check_emit_arguments(positions, norm_weight, inv_freq, slots, pages, fmt, ratio, kind, backend)
-    _, _, _, _, d = _check_step(kv, score, positions, token_slot, kv_state, score_state, ratio, overlap, state_pos)
+    geometry = _check_step(kv, score, positions, token_slot, kv_state, score_state, ratio, overlap, state_pos)
+    d = geometry[-1]
     d_fmt = fmt.head_dim if kind == "main" else fmt.dim
     if d != d_fmt:
         raise ValueError(f"fmt: expected a {kind} format of width {d} (the compressor's), got {d_fmt}")
     fuse = _FUSE_EMIT if fuse_emit is None else bool(fuse_emit)
     if fuse and _fusable(
-        kv, score, positions, token_slot, kv_state, score_state, d, ratio, overlap, norm_weight, inv_freq, slots, fmt,
-        kind, backend, state_pos, step_kw, emit_kw,
+        kv, score, positions, token_slot, kv_state, score_state, geometry, norm_weight, inv_freq, slots, fmt, kind,
+        backend, state_pos, step_kw, emit_kw,
     ):  # fmt: skip
         _pool_emit(
-            kv, score, positions, token_slot, kv_state, score_state, ratio, overlap, norm_weight, eps, inv_freq, slots,
-            pages, fmt, kind, dict(step_kw or {}), ape,
+            kv, score, positions, token_slot, kv_state, score_state, geometry, ratio, overlap, norm_weight, eps,
+            inv_freq, slots, pages, fmt, kind, dict(step_kw or {}), ape,
         )  # fmt: skip
         return
     positions, token_slot = positions.contiguous(), token_slot.contiguous()  # held here until the join below
@@ -153,19 +155,22 @@ def compress_prefill(
 
 # ============================================================================ fused emit
 def _fusable(
-    kv, score, positions, token_slot, kv_state, score_state, d, ratio, overlap, norm_weight, inv_freq, slots, fmt, kind,
-    backend, state_pos, step_kw, emit_kw,
+    kv, score, positions, token_slot, kv_state, score_state, geometry, norm_weight, inv_freq, slots, fmt, kind, backend,
+    state_pos, step_kw, emit_kw,
 ) -> bool:  # fmt: skip
     """Whether ``compress_prefill(fuse_emit=True)`` can run this step as the fused launch: Triton path, a row-ring
     state (not online), no emit tuning and no step tuning the fused kernels lack, d a power of two and the pool tile
     within _FUSE_TILE_MAX values, contiguous weights; for the main kind an FP8 format whose rope is the one tile after
-    the nope tiles (the pooled row splits in registers as [NT + 1 tiles] = [d])."""
+    the nope tiles (the pooled row splits in registers as [NT + 1 tiles] = [d]).  ``geometry``: ``_check_step``'s
+    (c, c*m, T, c*d, d)."""
+    _, cm, _, _, d = geometry
     if state_pos is not None or emit_kw or (step_kw or {}).get("row_loads") or (step_kw or {}).get("block_d"):
         return False
     if not use_triton(backend, kv, score, positions, token_slot, kv_state, score_state, slots):
         return False
-    rows = triton.next_power_of_2((2 if overlap else 1) * ratio)
-    if d & (d - 1) or rows * d > _FUSE_TILE_MAX or not (norm_weight.is_contiguous() and inv_freq.is_contiguous()):
+    if d & (d - 1) or triton.next_power_of_2(cm) * d > _FUSE_TILE_MAX:
+        return False
+    if not (norm_weight.is_contiguous() and inv_freq.is_contiguous()):
         return False
     if kind == "main":
         nt_pad = triton.next_power_of_2(fmt.n_tiles)
@@ -174,18 +179,15 @@ def _fusable(
 
 
 def _pool_emit(
-    kv, score, positions, token_slot, kv_state, score_state, ratio, overlap, norm_weight, eps, inv_freq, slots, pages,
-    fmt, kind, step_kw, ape=None,
+    kv, score, positions, token_slot, kv_state, score_state, geometry, ratio, overlap, norm_weight, eps, inv_freq,
+    slots, pages, fmt, kind, step_kw, ape=None,
 ) -> None:  # fmt: skip
     """The fused launch (pool + emit, ``_pool_emit_main_kernel`` / ``_pool_emit_indexer_kernel``), then the state
-    write (``compressor._launch_state_write``), for a step ``_fusable`` accepted."""
-    c, cm, t, cd, d = _check_step(kv, score, positions, token_slot, kv_state, score_state, ratio, overlap)
+    write (``compressor._launch_state_write``), for a step ``_fusable`` accepted (``geometry``: ``_check_step``'s)."""
+    _, cm, t, cd, d = geometry
     if t == 0:
         return
-    if ape is not None:
-        check_tensor("ape", ape, dtype=torch.float32, shape=[ratio, cd], device=kv.device)
-        if not ape.is_contiguous():
-            raise ValueError("ape: expected a contiguous tensor")
+    _check_ape(ape, ratio, cd, kv.device)
     positions, token_slot, slots = positions.contiguous(), token_slot.contiguous(), slots.contiguous()
     write = [step_kw.pop(k, None) for k in ("write_block_t", "write_warps", "write_lanes")]
     grid, kw, bd, fast_exp = _pool_launch_params(
@@ -193,8 +195,7 @@ def _pool_emit(
     )
     for k in ("BLOCK_D", "ROW_LOADS", "ONLINE", "ONLINE_ROWS_IN_STEP"):
         kw.pop(k)
-    head = (kv, score, kv.stride(0), score.stride(0), positions, token_slot, kv_state, score_state, kv_state.stride(0))
-    head = head + (kv_state.stride(1), kv_state.shape[0])
+    head = _kernel_head(kv, score, positions, token_slot, kv_state, score_state)
     emit = (norm_weight, float(eps), inv_freq, slots)
     kw.update(ape_ptr=ape if ape is not None else kv, HAS_APE=ape is not None)
     if kind == "main":
@@ -212,26 +213,10 @@ def _pool_emit(
             *head, t, pooled, *emit, pages.data.shape[0] * bs, bs, *pargs, OVERLAP=overlap, **geo, **kw, **fkw,
             **pdl_launch(kv.device),
         )  # fmt: skip
-    block_r = triton.next_power_of_2(cm)
     _launch_state_write(
-        head,
-        t,
-        d,
-        cd,
-        cm,
-        ratio,
-        block_r,
-        bd,
-        False,
-        None,
-        fast_exp,
-        positions,
-        token_slot,
-        kv_state.shape[0],
-        *write,
-        None,
-        ape,
-    )
+        head, t, d, cd, cm, ratio, triton.next_power_of_2(cm), bd, False, None, fast_exp, positions, token_slot,
+        kv_state.shape[0], *write, None, ape,
+    )  # fmt: skip
 
 
 @triton.jit

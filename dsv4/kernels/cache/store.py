@@ -762,22 +762,22 @@ def _launch_norm_rope_fp8(
         RATIO=ratio, HAS_EMIT=emits is not None, HAS_OUT=out is not None, INTERP=interpreter_enabled(), BLOCK_T=bt,
         ITERS=it, HEAD_DIM=fmt.head_dim, NOPE=fmt.nope_dim, VEC_RUNS=fmt.tile % _VEC_ELEMS == 0, SCAN=sc,
         rpos_ptr=ring_positions if ring_positions is not None else slots, HAS_RPOS=ring_positions is not None,
-        num_warps=nw, **kw, **pdl_launch(x.device), PDL_LATE=pdl_late, **_dst2_args(copy_to),
+        num_warps=nw, **kw, **pdl_launch(x.device), PDL_LATE=pdl_late, **_dst2_args(copy_to, fmt),
     )  # fmt: skip
 
 
-def _dst2_args(copy_to: tuple[torch.Tensor, EntryPages] | None) -> dict:
-    """``_norm_rope_fp8_kernel``'s second-destination keywords for ``copy_to`` = (slots, pages), or none."""
+_DST2_PAGE_ARGS = ("nope2_ptr", "nope2_sp", "nope2_sr", "rope2_ptr", "rope2_sp", "rope2_sr", "scale2_ptr", "scale2_sp",
+                   "scale2_sr")  # fmt: skip
+
+
+def _dst2_args(copy_to: tuple[torch.Tensor, EntryPages] | None, fmt: FP8EntryFormat) -> dict:
+    """``_norm_rope_fp8_kernel``'s second-destination keywords for ``copy_to`` = (slots, pages), or none: the page
+    views as ``_fp8_args`` gives them for the first."""
     if copy_to is None:
         return {}
     slots2, pages2 = copy_to
-    nope, rope = pages2.nope.view(torch.uint8), pages2.rope.view(torch.int16)
-    return dict(
-        slot2_ptr=slots2, num_slots2=pages2.num_slots, bs2=pages2.entries_per_page, nope2_ptr=nope,
-        nope2_sp=nope.stride(0), nope2_sr=nope.stride(1), rope2_ptr=rope, rope2_sp=rope.stride(0),
-        rope2_sr=rope.stride(1), scale2_ptr=pages2.scale, scale2_sp=pages2.scale.stride(0),
-        scale2_sr=pages2.scale.stride(1), HAS_DST2=True,
-    )  # fmt: skip
+    page_args = dict(zip(_DST2_PAGE_ARGS, _fp8_args(pages2, fmt)[0], strict=True))
+    return dict(slot2_ptr=slots2, num_slots2=pages2.num_slots, bs2=pages2.entries_per_page, HAS_DST2=True, **page_args)
 
 
 # ============================================================================ public API
