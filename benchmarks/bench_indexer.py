@@ -70,6 +70,7 @@ from dsv4.kernels.indexer import (  # noqa: E402
 from dsv4.kernels.indexer.topk import topk_workspace  # noqa: E402
 
 HBM_BYTES_PER_S = 4.17e12
+FP8_MMA_FLOPS_PER_S = 1354e12  # H200, measured (performance.md)
 FMT = MXFP4KeyFormat()
 FP8_KEY_BYTES = FMT.dim * torch.finfo(FP8_DTYPE).bits // 8 + torch.finfo(torch.float32).bits // 8  # 132
 
@@ -282,6 +283,79 @@ def bench_topk(args, dev, info, rows, gen):
                 record(rows, info, "topk_filter_graph_sorted_rows", shape, graph_timer(run_f), nbytes)
 
 
+def event_timer(fn, reps: int = 3) -> float:
+    """Median of ``reps`` timed calls (CUDA events) after one warm-up: for calls of tens of milliseconds."""
+    fn()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e-3)
+    return sorted(times)[len(times) // 2]
+
+
+def peak_bytes(fn, dev) -> int:
+    """Device memory ``fn`` allocates at its peak above what was allocated before it (0 on the CPU)."""
+    if dev.type != "cuda":
+        fn()
+        return 0
+    torch.cuda.synchronize(dev)
+    base = torch.cuda.memory_allocated(dev)
+    torch.cuda.reset_peak_memory_stats(dev)
+    fn()
+    torch.cuda.synchronize(dev)
+    return torch.cuda.max_memory_allocated(dev) - base
+
+
+def bench_prefill_select(args, dev, info, rows, gen):
+    """A prefill chunk's whole indexer selection (scores + top-k of every query row, one request, causal counts):
+    ``indexer_topk`` (row chunks of <= ``MAX_SCRATCH_BYTES`` scores + workspace, each only as wide as its rows see)
+    against the one-call form it replaces (``indexer_scores`` over ``max_entries`` columns, then ``topk_indices``),
+    same indices checked first.  Compute-bound: flops = 2 x Hi x 128 x the visible (row, entry) pairs, roofline at
+    the H200's FP8 MMA rate (1354 TFLOP/s); ``peak_bytes`` = device memory held above the inputs at the peak."""
+    from dsv4.kernels.indexer import indexer_topk, row_chunks
+    from dsv4.kernels.indexer.select import chunk_row_bytes
+
+    H, k = args.heads, 64 if args.smoke else 512  # V4-Flash's top-k
+    # (query rows, context tokens after the chunk): a 64K prompt's last 8K chunk, a whole 64K prefill, a 1M
+    # context's 4K chunk
+    cases = [(32, 256)] if args.smoke else [(8192, 65536), (65536, 65536), (4096, 1048576)]
+    for T, ctx in cases:
+        n = ctx // 4
+        keys, block_table, _, _, _, _ = make_problem(1, n, H, args.page, dev, gen)
+        q = FMT.roundtrip(torch.randn(T, H, FMT.dim, device=dev, generator=gen), dtype=torch.bfloat16)
+        w = torch.rand(T, H, device=dev, generator=gen) * (FMT.dim**-0.5 * H**-0.5)
+        pos = torch.arange(ctx - T, ctx, device=dev)
+        nv = ((pos + 1) // 4).to(torch.int32)
+        nv_host = nv.cpu().numpy()
+        tr = torch.zeros(T, dtype=torch.int32, device=dev)
+        max_bytes = 8 * chunk_row_bytes(n, k) if args.smoke else None  # smoke: several chunks
+        chunked = partial(indexer_topk, q, w, keys, block_table, tr, nv, n, k, "triton", n_visible_host=nv_host,
+                          max_bytes=max_bytes)  # fmt: skip
+
+        def one_call(q=q, w=w, keys=keys, block_table=block_table, tr=tr, nv=nv, n=n):
+            return topk_indices(indexer_scores(q, w, keys, block_table, tr, nv, n, "triton"), k, nv, "triton")
+
+        if not torch.equal(chunked(), one_call()):
+            raise SystemExit(f"prefill select T={T} ctx={ctx}: the row chunks differ from the one call")
+        shape = {"rows": T, "context": ctx, "entries": n, "heads": H, "k": k, "page": args.page}
+        flops = 2 * H * FMT.dim * int(nv_host.sum())
+        time_fn = partial(timer, smoke=True) if args.smoke else event_timer
+        t_one, m_one = time_fn(one_call), peak_bytes(one_call, dev)
+        t_ch, m_ch = time_fn(chunked), peak_bytes(chunked, dev)
+        chunks = row_chunks(T, n, k, nv_host, max_bytes)
+        common = dict(flops=flops, chunks=len(chunks))
+        r1 = record(rows, info, "indexer_select_one_call", shape, t_one, 0, peak_bytes=m_one, **common)
+        r2 = record(rows, info, "indexer_select_prefill", shape, t_ch, 0, "indexer_select_one_call", t_one,
+                    peak_bytes=m_ch, baseline_peak_bytes=m_one, **common)  # fmt: skip
+        for r in (r1, r2):  # compute-bound: the roofline is the FP8 MMA rate's
+            r["roofline_s"], r["bytes"] = flops / FP8_MMA_FLOPS_PER_S, None
+        del q, w, keys, chunked
+
+
 def graph_timer(fn) -> float:
     """Median time of ``fn`` replayed from a CUDA graph (launch overhead excluded)."""
     fn()
@@ -316,7 +390,7 @@ def main(argv=None):
     ap.add_argument("--warps", type=int, default=None, help="scores kernel: num_warps")
     ap.add_argument("--stages", type=int, default=None, help="scores kernel: num_stages")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
-    ap.add_argument("--only", choices=["scores", "topk"], default=None)
+    ap.add_argument("--only", choices=["scores", "topk", "prefill"], default=None)
     ap.add_argument("--topk-splits", type=int, nargs="*", default=[], help="top-k: graph-timed filter split counts")
     args = ap.parse_args(argv)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -332,6 +406,8 @@ def main(argv=None):
         bench_scores(args, dev, info, rows, gen)
     if args.only in (None, "topk"):
         bench_topk(args, dev, info, rows, gen)
+    if args.only in (None, "prefill"):
+        bench_prefill_select(args, dev, info, rows, gen)
     if args.out:
         with open(args.out, "a") as f:
             for r in rows:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One H200 session: environment, GPU tests, then the kernel benchmarks. Results go to $OUT (or ./out).
-# Usage (on the device machine, repo root): bash benchmarks/run_h200.sh [tests|bench|all|pending|ncu|attention|attention_ncu|indexer_gluon|indexer_live|indexer_fold|pending_s12|topk_rows|indexer_default|indexer_p2|indexer_ablate|flush_topk|skeleton|topk_short|fold_auto|hca_online|write_s15|emit_s15|emit2_s15|main_s15|write2_s15|final_s15|gemv_s15|online_regs|write_s16|final_s16|ncu_pool|div_s16|lean_s17|fast_s17|emit_s17|emit2_s17|warps_s17|ipool_s17|final_s17|sweep_s18|overlap_s18|fuse_s19|pdl_s19|pdl_decode_s19|writes_s19|layer_s19]
+# Usage (on the device machine, repo root): bash benchmarks/run_h200.sh [tests|bench|all|pending|ncu|attention|attention_ncu|indexer_gluon|indexer_live|indexer_fold|pending_s12|topk_rows|indexer_default|indexer_p2|indexer_ablate|flush_topk|skeleton|topk_short|fold_auto|hca_online|write_s15|emit_s15|emit2_s15|main_s15|write2_s15|final_s15|gemv_s15|online_regs|write_s16|final_s16|ncu_pool|div_s16|lean_s17|fast_s17|emit_s17|emit2_s17|warps_s17|ipool_s17|final_s17|sweep_s18|overlap_s18|fuse_s19|pdl_s19|pdl_decode_s19|writes_s19|layer_s19|select_s19]
 # "pending": the norm and top-k GPU tests (~4 min, most of it compiling the top-k kernels), launch D's rank
 # threshold on/off, top-k with both flush kinds, the decode step; about 8 minutes.  "ncu": Nsight Compute
 # sections of the indexer scores, dense attention and gather kernels (benchmarks/ncu_cases.py).  "attention": the
@@ -492,4 +492,11 @@ if [ "$what" = layer_s19 ]; then  # left for session 19 (~3 min): where one laye
   for kind in csa hca; do for tk in "8192 0" "65536 0" "8192 4096"; do set -- $tk
     timeout 60 python3 benchmarks/profile_prefill.py --kind $kind --tokens $1 --start $2 2>&1 | grep -v -i warn \
       | tee "$OUT/${stamp}_h200_profile_prefill_${kind}_${1}_${2}_s19.txt" | tail -4; done; done
+fi
+if [ "$what" = select_s19 ]; then  # left for session 20 (~4 min): a prefill's indexer selection in row chunks (bounded
+  # scratch, each chunk as wide as its rows see) vs the one call it replaces: the GPU tests, then time and peak memory
+  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_indexer_select.py tests/model/test_attention.py \
+    -k "cuda or gpu or row_chunks" 2>&1 | tee "$OUT/${stamp}_h200_gpu_tests_select_s19.txt" | tail -2
+  timeout 200 python3 benchmarks/bench_indexer.py --only prefill --out "$OUT/${stamp}_h200_indexer_select_s19.jsonl" 2>&1 \
+    | tee "$OUT/${stamp}_h200_indexer_select_s19.txt" | tail -8
 fi

@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Hashable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -120,6 +121,21 @@ class StepPlan:
                 )
         for k, t in mine.items():
             t.copy_(theirs[k], non_blocking=True)
+
+    def host_positions(self) -> np.ndarray:
+        """int64 [T] position of every token, from the host fields (padded rows: 0); equal to ``positions``
+        of the plan as built (not of a captured plan reloaded by ``load_``, whose host fields are stale)."""
+        runs = [np.arange(c, c + n) for c, n in zip(self.context_lens, self.num_new_tokens, strict=True)]
+        return np.concatenate([*runs, np.zeros(self.num_padded, dtype=np.int64)]).astype(np.int64)
+
+    def host_n_visible(self, ratio: int) -> np.ndarray:
+        """int64 [T] entries of ratio ``ratio`` visible to each token's query, ``(pos + 1) // ratio`` (padded rows:
+        0), from the host fields: ``ratios[ratio].n_visible`` of the plan as built."""
+        if ratio not in self.ratios:
+            raise ValueError(f"ratio: expected one of {sorted(self.ratios)}, got {ratio!r}")
+        nv = (self.host_positions() + 1) // ratio
+        nv[self.num_tokens - self.num_padded :] = 0
+        return nv
 
     @property
     def is_decode(self) -> bool:

@@ -8,7 +8,7 @@ Order of one step (per layer)::
     window KV: wkv -> kv_norm -> RoPE -> FP8 -> ring                    handle.write_window
     [prefill] the chunk's own KV -> FP8 into the workspace
     CSA/HCA: compressor projections -> state -> pooled -> entries       handle.compress
-    CSA: indexer compressor -> MXFP4 keys; indexer query; scores; top-k kernels.indexer
+    CSA: indexer compressor -> MXFP4 keys; indexer query; scores + top-k   kernels.indexer (row chunks)
     sparse attention: window + (top-k | all visible) entries + sink     kernels.attention.sparse_attention
     inverse RoPE, grouped output projection                            projections.output_projection
 
@@ -35,7 +35,7 @@ from dsv4.formats import EntryPages
 from dsv4.kernels.attention import sparse_attention
 from dsv4.kernels.cache.ring import ring_window_slots
 from dsv4.kernels.dispatch import use_triton
-from dsv4.kernels.indexer import indexer_scores, to_physical, topk_indices, visible_physical
+from dsv4.kernels.indexer import indexer_topk, to_physical, visible_physical
 from dsv4.kernels.linear import linear_counters, linear_fp32_group, linear_fp32_pair
 from dsv4.model import functional as F
 from dsv4.model.projections import indexer_query, output_projection, query
@@ -144,11 +144,13 @@ class AttentionSubBlock:
         cfg, plan, rp = self.cfg, handle.plan, handle.ratio_plan
         q_idx, wts = indexer_query(cfg, self.w, x, qr, plan.positions[:, None], self.inv_freq, self.backend)
         iv = handle.read_indexer_view()
-        scores = indexer_scores(
+        # a prefill scores and selects in row chunks of bounded memory, each only as wide as its rows can see;
+        # a decode step (maybe graph-captured: its host fields go stale) uses static widths only
+        nv_host = None if plan.is_decode else plan.host_n_visible(self.ratio)
+        return indexer_topk(
             q_idx, wts.float(), iv.pages, rp.block_table, plan.request_ids, rp.n_visible, rp.max_entries,
-            backend=self.backend,
+            cfg.index_topk, self.backend, n_visible_host=nv_host,
         )  # fmt: skip
-        return topk_indices(scores, cfg.index_topk, rp.n_visible, backend=self.backend)
 
     def _ring_window_index(self, handle: LayerCacheHandle) -> torch.Tensor:
         """Decode: physical ring slots [T, window] of positions t-window+1 .. t (-1 before position 0).

@@ -46,6 +46,11 @@ def test_plan_allocates_exact_pages_and_builds_tensors():
     emit = csa.emit_slots.tolist()
     assert emit[3] == 0 and emit[7] == 1 and emit[127] == 31 and emit[0] == -1 and emit[128] == -1
     assert csa.n_visible[:8].tolist() == [0, 0, 0, 1, 1, 1, 1, 2]
+    assert plan.host_positions().tolist() == plan.positions.tolist()
+    for m_, rp in plan.ratios.items():
+        assert plan.host_n_visible(m_).tolist() == rp.n_visible.tolist()
+    with pytest.raises(ValueError, match="ratio: expected one of"):
+        plan.host_n_visible(8)
     hca = plan.ratios[128]
     assert hca.emit_slots.tolist()[127] == 0 and hca.emit_slots.tolist().count(-1) == 130
     # window ring of 128 rows: tokens 0 and 1 of a are overwritten later in the step -> skipped
@@ -275,6 +280,8 @@ def test_padded_decode_plan_for_graph_buckets():
         assert rp.block_table.shape == (4, 3) and rp.max_entries == 3 * rp.entries_per_page
         assert rp.emit_slots.tolist()[2:] == [-1, -1]
         assert rp.n_visible.tolist()[2:] == [0, 0] and (rp.block_table[2:] == -1).all()
+        assert p.host_n_visible(rp.ratio).tolist() == rp.n_visible.tolist()
+    assert p.host_positions().tolist() == p.positions.tolist()
     m.commit(p)
     assert (m.num_tokens("a"), m.num_tokens("b")) == (8, 131)
     # A later plan with the same bucket loads into the first one's tensors (the graph's static buffers).

@@ -310,3 +310,23 @@ def test_projections_take_the_fused_kernels(monkeypatch):
     assert calls == []
     run("triton")
     assert calls == ["rms_norm", "q_norm_rope", "indexer_query_tail", "rope_inverse"]
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_indexer_row_chunks_change_nothing(monkeypatch, backend):
+    """A CSA prefill's indexer selection in many narrow row chunks gives the bit-identical layer output."""
+    from dsv4.kernels.indexer import select
+
+    layer, dev = LAYERS["csa"], _backend_device(backend)
+    w = random_attention_weights(TINY, layer, seed=6, device=dev)
+    x = torch.randn(2, 90, TINY.dim, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16).to(dev)
+    sched = [[57, 1, 32], [None, 90]] if backend == "torch" or dev.type == "cuda" else [[19, 1]]
+    x = x if len(sched) == 2 else x[:1, :20]  # (the interpreter: a short one)
+    one = run_cached(layer, w, x, sched, backend=backend, device=dev)
+    widths = []
+    real = select.indexer_scores
+    monkeypatch.setattr(select, "indexer_scores", lambda *a: widths.append(a[6]) or real(*a))
+    monkeypatch.setattr(select, "COL_ALIGN", 4)
+    monkeypatch.setattr(select, "MAX_SCRATCH_BYTES", 6 * select.chunk_row_bytes(8, TINY.index_topk))
+    assert torch.equal(run_cached(layer, w, x, sched, backend=backend, device=dev), one)
+    assert len(widths) > 4 and len(set(widths)) > 1  # many chunks, of several widths

@@ -11,6 +11,7 @@ from dsv4.kernels.indexer.scores import (
     indexer_scores_fp8keys_reference,
     indexer_scores_reference,
 )
+from dsv4.kernels.indexer.select import indexer_topk, row_chunks
 from dsv4.kernels.indexer.topk import (
     to_physical,
     topk_indices,
@@ -27,8 +28,10 @@ __all__ = [
     "indexer_scores_fp8keys",
     "indexer_scores_fp8keys_reference",
     "indexer_scores_reference",
+    "indexer_topk",
     "indexer_query_tail",
     "indexer_query_tail_reference",
+    "row_chunks",
     "to_physical",
     "topk_indices",
     "topk_indices_reference",

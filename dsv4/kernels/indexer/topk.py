@@ -884,6 +884,12 @@ def _workspace_cols(N: int, single: bool) -> int:
     return _WS_LIST + (n if single else 2 * _dense_slots(n) + 2 * n + triton.cdiv(n, 2))
 
 
+def topk_scratch_cols(N: int) -> int:
+    """Workspace columns a row of ``topk_indices`` allocates on [T, N] scores with the default method and splits
+    (the single-program kernel up to N = 4,096, then the filter path); host ints only."""
+    return _workspace_cols(N, N <= _SINGLE_MAX_N)
+
+
 def topk_workspace(T: int, N: int, device: torch.device | str | None = None) -> torch.Tensor:
     """A zeroed [T, 704 + 2 min(8,192, N) + 2 N + ceil(N / 2)] int32 workspace that fits ``topk_indices`` on
     [T, N] scores for any ``splits`` and method (about 10 MiB for 4 x 262,144).

@@ -1,0 +1,132 @@
+"""Indexer selection of a whole step in bounded memory: scores + top-k over row chunks (spec §4).
+
+``indexer_scores`` returns a [T, N] fp32 tensor and ``topk_indices`` needs a [T, cols(N)] int32 workspace
+(``topk_scratch_cols``: 2.6-3.5 N a row on its filter path).  Called once on a whole prefill chunk they hold
+14-18 N bytes a query row at once: 19.6 GB for a 65,536-token prefill from position 0 (N = 16,384 entries) and
+30.6 GB for an 8,192-token chunk at 1M tokens (N = 262,144), on the H200's 141 GB that also holds the cache.
+
+``indexer_topk`` gives the same indices (rows are independent: each row's scores and selection depend
+only on that row) from a sequence of row chunks whose scores + workspace stay under ``max_bytes``
+(``MAX_SCRATCH_BYTES`` by default): one chunk of transient memory, reused through the caching allocator.
+With each row's visible entry count known on the host (a prefill plan knows every token's position), a
+chunk also scores only ``cols`` columns, its rows' largest ``n_visible`` rounded up to ``COL_ALIGN``,
+instead of the step's ``max_entries``: the early rows of a prefill from position 0 see few entries, and
+a plan built with a fixed block-table width (``max_blocks``) has ``max_entries`` far above any row's.
+
+Decode steps pass no host counts: every chunk keeps ``max_entries`` columns and the chunking depends on
+host ints only (T, N, k), so the call stays CUDA-graph capturable (one chunk unless T rows exceed the
+budget).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from dsv4.formats import KeyPages
+from dsv4.kernels.indexer.scores import _check_common, indexer_scores
+from dsv4.kernels.indexer.topk import topk_indices, topk_scratch_cols
+
+MAX_SCRATCH_BYTES = 512 << 20  # scores + top-k workspace of one row chunk
+COL_ALIGN = 256  # a chunk's column count is rounded up to this (fewer distinct kernel shapes)
+
+
+def chunk_row_bytes(cols: int, k: int) -> int:
+    """Transient bytes one query row of a chunk holds with ``cols`` score columns: fp32 scores, the int32
+    top-k workspace of ``topk_indices``' default method (``topk_scratch_cols``) and the int32 [k] result."""
+    return 4 * (cols + topk_scratch_cols(cols) + k)
+
+
+def row_chunks(
+    num_rows: int,
+    max_entries: int,
+    k: int,
+    n_visible_host: Sequence[int] | np.ndarray | None = None,
+    max_bytes: int | None = None,
+) -> list[tuple[int, int, int]]:
+    """Row chunks ``(start, stop, cols)`` covering rows [0, num_rows) in order.
+
+    cols is ``max_entries`` without ``n_visible_host``; with it (one host int a row, the entries that row
+    sees), the chunk's largest count rounded up to ``COL_ALIGN`` and capped at ``max_entries``.  A chunk
+    holds as many rows as keep ``rows * chunk_row_bytes(cols, k) <= max_bytes`` (None: ``MAX_SCRATCH_BYTES``),
+    and at least one.
+    """
+    max_bytes = MAX_SCRATCH_BYTES if max_bytes is None else max_bytes
+    for name, v in (("num_rows", num_rows), ("max_entries", max_entries), ("k", k), ("max_bytes", max_bytes)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < (1 if name in ("k", "max_bytes") else 0):
+            raise ValueError(f"{name}: expected a host int >= {int(name in ('k', 'max_bytes'))}, got {v!r}")
+    if n_visible_host is None:
+        per = chunk_row_bytes(max_entries, k)
+        step = max(1, max_bytes // per)
+        return [(a, min(a + step, num_rows), max_entries) for a in range(0, num_rows, step)]
+    nv = np.asarray(n_visible_host, dtype=np.int64)
+    if nv.shape != (num_rows,):
+        raise ValueError(f"n_visible_host: expected {num_rows} host ints, got shape {list(nv.shape)}")
+    if num_rows and (nv.min() < 0 or nv.max() > max_entries):
+        raise ValueError(f"n_visible_host: expected values in [0, {max_entries}], got [{nv.min()}, {nv.max()}]")
+    cols_of = np.minimum(-(-nv // COL_ALIGN) * COL_ALIGN, max_entries)  # per row, rounded up
+    cost: dict[int, int] = {}
+
+    def row_bytes(c: np.ndarray) -> np.ndarray:
+        for v in np.unique(c).tolist():
+            cost.setdefault(v, chunk_row_bytes(v, k))
+        return np.vectorize(cost.__getitem__, otypes=[np.int64])(c)
+
+    out, a = [], 0
+    while a < num_rows:
+        # cols of a chunk [a, b) = running max from a: non-decreasing, so a row bound from cols_of[a] holds
+        span = min(num_rows - a, max(1, max_bytes // int(row_bytes(cols_of[a : a + 1])[0])))
+        run = np.maximum.accumulate(cols_of[a : a + span])
+        need = np.arange(1, span + 1, dtype=np.int64) * row_bytes(run)
+        over = np.flatnonzero(need > max_bytes)
+        n = max(1, int(over[0]) if len(over) else span)
+        out.append((a, a + n, int(run[n - 1])))
+        a += n
+    return out
+
+
+def indexer_topk(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    keys: KeyPages,
+    block_table: torch.Tensor,
+    token_row: torch.Tensor,
+    n_visible: torch.Tensor,
+    max_entries: int,
+    k: int,
+    backend: str = "auto",
+    *,
+    n_visible_host: Sequence[int] | np.ndarray | None = None,
+    max_bytes: int | None = None,
+) -> torch.Tensor:
+    """``topk_indices(indexer_scores(...), k, n_visible)`` of every query row, computed over ``row_chunks``.
+
+    Args:
+        q, weights, keys, block_table, token_row, n_visible, max_entries, backend: as ``indexer_scores``
+            (q [T, Hi, 128] bf16, weights [T, Hi] fp32, n_visible [T] int32 in [0, max_entries]).
+        k: host int >= 1, entries selected a row.
+        n_visible_host: optional, T host ints equal to ``n_visible`` (e.g. ``StepPlan.host_n_visible``):
+            lets each chunk score only the columns its rows can see (``row_chunks``).  A chunk clamps its
+            rows' ``n_visible`` to its column count, so a host count below the device one can only drop
+            entries, never read or write out of bounds.  Leave it None inside a CUDA-graph capture (the
+            chunking must not depend on a step's values).
+        max_bytes: bound on one chunk's scores + top-k workspace (``chunk_row_bytes``; None:
+            ``MAX_SCRATCH_BYTES``); a single row above it still runs, as a chunk of one.
+
+    Returns:
+        [T, k] int32 logical entry indices, ascending, -1 padded (as ``topk_indices``).
+    """
+    T, _ = _check_common(q, weights, block_table, token_row, n_visible, max_entries)
+    chunks = row_chunks(T, max_entries, k, n_visible_host, max_bytes)
+    if len(chunks) == 1 and chunks[0][2] == max_entries:  # the plain two calls (decode steps)
+        scores = indexer_scores(q, weights, keys, block_table, token_row, n_visible, max_entries, backend)
+        return topk_indices(scores, k, n_visible, backend)
+    out = torch.empty((T, k), dtype=torch.int32, device=q.device)
+    for a, b, cols in chunks:
+        nv = n_visible[a:b] if cols == max_entries else n_visible[a:b].clamp(max=cols)
+        scores = indexer_scores(q[a:b], weights[a:b], keys, block_table, token_row[a:b], nv, cols, backend)
+        out[a:b] = topk_indices(scores, k, nv, backend)
+        del scores  # free before the next chunk allocates its own
+    return out

@@ -1,0 +1,180 @@
+"""Indexer selection over row chunks (``kernels.indexer.select``): the same indices as one scores + top-k call,
+chunks that respect their memory bound, and only as many columns as their rows see."""
+
+import numpy as np
+import pytest
+import torch
+
+from dsv4.kernels.indexer import indexer_scores, indexer_topk, row_chunks, topk_indices
+from dsv4.kernels.indexer import select as select_mod
+from dsv4.kernels.indexer.select import chunk_row_bytes
+from dsv4.kernels.indexer.topk import topk_scratch_cols, topk_workspace
+from tests.kernels.test_indexer_scores import FMT, make_keys, make_query
+
+
+def check_chunks(chunks, num_rows, max_entries, k, nv, max_bytes, align):
+    """Contiguous cover of [0, num_rows); each chunk under the bound (or one row); cols cover its rows."""
+    assert [a for a, _, _ in chunks] == [0] + [b for _, b, _ in chunks[:-1]]
+    assert (chunks[-1][1] if chunks else 0) == num_rows
+    for a, b, cols in chunks:
+        assert b > a and 0 <= cols <= max_entries
+        assert (b - a) * chunk_row_bytes(cols, k) <= max_bytes or b - a == 1
+        if nv is None:
+            assert cols == max_entries
+        else:
+            top = int(np.max(nv[a:b]))
+            assert cols >= top and (cols == max_entries or cols == -(-top // align) * align)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_row_chunks_bound_cover_and_width(seed):
+    rng = np.random.default_rng(seed)
+    n, max_entries, k = int(rng.integers(1, 400)), int(rng.integers(0, 5000)), int(rng.integers(1, 600))
+    # a prefill from 0 (non-decreasing counts) followed by a few decode-like rows
+    nv = np.minimum(np.sort(rng.integers(0, max_entries + 1, n)), max_entries)
+    nv[-3:] = rng.integers(0, max_entries + 1, min(3, n))
+    budget = int(rng.integers(1, 40)) * chunk_row_bytes(max_entries, k) // 7 + 1
+    for host in (None, nv):
+        chunks = row_chunks(n, max_entries, k, host, budget)
+        check_chunks(chunks, n, max_entries, k, host, budget, select_mod.COL_ALIGN)
+    # greedy: no chunk could have taken its successor's first row
+    for a, b, cols in chunks[:-1]:
+        wider = max(cols, min(-(-int(nv[b]) // select_mod.COL_ALIGN) * select_mod.COL_ALIGN, max_entries))
+        assert (b + 1 - a) * chunk_row_bytes(wider, k) > budget
+
+
+def test_row_chunks_prefill_from_zero_narrows_early_chunks():
+    pos = np.arange(65536)
+    nv = (pos + 1) // 4
+    chunks = row_chunks(len(nv), 16384, 512, nv)
+    check_chunks(chunks, len(nv), 16384, 512, nv, select_mod.MAX_SCRATCH_BYTES, select_mod.COL_ALIGN)
+    assert chunks[0][2] < 16384 / 4 and chunks[-1][2] == 16384
+    assert chunks[0][1] - chunks[0][0] > chunks[-1][1] - chunks[-1][0]
+    # the causal triangle: about half of the [T, N] cells are scored and selected from
+    assert sum((b - a) * c for a, b, c in chunks) < 0.6 * len(nv) * 16384
+    # a whole-step call would hold ~19 GB here
+    assert len(nv) * chunk_row_bytes(16384, 512) > 30 * select_mod.MAX_SCRATCH_BYTES
+
+
+def test_row_chunks_validation():
+    with pytest.raises(ValueError, match="n_visible_host: expected 3 host ints"):
+        row_chunks(3, 10, 2, [1, 2])
+    with pytest.raises(ValueError, match=r"expected values in \[0, 10\]"):
+        row_chunks(3, 10, 2, [1, 2, 11])
+    with pytest.raises(ValueError, match="k: expected a host int >= 1"):
+        row_chunks(3, 10, 0)
+    with pytest.raises(ValueError, match="max_bytes"):
+        row_chunks(3, 10, 2, max_bytes=0)
+    assert row_chunks(0, 10, 2, []) == [] and row_chunks(0, 10, 2) == []
+
+
+@pytest.mark.parametrize("N", [1, 100, 4096, 4097, 20000])
+def test_scratch_cols_is_what_topk_allocates(N):
+    """topk_indices accepts a workspace of exactly topk_scratch_cols(N) columns (and refuses one fewer)."""
+    scores = torch.randn(2, N)
+    ws = topk_workspace(2, N)[:, : topk_scratch_cols(N)].contiguous()
+    want = topk_indices(scores, 4, backend="torch")
+    assert torch.equal(topk_indices(scores, 4, backend="triton", workspace=ws), want)
+    with pytest.raises(ValueError, match="workspace"):
+        topk_indices(scores, 4, backend="triton", workspace=ws[:, :-1].contiguous())
+
+
+def _step(T, H, max_entries, gen):
+    """Three requests over pages of 16 entries: a prefill from 0, a continued prefill, a short one."""
+    bs = 16
+    kp = make_keys(24, bs, gen=gen)
+    width = max_entries // bs
+    perm = torch.randperm(24, generator=gen)[: 3 * width].view(3, width).to(torch.int32)
+    lens = [T // 2, T // 3, T - T // 2 - T // 3]
+    starts = [0, 4 * max_entries - 4 * lens[1] - 8, 37]
+    pos = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, lens, strict=True)])
+    nv = np.minimum((pos + 1) // 4, max_entries)
+    tr = np.repeat(np.arange(3), lens)
+    q, w = make_query(T, H, gen)
+    i32 = lambda a: torch.as_tensor(np.asarray(a), dtype=torch.int32)  # noqa: E731
+    return q, w, kp, perm, i32(tr), i32(nv), nv
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("host", [True, False])
+def test_chunks_give_the_one_call_indices(monkeypatch, backend, host):
+    monkeypatch.setattr(select_mod, "COL_ALIGN", 16)
+    g = torch.Generator().manual_seed(7)
+    T, N, k = 40, 96, 6
+    q, w, kp, bt, tr, nv, nv_host = _step(T, 4, N, g)
+    want = topk_indices(indexer_scores(q, w, kp, bt, tr, nv, N, backend), k, nv, backend)
+    shapes = []
+    real_scores = select_mod.indexer_scores
+
+    def spy(q_, *args):
+        out = real_scores(q_, *args)
+        shapes.append(tuple(out.shape))
+        return out
+
+    monkeypatch.setattr(select_mod, "indexer_scores", spy)
+    budget = 7 * chunk_row_bytes(N, k)
+    got = indexer_topk(q, w, kp, bt, tr, nv, N, k, backend, n_visible_host=nv_host if host else None, max_bytes=budget)
+    assert torch.equal(got, want)
+    chunks = row_chunks(T, N, k, nv_host if host else None, budget)
+    assert shapes == [(b - a, cols) for a, b, cols in chunks] and len(chunks) > 1
+    assert all(rows * chunk_row_bytes(cols, k) <= budget for rows, cols in shapes)
+    if host:  # the first rows of the prefill from 0 see fewer than N entries: narrower chunks
+        assert min(cols for _, cols in shapes) < N
+
+
+def test_host_count_below_device_count_only_drops_entries(monkeypatch):
+    """A host count that understates n_visible: the chunk clamps, nothing past its columns is read or chosen."""
+    monkeypatch.setattr(select_mod, "COL_ALIGN", 16)
+    g = torch.Generator().manual_seed(3)
+    T, N, k = 12, 96, 40
+    q, w, kp, bt, tr, nv, nv_host = _step(T, 4, N, g)
+    low = np.minimum(nv_host, 16)
+    got = indexer_topk(q, w, kp, bt, tr, nv, N, k, "torch", n_visible_host=low, max_bytes=1)
+    cols = [c for _, _, c in row_chunks(T, N, k, low, 1)]
+    clamped = torch.minimum(nv, torch.tensor(cols, dtype=torch.int32))
+    want = topk_indices(indexer_scores(q, w, kp, bt, tr, clamped, N, "torch"), k, clamped, "torch")
+    assert torch.equal(got, want)
+
+
+def test_single_chunk_is_the_plain_call_and_validation(monkeypatch):
+    g = torch.Generator().manual_seed(5)
+    q, w, kp, bt, tr, nv, nv_host = _step(10, 4, 64, g)
+    calls = []
+    monkeypatch.setattr(select_mod, "indexer_scores", lambda *a: calls.append(a[6]) or indexer_scores(*a))
+    out = indexer_topk(q, w, kp, bt, tr, nv, 64, 3, "torch")
+    assert calls == [64] and out.shape == (10, 3)
+    with pytest.raises(ValueError, match="weights"):
+        indexer_topk(q, w[:-1], kp, bt, tr, nv, 64, 3, "torch")
+    with pytest.raises(ValueError, match="n_visible_host: expected 10 host ints"):
+        indexer_topk(q, w, kp, bt, tr, nv, 64, 3, "torch", n_visible_host=nv_host[:-1])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_prefill_selection_equal_and_memory_bounded():
+    """2,048 rows of a prefill against 65,536 entries (a 256K-token context; pages of 64, 64 heads): the row
+    chunks give the one call's indices, and hold at most the chunk bound plus the result and the Gluon kernel's
+    per-call inputs (query copy, key scale words) at once, against ~1.9 GB for the one call."""
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    T, n, H, bs, k = 2048, 65536, 64, 64, 512
+    kp = make_keys(n // bs, bs, gen=None, device=dev)
+    kp.data.copy_(torch.randint(0, 256, kp.data.shape, device=dev, dtype=torch.uint8, generator=g))
+    kp.scale.copy_(torch.randint(122, 127, kp.scale.shape, device=dev, dtype=torch.uint8, generator=g))
+    bt = torch.randperm(n // bs, device=dev, generator=g).to(torch.int32)[None]
+    q = FMT.roundtrip(torch.randn(T, H, 128, device=dev, generator=g), dtype=torch.bfloat16)
+    w = torch.rand(T, H, device=dev, generator=g) * (128**-0.5 * H**-0.5)
+    nv = ((torch.arange(4 * n - T, 4 * n, device=dev) + 1) // 4).to(torch.int32)
+    tr = torch.zeros(T, dtype=torch.int32, device=dev)
+    want = topk_indices(indexer_scores(q, w, kp, bt, tr, nv, n), k, nv)
+    budget = 128 << 20
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    got = indexer_topk(q, w, kp, bt, tr, nv, n, k, n_visible_host=nv.cpu().numpy(), max_bytes=budget)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    assert torch.equal(got, want)
+    assert len(row_chunks(T, n, k, nv.cpu().numpy(), budget)) > 8
+    slack = 2 * T * k * 4 + q.numel() * 2 + kp.scale.numel() * 4 + (4 << 20)
+    assert peak <= budget + slack, (peak, budget, slack)
