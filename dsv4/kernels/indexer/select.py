@@ -20,6 +20,7 @@ budget).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import numpy as np
@@ -37,6 +38,13 @@ def chunk_row_bytes(cols: int, k: int) -> int:
     """Transient bytes one query row of a chunk holds with ``cols`` score columns: fp32 scores, the int32
     top-k workspace of ``topk_indices``' default method (``topk_scratch_cols``) and the int32 [k] result."""
     return 4 * (cols + topk_scratch_cols(cols) + k)
+
+
+@functools.lru_cache(maxsize=64)
+def _row_bytes_table(max_entries: int, k: int, align: int) -> np.ndarray:
+    """int64 [ceil(max_entries / align) + 1]: ``chunk_row_bytes`` of min(i * align, max_entries) columns at i."""
+    n = -(-max_entries // align)
+    return np.array([chunk_row_bytes(min(i * align, max_entries), k) for i in range(n + 1)], dtype=np.int64)
 
 
 def row_chunks(
@@ -66,20 +74,15 @@ def row_chunks(
         raise ValueError(f"n_visible_host: expected {num_rows} host ints, got shape {list(nv.shape)}")
     if num_rows and (nv.min() < 0 or nv.max() > max_entries):
         raise ValueError(f"n_visible_host: expected values in [0, {max_entries}], got [{nv.min()}, {nv.max()}]")
-    cols_of = np.minimum(-(-nv // COL_ALIGN) * COL_ALIGN, max_entries)  # per row, rounded up
-    cost: dict[int, int] = {}
-
-    def row_bytes(c: np.ndarray) -> np.ndarray:
-        for v in np.unique(c).tolist():
-            cost.setdefault(v, chunk_row_bytes(v, k))
-        return np.vectorize(cost.__getitem__, otypes=[np.int64])(c)
-
+    align = COL_ALIGN
+    cols_of = np.minimum(-(-nv // align) * align, max_entries)  # per row, rounded up
+    table = _row_bytes_table(max_entries, k, align)  # bytes a row of a chunk of cols c: table[ceil(c / align)]
     out, a = [], 0
     while a < num_rows:
         # cols of a chunk [a, b) = running max from a: non-decreasing, so a row bound from cols_of[a] holds
-        span = min(num_rows - a, max(1, max_bytes // int(row_bytes(cols_of[a : a + 1])[0])))
+        span = min(num_rows - a, max(1, max_bytes // int(table[-(-cols_of[a] // align)])))
         run = np.maximum.accumulate(cols_of[a : a + span])
-        need = np.arange(1, span + 1, dtype=np.int64) * row_bytes(run)
+        need = np.arange(1, span + 1, dtype=np.int64) * table[-(-run // align)]
         over = np.flatnonzero(need > max_bytes)
         n = max(1, int(over[0]) if len(over) else span)
         out.append((a, a + n, int(run[n - 1])))
