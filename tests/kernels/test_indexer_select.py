@@ -122,6 +122,19 @@ def test_chunks_give_the_one_call_indices(monkeypatch, backend, host):
         assert min(cols for _, cols in shapes) < N
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_one_row_chunks_and_chunks_of_no_columns(monkeypatch, backend):
+    """max_bytes = 1: a chunk a row; the first rows of a prefill from 0 see nothing (0 columns: all -1)."""
+    monkeypatch.setattr(select_mod, "COL_ALIGN", 16)
+    g = torch.Generator().manual_seed(3)
+    q, w, kp, bt, tr, nv, nv_host = _step(12, 4, 96, g)
+    chunks = row_chunks(12, 96, 8, nv_host, 1)
+    assert [b - a for a, b, _ in chunks] == [1] * 12 and chunks[0][2] == 0
+    want = topk_indices(indexer_scores(q, w, kp, bt, tr, nv, 96, backend), 8, nv, backend)
+    got = indexer_topk(q, w, kp, bt, tr, nv, 96, 8, backend, n_visible_host=nv_host, max_bytes=1)
+    assert torch.equal(got, want) and (got[0] == -1).all()
+
+
 def test_host_count_below_device_count_only_drops_entries(monkeypatch):
     """A host count that understates n_visible: the chunk clamps, nothing past its columns is read or chosen."""
     monkeypatch.setattr(select_mod, "COL_ALIGN", 16)
