@@ -34,7 +34,7 @@ import torch
 
 from dsv4.cache.handle import LayerCacheHandle
 from dsv4.cache.paged_cache import PagedKVPool
-from dsv4.cache.plan import RatioPlan, StepPlan
+from dsv4.cache.plan import RatioPlan, StepPlan, int32_to_device
 from dsv4.cache.schema import DEFAULT_BLOCK_TOKENS, ONLINE_STATE, CacheSchema
 from dsv4.cache.snapshot import RequestSnapshot, check_snapshot, load_request, save_request
 from dsv4.cache.state_cache import StateCachePool
@@ -349,9 +349,14 @@ class KVCacheManager:
         ring = self.schema.ring_size
         swa = np.where(real & (pos >= end - ring), slots[row] * ring + pos % ring, -1)
 
-        dev = self.device
-        i32 = lambda a: torch.as_tensor(np.asarray(a, dtype=np.int32), device=dev)  # noqa: E731
-        ratios = {}
+        # every int32 field of the plan, sent to the device in one copy (``int32_to_device``)
+        names, arrays = [], []
+
+        def put(name: str, a) -> None:
+            names.append(name)
+            arrays.append(np.asarray(a, dtype=np.int64))
+
+        max_entries = {}
         for m, pool in self.pools.items():
             per_page = pool.entries_per_page
             width = widths[m] if widths else max(1, max(len(r.blocks[m]) for r in reqs))
@@ -361,31 +366,43 @@ class KVCacheManager:
             entry = pos // m
             emits = real & ((pos + 1) % m == 0)
             page = table[row, np.minimum(entry // per_page, width - 1)]
-            emit_slots = np.where(emits & (page >= 0), page * per_page + entry % per_page, -1)
             num_entries = np.where(slots >= 0, (starts + counts) // m, 0)
-            ratios[m] = RatioPlan(
+            put(f"{m}.block_table", table)
+            put(f"{m}.block_lens", [len(r.blocks[m]) for r in reqs] + [0] * pad)
+            put(f"{m}.num_entries", num_entries)
+            put(f"{m}.n_visible", np.where(real, (pos + 1) // m, 0))
+            put(f"{m}.emit_slots", np.where(emits & (page >= 0), page * per_page + entry % per_page, -1))
+            max_entries[m] = width * per_page if widths else int(num_entries.max())
+        put("request_slots", slots)
+        put("positions", pos)
+        put("request_ids", row)
+        put("query_start", qstart)
+        put("seq_lens", starts + counts)
+        put("token_slots", slots[row])
+        put("swa_slots", swa)
+        t = dict(zip(names, int32_to_device(arrays, self.device), strict=True))
+        ratios = {
+            m: RatioPlan(
                 ratio=m,
-                entries_per_page=per_page,
-                block_table=i32(table),
-                block_lens=i32([len(r.blocks[m]) for r in reqs] + [0] * pad),
-                num_entries=i32(num_entries),
-                n_visible=i32(np.where(real, (pos + 1) // m, 0)),
-                emit_slots=i32(emit_slots),
-                max_entries=width * per_page if widths else int(num_entries.max()),
+                entries_per_page=pool.entries_per_page,
+                **{k: t[f"{m}.{k}"] for k in ("block_table", "block_lens", "num_entries", "n_visible", "emit_slots")},
+                max_entries=max_entries[m],
             )
+            for m, pool in self.pools.items()
+        }
         return StepPlan(
             epoch=self._epoch,
             request_keys=tuple(rid for rid, _ in items),
             slot_ids=tuple(int(s) for s in slots[: len(items)]),
             num_new_tokens=tuple(int(n) for n in counts[: len(items)]),
             context_lens=tuple(int(s) for s in starts[: len(items)]),
-            request_slots=i32(slots),
-            positions=i32(pos),
-            request_ids=i32(row),
-            query_start=i32(qstart),
-            seq_lens=i32(starts + counts),
-            token_slots=i32(slots[row]),
-            swa_slots=i32(swa),
+            request_slots=t["request_slots"],
+            positions=t["positions"],
+            request_ids=t["request_ids"],
+            query_start=t["query_start"],
+            seq_lens=t["seq_lens"],
+            token_slots=t["token_slots"],
+            swa_slots=t["swa_slots"],
             ratios=ratios,
             num_padded=pad,
         )

@@ -17,11 +17,42 @@ prefilling positions 4..6 and one decoding position 9 (window 8, ratio 4, 2 entr
 
 from __future__ import annotations
 
-from collections.abc import Hashable
-from dataclasses import dataclass
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
+
+_ALIGN_INT32 = 4  # packed transfers start every array on a 16-byte boundary (the kernels' vector loads)
+
+
+def int32_to_device(
+    arrays: Sequence[np.ndarray], device: torch.device | str, packed: bool | None = None
+) -> list[torch.Tensor]:
+    """Host integer arrays -> int32 tensors of the same shapes on ``device``.
+
+    On CUDA all of them go in one copy that does not block the host: packed into one pinned host buffer (each array
+    starting 16-byte aligned), copied with ``non_blocking=True`` (PyTorch keeps the pinned block until the copy has
+    run), and returned as views of the one device buffer.  A pageable copy (``torch.as_tensor(a, device=...)``) would
+    wait for the stream to drain, i.e. for every kernel queued before it, each time.  Elsewhere one tensor each,
+    unless ``packed`` (default: on CUDA only) asks for the packed form there too.  Values must fit int32 (not
+    checked)."""
+    device = torch.device(device)
+    cuda = device.type == "cuda"
+    if not (cuda if packed is None else packed):
+        return [torch.as_tensor(np.asarray(a, dtype=np.int32), device=device) for a in arrays]
+    arrays = [np.asarray(a) for a in arrays]
+    offsets, total = [], 0
+    for a in arrays:
+        offsets.append(total)
+        total += -(-a.size // _ALIGN_INT32) * _ALIGN_INT32
+    host = torch.empty(max(total, 1), dtype=torch.int32, pin_memory=cuda)
+    flat = host.numpy()
+    for a, o in zip(arrays, offsets, strict=True):
+        flat[o : o + a.size] = a.reshape(-1)
+    dev = host.to(device, non_blocking=cuda)
+    return [dev[o : o + a.size].view(a.shape) for a, o in zip(arrays, offsets, strict=True)]
 
 
 @dataclass(frozen=True)
@@ -82,6 +113,15 @@ class StepPlan:
     swa_slots: torch.Tensor
     ratios: dict[int, RatioPlan]
     num_padded: int = 0
+    _memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def memo(self, key: Hashable, make: Callable[[], Any]) -> Any:
+        """``make()``, computed once per plan and ``key``: what every layer of the step derives alike from the plan
+        (e.g. a prefill's window-workspace index), built and sent to the device once instead of once a layer.
+        Values derived from host fields describe the plan as built (not a captured plan reloaded by ``load_``)."""
+        if key not in self._memo:
+            self._memo[key] = make()
+        return self._memo[key]
 
     @property
     def batch_size(self) -> int:

@@ -25,10 +25,13 @@ passes its ``backend`` to all of them.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import torch
 
 from dsv4.cache.handle import LayerCacheHandle
+from dsv4.cache.plan import StepPlan, int32_to_device
 from dsv4.config import LayerKind, ModelConfig
 from dsv4.errors import check_tensor
 from dsv4.formats import EntryPages
@@ -146,7 +149,9 @@ class AttentionSubBlock:
         iv = handle.read_indexer_view()
         # a prefill scores and selects in row chunks of bounded memory, each only as wide as its rows can see;
         # a decode step (maybe graph-captured: its host fields go stale) uses static widths only
-        nv_host = None if plan.is_decode else plan.host_n_visible(self.ratio)
+        nv_host = None
+        if not plan.is_decode:
+            nv_host = plan.memo(("n_visible", self.ratio), lambda: plan.host_n_visible(self.ratio))
         return indexer_topk(
             q_idx, wts.float(), iv.pages, rp.block_table, plan.request_ids, rp.n_visible, rp.max_entries,
             cfg.index_topk, self.backend, n_visible_host=nv_host,
@@ -164,42 +169,52 @@ class AttentionSubBlock:
         before this step writes it) followed by its new tokens.
 
         Returns (workspace pages [1 page of W rows], window index [T, window] into it, the workspace row
-        of every token of the step [T]).  Built from the plan's host fields (a prefill step is not
-        graph-captured).
+        of every token of the step [T]).  The indices come from the plan's host fields (a prefill step is not
+        graph-captured), built once per plan for all its layers (``window_workspace_index``).
         """
         plan, schema = handle.plan, handle.schema
-        ring = schema.ring_size
-        ctx = np.asarray(plan.context_lens, dtype=np.int64)
-        new = np.asarray(plan.num_new_tokens, dtype=np.int64)
-        hist = np.minimum(ctx, ring - 1)
-        base = np.concatenate([[0], np.cumsum(hist + new)])[:-1]
-        rows_total = int((hist + new).sum())
+        ix = plan.memo(("window_workspace", schema.ring_size), lambda: window_workspace_index(plan, schema.ring_size))
         fmt = schema.entry_fmt
-        buf = torch.zeros(fmt.page_bytes(rows_total), dtype=torch.uint8, device=plan.device)
-        ws = fmt.entry_pages(buf, 1, rows_total)
-
-        # copy history rows ring[slot, p % ring] -> ws[base + p - (ctx - hist)]
-        b_of = np.repeat(np.arange(len(ctx)), hist)
-        p_hist = np.concatenate([np.arange(c - h, c) for c, h in zip(ctx, hist, strict=True)]) if hist.sum() else []
-        if len(b_of):
-            slots = np.asarray(plan.slot_ids, dtype=np.int64)
-            dst = torch.as_tensor(base[b_of] + (np.asarray(p_hist) - (ctx - hist)[b_of]), device=plan.device)
-            src_s = torch.as_tensor(slots[b_of], device=plan.device)
-            src_r = torch.as_tensor(np.asarray(p_hist) % ring, device=plan.device)
+        buf = torch.zeros(fmt.page_bytes(ix.rows), dtype=torch.uint8, device=plan.device)
+        ws = fmt.entry_pages(buf, 1, ix.rows)
+        if ix.dst.numel():  # history rows ring[slot, p % ring] -> ws[base + p - (ctx - hist)]
             sv = handle.read_swa_view()
+            dst, src_s, src_r = ix.dst.long(), ix.src_slot.long(), ix.src_row.long()
             ws.nope[0, dst] = sv.fp8[src_s, src_r]
             ws.rope[0, dst] = sv.rope[src_s, src_r]
             ws.scale[0, dst] = sv.inv_scale[src_s, src_r]
+        return ws, ix.index, ix.chunk_rows
 
-        row = np.repeat(np.arange(len(ctx)), new)
-        tok_pos = np.concatenate([np.arange(c, c + n) for c, n in zip(ctx, new, strict=True)])
-        origin = (ctx - hist)[row]
-        chunk_rows = base[row] + tok_pos - origin
-        key_pos = tok_pos[:, None] - (ring - 1) + np.arange(ring)[None, :]
-        index = np.where(key_pos >= 0, base[row][:, None] + key_pos - origin[:, None], -1)
-        dev = plan.device
-        return (
-            ws,
-            torch.as_tensor(index.astype(np.int32), device=dev),
-            torch.as_tensor(chunk_rows.astype(np.int32), device=dev),
-        )
+
+class WindowWorkspaceIndex(NamedTuple):
+    """Where a prefill step's window keys go in its workspace (``window_workspace_index``); int32 device tensors."""
+
+    rows: int  # workspace rows in all (host int)
+    dst: torch.Tensor  # [H] workspace row of each history row copied from the ring
+    src_slot: torch.Tensor  # [H] its request's state slot
+    src_row: torch.Tensor  # [H] its ring row (position mod ring)
+    index: torch.Tensor  # [T, ring] workspace rows a query attends (positions t - ring + 1 .. t), -1 before 0
+    chunk_rows: torch.Tensor  # [T] workspace row of each token of the step
+
+
+def window_workspace_index(plan: StepPlan, ring: int) -> WindowWorkspaceIndex:
+    """The workspace layout of a non-decode step from the plan's host fields: each request's last
+    ``min(ctx, ring - 1)`` cached positions (copied from its ring) and then its new tokens, requests one after
+    another; all index tensors sent to the device in one copy (``int32_to_device``)."""
+    ctx = np.asarray(plan.context_lens, dtype=np.int64)
+    new = np.asarray(plan.num_new_tokens, dtype=np.int64)
+    hist = np.minimum(ctx, ring - 1)
+    base = np.concatenate([[0], np.cumsum(hist + new)])[:-1]
+    b_of = np.repeat(np.arange(len(ctx)), hist)
+    p_hist = np.concatenate([np.arange(c - h, c) for c, h in zip(ctx, hist, strict=True)] + [np.zeros(0, np.int64)])
+    dst = base[b_of] + p_hist - (ctx - hist)[b_of]
+    src_slot = np.asarray(plan.slot_ids, dtype=np.int64)[b_of]
+
+    row = np.repeat(np.arange(len(ctx)), new)
+    tok_pos = np.concatenate([np.arange(c, c + n) for c, n in zip(ctx, new, strict=True)] + [np.zeros(0, np.int64)])
+    origin = (ctx - hist)[row]
+    chunk_rows = base[row] + tok_pos - origin
+    key_pos = tok_pos[:, None] - (ring - 1) + np.arange(ring)[None, :]
+    index = np.where(key_pos >= 0, base[row][:, None] + key_pos - origin[:, None], -1)
+    tensors = int32_to_device([dst, src_slot, p_hist % ring, index, chunk_rows], plan.device)
+    return WindowWorkspaceIndex(int((hist + new).sum()), *tensors)

@@ -423,7 +423,7 @@ def topk_visible(scores: torch.Tensor, n_visible: torch.Tensor, k: int) -> torch
     n = scores.shape[-1]
     ids = torch.arange(n, device=scores.device)
     visible = ids < n_visible.unsqueeze(-1)
-    masked = torch.where(visible, scores.float(), torch.tensor(float("-inf"), device=scores.device))
+    masked = torch.where(visible, scores.float(), float("-inf"))
     order = torch.sort(masked, dim=-1, descending=True, stable=True).indices[..., :k]
     if order.shape[-1] < k:
         pad = order.new_full((*order.shape[:-1], k - order.shape[-1]), -1)

@@ -349,3 +349,34 @@ def test_indexer_row_chunks_change_nothing(monkeypatch, backend):
     monkeypatch.setattr(select, "MAX_SCRATCH_BYTES", 6 * select.chunk_row_bytes(8, TINY.index_topk))
     assert torch.equal(run_cached(layer, w, x, sched, backend=backend, device=dev), one)
     assert len(widths) > 4 and len(set(widths)) > 1  # many chunks, of several widths
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kind", ["csa", "hca"])
+def test_gpu_steps_never_wait_for_the_device(kind):
+    """Planning and running prefill, mixed and decode steps of a layer never synchronise with the GPU (torch's sync
+    debug mode makes any synchronising call an error): the host can queue the next step while this one runs.  The
+    same steps run once before, unchecked (kernel builds and first-call choices may wait)."""
+    dev = torch.device("cuda")
+    layer = LAYERS[kind]
+    w = random_attention_weights(TINY, layer, seed=2, device=dev)
+    blk = AttentionSubBlock(TINY, layer, w)
+    x = torch.randn(300, TINY.dim, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16).to(dev)
+
+    def run() -> None:
+        m = KVCacheManager(TINY, max_requests=2, num_pages=8, block_tokens=256, device=dev)
+        m.add(0), m.add(1)
+        for sched in ({0: 130, 1: 70}, {0: 60, 1: 1}, {0: 1, 1: 1}, {0: 1, 1: 1}):
+            plan = m.plan(sched)
+            blk(x[: plan.num_tokens], m.acquire(layer, plan))
+            m.commit(plan)
+
+    run()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        run()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
