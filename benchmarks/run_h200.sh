@@ -493,10 +493,13 @@ if [ "$what" = layer_s19 ]; then  # left for session 19 (~3 min): where one laye
     timeout 60 python3 benchmarks/profile_prefill.py --kind $kind --tokens $1 --start $2 2>&1 | grep -v -i warn \
       | tee "$OUT/${stamp}_h200_profile_prefill_${kind}_${1}_${2}_s19.txt" | tail -4; done; done
 fi
-if [ "$what" = select_s19 ]; then  # left for session 20 (~4 min): a prefill's indexer selection in row chunks (bounded
-  # scratch, each chunk as wide as its rows see) vs the one call it replaces: the GPU tests, then time and peak memory
-  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_indexer_select.py tests/model/test_attention.py \
-    -k "cuda or gpu or row_chunks" 2>&1 | tee "$OUT/${stamp}_h200_gpu_tests_select_s19.txt" | tail -2
+if [ "$what" = select_s19 ]; then  # left for session 20 (~6 min): a prefill's indexer selection in row chunks (bounded
+  # scratch, each chunk as wide as its rows see) vs the one call it replaces: the GPU tests, then time and peak memory;
+  # steps that never wait for the GPU (plan fields in one pinned copy, the window index once a plan) vs the old transfers
+  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_indexer_select.py tests/model/test_attention.py \
+    tests/cache/test_plan.py -k "cuda or gpu or row_chunks or packed" 2>&1 | tee "$OUT/${stamp}_h200_gpu_tests_select_s19.txt" | tail -2
+  timeout 150 python3 benchmarks/bench_step_sync.py --out "$OUT/${stamp}_h200_step_sync_s19.jsonl" 2>&1 \
+    | tee "$OUT/${stamp}_h200_step_sync_s19.txt" | tail -3
   timeout 200 python3 benchmarks/bench_indexer.py --only prefill --out "$OUT/${stamp}_h200_indexer_select_s19.jsonl" 2>&1 \
     | tee "$OUT/${stamp}_h200_indexer_select_s19.txt" | tail -8
 fi
