@@ -118,7 +118,9 @@ class StepPlan:
     def memo(self, key: Hashable, make: Callable[[], Any]) -> Any:
         """``make()``, computed once per plan and ``key``: what every layer of the step derives alike from the plan
         (e.g. a prefill's window-workspace index), built and sent to the device once instead of once a layer.
-        Values derived from host fields describe the plan as built (not a captured plan reloaded by ``load_``)."""
+        Values derived from host fields describe the plan as built (not a captured plan reloaded by ``load_``).  Not for
+        a step that is graph-captured: device work done by a ``make`` before the capture (e.g. in warm-up runs) would
+        not be recorded in the graph, and its replays would read the stale result."""
         if key not in self._memo:
             self._memo[key] = make()
         return self._memo[key]
