@@ -152,19 +152,19 @@ class StateCachePool:
         return list(self._free)
 
     def reset(self, slots: list[int]) -> None:
-        """Empty the ring and compressor state of ``slots`` in every layer (kv 0, score -inf)."""
-        if not slots:
-            return
-        idx = torch.tensor(slots, dtype=torch.long, device=self.device)
+        """Empty the ring and compressor state of ``slots`` in every layer (kv 0, score -inf).
+
+        Fills of each slot's slices: no slot list is copied to the device (a pageable copy would wait for every
+        queued kernel, i.e. admitting a request would stall the GPU's queue)."""
         ring = self.schema.ring_size
-        rows = (idx[:, None] * ring + torch.arange(ring, device=self.device)).flatten()
-        self._pos.index_fill_(1, rows, -1)
-        self._head.index_fill_(1, idx, 0)
-        for kv, score in self._comp.values():
-            kv.index_fill_(1, idx, 0.0)
-            score.index_fill_(1, idx, float("-inf"))
-        for pos in self._comp_pos.values():
-            pos.index_fill_(1, idx, -1)
+        for s in slots:
+            self._pos[:, s * ring : (s + 1) * ring].fill_(-1)
+            self._head[:, s].fill_(0)
+            for kv, score in self._comp.values():
+                kv[:, s].fill_(0.0)
+                score[:, s].fill_(float("-inf"))
+            for pos in self._comp_pos.values():
+                pos[:, s].fill_(-1)
 
     def layer(self, layer_id: int) -> LayerState:
         self.schema.layer(layer_id)

@@ -327,3 +327,34 @@ def test_repeated_free_or_preempt_during_a_step_is_a_noop():
     assert m.preempt("b") is True and m.preempt("b") is False
     m.commit(p)
     assert m.is_preempted("b")
+
+
+@pytest.mark.parametrize("online", [True, False])
+def test_reused_slot_starts_empty_and_other_slots_keep_their_state(online):
+    """A slot taken by a new request is reset in every layer (ring positions -1, head 0, compressor kv 0 / score -inf,
+    online positions -1); the other slots' state is untouched."""
+    m = KVCacheManager(TINY, max_requests=2, num_pages=4, block_tokens=128, online_state=online)
+    st = m.state
+    m.add("a"), m.add("b")
+    for layer in st.layers:  # dirty both slots as steps would
+        layer.ring_positions.fill_(7), layer.ring_head.fill_(3)
+        for c in (layer.compressor, layer.indexer_compressor):
+            if c is not None:
+                c.kv.fill_(1.5), c.score.fill_(2.5)
+                if c.positions is not None:
+                    c.positions.fill_(9)
+    s_a = m.slot_of("a")
+    m.free("a")
+    m.add("c")
+    assert m.slot_of("c") == s_a
+    for layer in st.layers:
+        for s, fresh in ((s_a, True), (m.slot_of("b"), False)):
+            assert (layer.ring_positions[s] == (-1 if fresh else 7)).all()
+            assert int(layer.ring_head[s]) == (0 if fresh else 3)
+            for c in (layer.compressor, layer.indexer_compressor):
+                if c is None:
+                    continue
+                assert (c.kv[s] == (0.0 if fresh else 1.5)).all()
+                assert (c.score[s] == (float("-inf") if fresh else 2.5)).all()
+                if c.positions is not None:
+                    assert int(c.positions[s]) == (-1 if fresh else 9)
