@@ -183,10 +183,10 @@ def test_gpu_replay_equals_eager_bit_for_bit_without_host_sync(layer):
     for batch in batches:
         x = torch.stack([xs[r][pos[r]] for r in batch])
         sched = {r: 1 for r in batch}
-        _, size = graph.prepare(sched)
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
-        try:
+        try:  # planning (one pinned non-blocking copy), loading the static plan and the replay: no host wait
+            _, size = graph.prepare(sched)
             graph.static_input(size)[: len(batch)].copy_(x)
             graph.static_input(size)[len(batch) :].zero_()
             y = graph.replay(size)[: len(batch)].clone()
