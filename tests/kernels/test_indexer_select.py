@@ -191,3 +191,36 @@ def test_gpu_prefill_selection_equal_and_memory_bounded():
     assert len(row_chunks(T, n, k, nv.cpu().numpy(), budget)) > 8
     slack = 2 * T * k * 4 + q.numel() * 2 + kp.scale.numel() * 4 + (4 << 20)
     assert peak <= budget + slack, (peak, budget, slack)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_decode_rows_in_several_chunks_capture_and_replay():
+    """Decode-shaped rows (no host counts) split into several static chunks by a small bound: the call captures in a
+    CUDA graph, and replays give the eager indices after the query and the counts change in place."""
+    from dsv4.engine.graphs import capture_graph
+
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(1)
+    T, n, H, bs, k = 16, 8192, 64, 64, 512
+    kp = make_keys(n // bs, bs, gen=None, device=dev)
+    kp.data.copy_(torch.randint(0, 256, kp.data.shape, device=dev, dtype=torch.uint8, generator=g))
+    kp.scale.copy_(torch.randint(122, 127, kp.scale.shape, device=dev, dtype=torch.uint8, generator=g))
+    bt = torch.randperm(n // bs, device=dev, generator=g).to(torch.int32)[None]
+    q = FMT.roundtrip(torch.randn(T, H, 128, device=dev, generator=g), dtype=torch.bfloat16)
+    w = torch.rand(T, H, device=dev, generator=g) * (128**-0.5 * H**-0.5)
+    tr = torch.zeros(T, dtype=torch.int32, device=dev)
+    nv = torch.randint(0, n + 1, (T,), device=dev, generator=g).to(torch.int32)
+    budget = 5 * chunk_row_bytes(n, k)
+    assert len(row_chunks(T, n, k, None, budget)) == 4
+
+    def call():
+        return indexer_topk(q, w, kp, bt, tr, nv, n, k, max_bytes=budget)
+
+    graph, out = capture_graph(call)
+    for _ in range(2):
+        q.copy_(FMT.roundtrip(torch.randn(T, H, 128, device=dev, generator=g), dtype=torch.bfloat16))
+        nv.copy_(torch.randint(0, n + 1, (T,), device=dev, generator=g).to(torch.int32))
+        graph.replay()
+        want = topk_indices(indexer_scores(q, w, kp, bt, tr, nv, n), k, nv)
+        assert torch.equal(out, want)
