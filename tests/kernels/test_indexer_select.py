@@ -13,11 +13,19 @@ from tests.kernels.test_indexer_scores import FMT, make_keys, make_query
 
 
 def check_chunks(chunks, num_rows, max_entries, k, nv, max_bytes, align):
-    """Contiguous cover of [0, num_rows); each chunk under the bound (or one row); cols cover its rows."""
+    """Contiguous cover of [0, num_rows); rows that see <= k entries in chunks of no scoring (cols None), maximal
+    runs of them; the other chunks under the bound (or one row), as wide as their rows need."""
     assert [a for a, _, _ in chunks] == [0] + [b for _, b, _ in chunks[:-1]]
     assert (chunks[-1][1] if chunks else 0) == num_rows
-    for a, b, cols in chunks:
-        assert b > a and 0 <= cols <= max_entries
+    easy = np.ones(num_rows, bool) if max_entries <= k else None if nv is None else nv <= k
+    for i, (a, b, cols) in enumerate(chunks):
+        assert b > a
+        if cols is None:
+            assert easy is not None and easy[a:b].all()
+            if i + 1 < len(chunks):  # a maximal run: the next chunk starts with a row to score
+                assert not easy[b]
+            continue
+        assert (easy is None or not easy[a:b].any()) and 0 <= cols <= max_entries
         assert (b - a) * chunk_row_bytes(cols, k) <= max_bytes or b - a == 1
         if nv is None:
             assert cols == max_entries
@@ -26,10 +34,11 @@ def check_chunks(chunks, num_rows, max_entries, k, nv, max_bytes, align):
             assert cols >= top and (cols == max_entries or cols == -(-top // align) * align)
 
 
-@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("seed", range(6))
 def test_row_chunks_bound_cover_and_width(seed):
     rng = np.random.default_rng(seed)
-    n, max_entries, k = int(rng.integers(1, 400)), int(rng.integers(0, 5000)), int(rng.integers(1, 600))
+    n, max_entries = int(rng.integers(1, 400)), int(rng.integers(0, 5000))
+    k = int(rng.integers(1, 600)) if seed != 5 else max_entries + 1  # (seed 5: every row sees <= k)
     # a prefill from 0 (non-decreasing counts) followed by a few decode-like rows
     nv = np.minimum(np.sort(rng.integers(0, max_entries + 1, n)), max_entries)
     nv[-3:] = rng.integers(0, max_entries + 1, min(3, n))
@@ -37,8 +46,10 @@ def test_row_chunks_bound_cover_and_width(seed):
     for host in (None, nv):
         chunks = row_chunks(n, max_entries, k, host, budget)
         check_chunks(chunks, n, max_entries, k, host, budget, select_mod.COL_ALIGN)
-    # greedy: no chunk could have taken its successor's first row
-    for a, b, cols in chunks[:-1]:
+    # greedy: no chunk could have taken its successor's first row (within a run of rows to score)
+    for (a, b, cols), (_, _, nxt) in zip(chunks, chunks[1:], strict=False):
+        if cols is None or nxt is None:
+            continue
         wider = max(cols, min(-(-int(nv[b]) // select_mod.COL_ALIGN) * select_mod.COL_ALIGN, max_entries))
         assert (b + 1 - a) * chunk_row_bytes(wider, k) > budget
 
@@ -48,10 +59,11 @@ def test_row_chunks_prefill_from_zero_narrows_early_chunks():
     nv = (pos + 1) // 4
     chunks = row_chunks(len(nv), 16384, 512, nv)
     check_chunks(chunks, len(nv), 16384, 512, nv, select_mod.MAX_SCRATCH_BYTES, select_mod.COL_ALIGN)
-    assert chunks[0][2] < 16384 / 4 and chunks[-1][2] == 16384
-    assert chunks[0][1] - chunks[0][0] > chunks[-1][1] - chunks[-1][0]
+    assert chunks[0] == (0, 4 * 513 - 1, None)  # positions 0 .. 2,050 see <= 512 entries: nothing to score
+    assert chunks[1][2] <= 16384 / 4 and chunks[-1][2] == 16384
+    assert chunks[1][1] - chunks[1][0] > chunks[-1][1] - chunks[-1][0]
     # the causal triangle: about half of the [T, N] cells are scored and selected from
-    assert sum((b - a) * c for a, b, c in chunks) < 0.6 * len(nv) * 16384
+    assert sum((b - a) * c for a, b, c in chunks if c is not None) < 0.6 * len(nv) * 16384
     # a whole-step call would hold ~19 GB here
     assert len(nv) * chunk_row_bytes(16384, 512) > 30 * select_mod.MAX_SCRATCH_BYTES
 
@@ -116,37 +128,55 @@ def test_chunks_give_the_one_call_indices(monkeypatch, backend, host):
     got = indexer_topk(q, w, kp, bt, tr, nv, N, k, backend, n_visible_host=nv_host if host else None, max_bytes=budget)
     assert torch.equal(got, want)
     chunks = row_chunks(T, N, k, nv_host if host else None, budget)
-    assert shapes == [(b - a, cols) for a, b, cols in chunks] and len(chunks) > 1
+    assert shapes == [(b - a, cols) for a, b, cols in chunks if cols is not None] and len(shapes) > 1
     assert all(rows * chunk_row_bytes(cols, k) <= budget for rows, cols in shapes)
-    if host:  # the first rows of the prefill from 0 see fewer than N entries: narrower chunks
+    if host:  # the prefill from 0: its rows that see <= k entries are not scored, the next ones in narrower chunks
+        assert sum(rows for rows, _ in shapes) == int((nv_host > k).sum()) < T
         assert min(cols for _, cols in shapes) < N
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_one_row_chunks_and_chunks_of_no_columns(monkeypatch, backend):
-    """max_bytes = 1: a chunk a row; the first rows of a prefill from 0 see nothing (0 columns: all -1)."""
+def test_one_row_chunks_and_rows_that_see_at_most_k(monkeypatch, backend):
+    """max_bytes = 1: a chunk a row, except the run of rows that see <= k entries (incl. none): one chunk, unscored."""
     monkeypatch.setattr(select_mod, "COL_ALIGN", 16)
     g = torch.Generator().manual_seed(3)
     q, w, kp, bt, tr, nv, nv_host = _step(12, 4, 96, g)
     chunks = row_chunks(12, 96, 8, nv_host, 1)
-    assert [b - a for a, b, _ in chunks] == [1] * 12 and chunks[0][2] == 0
+    assert [(b - a, c is None) for a, b, c in chunks] == [(6, True)] + [(1, False)] * 6
     want = topk_indices(indexer_scores(q, w, kp, bt, tr, nv, 96, backend), 8, nv, backend)
     got = indexer_topk(q, w, kp, bt, tr, nv, 96, 8, backend, n_visible_host=nv_host, max_bytes=1)
     assert torch.equal(got, want) and (got[0] == -1).all()
+
+
+@pytest.mark.parametrize("host", [True, False])
+def test_rows_that_see_at_most_k_are_not_scored(monkeypatch, host):
+    """Every row sees <= k entries (max_entries <= k, or the host counts say so): no scores, the one call's indices."""
+    g = torch.Generator().manual_seed(9)
+    q, w, kp, bt, tr, nv, nv_host = _step(20, 4, 96, g)
+    want = topk_indices(indexer_scores(q, w, kp, bt, tr, nv, 96, "torch"), 96, nv, "torch")
+    monkeypatch.setattr(select_mod, "indexer_scores", lambda *a: pytest.fail("scored"))
+    got = indexer_topk(q, w, kp, bt, tr, nv, 96, 96, "torch", n_visible_host=nv_host if host else None)
+    assert torch.equal(got, want)
+    if host:  # k below max_entries, but no row sees more than k
+        k = int(nv_host.max())
+        want = topk_indices(indexer_scores(q, w, kp, bt, tr, nv, 96, "torch"), k, nv, "torch")
+        assert torch.equal(indexer_topk(q, w, kp, bt, tr, nv, 96, k, "torch", n_visible_host=nv_host), want)
 
 
 def test_host_count_below_device_count_only_drops_entries(monkeypatch):
     """A host count that understates n_visible: the chunk clamps, nothing past its columns is read or chosen."""
     monkeypatch.setattr(select_mod, "COL_ALIGN", 16)
     g = torch.Generator().manual_seed(3)
-    T, N, k = 12, 96, 40
+    T, N, k = 12, 96, 8
     q, w, kp, bt, tr, nv, nv_host = _step(T, 4, N, g)
     low = np.minimum(nv_host, 16)
     got = indexer_topk(q, w, kp, bt, tr, nv, N, k, "torch", n_visible_host=low, max_bytes=1)
-    cols = [c for _, _, c in row_chunks(T, N, k, low, 1)]
-    clamped = torch.minimum(nv, torch.tensor(cols, dtype=torch.int32))
+    chunks = row_chunks(T, N, k, low, 1)
+    assert {c for _, _, c in chunks} == {None, 16}  # rows to score (1-row chunks of 16 columns) and rows not to
+    bound = torch.tensor([k if c is None else c for a, b, c in chunks for _ in range(a, b)], dtype=torch.int32)
+    clamped = torch.minimum(nv, bound)  # a row not scored takes its first k entries (host count <= k)
     want = topk_indices(indexer_scores(q, w, kp, bt, tr, clamped, N, "torch"), k, clamped, "torch")
-    assert torch.equal(got, want)
+    assert torch.equal(got, want) and (clamped < nv).any()
 
 
 def test_single_chunk_is_the_plain_call_and_validation(monkeypatch):

@@ -10,6 +10,7 @@ entry, a missing sink) moves the mean by more than 1e-2.  The indexer scores are
 top-k near-ties (spec §12) did not occur over the seeds used.
 """
 
+import dataclasses
 import random
 
 import pytest
@@ -30,14 +31,14 @@ LAYERS = {"swa": 0, "csa": 1, "hca": 2}
 MAX_ABS, MAX_MEAN = 0.03, 1.5e-3
 
 
-def run_cached(layer, w, x, schedules, backend="torch", pages=16, device="cpu"):
+def run_cached(layer, w, x, schedules, backend="torch", pages=16, device="cpu", cfg=TINY):
     """Drive one layer through the manager; ``schedules[b]`` is request b's list of chunk sizes.
 
     Requests start at different steps (``None`` entries = not yet arrived) so batches mix prefill and decode.
     """
     bsz, t_len, _ = x.shape
-    m = KVCacheManager(TINY, max_requests=bsz, num_pages=pages, block_tokens=256, debug=True, device=device)
-    blk = AttentionSubBlock(TINY, layer, w, backend=backend)
+    m = KVCacheManager(cfg, max_requests=bsz, num_pages=pages, block_tokens=256, debug=True, device=device)
+    blk = AttentionSubBlock(cfg, layer, w, backend=backend)
     out = torch.full_like(x, float("nan"))
     done = [0] * bsz
     step = 0
@@ -340,15 +341,16 @@ def test_indexer_row_chunks_change_nothing(monkeypatch, backend):
     w = random_attention_weights(TINY, layer, seed=6, device=dev)
     x = torch.randn(2, 90, TINY.dim, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16).to(dev)
     sched = [[57, 1, 32], [None, 90]] if backend == "torch" or dev.type == "cuda" else [[19, 1]]
-    x = x if len(sched) == 2 else x[:1, :20]  # (the interpreter: a short one)
-    one = run_cached(layer, w, x, sched, backend=backend, device=dev)
+    # (the interpreter: a short one, with top-2 so that rows see more entries than the indexer selects)
+    x, cfg = (x, TINY) if len(sched) == 2 else (x[:1, :20], dataclasses.replace(TINY, index_topk=2))
+    one = run_cached(layer, w, x, sched, backend=backend, device=dev, cfg=cfg)
     widths = []
     real = select.indexer_scores
     monkeypatch.setattr(select, "indexer_scores", lambda *a: widths.append(a[6]) or real(*a))
     monkeypatch.setattr(select, "COL_ALIGN", 4)
-    monkeypatch.setattr(select, "MAX_SCRATCH_BYTES", 6 * select.chunk_row_bytes(8, TINY.index_topk))
-    assert torch.equal(run_cached(layer, w, x, sched, backend=backend, device=dev), one)
-    assert len(widths) > 4 and len(set(widths)) > 1  # many chunks, of several widths
+    monkeypatch.setattr(select, "MAX_SCRATCH_BYTES", 6 * select.chunk_row_bytes(8, cfg.index_topk))
+    assert torch.equal(run_cached(layer, w, x, sched, backend=backend, device=dev, cfg=cfg), one)
+    assert len(widths) > 2 and len(set(widths)) > 1  # several chunks, of several widths
 
 
 @pytest.mark.gpu
@@ -380,3 +382,13 @@ def test_gpu_steps_never_wait_for_the_device(kind):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
+
+
+def test_short_requests_skip_the_indexer(monkeypatch):
+    """While no request has more compressed entries than the indexer selects (here < 64 tokens for top-16), every
+    query attends all it sees: the indexer query, scores and top-k are not run, and the layer still equals dense."""
+    layer = LAYERS["csa"]
+    w = random_attention_weights(TINY, layer, seed=12)
+    x = torch.randn(2, 60, TINY.dim, generator=torch.Generator().manual_seed(12)).to(torch.bfloat16)
+    monkeypatch.setattr(attention_mod, "indexer_query", lambda *a: pytest.fail("the indexer ran"))
+    assert_close(run_cached(layer, w, x, [[30, 1, 29], [7, 53]]), dense_attention(TINY, layer, w, x))

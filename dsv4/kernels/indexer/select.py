@@ -13,6 +13,11 @@ chunk also scores only ``cols`` columns, its rows' largest ``n_visible`` rounded
 instead of the step's ``max_entries``: the early rows of a prefill from position 0 see few entries, and
 a plan built with a fixed block-table width (``max_blocks``) has ``max_entries`` far above any row's.
 
+A row that sees at most k entries selects all of them, whatever their scores (the reference's
+``topk(min(k, visible))`` does too), so nothing is scored for it: its indices are 0 .. n_visible - 1, then -1.  With
+host counts that covers the first 4k tokens of a prefill from position 0; without them, a step whose ``max_entries``
+is at most k (every request shorter than ~4k tokens) scores nothing at all.
+
 Decode steps pass no host counts: every chunk keeps ``max_entries`` columns and the chunking depends on
 host ints only (T, N, k), so the call stays CUDA-graph capturable (one chunk unless T rows exceed the
 budget).
@@ -56,38 +61,62 @@ def row_chunks(
 ) -> list[tuple[int, int, int]]:
     """Row chunks ``(start, stop, cols)`` covering rows [0, num_rows) in order.
 
-    cols is ``max_entries`` without ``n_visible_host``; with it (one host int a row, the entries that row
-    sees), the chunk's largest count rounded up to ``COL_ALIGN`` and capped at ``max_entries``.  A chunk
-    holds as many rows as keep ``rows * chunk_row_bytes(cols, k) <= max_bytes`` (None: ``MAX_SCRATCH_BYTES``),
-    and at least one.
+    cols is None for a chunk whose rows all see at most k entries (nothing to score: they select every visible
+    entry), i.e. every row when ``max_entries <= k``, and with ``n_visible_host`` (one host int a row, the entries that
+    row sees) each maximal run of such rows.  Otherwise cols is ``max_entries`` without ``n_visible_host``, and with it
+    the chunk's largest count rounded up to ``COL_ALIGN`` and capped at ``max_entries``; such a chunk holds as many
+    rows as keep ``rows * chunk_row_bytes(cols, k) <= max_bytes`` (None: ``MAX_SCRATCH_BYTES``), and at least one.
     """
     max_bytes = MAX_SCRATCH_BYTES if max_bytes is None else max_bytes
     for name, v in (("num_rows", num_rows), ("max_entries", max_entries), ("k", k), ("max_bytes", max_bytes)):
         if not isinstance(v, int) or isinstance(v, bool) or v < (1 if name in ("k", "max_bytes") else 0):
             raise ValueError(f"{name}: expected a host int >= {int(name in ('k', 'max_bytes'))}, got {v!r}")
-    if n_visible_host is None:
+    if n_visible_host is None or max_entries <= k:
+        if n_visible_host is not None:
+            _check_host_counts(n_visible_host, num_rows, max_entries)
+        if max_entries <= k:
+            return [(0, num_rows, None)] if num_rows else []
         per = chunk_row_bytes(max_entries, k)
         step = max(1, max_bytes // per)
         return [(a, min(a + step, num_rows), max_entries) for a in range(0, num_rows, step)]
+    nv = _check_host_counts(n_visible_host, num_rows, max_entries)
+    align = COL_ALIGN
+    cols_of = np.minimum(-(-nv // align) * align, max_entries)  # per row, rounded up
+    table = _row_bytes_table(max_entries, k, align)  # bytes a row of a chunk of cols c: table[ceil(c / align)]
+    easy = nv <= k
+    cuts = [0, *(np.flatnonzero(easy[1:] != easy[:-1]) + 1).tolist(), num_rows]  # runs of equal ``easy``
+    out = []
+    for a, end in zip(cuts[:-1], cuts[1:], strict=True):
+        if a == end:
+            continue
+        if easy[a]:
+            out.append((a, end, None))
+            continue
+        while a < end:
+            # cols of a chunk [a, b) = running max from a: non-decreasing, so a row bound from cols_of[a] holds
+            span = min(end - a, max(1, max_bytes // int(table[-(-cols_of[a] // align)])))
+            run = np.maximum.accumulate(cols_of[a : a + span])
+            need = np.arange(1, span + 1, dtype=np.int64) * table[-(-run // align)]
+            over = np.flatnonzero(need > max_bytes)
+            n = max(1, int(over[0]) if len(over) else span)
+            out.append((a, a + n, int(run[n - 1])))
+            a += n
+    return out
+
+
+def _check_host_counts(n_visible_host, num_rows: int, max_entries: int) -> np.ndarray:
     nv = np.asarray(n_visible_host, dtype=np.int64)
     if nv.shape != (num_rows,):
         raise ValueError(f"n_visible_host: expected {num_rows} host ints, got shape {list(nv.shape)}")
     if num_rows and (nv.min() < 0 or nv.max() > max_entries):
         raise ValueError(f"n_visible_host: expected values in [0, {max_entries}], got [{nv.min()}, {nv.max()}]")
-    align = COL_ALIGN
-    cols_of = np.minimum(-(-nv // align) * align, max_entries)  # per row, rounded up
-    table = _row_bytes_table(max_entries, k, align)  # bytes a row of a chunk of cols c: table[ceil(c / align)]
-    out, a = [], 0
-    while a < num_rows:
-        # cols of a chunk [a, b) = running max from a: non-decreasing, so a row bound from cols_of[a] holds
-        span = min(num_rows - a, max(1, max_bytes // int(table[-(-cols_of[a] // align)])))
-        run = np.maximum.accumulate(cols_of[a : a + span])
-        need = np.arange(1, span + 1, dtype=np.int64) * table[-(-run // align)]
-        over = np.flatnonzero(need > max_bytes)
-        n = max(1, int(over[0]) if len(over) else span)
-        out.append((a, a + n, int(run[n - 1])))
-        a += n
-    return out
+    return nv
+
+
+def all_visible(n_visible: torch.Tensor, k: int) -> torch.Tensor:
+    """[T, k] int32: 0 .. n_visible[t] - 1, then -1 -- the selection of a row that sees at most k entries."""
+    j = torch.arange(k, dtype=torch.int32, device=n_visible.device)[None, :]
+    return torch.where(j < n_visible[:, None], j, -1).to(torch.int32)
 
 
 def indexer_topk(
@@ -111,23 +140,30 @@ def indexer_topk(
             (q [T, Hi, 128] bf16, weights [T, Hi] fp32, n_visible [T] int32 in [0, max_entries]).
         k: host int >= 1, entries selected a row.
         n_visible_host: optional, T host ints equal to ``n_visible`` (e.g. ``StepPlan.host_n_visible``):
-            lets each chunk score only the columns its rows can see (``row_chunks``).  A chunk clamps its
-            rows' ``n_visible`` to its column count, so a host count below the device one can only drop
-            entries, never read or write out of bounds.  Leave it None inside a CUDA-graph capture (the
-            chunking must not depend on a step's values).
+            lets each chunk score only the columns its rows can see, and rows that see at most k entries skip
+            scoring (``row_chunks``).  A chunk clamps its rows' ``n_visible`` to its column count (k for rows
+            that skip), so a host count below the device one can only drop entries, never read or write out of
+            bounds.  Leave it None inside a CUDA-graph capture (the chunking must not depend on a step's values).
         max_bytes: bound on one chunk's scores + top-k workspace (``chunk_row_bytes``; None:
             ``MAX_SCRATCH_BYTES``); a single row above it still runs, as a chunk of one.
 
     Returns:
-        [T, k] int32 logical entry indices, ascending, -1 padded (as ``topk_indices``).
+        [T, k] int32 logical entry indices, ascending, -1 padded (as ``topk_indices``).  One difference, on invalid
+        input only: a row that sees at most k entries selects them all, where ``topk_indices`` would leave out
+        entries whose score is NaN or -inf (a visible entry on page -1, a non-finite query).
     """
     T, _ = _check_common(q, weights, block_table, token_row, n_visible, max_entries)
     chunks = row_chunks(T, max_entries, k, n_visible_host, max_bytes)
     if len(chunks) == 1 and chunks[0][2] == max_entries:  # the plain two calls (decode steps)
         scores = indexer_scores(q, weights, keys, block_table, token_row, n_visible, max_entries, backend)
         return topk_indices(scores, k, n_visible, backend)
+    if len(chunks) == 1 and chunks[0][2] is None:  # every row sees at most k entries
+        return all_visible(n_visible.clamp(max=min(k, max_entries)), k)
     out = torch.empty((T, k), dtype=torch.int32, device=q.device)
     for a, b, cols in chunks:
+        if cols is None:
+            out[a:b] = all_visible(n_visible[a:b].clamp(max=min(k, max_entries)), k)
+            continue
         nv = n_visible[a:b] if cols == max_entries else n_visible[a:b].clamp(max=cols)
         scores = indexer_scores(q[a:b], weights[a:b], keys, block_table, token_row[a:b], nv, cols, backend)
         out[a:b] = topk_indices(scores, k, nv, backend)
