@@ -192,23 +192,30 @@ def test_single_chunk_is_the_plain_call_and_validation(monkeypatch):
         indexer_topk(q, w, kp, bt, tr, nv, 64, 3, "torch", n_visible_host=nv_host[:-1])
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_prefill_selection_equal_and_memory_bounded():
-    """2,048 rows of a prefill against 65,536 entries (a 256K-token context; pages of 64, 64 heads): the row
-    chunks give the one call's indices, and hold at most the chunk bound plus the result and the Gluon kernel's
-    per-call inputs (query copy, key scale words) at once, against ~1.9 GB for the one call."""
+def _gpu_problem(T, n, seed, H=64, bs=64):
+    """One request of n random MXFP4 keys in shuffled pages of bs on the GPU, T query rows of H heads:
+    (generator, q, weights, keys, block table, token rows)."""
     dev = torch.device("cuda")
-    g = torch.Generator(device=dev).manual_seed(0)
-    T, n, H, bs, k = 2048, 65536, 64, 64, 512
+    g = torch.Generator(device=dev).manual_seed(seed)
     kp = make_keys(n // bs, bs, gen=None, device=dev)
     kp.data.copy_(torch.randint(0, 256, kp.data.shape, device=dev, dtype=torch.uint8, generator=g))
     kp.scale.copy_(torch.randint(122, 127, kp.scale.shape, device=dev, dtype=torch.uint8, generator=g))
     bt = torch.randperm(n // bs, device=dev, generator=g).to(torch.int32)[None]
     q = FMT.roundtrip(torch.randn(T, H, 128, device=dev, generator=g), dtype=torch.bfloat16)
     w = torch.rand(T, H, device=dev, generator=g) * (128**-0.5 * H**-0.5)
+    return g, q, w, kp, bt, torch.zeros(T, dtype=torch.int32, device=dev)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_prefill_selection_equal_and_memory_bounded():
+    """2,048 rows of a prefill against 65,536 entries (a 256K-token context; pages of 64, 64 heads): the row
+    chunks give the one call's indices, and hold at most the chunk bound plus the result and the Gluon kernel's
+    per-call inputs (query copy, key scale words) at once, against ~1.9 GB for the one call."""
+    T, n, k = 2048, 65536, 512
+    g, q, w, kp, bt, tr = _gpu_problem(T, n, seed=0)
+    dev = q.device
     nv = ((torch.arange(4 * n - T, 4 * n, device=dev) + 1) // 4).to(torch.int32)
-    tr = torch.zeros(T, dtype=torch.int32, device=dev)
     want = topk_indices(indexer_scores(q, w, kp, bt, tr, nv, n), k, nv)
     budget = 128 << 20
     torch.cuda.synchronize()
@@ -230,16 +237,9 @@ def test_gpu_decode_rows_in_several_chunks_capture_and_replay():
     CUDA graph, and replays give the eager indices after the query and the counts change in place."""
     from dsv4.engine.graphs import capture_graph
 
-    dev = torch.device("cuda")
-    g = torch.Generator(device=dev).manual_seed(1)
-    T, n, H, bs, k = 16, 8192, 64, 64, 512
-    kp = make_keys(n // bs, bs, gen=None, device=dev)
-    kp.data.copy_(torch.randint(0, 256, kp.data.shape, device=dev, dtype=torch.uint8, generator=g))
-    kp.scale.copy_(torch.randint(122, 127, kp.scale.shape, device=dev, dtype=torch.uint8, generator=g))
-    bt = torch.randperm(n // bs, device=dev, generator=g).to(torch.int32)[None]
-    q = FMT.roundtrip(torch.randn(T, H, 128, device=dev, generator=g), dtype=torch.bfloat16)
-    w = torch.rand(T, H, device=dev, generator=g) * (128**-0.5 * H**-0.5)
-    tr = torch.zeros(T, dtype=torch.int32, device=dev)
+    T, n, k = 16, 8192, 512
+    g, q, w, kp, bt, tr = _gpu_problem(T, n, seed=1)
+    dev, H = q.device, q.shape[1]
     nv = torch.randint(0, n + 1, (T,), device=dev, generator=g).to(torch.int32)
     budget = 5 * chunk_row_bytes(n, k)
     assert len(row_chunks(T, n, k, None, budget)) == 4
