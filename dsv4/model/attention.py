@@ -38,7 +38,7 @@ from dsv4.formats import EntryPages
 from dsv4.kernels.attention import sparse_attention
 from dsv4.kernels.cache.ring import ring_window_slots
 from dsv4.kernels.dispatch import use_triton
-from dsv4.kernels.indexer import all_visible, indexer_topk, to_physical, visible_physical
+from dsv4.kernels.indexer import indexer_topk, to_physical, visible_physical
 from dsv4.kernels.linear import linear_counters, linear_fp32_group, linear_fp32_pair
 from dsv4.model import functional as F
 from dsv4.model.projections import indexer_query, output_projection, query
@@ -112,12 +112,16 @@ class AttentionSubBlock:
             comp = handle.paged.entries
             rp = handle.ratio_plan
             if rp.max_entries > 0:
-                if self.kind is LayerKind.CSA:
+                if self.kind is LayerKind.CSA and rp.max_entries > cfg.index_topk:
                     logical = self._indexer_topk(x, qr, handle)
                     phys = to_physical(logical, rp.block_table, plan.request_ids, rp.entries_per_page, backend=be)
                 else:
+                    # HCA; or CSA while no request has more entries than top-k: each row attends all it sees, in an
+                    # index as wide as the top-k path's (one layout whichever path a step takes, so a padded graph
+                    # step and an eager one agree bit for bit)
+                    width = cfg.index_topk if self.kind is LayerKind.CSA else rp.max_entries
                     phys = visible_physical(
-                        rp.n_visible, rp.max_entries, rp.block_table, plan.request_ids, rp.entries_per_page, backend=be
+                        rp.n_visible, width, rp.block_table, plan.request_ids, rp.entries_per_page, backend=be
                     )
                 caches.append((comp, phys))
 
@@ -145,8 +149,6 @@ class AttentionSubBlock:
 
     def _indexer_topk(self, x: torch.Tensor, qr: torch.Tensor, handle: LayerCacheHandle) -> torch.Tensor:
         cfg, plan, rp = self.cfg, handle.plan, handle.ratio_plan
-        if rp.max_entries <= cfg.index_topk:  # no row sees more than top-k entries: each selects all it sees
-            return all_visible(rp.n_visible.clamp(max=rp.max_entries), cfg.index_topk)
         q_idx, wts = indexer_query(cfg, self.w, x, qr, plan.positions[:, None], self.inv_freq, self.backend)
         iv = handle.read_indexer_view()
         # a prefill scores and selects in row chunks of bounded memory, each only as wide as its rows can see;

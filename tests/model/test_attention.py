@@ -386,9 +386,16 @@ def test_gpu_steps_never_wait_for_the_device(kind):
 
 def test_short_requests_skip_the_indexer(monkeypatch):
     """While no request has more compressed entries than the indexer selects (here < 64 tokens for top-16), every
-    query attends all it sees: the indexer query, scores and top-k are not run, and the layer still equals dense."""
+    query attends all it sees, as in HCA: the indexer query, scores and top-k are not run, the compressed index keeps
+    the top-k path's width (so graph-padded and eager steps agree bit for bit), and the layer still equals dense."""
     layer = LAYERS["csa"]
     w = random_attention_weights(TINY, layer, seed=12)
     x = torch.randn(2, 60, TINY.dim, generator=torch.Generator().manual_seed(12)).to(torch.bfloat16)
     monkeypatch.setattr(attention_mod, "indexer_query", lambda *a: pytest.fail("the indexer ran"))
+    widths = []
+    real = attention_mod.sparse_attention
+    monkeypatch.setattr(
+        attention_mod, "sparse_attention", lambda q, c, *a, **k: widths.append(c[-1][1].shape[1]) or real(q, c, *a, **k)
+    )
     assert_close(run_cached(layer, w, x, [[30, 1, 29], [7, 53]]), dense_attention(TINY, layer, w, x))
+    assert set(widths) == {TINY.index_topk}  # (60 tokens: at most 15 entries)

@@ -11,7 +11,7 @@ from dsv4.kernels.indexer.scores import (
     indexer_scores_fp8keys_reference,
     indexer_scores_reference,
 )
-from dsv4.kernels.indexer.select import all_visible, indexer_topk, row_chunks
+from dsv4.kernels.indexer.select import indexer_topk, row_chunks
 from dsv4.kernels.indexer.topk import (
     to_physical,
     topk_indices,
@@ -21,7 +21,6 @@ from dsv4.kernels.indexer.topk import (
 )
 
 __all__ = [
-    "all_visible",
     "FP8KeyPages",
     "fp8_key_pages",
     "fp8_key_pages_from_mxfp4",

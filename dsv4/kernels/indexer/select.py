@@ -33,7 +33,7 @@ import torch
 
 from dsv4.formats import KeyPages
 from dsv4.kernels.indexer.scores import _check_common, indexer_scores
-from dsv4.kernels.indexer.topk import topk_indices, topk_scratch_cols
+from dsv4.kernels.indexer.topk import topk_indices, topk_scratch_cols, visible_logical
 
 MAX_SCRATCH_BYTES = 512 << 20  # scores + top-k workspace of one row chunk
 COL_ALIGN = 256  # a chunk's column count is rounded up to this (fewer distinct kernel shapes)
@@ -113,12 +113,6 @@ def _check_host_counts(n_visible_host, num_rows: int, max_entries: int) -> np.nd
     return nv
 
 
-def all_visible(n_visible: torch.Tensor, k: int) -> torch.Tensor:
-    """[T, k] int32: 0 .. n_visible[t] - 1, then -1 -- the selection of a row that sees at most k entries."""
-    j = torch.arange(k, dtype=torch.int32, device=n_visible.device)[None, :]
-    return torch.where(j < n_visible[:, None], j, -1).to(torch.int32)
-
-
 def indexer_topk(
     q: torch.Tensor,
     weights: torch.Tensor,
@@ -158,11 +152,11 @@ def indexer_topk(
         scores = indexer_scores(q, weights, keys, block_table, token_row, n_visible, max_entries, backend)
         return topk_indices(scores, k, n_visible, backend)
     if len(chunks) == 1 and chunks[0][2] is None:  # every row sees at most k entries
-        return all_visible(n_visible.clamp(max=min(k, max_entries)), k)
+        return visible_logical(n_visible.clamp(max=min(k, max_entries)), k)
     out = torch.empty((T, k), dtype=torch.int32, device=q.device)
     for a, b, cols in chunks:
         if cols is None:
-            out[a:b] = all_visible(n_visible[a:b].clamp(max=min(k, max_entries)), k)
+            out[a:b] = visible_logical(n_visible[a:b].clamp(max=min(k, max_entries)), k)
             continue
         nv = n_visible[a:b] if cols == max_entries else n_visible[a:b].clamp(max=cols)
         scores = indexer_scores(q[a:b], weights[a:b], keys, block_table, token_row[a:b], nv, cols, backend)
