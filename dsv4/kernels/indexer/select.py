@@ -15,8 +15,8 @@ a plan built with a fixed block-table width (``max_blocks``) has ``max_entries``
 
 A row that sees at most k entries selects all of them, whatever their scores (the reference's
 ``topk(min(k, visible))`` does too), so nothing is scored for it: its indices are 0 .. n_visible - 1, then -1.  With
-host counts that covers the first 4k tokens of a prefill from position 0; without them, a step whose ``max_entries``
-is at most k (every request shorter than ~4k tokens) scores nothing at all.
+host counts that covers the first 4 x k tokens of a prefill from position 0 (2,051 for top-512); without them, a step
+whose ``max_entries`` is at most k (no request past ~4 x k tokens) scores nothing at all.
 
 Decode steps pass no host counts: every chunk keeps ``max_entries`` columns and the chunking depends on
 host ints only (T, N, k), so the call stays CUDA-graph capturable (one chunk unless T rows exceed the
