@@ -418,11 +418,14 @@ def linear_fp32_group(
     fused = counters is not None and split > 1 and m <= FUSED_SUM_MAX_M
     if counters is not None:
         check_tensor("counters", counters, dtype=torch.int32, ndim=1, device=x.device)
-        if counters.shape[0] < grid[0] * grid[1] or not counters.is_contiguous():
-            raise ValueError(
-                f"counters: expected a contiguous int32 tensor of >= {grid[0] * grid[1]} (output tiles), got "
-                f"shape {tuple(counters.shape)}"
-            )
+        if not counters.is_contiguous():
+            raise ValueError("counters: expected a contiguous int32 tensor")
+    # (only a launch that sums its splits in place uses them: a prefill's GEMM has more tiles than a layer keeps)
+    if fused and counters.shape[0] < grid[0] * grid[1]:
+        raise ValueError(
+            f"counters: expected a contiguous int32 tensor of >= {grid[0] * grid[1]} (output tiles), got "
+            f"shape {tuple(counters.shape)}"
+        )
     pad = MAX_GROUP - len(wl)
     wl, ns4 = wl + [wl[-1]] * pad, ns + [0] * pad
     if gemv is None:

@@ -83,16 +83,23 @@ def test_row_chunks_validation():
 @pytest.mark.parametrize("N", [1, 100, 4096, 4097, 20000])
 def test_scratch_cols_is_what_topk_allocates(N):
     """topk_indices accepts a workspace of exactly topk_scratch_cols(N) columns (and refuses one fewer)."""
-    scores = torch.randn(2, N)
-    ws = topk_workspace(2, N)[:, : topk_scratch_cols(N)].contiguous()
-    want = topk_indices(scores, 4, backend="torch")
-    assert torch.equal(topk_indices(scores, 4, backend="triton", workspace=ws), want)
+    scores, ws = _on("triton", torch.randn(2, N), topk_workspace(2, N)[:, : topk_scratch_cols(N)].contiguous())
+    want = topk_indices(scores.cpu(), 4, backend="torch")
+    assert torch.equal(topk_indices(scores, 4, backend="triton", workspace=ws).cpu(), want)
     with pytest.raises(ValueError, match="workspace"):
         topk_indices(scores, 4, backend="triton", workspace=ws[:, :-1].contiguous())
 
 
-def _step(T, H, max_entries, gen):
-    """Three requests over pages of 16 entries: a prefill from 0, a continued prefill, a short one."""
+def _on(backend, *ts):
+    """The tensors where ``backend`` runs here: the Triton kernels on CUDA when this machine has it (else the
+    interpreter, on the CPU)."""
+    dev = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
+    return [t.to(dev) if isinstance(t, torch.Tensor) else type(t)(*(x.to(dev) for x in t)) for t in ts]
+
+
+def _step(T, H, max_entries, gen, backend="torch"):
+    """Three requests over pages of 16 entries: a prefill from 0, a continued prefill, a short one (tensors where
+    ``backend`` runs; the last item: the host counts)."""
     bs = 16
     kp = make_keys(24, bs, gen=gen)
     width = max_entries // bs
@@ -104,7 +111,7 @@ def _step(T, H, max_entries, gen):
     tr = np.repeat(np.arange(3), lens)
     q, w = make_query(T, H, gen)
     i32 = lambda a: torch.as_tensor(np.asarray(a), dtype=torch.int32)  # noqa: E731
-    return q, w, kp, perm, i32(tr), i32(nv), nv
+    return *_on(backend, q, w, kp, perm, i32(tr), i32(nv)), nv
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
@@ -113,7 +120,7 @@ def test_chunks_give_the_one_call_indices(monkeypatch, backend, host):
     monkeypatch.setattr(select_mod, "COL_ALIGN", 16)
     g = torch.Generator().manual_seed(7)
     T, N, k = 40, 96, 6
-    q, w, kp, bt, tr, nv, nv_host = _step(T, 4, N, g)
+    q, w, kp, bt, tr, nv, nv_host = _step(T, 4, N, g, backend)
     want = topk_indices(indexer_scores(q, w, kp, bt, tr, nv, N, backend), k, nv, backend)
     shapes = []
     real_scores = select_mod.indexer_scores
@@ -140,7 +147,7 @@ def test_one_row_chunks_and_rows_that_see_at_most_k(monkeypatch, backend):
     """max_bytes = 1: a chunk a row, except the run of rows that see <= k entries (incl. none): one chunk, unscored."""
     monkeypatch.setattr(select_mod, "COL_ALIGN", 16)
     g = torch.Generator().manual_seed(3)
-    q, w, kp, bt, tr, nv, nv_host = _step(12, 4, 96, g)
+    q, w, kp, bt, tr, nv, nv_host = _step(12, 4, 96, g, backend)
     chunks = row_chunks(12, 96, 8, nv_host, 1)
     assert [(b - a, c is None) for a, b, c in chunks] == [(6, True)] + [(1, False)] * 6
     want = topk_indices(indexer_scores(q, w, kp, bt, tr, nv, 96, backend), 8, nv, backend)
