@@ -204,7 +204,9 @@ class WindowWorkspaceIndex(NamedTuple):
 def window_workspace_index(plan: StepPlan, ring: int) -> WindowWorkspaceIndex:
     """The workspace layout of a non-decode step from the plan's host fields: each request's last
     ``min(ctx, ring - 1)`` cached positions (copied from its ring) and then its new tokens, requests one after
-    another; all index tensors sent to the device in one copy (``int32_to_device``)."""
+    another.  The [T] / [H] arrays go to the device in one copy (``int32_to_device``); the [T, ring] window index is
+    built there from the tokens' positions and workspace offsets (on the host it was ring times the bytes and, at
+    65,536 tokens, most of a step's host time)."""
     ctx = np.asarray(plan.context_lens, dtype=np.int64)
     new = np.asarray(plan.num_new_tokens, dtype=np.int64)
     hist = np.minimum(ctx, ring - 1)
@@ -216,9 +218,10 @@ def window_workspace_index(plan: StepPlan, ring: int) -> WindowWorkspaceIndex:
 
     row = np.repeat(np.arange(len(ctx)), new)
     tok_pos = np.concatenate([np.arange(c, c + n) for c, n in zip(ctx, new, strict=True)] + [np.zeros(0, np.int64)])
-    origin = (ctx - hist)[row]
-    chunk_rows = base[row] + tok_pos - origin
-    key_pos = tok_pos[:, None] - (ring - 1) + np.arange(ring)[None, :]
-    index = np.where(key_pos >= 0, base[row][:, None] + key_pos - origin[:, None], -1)
-    tensors = int32_to_device([dst, src_slot, p_hist % ring, index, chunk_rows], plan.device)
-    return WindowWorkspaceIndex(int((hist + new).sum()), *tensors)
+    offset = base[row] - (ctx - hist)[row]  # workspace row of a token's request's position 0
+    dst_t, slot_t, src_row_t, pos_t, off_t = int32_to_device(
+        [dst, src_slot, p_hist % ring, tok_pos, offset], plan.device
+    )
+    key_pos = pos_t[:, None] - (ring - 1) + torch.arange(ring, dtype=torch.int32, device=pos_t.device)[None, :]
+    index = torch.where(key_pos >= 0, off_t[:, None] + key_pos, -1).to(torch.int32)
+    return WindowWorkspaceIndex(int((hist + new).sum()), dst_t, slot_t, src_row_t, index, off_t + pos_t)
