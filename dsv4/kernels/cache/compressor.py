@@ -1230,6 +1230,12 @@ def _check_ape(ape: torch.Tensor | None, ratio: int, cd: int, device: torch.devi
             raise ValueError("ape: expected a contiguous tensor")
 
 
+def _ape_kw(ape: torch.Tensor | None, placeholder: torch.Tensor) -> dict:
+    """The ``ape_ptr`` / ``HAS_APE`` keywords of a compressor kernel (``placeholder``: any tensor, never read, where
+    there is no ape)."""
+    return dict(ape_ptr=ape if ape is not None else placeholder, HAS_APE=ape is not None)
+
+
 def _kernel_head(kv, score, positions, token_slot, kv_state, score_state) -> tuple:
     """The leading arguments every compressor kernel takes: inputs and their row strides, positions, token slots,
     the state tensors with their slot and row strides, and the number of state slots."""
@@ -1355,7 +1361,7 @@ def compressor_step(
         _compressor_decode_kernel[(t, triton.cdiv(cd, bd))](
             *head, pooled, emits.view(torch.uint8), t, state_pos if online else kv_state,
             M=ratio, CM=cm, D=d, OVERLAP=overlap, C=c, BLOCK_R=block_r, BLOCK_D=bd, ONLINE=online, num_warps=nw,
-            ape_ptr=ape if ape is not None else kv, HAS_APE=ape is not None, **pdl_launch(dev),
+            **_ape_kw(ape, kv), **pdl_launch(dev),
         )  # fmt: skip
         return pooled, emits
     # pooling reads the state as it was before the step: every pool finishes before any state write
@@ -1366,7 +1372,7 @@ def compressor_step(
     )  # fmt: skip
     _compressor_pool_kernel[grid](
         *head, pooled, emits.view(torch.uint8), t, state_pos if online else kv_state, OVERLAP=overlap, **kw,
-        ape_ptr=ape if ape is not None else kv, HAS_APE=ape is not None, **pdl_launch(dev),
+        **_ape_kw(ape, kv), **pdl_launch(dev),
     )  # fmt: skip
     side = write_stream is not None and kv.is_cuda  # the state write on the caller's side stream, after the pool
     if side:
@@ -1446,8 +1452,7 @@ def _launch_state_write(
     """The state-write launches of a non-decode ``compressor_step`` (after its pool launch; ``head`` its kernel
     arguments up to the state's slot count): the online state's write and positions (one launch with ``counters``),
     else the lanes or the token-block write kernel (``ape``: added to the score rows they store)."""
-    pdl = pdl_launch(positions.device)
-    pdl.update(ape_ptr=ape if ape is not None else head[0], HAS_APE=ape is not None)
+    kw = {**pdl_launch(positions.device), **_ape_kw(ape, head[0])}
     if online:
         wbt = write_block_t or _ONLINE_WRITE_BLOCK_T
         _check_pow2("write_block_t", wbt)
@@ -1455,19 +1460,13 @@ def _launch_state_write(
             *head, t, state_pos, counters if counters is not None else state_pos, M=ratio, D=d, BLOCK_T=wbt,
             BLOCK_R=block_r, BLOCK_D=bd, FAST_EXP=fast_exp, INTERP=interpreter_enabled(), N_CB=triton.cdiv(d, bd),
             POS_IN_WRITE=counters is not None,
-            num_warps=write_warps or (_POOL_WARPS if block_r * bd >= _POOL_TILE else _POOL_WARPS_SMALL), **pdl,
+            num_warps=write_warps or (_POOL_WARPS if block_r * bd >= _POOL_TILE else _POOL_WARPS_SMALL), **kw,
         )  # fmt: skip
         if counters is None:
             _online_pos_kernel[(triton.cdiv(t, wbt),)](
-                positions,
-                token_slot,
-                n_slots,
-                t,
-                state_pos,
-                BLOCK_T=wbt,
-                num_warps=_WRITE_WARPS,
+                positions, token_slot, n_slots, t, state_pos, BLOCK_T=wbt, num_warps=_WRITE_WARPS,
                 **pdl_launch(positions.device),
-            )
+            )  # fmt: skip
         return
     lanes = (_WRITE_LANES if cd >= _WRITE_LANES_MIN_CD else 0) if write_lanes is None else write_lanes
     if not isinstance(lanes, int) or lanes < 0:
@@ -1480,14 +1479,14 @@ def _launch_state_write(
         sub = min(sub, sup)
         _compressor_write_lanes_kernel[(triton.cdiv(t, sup), lanes)](
             *head, t, CM=cm, CD=cd, SUPER=sup, SUB=sub, LANES=lanes, BLOCK_D=wd, num_warps=write_warps or _WRITE_WARPS,
-            M=ratio, **pdl,
+            M=ratio, **kw,
         )  # fmt: skip
         return
     wd = min(triton.next_power_of_2(cd), _WRITE_BLOCK_D)
     wbt = write_block_t or _WRITE_BLOCK_T
     _check_pow2("write_block_t", wbt)
     _compressor_write_kernel[(triton.cdiv(t, wbt),)](
-        *head, t, CM=cm, CD=cd, BLOCK_T=wbt, BLOCK_D=wd, num_warps=write_warps or _WRITE_WARPS, M=ratio, **pdl,
+        *head, t, CM=cm, CD=cd, BLOCK_T=wbt, BLOCK_D=wd, num_warps=write_warps or _WRITE_WARPS, M=ratio, **kw,
     )  # fmt: skip
 
 

@@ -32,6 +32,7 @@ from dsv4.formats.fp8_entry import EntryPages, FP8EntryFormat
 from dsv4.formats.mxfp4_key import KeyPages, MXFP4KeyFormat
 from dsv4.kernels._triton_sync import pdl_enter
 from dsv4.kernels.cache.compressor import (
+    _ape_kw,
     _check_ape,
     _check_step,
     _emit_indexer_rows,
@@ -197,7 +198,7 @@ def _pool_emit(
         kw.pop(k)
     head = _kernel_head(kv, score, positions, token_slot, kv_state, score_state)
     emit = (norm_weight, float(eps), inv_freq, slots)
-    kw.update(ape_ptr=ape if ape is not None else kv, HAS_APE=ape is not None)
+    kw.update(_ape_kw(ape, kv))
     if kind == "main":
         pargs, fkw = _fp8_args(pages, fmt)
         _pool_emit_main_kernel[grid[:1]](
