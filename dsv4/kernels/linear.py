@@ -420,20 +420,20 @@ def linear_fp32_group(
         check_tensor("counters", counters, dtype=torch.int32, ndim=1, device=x.device)
         if not counters.is_contiguous():
             raise ValueError("counters: expected a contiguous int32 tensor")
-    # (only a launch that sums its splits in place uses them: a prefill's GEMM has more tiles than a layer keeps)
-    if fused and counters.shape[0] < grid[0] * grid[1]:
-        raise ValueError(
-            f"counters: expected a contiguous int32 tensor of >= {grid[0] * grid[1]} (output tiles), got "
-            f"shape {tuple(counters.shape)}"
-        )
     pad = MAX_GROUP - len(wl)
     wl, ns4 = wl + [wl[-1]] * pad, ns + [0] * pad
     if gemv is None:
         given = (block_m, block_n, block_k, num_warps, num_stages, split_k, swap_ab)
         gemv = m <= GEMV_MAX_M and all(v is None for v in given)
     if gemv:
-        _linear_gemv(x, wl, ns, ns4, out, counters)
+        _linear_gemv(x, wl, ns, ns4, out, counters)  # (which checks the counters against its own tiles)
         return views
+    # (only a launch that sums its splits in place uses them: a prefill's GEMM has more tiles than a layer keeps)
+    if fused and counters.shape[0] < grid[0] * grid[1]:
+        raise ValueError(
+            f"counters: expected a contiguous int32 tensor of >= {grid[0] * grid[1]} (output tiles), got "
+            f"shape {tuple(counters.shape)}"
+        )
     _linear_group_kernel[grid](
         x, *wl, out, part, counters if fused else out, m, *ns4, k, k_per_split, x.stride(0),
         *(w.stride(0) for w in wl), *bounds, split,
