@@ -183,22 +183,22 @@ class AttentionSubBlock:
         ws = fmt.entry_pages(buf, 1, ix.rows)
         if ix.dst.numel():  # history rows ring[slot, p % ring] -> ws[base + p - (ctx - hist)]
             sv = handle.read_swa_view()
-            dst, src_s, src_r = ix.dst.long(), ix.src_slot.long(), ix.src_row.long()
-            ws.nope[0, dst] = sv.fp8[src_s, src_r]
-            ws.rope[0, dst] = sv.rope[src_s, src_r]
-            ws.scale[0, dst] = sv.inv_scale[src_s, src_r]
+            ws.nope[0, ix.dst] = sv.fp8[ix.src_slot, ix.src_row]
+            ws.rope[0, ix.dst] = sv.rope[ix.src_slot, ix.src_row]
+            ws.scale[0, ix.dst] = sv.inv_scale[ix.src_slot, ix.src_row]
         return ws, ix.index, ix.chunk_rows
 
 
 class WindowWorkspaceIndex(NamedTuple):
-    """Where a prefill step's window keys go in its workspace (``window_workspace_index``); int32 device tensors."""
+    """Where a prefill step's window keys go in its workspace (``window_workspace_index``); device tensors (the
+    history gather's int64, as indexing takes them, once a step; the kernels' int32)."""
 
     rows: int  # workspace rows in all (host int)
-    dst: torch.Tensor  # [H] workspace row of each history row copied from the ring
-    src_slot: torch.Tensor  # [H] its request's state slot
-    src_row: torch.Tensor  # [H] its ring row (position mod ring)
-    index: torch.Tensor  # [T, ring] workspace rows a query attends (positions t - ring + 1 .. t), -1 before 0
-    chunk_rows: torch.Tensor  # [T] workspace row of each token of the step
+    dst: torch.Tensor  # [H] int64 workspace row of each history row copied from the ring
+    src_slot: torch.Tensor  # [H] int64 its request's state slot
+    src_row: torch.Tensor  # [H] int64 its ring row (position mod ring)
+    index: torch.Tensor  # [T, ring] int32 workspace rows a query attends (positions t - ring + 1 .. t), -1 before 0
+    chunk_rows: torch.Tensor  # [T] int32 workspace row of each token of the step
 
 
 def window_workspace_index(plan: StepPlan, ring: int) -> WindowWorkspaceIndex:
@@ -217,11 +217,9 @@ def window_workspace_index(plan: StepPlan, ring: int) -> WindowWorkspaceIndex:
     src_slot = np.asarray(plan.slot_ids, dtype=np.int64)[b_of]
 
     row = np.repeat(np.arange(len(ctx)), new)
-    tok_pos = np.concatenate([np.arange(c, c + n) for c, n in zip(ctx, new, strict=True)] + [np.zeros(0, np.int64)])
     offset = base[row] - (ctx - hist)[row]  # workspace row of a token's request's position 0
-    dst_t, slot_t, src_row_t, pos_t, off_t = int32_to_device(
-        [dst, src_slot, p_hist % ring, tok_pos, offset], plan.device
-    )
+    gather = int32_to_device([dst, src_slot, p_hist % ring, plan.host_positions()[: len(row)], offset], plan.device)
+    pos_t, off_t = gather[3:]
     key_pos = pos_t[:, None] - (ring - 1) + torch.arange(ring, dtype=torch.int32, device=pos_t.device)[None, :]
     index = torch.where(key_pos >= 0, off_t[:, None] + key_pos, -1).to(torch.int32)
-    return WindowWorkspaceIndex(int((hist + new).sum()), dst_t, slot_t, src_row_t, index, off_t + pos_t)
+    return WindowWorkspaceIndex(int((hist + new).sum()), *(g.long() for g in gather[:3]), index, off_t + pos_t)
