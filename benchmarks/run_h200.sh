@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One H200 session: environment, GPU tests, then the kernel benchmarks. Results go to $OUT (or ./out).
-# Usage (on the device machine, repo root): bash benchmarks/run_h200.sh [tests|bench|all|pending|ncu|attention|attention_ncu|indexer_gluon|indexer_live|indexer_fold|pending_s12|topk_rows|indexer_default|indexer_p2|indexer_ablate|flush_topk|skeleton|topk_short|fold_auto|hca_online|write_s15|emit_s15|emit2_s15|main_s15|write2_s15|final_s15|gemv_s15|online_regs|write_s16|final_s16|ncu_pool|div_s16|lean_s17|fast_s17|emit_s17|emit2_s17|warps_s17|ipool_s17|final_s17|sweep_s18|overlap_s18|fuse_s19|pdl_s19|pdl_decode_s19|writes_s19|layer_s19|select_s19]
+# Usage (on the device machine, repo root): bash benchmarks/run_h200.sh [tests|bench|all|pending|ncu|attention|attention_ncu|indexer_gluon|indexer_live|indexer_fold|pending_s12|topk_rows|indexer_default|indexer_p2|indexer_ablate|flush_topk|skeleton|topk_short|fold_auto|hca_online|write_s15|emit_s15|emit2_s15|main_s15|write2_s15|final_s15|gemv_s15|online_regs|write_s16|final_s16|ncu_pool|div_s16|lean_s17|fast_s17|emit_s17|emit2_s17|warps_s17|ipool_s17|final_s17|sweep_s18|overlap_s18|fuse_s19|pdl_s19|pdl_decode_s19|writes_s19|layer_s19|select_s19|grid_s20]
 # "pending": the norm and top-k GPU tests (~4 min, most of it compiling the top-k kernels), launch D's rank
 # threshold on/off, top-k with both flush kinds, the decode step; about 8 minutes.  "ncu": Nsight Compute
 # sections of the indexer scores, dense attention and gather kernels (benchmarks/ncu_cases.py).  "attention": the
@@ -502,4 +502,16 @@ if [ "$what" = select_s19 ]; then  # left for session 20 (~6 min): a prefill's i
     | tee "$OUT/${stamp}_h200_step_sync_s19.txt" | tail -3
   timeout 200 python3 benchmarks/bench_indexer.py --only prefill --out "$OUT/${stamp}_h200_indexer_select_s19.jsonl" 2>&1 \
     | tee "$OUT/${stamp}_h200_indexer_select_s19.txt" | tail -8
+fi
+if [ "$what" = grid_s20 ]; then  # left for session 20 (~5 min): the pool kernel's CHANNELS_FAST grid order (a token
+  # block's channel blocks consecutive programs, so HCA's 2 KB rows are read whole by programs resident together, not
+  # 128 B of each row a wave): the pool GPU tests, then per-kernel device times and the prefill rows' graph times
+  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_compressor.py tests/kernels/test_compressor_online.py \
+    -k "(cuda or gpu) and (many_emitters or chunked_steps or ape_added)" 2>&1 | tee "$OUT/${stamp}_h200_gpu_tests_grid_s20.txt" | tail -2
+  tn=""; for op in hca hca_online csa_indexer; do tn="$tn --tune $op: --tune $op:pool_channels_fast=1"; done
+  tn="$tn --tune hca:pool_channels_fast=1,overlap_write=1 --tune hca_online:pool_channels_fast=1,overlap_write=1"
+  for n in 65536 8192; do timeout 100 python3 benchmarks/profile_write.py --modes prefill --tokens $n --ops hca,hca_online,csa_indexer \
+    $tn 2>&1 | grep -v -i warn | tee "$OUT/${stamp}_h200_profile_grid_${n}_s20.txt" | grep -E "==|pool"; done
+  timeout 200 python3 benchmarks/bench_write.py --models v4-flash --modes prefill --ops hca,hca_online,csa_indexer $tn \
+    --out "$OUT/${stamp}_h200_write_grid_s20.jsonl" 2>&1 | tee "$OUT/${stamp}_h200_write_grid_s20.txt" | grep prefill | cut -c1-220
 fi
