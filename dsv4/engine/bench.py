@@ -420,7 +420,8 @@ def _parts(blk: AttentionSubBlock, handle, x: torch.Tensor) -> dict[str, Callabl
     def projections():
         query(cfg, w, x, hp, inv, be)
         F.linear(x, w.wkv)
-        return output_projection(cfg, w, o, hp, inv, be)
+        # as the layer runs it (o rotated in place: each timed call rotates it again; the time does not depend on it)
+        return output_projection(cfg, w, o, hp, inv, be, consume_o=True)
 
     out["projections"] = projections
     return out

@@ -105,6 +105,8 @@ def _rope_heads_kernel(
     stride_xt,
     stride_xh,
     out_ptr,
+    stride_ot,
+    stride_oh,
     pos_ptr,
     stride_pos,
     inv_ptr,
@@ -118,13 +120,15 @@ def _rope_heads_kernel(
     D: tl.constexpr,
     NOPE_PAD: tl.constexpr,
     HR: tl.constexpr,
+    ROPE_ONLY: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):
     """Token ``program_id(0)``, heads [program_id(1) * BLOCK_H, ...): x -> [per-head RMSNorm] -> RoPE -> out.
 
-    x [T, H, D] bf16 (strides stride_xt, stride_xh, 1); out [T, H, D] bf16 contiguous, written through an
-    int16 view (bf16 bit patterns: no float conversion of the interpreter is relied on).  The row is read
-    as two tiles: the D - 2*HR nope channels [BLOCK_H, NOPE_PAD] (lanes >= D - 2*HR masked) and the rope
+    x [T, H, D] bf16 (strides stride_xt, stride_xh, 1); out [T, H, D] bf16 (strides stride_ot, stride_oh, 1), written
+    through an int16 view (bf16 bit patterns: no float conversion of the interpreter is relied on).  ``ROPE_ONLY``
+    (not NORM; out may be x itself): only the rope lanes are read and written, the nope channels left as they are.
+    The row is read as two tiles: the D - 2*HR nope channels [BLOCK_H, NOPE_PAD] (lanes >= D - 2*HR masked) and the rope
     pairs [BLOCK_H, HR, 2], split into their even / odd lanes in registers.  ``eps``: the norm's epsilon
     as torch adds it on the tensor's device (``_eps_as_added``).
     """
@@ -137,9 +141,10 @@ def _rope_heads_kernel(
     j = tl.arange(0, HR)
     roff = NOPE + 2 * j[:, None] + tl.arange(0, 2)[None, :]  # [HR, 2]: channels of the pairs (2k, 2k+1)
     src = x_ptr + t * stride_xt + h.to(tl.int64) * stride_xh  # [BLOCK_H] head rows
-    dst = out_ptr + (t * n_heads + h) * D
+    dst = out_ptr + t * stride_ot + h.to(tl.int64) * stride_oh
     nmask = hm[:, None] & (c < NOPE)[None, :]
-    xn = tl.load(src[:, None] + c[None, :], mask=nmask, other=0.0).to(tl.float32)
+    if not ROPE_ONLY:
+        xn = tl.load(src[:, None] + c[None, :], mask=nmask, other=0.0).to(tl.float32)
     xr = tl.load(src[:, None, None] + roff[None, :, :], mask=hm[:, None, None], other=0.0).to(tl.float32)
     xe, xo = tl.split(xr)
     if NORM:  # head_rms_norm in bf16: every intermediate rounded to bf16 as torch does
@@ -156,7 +161,8 @@ def _rope_heads_kernel(
         sin = -sin
     ye = bf16_rne(mul_rn(xe, cos, INTERP) - mul_rn(xo, sin, INTERP), INTERP)
     yo = bf16_rne(mul_rn(xe, sin, INTERP) + mul_rn(xo, cos, INTERP), INTERP)
-    tl.store(dst[:, None] + c[None, :], bf16_bits(xn), mask=nmask)
+    if not ROPE_ONLY:
+        tl.store(dst[:, None] + c[None, :], bf16_bits(xn), mask=nmask)
     tl.store(dst[:, None, None] + roff[None, :, :], bf16_bits(tl.join(ye, yo)), mask=hm[:, None, None])
 
 
@@ -195,9 +201,10 @@ def _launch(
     inverse: bool,
     block_h: int | None,
     num_warps: int | None,
+    in_place: bool = False,
 ) -> torch.Tensor:
     t, h, d = x.shape
-    out = torch.empty((t, h, d), dtype=torch.bfloat16, device=x.device)
+    out = x if in_place else torch.empty((t, h, d), dtype=torch.bfloat16, device=x.device)
     if out.numel() == 0:
         return out
     bh = _default_block_h(t, h) if block_h is None else block_h
@@ -207,9 +214,10 @@ def _launch(
     hr = inv_freq.shape[0]
     o16 = out.view(torch.int16)
     _rope_heads_kernel[(t, triton.cdiv(h, bh))](
-        x, x.stride(0), x.stride(1), o16, positions, positions.stride(0), inv_freq, inv_freq.stride(0), h,
-        _eps_as_added(float(eps), x.device), NORM=norm, INVERSE=inverse, INTERP=interpreter_enabled(), BLOCK_H=bh, D=d,
-        NOPE_PAD=triton.next_power_of_2(max(1, d - 2 * hr)), HR=hr, num_warps=nw, **pdl_launch(x.device),
+        x, x.stride(0), x.stride(1), o16, out.stride(0), out.stride(1), positions, positions.stride(0), inv_freq,
+        inv_freq.stride(0), h, _eps_as_added(float(eps), x.device), NORM=norm, INVERSE=inverse,
+        INTERP=interpreter_enabled(), BLOCK_H=bh, D=d, NOPE_PAD=triton.next_power_of_2(max(1, d - 2 * hr)), HR=hr,
+        ROPE_ONLY=in_place, num_warps=nw, **pdl_launch(x.device),
     )  # fmt: skip
     return out
 
@@ -282,6 +290,7 @@ def rope_inverse(
     *,
     block_h: int | None = None,
     num_warps: int | None = None,
+    in_place: bool = False,
 ) -> torch.Tensor:
     """Inverse RoPE of the attention output at its query's position, in one launch: ``apply_rope(o,
     positions[:, None], inv_freq, inverse=True)``.
@@ -291,8 +300,14 @@ def rope_inverse(
     last rd rotated by the conjugate (fp32 rotation, bf16 result).  Numerics: see the module docstring
     (the reference's bytes on a GPU, up to libdevice's vs torch's cosf/sinf).  Bytes: reads 2*T*H*D + 4*T,
     writes 2*T*H*D.  The Triton kernel needs rd/2 to be a power of two.  Tuning as ``q_norm_rope``.
+    ``in_place``: rotate o's rope channels where they are and return o (the nope channels are neither read nor
+    written: 2*T*H*rd bytes each way instead of 2*T*H*D, 1/8 of them at V4's D = 512, rd = 64); for a caller that
+    owns o and has no further use for it unrotated.
     """
     _check_args("o", o, positions, inv_freq)
+    if not isinstance(in_place, bool):
+        raise ValueError(f"in_place: expected a bool, got {in_place!r}")
     if not _triton_ok(backend, "o", o, positions, inv_freq, pow2_head_dim=False):
-        return rope_inverse_reference(o, positions, inv_freq)
-    return _launch(o, positions, inv_freq, 0.0, False, True, block_h, num_warps)
+        ref = rope_inverse_reference(o, positions, inv_freq)
+        return o.copy_(ref) if in_place else ref
+    return _launch(o, positions, inv_freq, 0.0, False, True, block_h, num_warps, in_place)

@@ -126,7 +126,7 @@ class AttentionSubBlock:
                 caches.append((comp, phys))
 
         o, _ = sparse_attention(q, caches, w.attn_sink, self.scale, backend=be)
-        return output_projection(cfg, w, o, pos[:, None], self.inv_freq, be)
+        return output_projection(cfg, w, o, pos[:, None], self.inv_freq, be, consume_o=True)
 
     # ------------------------------------------------------------------ pieces
     def compressor_projections_all(

@@ -85,20 +85,30 @@ def output_projection(
     head_positions: torch.Tensor,
     inv_freq: torch.Tensor,
     backend: str = "torch",
+    *,
+    consume_o: bool = False,
 ) -> torch.Tensor:
     """Spec §2 steps 5–6.  o [..., H, D] bf16 attention output -> inverse RoPE(t) on the rope dims ->
     grouped ``wo_a`` (o_groups blocks of H/o_groups heads) -> ``wo_b`` -> y [..., dim] bf16.
-    ``backend``: as ``query`` (the inverse RoPE in one launch, ``kernels.rope.rope_inverse``)."""
-    return project_groups(cfg, w, derotate(o, head_positions, inv_freq, backend))
+    ``backend``: as ``query`` (the inverse RoPE in one launch, ``kernels.rope.rope_inverse``).  ``consume_o``: the
+    caller has no further use for o, so the kernel may rotate its rope channels in place (``derotate``)."""
+    return project_groups(cfg, w, derotate(o, head_positions, inv_freq, backend, in_place=consume_o))
 
 
 def derotate(
-    o: torch.Tensor, head_positions: torch.Tensor, inv_freq: torch.Tensor, backend: str = "torch"
+    o: torch.Tensor,
+    head_positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    backend: str = "torch",
+    *,
+    in_place: bool = False,
 ) -> torch.Tensor:
-    """Inverse RoPE at the query position on the rope dims of o [..., H, D] (values carry RoPE, spec §2)."""
+    """Inverse RoPE at the query position on the rope dims of o [..., H, D] (values carry RoPE, spec §2).
+    ``in_place`` (the one-launch path only; the torch composition always returns a new tensor): o's rope channels
+    are rotated where they are and o is returned (``rope_inverse(in_place=True)``: 1/8 of the bytes at V4 widths)."""
     pos = _token_positions(o.shape[:-2], head_positions, backend)
     if pos is not None:
-        return rope_inverse(o, pos, inv_freq, backend=backend)
+        return rope_inverse(o, pos, inv_freq, backend=backend, in_place=in_place)
     return F.apply_rope(o, head_positions, inv_freq, inverse=True)
 
 

@@ -142,6 +142,25 @@ def test_rope_inverse_matches_reference(device, t, h, d, pos_dtype):
     _assert_matches(got, want, RD, device)
 
 
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_rope_inverse_in_place_equals_the_copy(device, backend):
+    """``in_place=True`` returns o itself holding the copy's bytes; on a strided view (heads every other row of a
+    wider tensor) nothing outside the view changes, and the nope channels are the input's."""
+    if backend == "triton":
+        _need_triton(device)
+    t, h, d = 5, 3, 128
+    wide = _heads(t, 2 * h, d, device, seed=3)
+    pos, inv = _positions(t, torch.int32, device, seed=3), _inv_freq(device)
+    o = wide[:, ::2]
+    want = rope_inverse(o, pos, inv, backend=backend)
+    before = wide.clone()
+    got = rope_inverse(o, pos, inv, backend=backend, in_place=True)
+    assert got is o and torch.equal(o, want)
+    assert torch.equal(wide[:, 1::2], before[:, 1::2]) and torch.equal(o[..., : d - RD], before[:, ::2, : d - RD])
+    with pytest.raises(ValueError, match="in_place"):
+        rope_inverse(o, pos, inv, backend=backend, in_place=1)
+
+
 def test_strided_inputs_and_launch_geometry(device):
     """Views (heads every other row of a wider tensor, positions a column of packed metadata, inv_freq with a
     stride) are read by element; heads not a multiple of the head block are masked; the result does not
