@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One H200 session: environment, GPU tests, then the kernel benchmarks. Results go to $OUT (or ./out).
-# Usage (on the device machine, repo root): bash benchmarks/run_h200.sh [tests|bench|all|pending|ncu|attention|attention_ncu|indexer_gluon|indexer_live|indexer_fold|pending_s12|topk_rows|indexer_default|indexer_p2|indexer_ablate|flush_topk|skeleton|topk_short|fold_auto|hca_online|write_s15|emit_s15|emit2_s15|main_s15|write2_s15|final_s15|gemv_s15|online_regs|write_s16|final_s16|ncu_pool|div_s16|lean_s17|fast_s17|emit_s17|emit2_s17|warps_s17|ipool_s17|final_s17|sweep_s18|overlap_s18|fuse_s19|pdl_s19|pdl_decode_s19|writes_s19|layer_s19|select_s19|grid_s20]
+# Usage (on the device machine, repo root): bash benchmarks/run_h200.sh [tests|bench|all|pending|ncu|attention|attention_ncu|indexer_gluon|indexer_live|indexer_fold|pending_s12|topk_rows|indexer_default|indexer_p2|indexer_ablate|flush_topk|skeleton|topk_short|fold_auto|hca_online|write_s15|emit_s15|emit2_s15|main_s15|write2_s15|final_s15|gemv_s15|online_regs|write_s16|final_s16|ncu_pool|div_s16|lean_s17|fast_s17|emit_s17|emit2_s17|warps_s17|ipool_s17|final_s17|sweep_s18|overlap_s18|fuse_s19|pdl_s19|pdl_decode_s19|writes_s19|layer_s19|select_s19|grid_s20|tails_s20]
 # "pending": the norm and top-k GPU tests (~4 min, most of it compiling the top-k kernels), launch D's rank
 # threshold on/off, top-k with both flush kinds, the decode step; about 8 minutes.  "ncu": Nsight Compute
 # sections of the indexer scores, dense attention and gather kernels (benchmarks/ncu_cases.py).  "attention": the
@@ -514,4 +514,14 @@ if [ "$what" = grid_s20 ]; then  # left for session 20 (~5 min): the pool kernel
     $tn 2>&1 | grep -v -i warn | tee "$OUT/${stamp}_h200_profile_grid_${n}_s20.txt" | grep -E "==|pool"; done
   timeout 200 python3 benchmarks/bench_write.py --models v4-flash --modes prefill --ops hca,hca_online,csa_indexer $tn \
     --out "$OUT/${stamp}_h200_write_grid_s20.jsonl" 2>&1 | tee "$OUT/${stamp}_h200_write_grid_s20.txt" | grep prefill | cut -c1-220
+fi
+if [ "$what" = tails_s20 ]; then  # left for session 20 (~3 min): the indexer query tail with several tokens a program
+  # (3.3 ms of a 65,536-token CSA prefill layer, one program a token before) and the output's inverse RoPE in place
+  # (2.5 ms for the copy there): GPU tests, then graph times against the references, the query at each block_t
+  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_rope.py tests/kernels/test_indexer_query.py \
+    -k "gpu or cuda" 2>&1 | tee "$OUT/${stamp}_h200_gpu_tests_tails_s20.txt" | tail -2
+  timeout 120 python3 benchmarks/bench_rope.py --ops rope_inverse,rope_inverse_inplace,indexer_query --tokens 64,8192,65536 \
+    --out "$OUT/${stamp}_h200_rope_tails_s20.jsonl" 2>&1 | tee "$OUT/${stamp}_h200_rope_tails_s20.txt" | cut -c1-150
+  for bt in 1 2 4 16; do timeout 60 python3 benchmarks/bench_rope.py --ops indexer_query --tokens 8192,65536 --block-t $bt \
+    --out "$OUT/${stamp}_h200_rope_tails_s20.jsonl" 2>&1 | tee -a "$OUT/${stamp}_h200_rope_tails_s20.txt" | cut -c1-150; done
 fi
