@@ -44,8 +44,11 @@ def main(argv=None) -> None:
         "--rank-slots", type=int, nargs="*", default=[None], help="filter path: topk._RANK_SLOTS values to try"
     )
     ap.add_argument("--groups-per-k", type=int, default=None, help="filter path: topk._GROUPS_PER_K")
+    ap.add_argument("--one-region", type=int, default=None, help="filter path, one split: topk._ONE_REGION (0 / 1)")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args(argv)
+    if args.one_region is not None:
+        topk_mod._ONE_REGION = bool(args.one_region)
     if args.groups_per_k is not None:
         topk_mod._GROUPS_PER_K = topk_mod._GROUPS_PER_K_MANY = args.groups_per_k
     cuda = torch.cuda.is_available() and not args.smoke
@@ -70,6 +73,7 @@ def main(argv=None) -> None:
                 total = sum(t for t, _ in times.values())
                 g = f"graph {timer(run) * 1e6:.1f} us, " if timer else ""
                 tag = f" rank_slots {topk_mod._RANK_SLOTS} groups_per_k {topk_mod._GROUPS_PER_K}"
+                tag += f" one_region {int(topk_mod._ONE_REGION)}"
                 tag = tag if name != "radix" else ""
                 print(f"== rows {r} n {n} k {k} {name}{tag} splits {sp}: {g}device {total * 1e6:.1f} us")
                 for kname, (t, c) in sorted(times.items(), key=lambda x: -x[1][0]):

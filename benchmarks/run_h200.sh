@@ -525,6 +525,7 @@ if [ "$what" = tails_s20 ]; then  # left for session 20 (~3 min): the indexer qu
   for bt in 1 2 4 16; do timeout 60 python3 benchmarks/bench_rope.py --ops indexer_query --tokens 8192,65536 --block-t $bt \
     --out "$OUT/${stamp}_h200_rope_tails_s20.jsonl" 2>&1 | tee -a "$OUT/${stamp}_h200_rope_tails_s20.txt" | cut -c1-150; done
   # where a prefill chunk's top-k goes (14 ms of the 65,536-token CSA layer): 2,048 rows x 16,384, k = 512
-  timeout 100 python3 benchmarks/profile_topk.py --rows 2048 --n 16384 --k 512 --methods filter,radix --splits 1 --reps 3 \
-    2>&1 | grep -v -i warn | tee "$OUT/${stamp}_h200_profile_topk_prefill_s20.txt" | tail -14
+  # (filter with one split: launch D reads its region in place, ONE_REGION, vs the copy to the dense list)
+  for o in 1 0; do timeout 100 python3 benchmarks/profile_topk.py --rows 2048 --n 16384 --k 512 --methods filter,radix --splits 1 \
+    --reps 3 --one-region $o 2>&1 | grep -v -i warn | tee -a "$OUT/${stamp}_h200_profile_topk_prefill_s20.txt" | tail -14; done
 fi

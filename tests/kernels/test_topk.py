@@ -52,10 +52,12 @@ def check_contract(idx, scores, k, n_visible):
 
 def run_both(scores, k, nv=None, splits=(1, 4)):
     """Reference vs Triton: the default method for every split count (1: single program; >= 2: the
-    group-max filter path) and the radix split path for the smallest split count >= 2."""
+    group-max filter path), the radix split path for the smallest split count >= 2, and the filter path with one
+    split (a prefill chunk's auto choice: launch D reads the one region in place)."""
     b = topk_indices(scores, k, nv, backend="torch")
     check_contract(b, scores, k, nv)
     runs = [(sp, "auto") for sp in splits] + [(min(sp for sp in splits if sp > 1), "radix")] * (max(splits) > 1)
+    runs += [(1, "filter")] * (1 in splits)
     for sp, method in runs:
         a = topk_indices(scores, k, nv, backend="triton", splits=sp, method=method)
         assert a.dtype == torch.int32 and a.shape == (scores.shape[0], k)
@@ -423,9 +425,24 @@ def test_filter_random_rows_few_candidates(k, splits):
     assert all(k <= c <= plan["SB1"] for c in cnt), (cnt, plan)  # the small in-register tier
 
 
-def test_filter_boundary_ties_and_fallback_rows():
+def test_filter_one_split_with_and_without_the_copy(monkeypatch):
+    """One split: launch D reading its region in place gives the bits of the copy to the dense list."""
+    g = torch.Generator().manual_seed(27)
+    s = torch.randn(5, 1500, generator=g)
+    s[1, 200:900:2] = 3.0  # ties
+    nv = torch.tensor([1500, 1400, 40, 0, 777], dtype=torch.int32)
+    outs = []
+    for one in (True, False):
+        monkeypatch.setattr(topk_mod, "_ONE_REGION", one)
+        outs.append(topk_indices(s, 24, nv, backend="triton", splits=1, method="filter"))
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], topk_indices_reference(s, 24, nv))
+
+
+@pytest.mark.parametrize("splits", [4, 1])
+def test_filter_boundary_ties_and_fallback_rows(splits):
     """Ties at the boundary (lower index wins), an all-equal row, sorted rows (every group max is near L: more
-    candidates than SB2 slots -> the whole-row fallback) and a row for the second in-register tier."""
+    candidates than SB2 slots -> the whole-row fallback) and a row for the second in-register tier; with one split
+    each tier reads the one region in place (``ONE_REGION``)."""
     g = torch.Generator().manual_seed(21)
     N, k = 2048, 16
     s = torch.randn(6, N, generator=g)
@@ -435,7 +452,7 @@ def test_filter_boundary_ties_and_fallback_rows():
     s[3] = torch.linspace(1, -1, N)  # descending
     s[4, :60] = 10 + torch.rand(60, generator=g)  # two groups full of large values: SB1 < candidates <= SB2
     s[5, 100:700:3] = 7.0  # many ties at the top value, spread over several groups and chunks
-    got, cnt, plan = filter_run(s, k, splits=4)
+    got, cnt, plan = filter_run(s, k, splits=splits)
     assert plan["SB1"] < plan["SB2"]
     assert cnt[1] == N and cnt[2] > plan["SB2"] and cnt[3] > plan["SB2"]  # fallback rows
     assert plan["SB1"] < cnt[4] <= plan["SB2"]  # second tier

@@ -170,7 +170,11 @@ _LEVEL_BITS = 16  # filter path, launch B: key bits of the level searched (the r
 # compare tile a step costs more than the halved step count saves), 2 bits as three counts packed in one
 # int64 sum 28.3 us.
 _RADIX_STEP_BITS = 2
-_COPY_COLS = 64  # filter path, launch D: positions per region copied to the dense list per iteration
+_COPY_COLS = 64  # filter path, launch D: positions per region copied per iteration (x 64 / SP: 4,096-value tiles)
+# filter path, launch D with one split (a prefill chunk's rows: T >= 256): the region is the dense list, no copy.  The
+# copy's [64, 64] tiles held one region in 64 rows (SP was _MAX_SPLITS whatever the splits): ~11 masked tiles a row
+# for ~700 candidates.  Not yet timed (profile_topk.py --rows 2048 --n 16384 --k 512).
+_ONE_REGION = True
 # filter path, launch D: 0 = the threshold by the 32-bit radix search; > 0 = ``_kth_by_rank`` with this many slots
 # for the threshold's 16-bit bucket (8 search steps fewer).  H200 2026-12-03 (2026-12-03_h200_profile_topk_rank_loop_s7
 # .txt, device time 0 / 64 slots): 4 x 262,144 k = 1,024 26.1 / 24.7 us; 1 x 262,144 22.1 / 20.8; 64 x 32,768 k = 512
@@ -824,12 +828,13 @@ def _filter_write(
     HAS_NV: tl.constexpr, G: tl.constexpr, ALIGN: tl.constexpr, LEVELS: tl.constexpr,
     SB1: tl.constexpr, SB2: tl.constexpr, CPB: tl.constexpr,
     BLOCK: tl.constexpr, KP: tl.constexpr, SP: tl.constexpr, R: tl.constexpr, RANK_SLOTS: tl.constexpr = 0,
-    PDL: tl.constexpr = False,
+    ONE_REGION: tl.constexpr = False, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """D, grid (T,): when the listed candidates fit SB2 register slots, copies the S regions into one dense
     list in region order (= index order; [SP, CPB] tiles of (region, position)), then takes the exact top kk
     of it (``_take_dense``); else runs the single-program radix select over the whole row (adversarial rows:
-    many equal scores; exact, slow).  Writes the whole output row."""
+    many equal scores; exact, slow).  Writes the whole output row.  ``ONE_REGION`` (S = 1): the one region, which
+    starts at column 0 of the row's lists, is already the dense list: no copy, ``_take_dense`` reads it there."""
     pdl_enter(PDL)
     r = tl.program_id(0).to(tl.int64)
     ws_row = ws_ptr + r * stride_w
@@ -839,7 +844,14 @@ def _filter_write(
     c = tl.load(ws_row + _C + sidx, mask=sidx < S, other=0)
     total = tl.sum(c, axis=0)
     nv = _visible(nv_ptr, r, N, HAS_NV)
-    if total <= SB2:
+    if ONE_REGION:
+        if total <= SB1:
+            _take_dense(ws_row, out_row, total, kk, K, RIDX, RKEY, SB1, KP, R, RANK_SLOTS)
+        elif total <= SB2:
+            _take_dense(ws_row, out_row, total, kk, K, RIDX, RKEY, SB2, KP, R, RANK_SLOTS)
+        else:
+            _select_row(s_ptr + r * stride_s, nv, out_row, ws_row + RIDX, K, BLOCK, KP)
+    elif total <= SB2:
         ch, _ = _row_plan(nv, S, NG, G, ALIGN, LEVELS)
         starts = tl.cumsum(c, axis=0) - c
         src0 = sidx.to(tl.int64)[:, None] * ch
@@ -1040,15 +1052,15 @@ def _launch_filter(scores, nv, out, ws, k, splits, has_nv, interp):
     row = dict(HAS_NV=has_nv, G=p["G"], ALIGN=p["ALIGN"], LEVELS=p["LEVELS"], num_warps=8)
     row.update(pdl_launch(scores.device))
     _filter_max[grid](scores, nv, ws, ss, sw, N, p["NG"], splits, p["GM"], NGB=p["NGB"], **row)
+    sp = triton.next_power_of_2(splits)  # the per-split counts' vector (was always _MAX_SPLITS wide)
     _filter_level[(T,)](
-        nv, ws, sw, N, k, p["NG"], splits, p["GM"], NGP=p["NGP"], SP=_MAX_SPLITS, BITS=_LEVEL_BITS,
-        R=_RADIX_STEP_BITS, **row,
+        nv, ws, sw, N, k, p["NG"], splits, p["GM"], NGP=p["NGP"], SP=sp, BITS=_LEVEL_BITS, R=_RADIX_STEP_BITS, **row,
     )  # fmt: skip
     _filter_cand[grid](scores, nv, ws, ss, sw, N, p["NG"], splits, p["GM"], p["RIDX"], p["RKEY"], NGB=p["NGB"], **row)
     _filter_write[(T,)](
         scores, nv, out, ws, ss, so, sw, N, k, p["NG"], splits, p["RIDX"], p["RKEY"], p["DIDX"], p["DKEY"],
-        SB1=p["SB1"], SB2=p["SB2"], CPB=_COPY_COLS, BLOCK=1024 if interp else 4096, KP=p["KP"],
-        SP=_MAX_SPLITS, R=_RADIX_STEP_BITS, RANK_SLOTS=_RANK_SLOTS, **row,
+        SB1=p["SB1"], SB2=p["SB2"], CPB=_COPY_COLS * _MAX_SPLITS // sp, BLOCK=1024 if interp else 4096, KP=p["KP"],
+        SP=sp, R=_RADIX_STEP_BITS, RANK_SLOTS=_RANK_SLOTS, ONE_REGION=splits == 1 and _ONE_REGION, **row,
     )  # fmt: skip
 
 
