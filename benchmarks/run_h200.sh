@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One H200 session: environment, GPU tests, then the kernel benchmarks. Results go to $OUT (or ./out).
-# Usage (on the device machine, repo root): bash benchmarks/run_h200.sh [tests|bench|all|pending|ncu|attention|attention_ncu|indexer_gluon|indexer_live|indexer_fold|pending_s12|topk_rows|indexer_default|indexer_p2|indexer_ablate|flush_topk|skeleton|topk_short|fold_auto|hca_online|write_s15|emit_s15|emit2_s15|main_s15|write2_s15|final_s15|gemv_s15|online_regs|write_s16|final_s16|ncu_pool|div_s16|lean_s17|fast_s17|emit_s17|emit2_s17|warps_s17|ipool_s17|final_s17|sweep_s18|overlap_s18|fuse_s19|pdl_s19|pdl_decode_s19|writes_s19|layer_s19|select_s19|grid_s20|tails_s20]
+# Usage (on the device machine, repo root): bash benchmarks/run_h200.sh [tests|bench|all|pending|ncu|attention|attention_ncu|indexer_gluon|indexer_live|indexer_fold|pending_s12|topk_rows|indexer_default|indexer_p2|indexer_ablate|flush_topk|skeleton|topk_short|fold_auto|hca_online|write_s15|emit_s15|emit2_s15|main_s15|write2_s15|final_s15|gemv_s15|online_regs|write_s16|final_s16|ncu_pool|div_s16|lean_s17|fast_s17|emit_s17|emit2_s17|warps_s17|ipool_s17|final_s17|sweep_s18|overlap_s18|fuse_s19|pdl_s19|pdl_decode_s19|writes_s19|layer_s19|select_s19|grid_s20|tails_s20|linear_s20|layer_s20]
 # "pending": the norm and top-k GPU tests (~4 min, most of it compiling the top-k kernels), launch D's rank
 # threshold on/off, top-k with both flush kinds, the decode step; about 8 minutes.  "ncu": Nsight Compute
 # sections of the indexer scores, dense attention and gather kernels (benchmarks/ncu_cases.py).  "attention": the
@@ -528,4 +528,15 @@ if [ "$what" = tails_s20 ]; then  # left for session 20 (~3 min): the indexer qu
   # (filter with one split: launch D reads its region in place, ONE_REGION, vs the copy to the dense list)
   for o in 1 0; do timeout 100 python3 benchmarks/profile_topk.py --rows 2048 --n 16384 --k 512 --methods filter,radix --splits 1 \
     --reps 3 --one-region $o 2>&1 | grep -v -i warn | tee -a "$OUT/${stamp}_h200_profile_topk_prefill_s20.txt" | tail -14; done
+fi
+if [ "$what" = linear_s20 ]; then  # left for session 20 (~3 min): the compressor projections' prefill tiles, never swept
+  # (16.9 ms of the 65,536-token CSA layer, 128 x 128 x 32 on 8 warps, 3 stages): the CSA main pair at 65,536 tokens
+  g="block_m=128,256;block_n=64,128,256;block_k=16,32,64;num_warps=8;num_stages=3,4;split_k=1;swap_ab=0"
+  timeout 280 python3 benchmarks/bench_linear.py --sweep --sweep-m 65536 --ops csa_main --sweep-grid "$g" \
+    --out "$OUT/${stamp}_h200_linear_sweep_prefill_s20.jsonl" 2>&1 | tee "$OUT/${stamp}_h200_linear_sweep_prefill_s20.txt" | tail -12
+fi
+if [ "$what" = layer_s20 ]; then  # left for session 20 (~2 min): one layer's prefill step after this session's changes
+  # (the output's inverse RoPE in place, the query tail's tokens a program, the one-split top-k without its copy)
+  for kind in csa hca; do timeout 60 python3 benchmarks/profile_prefill.py --kind $kind --tokens 65536 --start 0 2>&1 \
+    | grep -v -i warn | tee "$OUT/${stamp}_h200_profile_prefill_${kind}_65536_0_s20.txt" | head -14; done
 fi
