@@ -139,13 +139,15 @@ def test_tokens_a_program_change_nothing(device, tuning):
         indexer_query_tail(q, w, pos, inv, FMT, backend="triton", block_h=8)
 
 
-def test_default_tokens_a_program():
+def test_default_tokens_a_program(monkeypatch):
     """Decode-sized steps keep one token a program; a prefill's grid shrinks while it keeps enough programs."""
     from dsv4.kernels.indexer import query as qm
 
     assert qm._default_block_t(64, 4) == 1
     assert qm._default_block_t(65536, 4) == qm._MAX_BLOCK_T
-    for t in (1, 100, 4096, 65536):
+    monkeypatch.setattr(qm, "_MAX_BLOCK_T", 8)
+    assert qm._default_block_t(64, 4) == 1 and qm._default_block_t(65536, 4) == 8
+    for t in (1, 100, 4096, 65536, 9000):
         bt = qm._default_block_t(t, 4)
         assert bt == 1 or -(-t // bt) * 4 >= qm._MIN_PROGRAMS
 

@@ -171,8 +171,9 @@ _POOL_APE_MAXNREG = 128
 # Pool grid order.  (token blocks, channel blocks): the programs resident together read one channel block (HCA: 128 B
 # of each 2 KB row) of many token blocks, and the next channel block of the same rows comes a wave later; with
 # ``CHANNELS_FAST`` (a 1-D grid) a token block's channel blocks are consecutive programs, so the rows are read whole
-# at about the same time.  The profile put the HCA pool at 77.6 % of its bytes' roofline where CSA main's (whole 4 KB
-# rows a program) reaches 100 % (2026-12-04_h200_profile_write_s16.txt).  Off until timed.
+# at about the same time.  Tried against HCA's pool at 76-85 % of its bytes' roofline; H200, 2026-12-05
+# (2026-12-05_h200_profile_grid_{65536,8192}_s20.txt, pool device time, 65,536 tokens): HCA 76.0 us vs 85.3 with it,
+# HCA online 80.5 vs 83.0, CSA indexer 36.5 vs 36.1; at 8,192 within 0.2 us.  So off (a knob, ``pool_channels_fast``).
 _POOL_CHANNELS_FAST = False
 
 

@@ -54,11 +54,12 @@ __all__ = ["indexer_query_tail", "indexer_query_tail_reference"]
 _INTS = (torch.int32, torch.int64)
 _BLOCK_H = 16  # heads of one token a program: the MMA's M (>= 16); V4: 64 heads -> 4 programs a token
 _WARPS = 4
-# Tokens a program (one after another; the sign matrix built once): a prefill's 65,536 tokens took 3.3 ms in one
-# program a token (H200, 2026-12-05_h200_profile_prefill_csa_65536_0_s19_fixed.txt: 2.2 GB moved, 16 % of the
-# HBM roofline), the per-program set-up repeated 262,144 times.  Up to _MAX_BLOCK_T tokens while the grid keeps
-# _MIN_PROGRAMS programs (a decode step of B <= 64 tokens stays at one token a program).  Not yet timed.
-_MAX_BLOCK_T = 8
+# Tokens a program (one after another, the sign matrix built once).  H200, 2026-12-05
+# (2026-12-05_h200_rope_tails_s20.*, graph time, 8,192 / 65,536 tokens): 1 token a program 394.7 / 3,094 us, 2 469.2 /
+# 3,698, 4 466.2 / 3,650, 8 453.0 / 3,458, 16 457.2 / 3,375 (the one-token tf32 kernel before: ~3.3 ms at 65,536 in
+# the layer profile).  The kernel is bound by its per-value instructions (rope roundings, MXFP4 round trip), not by
+# the per-program set-up, so one token a program stays the default (_MAX_BLOCK_T = 1); ``block_t`` remains a knob.
+_MAX_BLOCK_T = 1
 _MIN_PROGRAMS = 2048
 
 
