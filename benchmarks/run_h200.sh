@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One H200 session: environment, GPU tests, then the kernel benchmarks. Results go to $OUT (or ./out).
-# Usage (on the device machine, repo root): bash benchmarks/run_h200.sh [tests|bench|all|pending|ncu|attention|attention_ncu|indexer_gluon|indexer_live|indexer_fold|pending_s12|topk_rows|indexer_default|indexer_p2|indexer_ablate|flush_topk|skeleton|topk_short|fold_auto|hca_online|write_s15|emit_s15|emit2_s15|main_s15|write2_s15|final_s15|gemv_s15|online_regs|write_s16|final_s16|ncu_pool|div_s16|lean_s17|fast_s17|emit_s17|emit2_s17|warps_s17|ipool_s17|final_s17|sweep_s18|overlap_s18|fuse_s19|pdl_s19|pdl_decode_s19|writes_s19|layer_s19|select_s19|grid_s20|tails_s20|linear_s20|layer_s20]
+# Usage (on the device machine, repo root): bash benchmarks/run_h200.sh [tests|bench|all|pending|ncu|attention|attention_ncu|indexer_gluon|indexer_live|indexer_fold|pending_s12|topk_rows|indexer_default|indexer_p2|indexer_ablate|flush_topk|skeleton|topk_short|fold_auto|hca_online|write_s15|emit_s15|emit2_s15|main_s15|write2_s15|final_s15|gemv_s15|online_regs|write_s16|final_s16|ncu_pool|div_s16|lean_s17|fast_s17|emit_s17|emit2_s17|warps_s17|ipool_s17|final_s17|sweep_s18|overlap_s18|fuse_s19|pdl_s19|pdl_decode_s19|writes_s19|layer_s19|select_s19|grid_s20|tails_s20|linear_s20|layer_s20|topk_s20]
 # "pending": the norm and top-k GPU tests (~4 min, most of it compiling the top-k kernels), launch D's rank
 # threshold on/off, top-k with both flush kinds, the decode step; about 8 minutes.  "ncu": Nsight Compute
 # sections of the indexer scores, dense attention and gather kernels (benchmarks/ncu_cases.py).  "attention": the
@@ -539,4 +539,10 @@ if [ "$what" = layer_s20 ]; then  # left for session 20 (~2 min): one layer's pr
   # (the output's inverse RoPE in place, the query tail's tokens a program, the one-split top-k without its copy)
   for kind in csa hca; do timeout 60 python3 benchmarks/profile_prefill.py --kind $kind --tokens 65536 --start 0 2>&1 \
     | grep -v -i warn | tee "$OUT/${stamp}_h200_profile_prefill_${kind}_65536_0_s20.txt" | head -14; done
+fi
+if [ "$what" = topk_s20 ]; then  # left for session 20 (~4 min): a prefill chunk's top-k (2,048 rows x 16,384, k = 512,
+  # one split) with fewer warps in launches A / C and B / D and smaller tiles (all tuned on the decode step's few rows)
+  for v in "--warps-ac 4" "--warps-ac 4 --tile 2048" "--warps-ac 2 --tile 2048" "--warps-bd 4" "--warps-ac 4 --warps-bd 4"; do
+    timeout 80 python3 benchmarks/profile_topk.py --rows 2048 --n 16384 --k 512 --methods filter --splits 1 --reps 3 $v \
+      2>&1 | grep -v -i warn | tee -a "$OUT/${stamp}_h200_profile_topk_prefill_tune_s20.txt" | tail -5; done
 fi

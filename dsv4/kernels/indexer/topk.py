@@ -181,6 +181,11 @@ _ONE_REGION = True
 # 28.4 / 27.7 (graph 28.9 / 27.1, 23.5 / 22.2, 29.4 / 29.9).
 _RANK_SLOTS = 64
 _FILTER_TILE = 4096  # filter path, launches A and C: entries per tile (loop iteration) at most
+# filter path: warps of launches A and C, and of launches B and D (tuned on few long rows, the decode step).  A prefill
+# chunk (2,048 rows x 16,384, k = 512, one split; H200 2026-12-05_h200_profile_topk_prefill_s20.txt) spends 138 us in C
+# and 110 in D of 312.
+_FILTER_WARPS_AC = 8
+_FILTER_WARPS_BD = 8
 _FILTER_TILE_INTERP = 512  # the same under the interpreter (more tiles per chunk in small tests)
 # Workspace layout of a row (int32 columns); the kernels see the offsets as constexpr globals.
 _WS_H2, _WS_CNT, _WS_META, _WS_W = _BINS, 2 * _BINS, 2 * _BINS + 1, 2 * _BINS + 8
@@ -1049,14 +1054,15 @@ def _launch_filter(scores, nv, out, ws, k, splits, has_nv, interp):
     ss, so, sw = scores.stride(0), out.stride(0), ws.stride(0)
     p = _filter_plan(N, k, splits, interp, T)
     grid = (T, splits)
-    row = dict(HAS_NV=has_nv, G=p["G"], ALIGN=p["ALIGN"], LEVELS=p["LEVELS"], num_warps=8)
+    row = dict(HAS_NV=has_nv, G=p["G"], ALIGN=p["ALIGN"], LEVELS=p["LEVELS"], num_warps=_FILTER_WARPS_BD)
     row.update(pdl_launch(scores.device))
-    _filter_max[grid](scores, nv, ws, ss, sw, N, p["NG"], splits, p["GM"], NGB=p["NGB"], **row)
+    ac = {**row, "num_warps": _FILTER_WARPS_AC}
+    _filter_max[grid](scores, nv, ws, ss, sw, N, p["NG"], splits, p["GM"], NGB=p["NGB"], **ac)
     sp = triton.next_power_of_2(splits)  # the per-split counts' vector (was always _MAX_SPLITS wide)
     _filter_level[(T,)](
         nv, ws, sw, N, k, p["NG"], splits, p["GM"], NGP=p["NGP"], SP=sp, BITS=_LEVEL_BITS, R=_RADIX_STEP_BITS, **row,
     )  # fmt: skip
-    _filter_cand[grid](scores, nv, ws, ss, sw, N, p["NG"], splits, p["GM"], p["RIDX"], p["RKEY"], NGB=p["NGB"], **row)
+    _filter_cand[grid](scores, nv, ws, ss, sw, N, p["NG"], splits, p["GM"], p["RIDX"], p["RKEY"], NGB=p["NGB"], **ac)
     _filter_write[(T,)](
         scores, nv, out, ws, ss, so, sw, N, k, p["NG"], splits, p["RIDX"], p["RKEY"], p["DIDX"], p["DKEY"],
         SB1=p["SB1"], SB2=p["SB2"], CPB=_COPY_COLS * _MAX_SPLITS // sp, BLOCK=1024 if interp else 4096, KP=p["KP"],
