@@ -531,7 +531,7 @@ if [ "$what" = tails_s20 ]; then  # left for session 20 (~3 min): the indexer qu
 fi
 if [ "$what" = linear_s20 ]; then  # left for session 20 (~3 min): the compressor projections' prefill tiles, never swept
   # (16.9 ms of the 65,536-token CSA layer, 128 x 128 x 32 on 8 warps, 3 stages): the CSA main pair at 65,536 tokens
-  g="block_m=128,256;block_n=64,128,256;block_k=16,32,64;num_warps=8;num_stages=3,4;split_k=1;swap_ab=0"
+  g="block_m=128,256;block_n=128,256;block_k=32,64;num_warps=8;num_stages=3;split_k=1;swap_ab=0"
   timeout 280 python3 benchmarks/bench_linear.py --sweep --sweep-m 65536 --ops csa_main --sweep-grid "$g" \
     --out "$OUT/${stamp}_h200_linear_sweep_prefill_s20.jsonl" 2>&1 | tee "$OUT/${stamp}_h200_linear_sweep_prefill_s20.txt" | tail -12
 fi
@@ -542,7 +542,7 @@ if [ "$what" = layer_s20 ]; then  # left for session 20 (~2 min): one layer's pr
 fi
 if [ "$what" = topk_s20 ]; then  # left for session 20 (~4 min): a prefill chunk's top-k (2,048 rows x 16,384, k = 512,
   # one split) with fewer warps in launches A / C and B / D and smaller tiles (all tuned on the decode step's few rows)
-  for v in "--warps-ac 4" "--warps-ac 4 --tile 2048" "--warps-ac 2 --tile 2048" "--warps-bd 4" "--warps-ac 4 --warps-bd 4"; do
+  for v in "--warps-ac 4" "--warps-ac 2 --tile 2048" "--warps-ac 4 --warps-bd 4"; do
     timeout 80 python3 benchmarks/profile_topk.py --rows 2048 --n 16384 --k 512 --methods filter --splits 1 --reps 3 $v \
       2>&1 | grep -v -i warn | tee -a "$OUT/${stamp}_h200_profile_topk_prefill_tune_s20.txt" | tail -5; done
 fi
