@@ -545,4 +545,7 @@ if [ "$what" = topk_s20 ]; then  # left for session 20 (~4 min): a prefill chunk
   for v in "--warps-ac 4" "--warps-ac 2 --tile 2048" "--warps-ac 4 --warps-bd 4"; do
     timeout 80 python3 benchmarks/profile_topk.py --rows 2048 --n 16384 --k 512 --methods filter --splits 1 --reps 3 $v \
       2>&1 | grep -v -i warn | tee -a "$OUT/${stamp}_h200_profile_topk_prefill_tune_s20.txt" | tail -5; done
+  # a prefill's first chunk (rows that see <= 4,096 entries): the single-program kernel (auto's choice there) vs filter
+  timeout 80 python3 benchmarks/profile_topk.py --rows 8192 --n 4096 --k 512 --methods filter,radix --splits 1 --reps 3 \
+    2>&1 | grep -v -i warn | tee -a "$OUT/${stamp}_h200_profile_topk_prefill_tune_s20.txt" | grep "=="
 fi
