@@ -537,8 +537,9 @@ if [ "$what" = linear_s20 ]; then  # left for session 20 (~3 min): the compresso
 fi
 if [ "$what" = layer_s20 ]; then  # left for session 20 (~2 min): one layer's prefill step after this session's changes
   # (the output's inverse RoPE in place, the query tail's tokens a program, the one-split top-k without its copy)
-  for kind in csa hca; do timeout 60 python3 benchmarks/profile_prefill.py --kind $kind --tokens 65536 --start 0 2>&1 \
-    | grep -v -i warn | tee "$OUT/${stamp}_h200_profile_prefill_${kind}_65536_0_s20.txt" | head -14; done
+  # (session 20's run: the CSA profile passed its 60 s limit and wrote nothing; 150 s, and tail, not head, after tee)
+  for kind in csa hca; do timeout 150 python3 benchmarks/profile_prefill.py --kind $kind --tokens 65536 --start 0 2>&1 \
+    | grep -v -i warn | tee "$OUT/${stamp}_h200_profile_prefill_${kind}_65536_0_s20.txt" | tail -3; done
 fi
 if [ "$what" = topk_s20 ]; then  # left for session 20 (~4 min): a prefill chunk's top-k (2,048 rows x 16,384, k = 512,
   # one split) with fewer warps in launches A / C and B / D and smaller tiles (all tuned on the decode step's few rows)

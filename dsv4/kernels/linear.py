@@ -137,7 +137,10 @@ def linear_launch(
     tile reads each weight once; BLOCK_N 64, BLOCK_K 64, 3 stages, 4 warps (8 at BLOCK_M 128); swapped
     orientation, so that the MMA is a Hopper wgmma with the 64 weight rows as its M and the tokens as its N
     (16..128) and the big operand, the weight tile, is split into its tf32 parts in registers rather than
-    written back to shared memory.  Prefill: 128 x 128 x 32 tiles, 8 warps, 3 stages, x·wᵀ.
+    written back to shared memory.  Prefill: 128 x 128 x 64 tiles, 8 warps, 3 stages, x·wᵀ (H200 sweep at M = 65,536,
+    2026-12-05_h200_linear_sweep_prefill_s20.*: BLOCK_K 64 against the first default's 32, pair widths 1,024 / 512 /
+    256: 11.39 / 5.84 / 2.94 ms vs 13.21 / 6.71 / 3.36; 128 x 256 and 256 x 128 tiles 1.6-3x slower, K 64 with them
+    does not fit shared memory).
     ``split_k`` (unless given): doubled while the grid has fewer than ~2 programs per SM (1.9 x num_sms),
     every split keeps at least 4 K blocks for the pipeline, and the partials (written and read:
     2·split·M·N·4 bytes, mostly in L2) stay within 1/2 of the weight bytes (N·K·4), i.e. ``4·split·m <= k``.
@@ -150,7 +153,7 @@ def linear_launch(
     decode = m <= DECODE_MAX_M
     bm = (max(16, triton.next_power_of_2(max(m, 1))) if decode else 128) if block_m is None else block_m
     bn = (64 if decode else 128) if block_n is None else block_n
-    bk = (64 if decode else 32) if block_k is None else block_k
+    bk = 64 if block_k is None else block_k
     warps = (4 if decode and bm <= 64 else 8) if num_warps is None else num_warps
     stages = 3 if num_stages is None else num_stages
     swap = decode if swap_ab is None else swap_ab

@@ -80,10 +80,14 @@ def test_row_chunks_validation():
     assert row_chunks(0, 10, 2, []) == [] and row_chunks(0, 10, 2) == []
 
 
-@pytest.mark.parametrize("N", [1, 100, 4096, 4097, 20000])
-def test_scratch_cols_is_what_topk_allocates(N):
-    """topk_indices accepts a workspace of exactly topk_scratch_cols(N) columns (and refuses one fewer)."""
-    scores, ws = _on("triton", torch.randn(2, N), topk_workspace(2, N)[:, : topk_scratch_cols(N)].contiguous())
+@pytest.mark.parametrize("rows, N", [(2, 1), (2, 100), (2, 4096), (2, 4097), (2, 20000), (256, 100), (256, 1)])
+def test_scratch_cols_is_what_topk_allocates(rows, N):
+    """topk_indices accepts a workspace of exactly topk_scratch_cols(N, rows) columns (and refuses one fewer): few
+    short rows take the single-program kernel, many (a prefill chunk's) the filter path; without rows the bound
+    covers both."""
+    cols = topk_scratch_cols(N, rows)
+    assert cols <= topk_scratch_cols(N)
+    scores, ws = _on("triton", torch.randn(rows, N), topk_workspace(rows, N)[:, :cols].contiguous())
     want = topk_indices(scores.cpu(), 4, backend="torch")
     assert torch.equal(topk_indices(scores, 4, backend="triton", workspace=ws).cpu(), want)
     with pytest.raises(ValueError, match="workspace"):

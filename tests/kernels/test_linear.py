@@ -259,7 +259,7 @@ def test_linear_launch_defaults():
     assert linear_launch(1, 1024, 1024, 4096) == (16, 64, 64, 4, 3, 8, True)  # 256 programs
     assert linear_launch(8, 512, 512, 4096)[:2] == (16, 64)
     assert linear_launch(100, 1024, 1024, 4096) == (128, 64, 64, 8, 3, 8, True)  # partial budget: 4·8·100 <= 4096
-    assert linear_launch(65536, 1024, 1024, 4096) == (128, 128, 32, 8, 3, 1, False)
+    assert linear_launch(65536, 1024, 1024, 4096) == (128, 128, 64, 8, 3, 1, False)
     assert linear_launch(64, 1024, 1024, 4096, split_k=1, block_n=128, swap_ab=False)[1:] == (128, 64, 4, 3, 1, False)
 
 

@@ -680,3 +680,23 @@ def test_gpu_filter_threshold_by_rank(monkeypatch, rows, n, k):
         assert torch.equal(
             topk_indices(s, k, backend="triton", workspace=ws, method="filter"), topk_indices_reference(s, k)
         )
+
+
+def test_many_short_rows_take_the_filter_path(monkeypatch):
+    """A prefill chunk's shape (>= _SINGLE_MAX_ROWS rows, N <= _SINGLE_MAX_N): "auto" runs the filter path with one
+    split (and launches B / D on _FILTER_WARPS_BD_MANY warps), not the single-program kernel; same indices as the
+    reference, with causal n_visible and ties."""
+    g = torch.Generator().manual_seed(33)
+    T, N, k = topk_mod._SINGLE_MAX_ROWS, 300, 24
+    s = torch.randn(T, N, generator=g)
+    s[::7, 50:120] = 1.5  # ties across the boundary
+    nv = torch.arange(1, T + 1, dtype=torch.int32).clamp(max=N)
+    launched = []
+    real = topk_mod._launch_filter
+    monkeypatch.setattr(topk_mod, "_launch_filter", lambda *a: launched.append(a[5]) or real(*a))
+    got = topk_indices(s, k, nv, backend="triton")
+    assert launched == [1]  # the filter path, one split
+    assert torch.equal(got, topk_indices_reference(s, k, nv))
+    launched.clear()
+    topk_indices(s[: T - 1], k, nv[: T - 1], backend="triton")
+    assert launched == []  # one row fewer: the single-program kernel

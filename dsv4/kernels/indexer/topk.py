@@ -142,7 +142,11 @@ _MIN_CHUNK = 4096  # auto splits: entries per program at least
 _MAX_BLOCK = 8192  # split path: entries per loop iteration of a (T, S) program at most
 _CBLOCK = 256  # split path, launch 4: candidates per iteration of the threshold search
 _PBLOCK = 128  # split path, launch 4: -1 padding stripe per program
-_SINGLE_MAX_N = 4096  # method "auto", splits None: one program per row up to this row length
+_SINGLE_MAX_N = 4096  # method "auto", splits None: one program per row up to this row length ...
+# ... for fewer rows than this: a prefill chunk's many short rows go to the filter path (one split).  H200 2026-12-05
+# (2026-12-05_h200_profile_topk_prefill_tune_s20.txt, 8,192 rows x 4,096, k = 512): filter 696.7 us, the
+# single-program kernel 1,210.1 (2,048 x 16,384: 312.4 vs 769.3).  Fewer rows (decode steps) were tuned before.
+_SINGLE_MAX_ROWS = 256
 # method "auto": the filter path for every multi-program case.  H200 2026-12-03 (2026-12-03_h200_topk_s6.jsonl,
 # in_graph_time_s, rows x 262,144, k = 1,024): filter 24.1 / 39.9 / 53.1 / 169.0 us vs radix 25.8 / 40.2 / 65.8 /
 # 430.4 at 1 / 4 / 8 / 64 rows; k = 512: filter 23.4 / 27.1 / 34.4 / 149.1 vs radix 26.2 / 40.2 / 65.5 / 422.0.
@@ -186,6 +190,12 @@ _FILTER_TILE = 4096  # filter path, launches A and C: entries per tile (loop ite
 # and 110 in D of 312.
 _FILTER_WARPS_AC = 8
 _FILTER_WARPS_BD = 8
+# ... and launches B and D from _FILTER_MANY_ROWS rows (the prefill chunk above: D 109.6 -> 63.4 us, B 26.0 -> 23.0, the
+# call 312.4 -> 330.7 with A / C at 4 warps too, which cost C 55 us; A / C stay at 8).  Not for the decode step: 4 x
+# 32,768 / 64 x 32,768 (k = 512) / 4 x 262,144 (k = 1,024) took 19.1 / 27.6 / 28.4 us at 8 warps, 21.6 / 28.7 / 32.4 at
+# 4 (2026-12-05_h200_profile_topk_warps_bd_decode_s20.txt).
+_FILTER_WARPS_BD_MANY = 4
+_FILTER_MANY_ROWS = 256
 _FILTER_TILE_INTERP = 512  # the same under the interpreter (more tiles per chunk in small tests)
 # Workspace layout of a row (int32 columns); the kernels see the offsets as constexpr globals.
 _WS_H2, _WS_CNT, _WS_META, _WS_W = _BINS, 2 * _BINS, 2 * _BINS + 1, 2 * _BINS + 8
@@ -901,10 +911,12 @@ def _workspace_cols(N: int, single: bool) -> int:
     return _WS_LIST + (n if single else 2 * _dense_slots(n) + 2 * n + triton.cdiv(n, 2))
 
 
-def topk_scratch_cols(N: int) -> int:
-    """Workspace columns a row of ``topk_indices`` allocates on [T, N] scores with the default method and splits
-    (the single-program kernel up to N = 4,096, then the filter path); host ints only."""
-    return _workspace_cols(N, N <= _SINGLE_MAX_N)
+def topk_scratch_cols(N: int, rows: int | None = None) -> int:
+    """Workspace columns a row of ``topk_indices`` allocates on [``rows``, N] scores with the default method and splits
+    (the single-program kernel up to N = 4,096 for fewer than _SINGLE_MAX_ROWS rows, else the filter path); with
+    ``rows`` None the larger of the two (any row count).  Host ints only."""
+    few = rows is not None and rows < _SINGLE_MAX_ROWS
+    return _workspace_cols(N, N <= _SINGLE_MAX_N and few)
 
 
 def topk_workspace(T: int, N: int, device: torch.device | str | None = None) -> torch.Tensor:
@@ -947,8 +959,9 @@ def topk_indices(
             method.  The result never depends on it.
         method: Triton only: "filter" (group-max filter, any splits), "radix" (splits == 1: the
             single-program kernel; else the 4-launch radix split path), or "auto": the single-program
-            kernel when splits == 1 or (splits is None and N <= 4096), else "filter" (measured faster than
-            the radix split path at every shape of ``benchmarks/bench_indexer.py``).
+            kernel when splits == 1 or (splits is None, N <= 4096 and T < 256), else "filter" (measured faster than
+            the radix split path at every shape of ``benchmarks/bench_indexer.py``, and than the single-program
+            kernel on a prefill chunk's many rows).
 
     Returns:
         [T, k] int32: the chosen indices in ascending order (chosen = the top kk = min(k, #selectable)
@@ -963,7 +976,7 @@ def topk_indices(
     if method not in ("auto", "filter", "radix"):
         raise ValueError(f"method: expected 'auto', 'filter' or 'radix', got {method!r}")
     if method == "auto":
-        single = splits == 1 or (splits is None and N <= _SINGLE_MAX_N)
+        single = splits == 1 or (splits is None and N <= _SINGLE_MAX_N and T < _SINGLE_MAX_ROWS)
         method = "radix" if single else "filter"
     if splits is None:
         splits = _auto_splits_filter(T, N) if method == "filter" else _auto_splits(T, N)
@@ -1054,7 +1067,8 @@ def _launch_filter(scores, nv, out, ws, k, splits, has_nv, interp):
     ss, so, sw = scores.stride(0), out.stride(0), ws.stride(0)
     p = _filter_plan(N, k, splits, interp, T)
     grid = (T, splits)
-    row = dict(HAS_NV=has_nv, G=p["G"], ALIGN=p["ALIGN"], LEVELS=p["LEVELS"], num_warps=_FILTER_WARPS_BD)
+    bd_warps = _FILTER_WARPS_BD_MANY if T >= _FILTER_MANY_ROWS else _FILTER_WARPS_BD
+    row = dict(HAS_NV=has_nv, G=p["G"], ALIGN=p["ALIGN"], LEVELS=p["LEVELS"], num_warps=bd_warps)
     row.update(pdl_launch(scores.device))
     ac = {**row, "num_warps": _FILTER_WARPS_AC}
     _filter_max[grid](scores, nv, ws, ss, sw, N, p["NG"], splits, p["GM"], NGB=p["NGB"], **ac)
