@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One H200 session: environment, GPU tests, then the kernel benchmarks. Results go to $OUT (or ./out).
-# Usage (on the device machine, repo root): bash benchmarks/run_h200.sh [tests|bench|all|pending|ncu|attention|attention_ncu|indexer_gluon|indexer_live|indexer_fold|pending_s12|topk_rows|indexer_default|indexer_p2|indexer_ablate|flush_topk|skeleton|topk_short|fold_auto|hca_online|write_s15|emit_s15|emit2_s15|main_s15|write2_s15|final_s15|gemv_s15|online_regs|write_s16|final_s16|ncu_pool|div_s16|lean_s17|fast_s17|emit_s17|emit2_s17|warps_s17|ipool_s17|final_s17|sweep_s18|overlap_s18|fuse_s19|pdl_s19|pdl_decode_s19|writes_s19|layer_s19|select_s19|grid_s20|tails_s20|linear_s20|layer_s20|topk_s20]
+# Usage (on the device machine, repo root): bash benchmarks/run_h200.sh [tests|bench|all|pending|ncu|attention|attention_ncu|indexer_gluon|indexer_live|indexer_fold|pending_s12|topk_rows|indexer_default|indexer_p2|indexer_ablate|flush_topk|skeleton|topk_short|fold_auto|hca_online|write_s15|emit_s15|emit2_s15|main_s15|write2_s15|final_s15|gemv_s15|online_regs|write_s16|final_s16|ncu_pool|div_s16|lean_s17|fast_s17|emit_s17|emit2_s17|warps_s17|ipool_s17|final_s17|sweep_s18|overlap_s18|fuse_s19|pdl_s19|pdl_decode_s19|writes_s19|layer_s19|select_s19|grid_s20|tails_s20|linear_s20|layer_s20|topk_s20|validate_s20]
 # "pending": the norm and top-k GPU tests (~4 min, most of it compiling the top-k kernels), launch D's rank
 # threshold on/off, top-k with both flush kinds, the decode step; about 8 minutes.  "ncu": Nsight Compute
 # sections of the indexer scores, dense attention and gather kernels (benchmarks/ncu_cases.py).  "attention": the
@@ -549,4 +549,14 @@ if [ "$what" = topk_s20 ]; then  # left for session 20 (~4 min): a prefill chunk
   # a prefill's first chunk (rows that see <= 4,096 entries): the single-program kernel (auto's choice there) vs filter
   timeout 80 python3 benchmarks/profile_topk.py --rows 8192 --n 4096 --k 512 --methods filter,radix --splits 1 --reps 3 \
     2>&1 | grep -v -i warn | tee -a "$OUT/${stamp}_h200_profile_topk_prefill_tune_s20.txt" | grep "=="
+fi
+if [ "$what" = validate_s20 ]; then  # left for session 21 (~8 min): session 20's defaults set from measurements of the
+  # same kernels but never run as defaults (GEMM BLOCK_K 64 for prefill; top-k: filter path for >= 256 rows at any N,
+  # launches B / D on 4 warps there): their GPU tests, the top-k at the two prefill shapes with the defaults, then the
+  # CSA and HCA layers' prefill profiles (the CSA one was lost to a timeout in session 20)
+  timeout 240 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_topk.py tests/kernels/test_indexer_select.py \
+    tests/kernels/test_linear.py tests/model/test_attention.py -k "cuda or gpu" 2>&1 | tee "$OUT/${stamp}_h200_gpu_tests_validate_s20.txt" | tail -2
+  for rn in "2048 16384" "8192 4096"; do set -- $rn; timeout 60 python3 benchmarks/profile_topk.py --rows $1 --n $2 --k 512 \
+    --methods auto --reps 3 2>&1 | grep -v -i warn | tee -a "$OUT/${stamp}_h200_profile_topk_defaults_s20.txt" | grep "=="; done
+  OUT=$OUT bash "$0" layer_s20
 fi
