@@ -170,6 +170,30 @@ def parity_sign(v):
 
 
 @triton.jit
+def sylvester_signs(cn, INTERP: tl.constexpr):
+    """The Sylvester signs [n, n] of ``cn`` = arange(n) as an MMA operand (``hadamard_dots``): bf16 on the GPU (+-1
+    are exact), fp32 under the interpreter (its tf32 dot)."""
+    h = parity_sign(cn[:, None] & cn[None, :])
+    if not INTERP:
+        h = h.to(tl.bfloat16)
+    return h
+
+
+@triton.jit
+def hadamard_dots(a, b, h, INTERP: tl.constexpr):
+    """(a @ h, b @ h) for rows a, b [M, n] holding bf16 values (fp32) and the signs h of ``sylvester_signs``: the two
+    halves' products of H_2 (x) H_n, every product exact; bf16 MMAs with fp32 accumulation on the GPU, tf32 under
+    the interpreter (its bf16 dot is wrong; tf32 holds bf16 values exactly)."""
+    if INTERP:
+        za = tl.dot(a, h, input_precision="tf32")
+        zb = tl.dot(b, h, input_precision="tf32")
+    else:
+        za = tl.dot(a.to(tl.bfloat16), h)
+        zb = tl.dot(b.to(tl.bfloat16), h)
+    return za, zb
+
+
+@triton.jit
 def bf16_rne(x, INTERP: tl.constexpr):
     """fp32 -> nearest-even bf16 value (as fp32): the hardware conversion (``cvt.rn.bf16x2.f32``) on a GPU,
     ``bf16_round``'s integer emulation under the interpreter (same values)."""

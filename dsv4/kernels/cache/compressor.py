@@ -76,10 +76,12 @@ from dsv4.kernels.cache._triton_quant import (
     bf16_round,
     ceil_log2_ratio,
     e2m1_code,
+    hadamard_dots,
     parity_sign,
     pow2_neg,
     rope_cos_sin_at,
     rope_cos_sin_pos,
+    sylvester_signs,
 )
 from dsv4.kernels.cache.store import (
     _VEC_ELEMS,
@@ -1750,7 +1752,7 @@ def _emit_indexer_dot_kernel(
         tl.store(scratch_ptr + a * BLOCK_T + rank, kk, mask=go)
         tl.debug_barrier()
         cn = tl.arange(0, NOPE)
-        h = _dot_signs(cn, INTERP)  # [NOPE, NOPE]
+        h = sylvester_signs(cn, INTERP)  # [NOPE, NOPE]
         roff = NOPE + 2 * tl.arange(0, HR)[:, None] + tl.arange(0, 2)[None, :]  # [HR, 2]
         wn = tl.load(w_ptr + cn).to(tl.float32)
         we, wo = tl.split(tl.load(w_ptr + roff).to(tl.float32))
@@ -1765,16 +1767,6 @@ def _emit_indexer_dot_kernel(
                 Q_EXP, Q_MANT,
             )  # fmt: skip
     pdl_end(PDL, PDL_LATE)
-
-
-@triton.jit
-def _dot_signs(cn, INTERP: tl.constexpr):
-    """The Sylvester signs [n, n] of ``cn`` = arange(n) as the MMA operand of ``_emit_indexer_dot_rows``: bf16 on
-    the GPU (+-1 are exact), fp32 under the interpreter (its tf32 dot)."""
-    h = parity_sign(cn[:, None] & cn[None, :])
-    if not INTERP:
-        h = h.to(tl.bfloat16)
-    return h
 
 
 @triton.jit
@@ -1805,12 +1797,7 @@ def _emit_indexer_dot_rows(
     # H_DIM = H_2 (x) H_NOPE (nope = rope = DIM / 2): z[:NOPE] = A + B, z[NOPE:] = A - B with
     # A = yn @ H_NOPE, B = rope @ H_NOPE.  The values are bf16 and the signs +-1, so every product is exact in
     # bf16 MMAs (fp32 accumulation) on the GPU; the interpreter's bf16 dot is wrong, so it takes tf32 (also exact)
-    if INTERP:
-        za = tl.dot(yn, h, input_precision="tf32")
-        zb = tl.dot(rot, h, input_precision="tf32")
-    else:
-        za = tl.dot(yn.to(tl.bfloat16), h)
-        zb = tl.dot(rot.to(tl.bfloat16), h)
+    za, zb = hadamard_dots(yn, rot, h, INTERP)
     s32 = tl.where(go, sl, 0).to(tl.int32)
     page = (s32 // bs).to(tl.int64)
     row = (s32 % bs).to(tl.int64)

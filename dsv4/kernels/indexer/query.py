@@ -40,11 +40,12 @@ from dsv4.kernels.cache._triton_quant import (
     bf16_rne,
     ceil_log2_ratio,
     e2m1_code,
+    hadamard_dots,
     mul_rn,
-    parity_sign,
     pow2_neg,
     qmax_split,
     rope_cos_sin_pos,
+    sylvester_signs,
 )
 from dsv4.kernels.dispatch import interpreter_enabled, pdl_launch, use_triton
 from dsv4.model import functional as F
@@ -133,9 +134,7 @@ def _indexer_query_kernel(
     cn = tl.arange(0, NOPE)
     j = tl.arange(0, HR)
     roff = NOPE + 2 * j[:, None] + tl.arange(0, 2)[None, :]  # [HR, 2] (even, odd) lanes of each rope pair
-    hm = parity_sign(cn[:, None] & cn[None, :])  # [NOPE, NOPE] Sylvester signs
-    if not INTERP:
-        hm = hm.to(tl.bfloat16)
+    hm = sylvester_signs(cn, INTERP)  # [NOPE, NOPE]
     for i in range(BLOCK_T):
         t = tl.program_id(0).to(tl.int64) * BLOCK_T + i
         ok = (h < HI) & ((t + 0 * h) < T)  # (t as a block: the interpreter rejects a block & a scalar as a mask)
@@ -149,12 +148,7 @@ def _indexer_query_kernel(
         ye = bf16_rne(mul_rn(xe, c, INTERP) - mul_rn(xo, s, INTERP), INTERP)  # torch's roundings (no FMA)
         yo = bf16_rne(mul_rn(xe, s, INTERP) + mul_rn(xo, c, INTERP), INTERP)
         rot = tl.reshape(tl.join(ye, yo), [BLOCK_H, NOPE])
-        if INTERP:
-            za = tl.dot(xn, hm, input_precision="tf32")
-            zb = tl.dot(rot, hm, input_precision="tf32")
-        else:
-            za = tl.dot(xn.to(tl.bfloat16), hm)
-            zb = tl.dot(rot.to(tl.bfloat16), hm)
+        za, zb = hadamard_dots(xn, rot, hm, INTERP)
         lo = _mxfp4_roundtrip(bf16_rne((za + zb) * HAD_SCALE, INTERP), BLOCK_H, NOPE // QB, QB, FLOOR, Q_EXP, Q_MANT)
         hi = _mxfp4_roundtrip(bf16_rne((za - zb) * HAD_SCALE, INTERP), BLOCK_H, NOPE // QB, QB, FLOOR, Q_EXP, Q_MANT)
         orow = out_ptr + (t * HI + h) * DI
