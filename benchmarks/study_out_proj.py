@@ -58,8 +58,8 @@ def main() -> None:
         import triton
 
         for name, fn in (("einsum", einsum_form), ("bmm", bmm_form)):
-            ms = triton.testing.do_bench(lambda fn=fn: fn(o, wo_a), warmup=10, rep=50, return_mode="median")
-            print(f"  {name:6s} {ms * 1e3:10.1f} us  kernels {kernels(lambda fn=fn: fn(o, wo_a))}")
+            ms = triton.testing.do_bench(lambda fn=fn, o=o: fn(o, wo_a), warmup=10, rep=50, return_mode="median")
+            print(f"  {name:6s} {ms * 1e3:10.1f} us  kernels {kernels(lambda fn=fn, o=o: fn(o, wo_a))}")
 
 
 if __name__ == "__main__":
