@@ -558,6 +558,10 @@ if [ "$what" = validate_s20 ]; then  # left for session 21 (~8 min): session 20'
     tests/kernels/test_linear.py tests/model/test_attention.py -k "cuda or gpu" 2>&1 | tee "$OUT/${stamp}_h200_gpu_tests_validate_s20.txt" | tail -2
   for rn in "2048 16384" "8192 4096"; do set -- $rn; timeout 60 python3 benchmarks/profile_topk.py --rows $1 --n $2 --k 512 \
     --methods auto --reps 3 2>&1 | grep -v -i warn | tee -a "$OUT/${stamp}_h200_profile_topk_defaults_s20.txt" | grep "=="; done
+  # launch C (138 of 312 us there) on 16 warps; 4 groups a k (a quarter fewer groups read by C, twice the maxima for B)
+  for v in "--warps-ac 16" "--groups-per-k 4"; do timeout 60 python3 benchmarks/profile_topk.py --rows 2048 --n 16384 \
+    --k 512 --methods filter --splits 1 --reps 3 $v 2>&1 | grep -v -i warn | tee -a "$OUT/${stamp}_h200_profile_topk_defaults_s20.txt" \
+    | tail -5; done
   timeout 60 python3 benchmarks/study_out_proj.py 2>&1 | tee "$OUT/${stamp}_h200_study_out_proj_s20.txt" | tail -6
   OUT=$OUT bash "$0" layer_s20
 fi
