@@ -44,9 +44,14 @@ def main(argv=None) -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--top", type=int, default=30, help="kernels listed")
     ap.add_argument("--smoke", action="store_true", help="tiny config on the CPU (torch backend)")
+    ap.add_argument("--bands", type=int, default=None, help="HCA prefill row bands on / off (model.attention)")
     args = ap.parse_args(argv)
     cuda = torch.cuda.is_available() and not args.smoke
     device = torch.device("cuda" if cuda else "cpu")
+    if args.bands is not None:
+        from dsv4.model import attention as attention_mod
+
+        attention_mod.PREFILL_BANDS = bool(args.bands)
     model, tokens, start = ("tiny", 160, 64) if args.smoke else (args.model, args.tokens, args.start)
     backend = "auto" if cuda else "torch"
     total_tokens = start + tokens
@@ -75,7 +80,10 @@ def main(argv=None) -> None:
     launches = sum(n for _, n in ks.values())
     ours = sum(t for k, (t, _) in ks.items() if k.startswith("_"))
     dev_name = torch.cuda.get_device_name() if cuda else "cpu (host times of top-level ops)"
-    print(f"device: {dev_name}; {model} {args.kind}: {tokens} tokens at positions {start}..{start + tokens - 1}")
+    print(
+        f"device: {dev_name}; {model} {args.kind}: {tokens} tokens at positions {start}..{start + tokens - 1}"
+        + ("" if args.bands is None else f"; HCA row bands {args.bands}")
+    )
     for k, (t, n) in sorted(ks.items(), key=lambda kv: -kv[1][0])[: args.top]:
         print(f"   {t * 1e6:9.1f} us  x{n:<4.0f} {k[:110]}")
     print(f"== {total * 1e6:.1f} us device time in {launches:.0f} launches a call; dsv4's kernels {ours * 1e6:.1f} us")

@@ -564,4 +564,7 @@ if [ "$what" = validate_s20 ]; then  # left for session 21 (~8 min): session 20'
     | tail -5; done
   timeout 60 python3 benchmarks/study_out_proj.py 2>&1 | tee "$OUT/${stamp}_h200_study_out_proj_s20.txt" | tail -6
   OUT=$OUT bash "$0" layer_s20
+  # the HCA prefill's attention in row bands (model.attention.PREFILL_BANDS, off until this), same layer profile
+  timeout 150 python3 benchmarks/profile_prefill.py --kind hca --tokens 65536 --start 0 --bands 1 2>&1 | grep -v -i warn \
+    | tee "$OUT/${stamp}_h200_profile_prefill_hca_65536_0_bands_s20.txt" | tail -3
 fi

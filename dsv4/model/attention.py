@@ -10,6 +10,7 @@ Order of one step (per layer)::
     CSA/HCA: compressor projections -> state -> pooled -> entries       handle.compress
     CSA: indexer compressor -> MXFP4 keys; indexer query; scores + top-k   kernels.indexer (row chunks)
     sparse attention: window + (top-k | all visible) entries + sink     kernels.attention.sparse_attention
+      [HCA prefill, PREFILL_BANDS] in row bands, each index as wide as its rows see (``visible_bands``)
     inverse RoPE, grouped output projection                            projections.output_projection
 
 Window keys.  Decode (every request advances one token): the query at t reads ring rows of positions
@@ -43,6 +44,37 @@ from dsv4.kernels.linear import linear_counters, linear_fp32_group, linear_fp32_
 from dsv4.model import functional as F
 from dsv4.model.projections import indexer_query, output_projection, query
 from dsv4.model.weights import AttentionWeights
+
+# An HCA prefill attends in row bands, each with an entry index as wide as its rows see (``visible_bands``), instead of
+# one index of ``max_entries`` columns for every row: a 65,536-token prefill from position 0 has rows seeing 0 .. 512
+# entries, ~45 % of the one index's columns -1 (each still a key block of the attention loop).  Off until timed on
+# the H200 (``run_h200.sh validate_s20``: the HCA layer profile with and without).
+PREFILL_BANDS = False
+BAND_ALIGN = 64  # a band's index width is rounded up to this many entries (the attention kernels' key blocks)
+BAND_MIN_ROWS = 1024  # rows a band has at least (but the last): each band costs two launches
+
+
+def visible_bands(
+    n_visible: np.ndarray, max_entries: int, align: int = BAND_ALIGN, min_rows: int = BAND_MIN_ROWS
+) -> list[tuple[int, int, int]]:
+    """Row bands ``(start, stop, width)`` covering rows [0, T) in order: a band's width is its rows' largest visible
+    count rounded up to ``align`` (at most ``max_entries``); a band closes when the next row would widen it and it
+    holds ``min_rows`` rows.  ``n_visible``: int [T] host counts (``StepPlan.host_n_visible``)."""
+    nv = np.asarray(n_visible, dtype=np.int64)
+    t = int(nv.shape[0])
+    if t == 0:
+        return []
+    widths = np.minimum(-(-nv // align) * align, max_entries)
+    bands, start, width = [], 0, int(widths[0])
+    for i in range(1, t):
+        w = int(widths[i])
+        if w > width:
+            if i - start >= min_rows:
+                bands.append((start, i, width))
+                start = i
+            width = w
+    bands.append((start, t, width))
+    return bands
 
 
 class AttentionSubBlock:
@@ -119,6 +151,9 @@ class AttentionSubBlock:
                     # HCA; or CSA while no request has more entries than top-k: each row attends all it sees, in an
                     # index as wide as the top-k path's (one layout whichever path a step takes, so a padded graph
                     # step and an eager one agree bit for bit)
+                    if self.kind is LayerKind.HCA and not plan.is_decode and PREFILL_BANDS:
+                        o = self._banded_hca_attention(q, window, comp, handle)
+                        return output_projection(cfg, w, o, pos[:, None], self.inv_freq, be, consume_o=True)
                     width = cfg.index_topk if self.kind is LayerKind.CSA else rp.max_entries
                     phys = visible_physical(
                         rp.n_visible, width, rp.block_table, plan.request_ids, rp.entries_per_page, backend=be
@@ -127,6 +162,28 @@ class AttentionSubBlock:
 
         o, _ = sparse_attention(q, caches, w.attn_sink, self.scale, backend=be)
         return output_projection(cfg, w, o, pos[:, None], self.inv_freq, be, consume_o=True)
+
+    def _banded_hca_attention(
+        self, q: torch.Tensor, window: tuple[EntryPages, torch.Tensor], comp: EntryPages, handle: LayerCacheHandle
+    ) -> torch.Tensor:
+        """An HCA prefill's attention in row bands (``visible_bands``), each over an entry index only as wide as its
+        rows see; o [T, H, D] bf16, the values of the one call over ``max_entries`` columns (the extra columns are
+        -1: they add exact zeros)."""
+        plan, rp = handle.plan, handle.ratio_plan
+        nv_host = plan.memo(("n_visible", self.ratio), lambda: plan.host_n_visible(self.ratio))
+        bands = plan.memo(("hca_bands", self.ratio), lambda: visible_bands(nv_host, rp.max_entries))
+        o = torch.empty_like(q)
+        ws, ws_index = window
+        for a, b, width in bands:
+            caches = [(ws, ws_index[a:b])]
+            if width:
+                phys = visible_physical(
+                    rp.n_visible[a:b], width, rp.block_table, plan.request_ids[a:b], rp.entries_per_page,
+                    backend=self.backend,
+                )  # fmt: skip
+                caches.append((comp, phys))
+            sparse_attention(q[a:b], caches, self.w.attn_sink, self.scale, backend=self.backend, out=o[a:b])
+        return o
 
     # ------------------------------------------------------------------ pieces
     def compressor_projections_all(

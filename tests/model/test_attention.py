@@ -13,6 +13,7 @@ top-k near-ties (spec §12) did not occur over the seeds used.
 import dataclasses
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -399,3 +400,53 @@ def test_short_requests_skip_the_indexer(monkeypatch):
     )
     assert_close(run_cached(layer, w, x, [[30, 1, 29], [7, 53]]), dense_attention(TINY, layer, w, x))
     assert set(widths) == {TINY.index_topk}  # (60 tokens: at most 15 entries)
+
+
+def test_visible_bands_cover_rows_in_order():
+    """Bands cover the rows in order, each as wide as its rows' largest count rounded up (capped at max_entries),
+    close only at a widening with min_rows rows behind them; random counts, a causal ramp, no rows."""
+    g = np.random.default_rng(5)
+    for nv in (np.arange(5000) // 128, g.integers(0, 300, 777), np.zeros(10, dtype=np.int64), np.array([], np.int64)):
+        bands = attention_mod.visible_bands(nv, 256, align=64, min_rows=100)
+        assert [a for a, _, _ in bands] == [0] * bool(len(nv)) + [b for _, b, _ in bands[:-1]]
+        assert (bands[-1][1] if bands else 0) == len(nv)
+        for a, b, w in bands:
+            assert w == min(256, -(-int(nv[a:b].max()) // 64) * 64) and w % 64 == 0 or w == 256
+            assert b - a >= 100 or b == len(nv)
+    ramp = attention_mod.visible_bands(np.arange(65536) // 128, 512)
+    # the rows seeing no entry join the first band (too few rows for their own): 64, 128, ..., 512 entries
+    assert len(ramp) == 8 and ramp[0][2] == 64 and ramp[-1][2] == 512
+    assert sum((b - a) * w for a, b, w in ramp) < 0.6 * 65536 * 512
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_hca_prefill_bands_change_nothing(monkeypatch, backend):
+    """An HCA prefill's attention in row bands of several widths gives the layer output of the one wide index (its
+    extra columns are -1: exact zeros); bit for bit on the Triton path (its key blocks are summed in order, the
+    missing ones added nothing), to a few fp32 ulps on the torch reference (whose reductions over the key axis
+    group differently at another width); two requests, chunked, one arriving later."""
+    layer, dev = LAYERS["hca"], _backend_device(backend)
+    w = random_attention_weights(TINY, layer, seed=8, device=dev)
+    full = backend == "torch" or dev.type == "cuda"  # (the interpreter: one request of 260 tokens, two chunks)
+    t_len = 420 if full else 260
+    x = torch.randn(2 if full else 1, t_len, TINY.dim, generator=torch.Generator().manual_seed(8))
+    x = x.to(torch.bfloat16).to(dev)
+    sched = [[t_len - 150, 150], [None, t_len]] if full else [[t_len - 100, 100]]
+    monkeypatch.setattr(attention_mod, "PREFILL_BANDS", False)
+    one = run_cached(layer, w, x, sched, backend=backend, device=dev)
+    monkeypatch.setattr(attention_mod, "PREFILL_BANDS", True)
+    monkeypatch.setattr(attention_mod, "BAND_ALIGN", 1)
+    monkeypatch.setattr(attention_mod, "BAND_MIN_ROWS", 16)
+    calls = []
+    real = attention_mod.visible_bands
+    monkeypatch.setattr(
+        attention_mod, "visible_bands", lambda *a, **k: calls.append(real(*a, align=1, min_rows=16)) or calls[-1]
+    )
+    banded = run_cached(layer, w, x, sched, backend=backend, device=dev)
+    if backend == "triton":
+        assert torch.equal(banded, one)
+    else:
+        d = (banded.float() - one.float()).abs()
+        # (observed: 0.006 % of the values differ, by at most 2.4e-4, one bf16 step of a small value)
+        assert (d > 0).float().mean() <= 1e-3 and d.max() <= 2**-7 * one.float().abs().max(), d.max().item()
+    assert any(len({bw for _, _, bw in bands}) > 1 for bands in calls)  # bands of several widths ran
