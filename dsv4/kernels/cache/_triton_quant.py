@@ -11,6 +11,7 @@ or fast-math:
 - ``e4m3_code``: fp32 with |v| <= 448 -> float8_e4m3fn byte, round to nearest even, sign kept;
 - ``bf16_rne``: ``bf16_round`` by the hardware conversion on a GPU (the same values);
 - ``e2m1_code``: fp32 -> e2m1 code, nearest with ties to the even code (the format's thresholds);
+- ``e2m1_round``: fp32 -> the e2m1 value of that code (as fp32, +0 for a value that rounds to zero);
 - ``parity_sign``: the signs of the Sylvester Hadamard matrix;
 - ``mul_rn``: an fp32 product that is never fused into an FMA (torch's rounding of ``a*c - b*s``);
 - ``rope_cos_sin_at``: cos/sin of the RoPE angle ``fp32(ratio * (pos // ratio)) * inv_freq`` (fp32),
@@ -201,6 +202,25 @@ def bf16_rne(x, INTERP: tl.constexpr):
         return bf16_round(x)
     else:
         return x.to(tl.bfloat16).to(tl.float32)
+
+
+@triton.jit
+def e2m1_round(v):
+    """fp32 value of ``e2m1_code(v)`` (the decoded code: 0, +-.5, ..., +-6; a value that rounds to zero is +0), in the
+    value domain without the code: with the same scaling f = 2, 1 or 1/2 of the three evenly spaced runs, the value is
+    min(rint(min(a f, 8)) / f, 6) -- rint's ties to even are the even code's (the runs' code offsets 0, 2, 4 are
+    even), a run's upper end lands on the next run's first value as the code does, and past 6 it saturates.  Every
+    step is exact (products by powers of two, a round to integer by the fp32 add of 1.5 * 2**23).  For a round trip
+    (``indexer.query``'s MXFP4 simulation) this skips the code-to-value decode."""
+    a = tl.abs(v)
+    lo = a < 2.0
+    mid = a < 4.0
+    f = tl.where(lo, 2.0, tl.where(mid, 1.0, 0.5))
+    # rint, ties to even (exact for 0 <= y <= 8), read from the sum's low bits as ``e2m1_code`` does (an fp32
+    # (y + c) - c could be folded to y by a compiler that reassociates)
+    r = ((tl.minimum(a * f, 8.0) + 12582912.0).to(tl.int32, bitcast=True) - 0x4B400000).to(tl.float32)
+    mag = tl.minimum(r * tl.where(lo, 0.5, tl.where(mid, 1.0, 2.0)), 6.0)
+    return tl.where((v < 0) & (mag > 0), -mag, mag)
 
 
 @triton.jit

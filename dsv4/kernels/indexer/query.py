@@ -39,7 +39,7 @@ from dsv4.kernels._triton_sync import pdl_enter
 from dsv4.kernels.cache._triton_quant import (
     bf16_rne,
     ceil_log2_ratio,
-    e2m1_code,
+    e2m1_round,
     hadamard_dots,
     mul_rn,
     pow2_neg,
@@ -79,22 +79,13 @@ def indexer_query_tail_reference(
 
 
 @triton.jit
-def _e2m1_value(code):
-    """fp32 magnitude-with-sign of an e2m1 code (sign << 3 | index into 0, .5, 1, 1.5, 2, 3, 4, 6)."""
-    m = code & 7
-    mag = tl.where(m < 2, 0.5 * m.to(tl.float32), (2 + (m & 1)).to(tl.float32) * pow2_neg(2 - (m >> 1)))
-    return tl.where((code & 8) != 0, -mag, mag)
-
-
-@triton.jit
 def _mxfp4_roundtrip(z, ROWS: tl.constexpr, NBH: tl.constexpr, QB: tl.constexpr, FLOOR: tl.constexpr,
                      Q_EXP: tl.constexpr, Q_MANT: tl.constexpr):  # fmt: skip
     """Rows z [ROWS, NBH * QB] fp32 (bf16 values) -> MXFP4 blocks of QB -> dequantised fp32 values."""
     zb = tl.reshape(z, [ROWS, NBH, QB])
     amax = tl.max(tl.abs(zb), axis=2)
     e = ceil_log2_ratio(amax, FLOOR, Q_EXP, Q_MANT)  # in [-126, 126]: amax >= FLOOR, finite bf16 input
-    code = e2m1_code(zb * pow2_neg(e)[:, :, None])
-    v = _e2m1_value(code) * pow2_neg(-e)[:, :, None]
+    v = e2m1_round(zb * pow2_neg(e)[:, :, None]) * pow2_neg(-e)[:, :, None]
     return tl.reshape(v, [ROWS, NBH * QB])
 
 
