@@ -564,6 +564,9 @@ if [ "$what" = validate_s20 ]; then  # left for session 21 (~8 min): session 20'
     --k 512 --methods filter --splits 1 --reps 3 $v 2>&1 | grep -v -i warn | tee -a "$OUT/${stamp}_h200_profile_topk_defaults_s20.txt" \
     | tail -5; done
   timeout 60 python3 benchmarks/study_out_proj.py 2>&1 | tee "$OUT/${stamp}_h200_study_out_proj_s20.txt" | tail -6
+  # the query tail with e2m1_round (2,568 static instructions a program, 2,744 before: 3,094 us at 65,536 then)
+  timeout 60 python3 benchmarks/bench_rope.py --ops indexer_query --tokens 8192,65536 \
+    --out "$OUT/${stamp}_h200_rope_validate_s20.jsonl" 2>&1 | cut -c1-150
   OUT=$OUT bash "$0" layer_s20
   # the HCA prefill's attention in row bands (model.attention.PREFILL_BANDS, off until this), same layer profile
   timeout 150 python3 benchmarks/profile_prefill.py --kind hca --tokens 65536 --start 0 --bands 1 2>&1 | grep -v -i warn \
