@@ -195,14 +195,14 @@ def main() -> None:
 
                 def tri(keys=keys, bt=bt, q=q, w=w, tr=tr, nv=nv, n=int(n), kw=variant):
                     indexer_scores(q, w, keys, bt, tr, nv, n, "triton", **kw)
-            elif op == "topk":  # topk:rows:n (k = 1,024, n_visible given: the decode step's selection)
+            elif op in ("topk", "topk512"):  # topk:rows:n (k = 1,024; topk512: k = 512), n_visible given
                 from dsv4.kernels.indexer import topk_indices
 
                 sc = torch.randn(int(mode), int(n), generator=gen)
                 nvk = torch.full((int(mode),), int(n), dtype=torch.int32)
 
-                def tri(sc=sc, nvk=nvk):
-                    topk_indices(sc, 1024, nvk, "triton")
+                def tri(sc=sc, nvk=nvk, k=512 if op == "topk512" else 1024):
+                    topk_indices(sc, k, nvk, "triton")
             elif op == "linear":  # linear:M:gemv (a CSA layer's four compressor weights, K = 4096, bf16 x, counters)
                 from dsv4.kernels.linear import linear_counters, linear_fp32_group
 

@@ -195,8 +195,11 @@ _FILTER_WARPS_BD = 8
 # call 312.4 -> 330.7 with A / C at 4 warps too, which cost C 55 us; A / C stay at 8).  Not for the decode step: 4 x
 # 32,768 / 64 x 32,768 (k = 512) / 4 x 262,144 (k = 1,024) took 19.1 / 27.6 / 28.4 us at 8 warps, 21.6 / 28.7 / 32.4 at
 # 4 (2026-12-05_h200_profile_topk_warps_bd_decode_s20.txt).
+# Measured at k = 512 only; launch D's sm_90 build on 4 warps holds 255 registers + 312 B of stack at k = 512 and
+# 1,504 B at k = 1,024 (on 8 warps: 215 + 0 and 255 + 160; ``sass_report.py topk512:2048:16384``), so k <= 512 only.
 _FILTER_WARPS_BD_MANY = 4
 _FILTER_MANY_ROWS = 256
+_FILTER_BD_MANY_MAX_K = 512
 _FILTER_TILE_INTERP = 512  # the same under the interpreter (more tiles per chunk in small tests)
 # Workspace layout of a row (int32 columns); the kernels see the offsets as constexpr globals.
 _WS_H2, _WS_CNT, _WS_META, _WS_W = _BINS, 2 * _BINS, 2 * _BINS + 1, 2 * _BINS + 8
@@ -1068,7 +1071,8 @@ def _launch_filter(scores, nv, out, ws, k, splits, has_nv, interp):
     ss, so, sw = scores.stride(0), out.stride(0), ws.stride(0)
     p = _filter_plan(N, k, splits, interp, T)
     grid = (T, splits)
-    bd_warps = _FILTER_WARPS_BD_MANY if T >= _FILTER_MANY_ROWS else _FILTER_WARPS_BD
+    many = T >= _FILTER_MANY_ROWS and k <= _FILTER_BD_MANY_MAX_K
+    bd_warps = _FILTER_WARPS_BD_MANY if many else _FILTER_WARPS_BD
     row = dict(HAS_NV=has_nv, G=p["G"], ALIGN=p["ALIGN"], LEVELS=p["LEVELS"], num_warps=bd_warps)
     row.update(pdl_launch(scores.device))
     ac = {**row, "num_warps": _FILTER_WARPS_AC}
