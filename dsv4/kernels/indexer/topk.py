@@ -863,29 +863,26 @@ def _filter_write(
     c = tl.load(ws_row + _C + sidx, mask=sidx < S, other=0)
     total = tl.sum(c, axis=0)
     nv = _visible(nv_ptr, r, N, HAS_NV)
-    if ONE_REGION:
-        if total <= SB1:
-            _take_dense(ws_row, out_row, total, kk, K, RIDX, RKEY, SB1, KP, R, RANK_SLOTS)
-        elif total <= SB2:
-            _take_dense(ws_row, out_row, total, kk, K, RIDX, RKEY, SB2, KP, R, RANK_SLOTS)
+    if total <= SB2:
+        if ONE_REGION:  # the list is the region itself
+            li, lk = RIDX, RKEY
         else:
-            _select_row(s_ptr + r * stride_s, nv, out_row, ws_row + RIDX, K, BLOCK, KP)
-    elif total <= SB2:
-        ch, _ = _row_plan(nv, S, NG, G, ALIGN, LEVELS)
-        starts = tl.cumsum(c, axis=0) - c
-        src0 = sidx.to(tl.int64)[:, None] * ch
-        for p0 in range(0, tl.max(c, axis=0), CPB):
-            pcol = p0 + tl.arange(0, CPB)
-            m = pcol[None, :] < c[:, None]
-            src = src0 + pcol[None, :]
-            dst = starts[:, None] + pcol[None, :]
-            tl.store(ws_row + DIDX + dst, tl.load(ws_row + RIDX + src, mask=m), mask=m)
-            tl.store(ws_row + DKEY + dst, tl.load(ws_row + RKEY + src, mask=m), mask=m)
-        tl.debug_barrier()  # the dense list is complete before any thread reads it
+            ch, _ = _row_plan(nv, S, NG, G, ALIGN, LEVELS)
+            starts = tl.cumsum(c, axis=0) - c
+            src0 = sidx.to(tl.int64)[:, None] * ch
+            for p0 in range(0, tl.max(c, axis=0), CPB):
+                pcol = p0 + tl.arange(0, CPB)
+                m = pcol[None, :] < c[:, None]
+                src = src0 + pcol[None, :]
+                dst = starts[:, None] + pcol[None, :]
+                tl.store(ws_row + DIDX + dst, tl.load(ws_row + RIDX + src, mask=m), mask=m)
+                tl.store(ws_row + DKEY + dst, tl.load(ws_row + RKEY + src, mask=m), mask=m)
+            tl.debug_barrier()  # the dense list is complete before any thread reads it
+            li, lk = DIDX, DKEY
         if total <= SB1:
-            _take_dense(ws_row, out_row, total, kk, K, DIDX, DKEY, SB1, KP, R, RANK_SLOTS)
+            _take_dense(ws_row, out_row, total, kk, K, li, lk, SB1, KP, R, RANK_SLOTS)
         else:
-            _take_dense(ws_row, out_row, total, kk, K, DIDX, DKEY, SB2, KP, R, RANK_SLOTS)
+            _take_dense(ws_row, out_row, total, kk, K, li, lk, SB2, KP, R, RANK_SLOTS)
     else:
         _select_row(s_ptr + r * stride_s, nv, out_row, ws_row + RIDX, K, BLOCK, KP)
 
