@@ -506,6 +506,7 @@ fi
 if [ "$what" = grid_s20 ]; then  # left for session 20 (~5 min): the pool kernel's CHANNELS_FAST grid order (a token
   # block's channel blocks consecutive programs, so HCA's 2 KB rows are read whole by programs resident together, not
   # 128 B of each row a wave): the pool GPU tests, then per-kernel device times and the prefill rows' graph times
+  # (ran once in session 20: slower, and the knob was removed after it; this mode no longer runs)
   timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_compressor.py tests/kernels/test_compressor_online.py \
     -k "(cuda or gpu) and (many_emitters or chunked_steps or ape_added)" 2>&1 | tee "$OUT/${stamp}_h200_gpu_tests_grid_s20.txt" | tail -2
   tn=""; for op in hca hca_online csa_indexer; do tn="$tn --tune $op: --tune $op:pool_channels_fast=1"; done

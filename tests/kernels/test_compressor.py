@@ -553,8 +553,6 @@ TUNINGS = [
     {"pool_div_after": 0},
     {"pool_fast_rows": 1, "pool_fast_exp": 1},  # entries wholly in the step loaded without the state select
     {"pool_fast_rows": 1, "pool_block_t": 4, "pool_div_after": 0},
-    {"pool_channels_fast": 1, "block_d": 4},  # 1-D grid, a token block's channel blocks consecutive programs
-    {"pool_channels_fast": 1, "block_d": 8, "pool_block_t": 1, "row_loads": 1},
 ]
 
 

@@ -72,7 +72,7 @@ def check(got, hist, state, slot_map, ratio):
     "tuning",
     [
         {}, {"pool_fast_rows": 1, "pool_fast_exp": 1}, {"pool_online_rows_in_step": 1, "pool_maxnreg": 128},
-        {"counters": True}, {"counters": True, "block_d": 8}, {"pool_channels_fast": 1, "block_d": 4},
+        {"counters": True}, {"counters": True, "block_d": 8},
     ],
 )  # fmt: skip
 def test_online_chunked_steps_equal_one_pass(device, backend, ratio, tuning):

@@ -170,13 +170,10 @@ _POOL_ONLINE_ROWS_IN_STEP = False
 # instead of 4), CSA main 223 -> 254 (still 4).  HCA's pools with ape are capped at this many (HCA 16 B of stack,
 # online none) unless ``pool_maxnreg`` says otherwise.  Not timed.
 _POOL_APE_MAXNREG = 128
-# Pool grid order.  (token blocks, channel blocks): the programs resident together read one channel block (HCA: 128 B
-# of each 2 KB row) of many token blocks, and the next channel block of the same rows comes a wave later; with
-# ``CHANNELS_FAST`` (a 1-D grid) a token block's channel blocks are consecutive programs, so the rows are read whole
-# at about the same time.  Tried against HCA's pool at 76-85 % of its bytes' roofline; H200, 2026-12-05
-# (2026-12-05_h200_profile_grid_{65536,8192}_s20.txt, pool device time, 65,536 tokens): HCA 76.0 us vs 85.3 with it,
-# HCA online 80.5 vs 83.0, CSA indexer 36.5 vs 36.1; at 8,192 within 0.2 us.  So off (a knob, ``pool_channels_fast``).
-_POOL_CHANNELS_FAST = False
+# (A one-dimensional pool grid with a token block's channel blocks as consecutive programs, so that the programs
+# resident together read HCA's 2 KB rows whole rather than 128 B of each, was slower on the H200, 2026-12-05
+# (2026-12-05_h200_profile_grid_{65536,8192}_s20.txt, pool device time at 65,536 tokens): HCA 85.3 vs 76.0 us, HCA
+# online 83.0 vs 80.5, CSA indexer 36.1 vs 36.5; removed.)
 
 
 def _pool_fast_defaults(cm: int, full_tile: bool, online: bool) -> tuple[bool, bool]:
@@ -933,7 +930,6 @@ def _compressor_pool_kernel(
     ape_ptr=None,
     HAS_APE: tl.constexpr = False,
     PDL: tl.constexpr = False,
-    CHANNELS_FAST: tl.constexpr = False,
 ):
     """Program (token block a, channel block b): write ``emits`` of tokens [a*BLOCK_T, ...) (b == 0) and
     pool channels [b*BLOCK_D, ...) of each emitting token with a state slot, one after another (visiting
@@ -947,17 +943,10 @@ def _compressor_pool_kernel(
     row the pooling needs).  ``ONLINE_ROWS_IN_STEP`` (online, not ``ROW_LOADS``): an entry that does not combine the
     state has, by that test, all its rows in the step (for HCA, t + 1 = 0 mod m, so none before position 0), so it
     is pooled by the fast loads alone, without the state-reading path compiled beside them (``_pool_token``'s
-    ``ROWS_IN_STEP``).  ``CHANNELS_FAST``: a one-dimensional grid in which the channel blocks of a token block are
-    consecutive programs (a = pid // NB, b = pid % NB), so the programs running together read whole rows rather than
-    one channel block of many rows; else the grid is (token blocks, channel blocks)."""
+    ``ROWS_IN_STEP``)."""
     pdl_enter(PDL)
-    if CHANNELS_FAST:
-        pid = tl.program_id(0).to(tl.int64)
-        a = pid // tl.cdiv(D, BLOCK_D)
-        b = (pid % tl.cdiv(D, BLOCK_D)).to(tl.int32)
-    else:
-        a = tl.program_id(0).to(tl.int64)
-        b = tl.program_id(1)
+    a = tl.program_id(0).to(tl.int64)
+    b = tl.program_id(1)
     tt, ss, tp, sp, work = _pool_block_head(
         a, b, T, pos_ptr, tslot_ptr, emits_ptr, num_state_slots, M, BLOCK_T, BLOCK_R, ROW_LOADS, True
     )
@@ -1295,7 +1284,6 @@ def compressor_step(
     pool_fast_exp: bool | None = None,
     pool_online_rows_in_step: bool | None = None,
     pool_maxnreg: int | None = None,
-    pool_channels_fast: bool | None = None,
     write_stream: torch.cuda.Stream | None = None,
     counters: torch.Tensor | None = None,
     ape: torch.Tensor | None = None,
@@ -1333,8 +1321,7 @@ def compressor_step(
         values), ``pool_fast_rows`` / ``pool_fast_exp`` (``_pool_token``'s FAST_ROWS / FAST_EXP, the latter also
         in the online state's prefix; default ``_pool_fast_defaults``), ``pool_online_rows_in_step`` (online
         state: the pool kernel's ONLINE_ROWS_IN_STEP; default _POOL_ONLINE_ROWS_IN_STEP), ``pool_maxnreg`` (the pool
-        kernel's register cap, ptxas ``maxnreg``, an int in [24, 255]; default none; ignored by the interpreter),
-        ``pool_channels_fast`` (the pool kernel's CHANNELS_FAST grid order; default _POOL_CHANNELS_FAST).
+        kernel's register cap, ptxas ``maxnreg``, an int in [24, 255]; default none; ignored by the interpreter).
     ``write_stream`` (non-decode Triton path on CUDA; ignored otherwise): the state-write launches go to this
         stream, after it waits for the pool; the call then returns with the write possibly still running, and the
         caller must make its stream wait for ``write_stream`` before anything reads or writes the state, and keep
@@ -1388,7 +1375,6 @@ def compressor_step(
         kv, score, t, d, cm, ratio, online, pool_block_t=pool_block_t, block_d=block_d, num_warps=num_warps,
         row_loads=row_loads, pool_div_after=pool_div_after, pool_fast_rows=pool_fast_rows, pool_fast_exp=pool_fast_exp,
         pool_online_rows_in_step=pool_online_rows_in_step, pool_maxnreg=pool_maxnreg, ape=ape is not None,
-        pool_channels_fast=pool_channels_fast,
     )  # fmt: skip
     _compressor_pool_kernel[grid](
         *head, pooled, emits.view(torch.uint8), t, state_pos if online else kv_state, OVERLAP=overlap, **kw,
@@ -1424,9 +1410,8 @@ def _pool_launch_params(
     pool_fast_exp: bool | None = None,
     pool_online_rows_in_step: bool | None = None,
     pool_maxnreg: int | None = None,
-    pool_channels_fast: bool | None = None,
     ape: bool = False,
-) -> tuple[tuple[int, ...], dict, int, bool]:
+) -> tuple[tuple[int, int], dict, int, bool]:
     """The non-decode pool launch of ``compressor_step`` for T = ``t`` tokens: (grid, keyword arguments of
     ``_compressor_pool_kernel`` but OVERLAP, channels a program, FAST_EXP), from the tuning arguments
     (``compressor_step``'s docstring).  ``whole_rows``: a program takes all d channels (``block_d`` ignored; d a
@@ -1450,7 +1435,6 @@ def _pool_launch_params(
     fast_exp = bool(auto_exp if pool_fast_exp is None else pool_fast_exp)
     offsets32 = max(kv.stride(0), score.stride(0)) * cm < 2**31  # (the fast loads' 32-bit row offsets)
     check_maxnreg("pool_maxnreg", pool_maxnreg)
-    ch_fast = bool(_POOL_CHANNELS_FAST if pool_channels_fast is None else pool_channels_fast) and not whole_rows
     if pool_maxnreg is None and ape and block_r > 8:
         pool_maxnreg = _POOL_APE_MAXNREG
     cap = {} if pool_maxnreg is None or interpreter_enabled() else {"maxnreg": pool_maxnreg}
@@ -1460,13 +1444,11 @@ def _pool_launch_params(
         ONLINE_ROWS_IN_STEP=online and offsets32 and bool(
             _POOL_ONLINE_ROWS_IN_STEP if pool_online_rows_in_step is None else pool_online_rows_in_step
         ),
-        FAST_EXP=fast_exp, INTERP=interpreter_enabled(), CHANNELS_FAST=ch_fast,
+        FAST_EXP=fast_exp, INTERP=interpreter_enabled(),
         num_warps=num_warps or (_POOL_WARPS if block_r > 8 else _POOL_WARPS_TINY if tiny else _POOL_WARPS_SMALL),
         **cap,
     )  # fmt: skip
-    nb = triton.cdiv(d, bd)
-    grid = (triton.cdiv(t, bt) * nb,) if ch_fast else (triton.cdiv(t, bt), nb)
-    return grid, kw, bd, fast_exp
+    return (triton.cdiv(t, bt), triton.cdiv(d, bd)), kw, bd, fast_exp
 
 
 def _launch_state_write(

@@ -194,7 +194,7 @@ def _pool_emit(
     grid, kw, bd, fast_exp = _pool_launch_params(
         kv, score, t, d, cm, ratio, False, whole_rows=True, ape=ape is not None, **step_kw
     )
-    for k in ("BLOCK_D", "ROW_LOADS", "ONLINE", "ONLINE_ROWS_IN_STEP", "CHANNELS_FAST"):
+    for k in ("BLOCK_D", "ROW_LOADS", "ONLINE", "ONLINE_ROWS_IN_STEP"):
         kw.pop(k)
     head = _kernel_head(kv, score, positions, token_slot, kv_state, score_state)
     emit = (norm_weight, float(eps), inv_freq, slots)
