@@ -12,8 +12,7 @@ Ops, at V4-Flash widths (H = 64 query heads, D = 512, rope 64), T in {1, 8, 64, 
 - ``rope_inverse_inplace``: the same with ``in_place=True`` (what the layer runs: only the rope channels read and
   written; checked on a copy, timed rotating the same tensor again each call); same baseline;
 - ``indexer_query``: ``kernels.indexer.indexer_query_tail`` at the indexer's widths (Hi = 64, Di = 128; RoPE ->
-  Hadamard -> MXFP4 of the query, head weights); baseline its PyTorch reference.  ``--block-t`` sets its tokens a
-  program.
+  Hadamard -> MXFP4 of the query, head weights); baseline its PyTorch reference.
 
 Correctness first, on the same data: bf16 values equal to the reference's, and (token, head) rows with any
 difference (the kernel's tolerance, see tests/kernels/test_rope.py: rows whose norm's fp32 sum order rounds
@@ -112,7 +111,7 @@ def make_ops(op: str, t: int, g: torch.Generator, device: torch.device, geometry
         q = torch.randn(t, INDEX_HEADS * INDEX_DIM, generator=g).bfloat16().to(device)
         w = torch.randn(t, INDEX_HEADS, generator=g).bfloat16().to(device)
         inv = _inv_freq(INDEX_DIM // 2, device)
-        kw = {k: v for k, v in geometry.items() if k in ("block_t", "block_h", "num_warps") and v}
+        kw = {k: v for k, v in geometry.items() if k in ("block_h", "num_warps") and v}
         tri = lambda: indexer_query_tail(q, w, pos, inv, fmt, backend="triton", **kw)  # noqa: E731
         ref = lambda: indexer_query_tail_reference(q, w, pos, inv, fmt)  # noqa: E731
         nbytes = t * INDEX_HEADS * (2 * INDEX_DIM * 2 + 2 + 4) + t * 4
@@ -154,7 +153,6 @@ def main() -> None:
     ap.add_argument("--tokens", default=None, help="comma-separated token counts (default 1,8,64,8192)")
     ap.add_argument("--block-h", type=int, default=None, help="heads per program (default: the op's heuristic)")
     ap.add_argument("--num-warps", type=int, default=None, help="warps per program (default: the op's heuristic)")
-    ap.add_argument("--block-t", type=int, default=None, help="indexer_query: tokens a program (default: heuristic)")
     args = ap.parse_args()
     cuda = torch.cuda.is_available()
     if not cuda and not args.smoke:
@@ -162,7 +160,7 @@ def main() -> None:
     device = torch.device("cuda" if cuda else "cpu")
     gpu = torch.cuda.get_device_name() if cuda else "cpu (triton interpreter)"
     tokens = tuple(int(t) for t in args.tokens.split(",")) if args.tokens else (SMOKE_TOKENS if args.smoke else TOKENS)
-    geometry = {"block_h": args.block_h, "num_warps": args.num_warps, "block_t": args.block_t}
+    geometry = {"block_h": args.block_h, "num_warps": args.num_warps}
     date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     rows = []
     for op in args.ops.split(","):

@@ -523,6 +523,7 @@ if [ "$what" = tails_s20 ]; then  # left for session 20 (~3 min): the indexer qu
     -k "gpu or cuda" 2>&1 | tee "$OUT/${stamp}_h200_gpu_tests_tails_s20.txt" | tail -2
   timeout 120 python3 benchmarks/bench_rope.py --ops rope_inverse,rope_inverse_inplace,indexer_query --tokens 64,8192,65536 \
     --out "$OUT/${stamp}_h200_rope_tails_s20.jsonl" 2>&1 | tee "$OUT/${stamp}_h200_rope_tails_s20.txt" | cut -c1-150
+  # (the query tail's --block-t, tokens a program, was removed after this run: no gain)
   for bt in 1 2 4 16; do timeout 60 python3 benchmarks/bench_rope.py --ops indexer_query --tokens 8192,65536 --block-t $bt \
     --out "$OUT/${stamp}_h200_rope_tails_s20.jsonl" 2>&1 | tee -a "$OUT/${stamp}_h200_rope_tails_s20.txt" | cut -c1-150; done
   # where a prefill chunk's top-k goes (14 ms of the 65,536-token CSA layer): 2,048 rows x 16,384, k = 512

@@ -6,7 +6,7 @@ ptxas made of each: registers, spill / local-memory bytes, shared memory, SASS i
     python benchmarks/sass_report.py attention:v4-pro:64 --tune attention:dense=gluon   # decode attention
     python benchmarks/sass_report.py topk:4:262144                      # top-k's kernels (k = 1,024)
     python benchmarks/sass_report.py linear:1:1                         # compressor projections, 1 token, GEMV
-    python benchmarks/sass_report.py iquery:65536:8 rope_inv:65536:1    # indexer query (tokens a program), in place
+    python benchmarks/sass_report.py iquery:65536:0 rope_inv:65536:1    # indexer query tail, inverse RoPE in place
 
 The operation is built by ``bench_write``'s case builders on CPU tensors; every Triton launch is replaced by
 a compile-only ``warmup`` against a stand-in driver that reports an H100/H200 (``GPUTarget("cuda", 90, 32)``),
@@ -211,12 +211,11 @@ def main() -> None:
 
                 def tri(x=x, ws=ws, gemv=bool(int(n)), kw=variant):
                     linear_fp32_group(x, ws, "triton", counters=linear_counters("cpu"), gemv=gemv, **kw)
-            elif op in ("iquery", "rope_inv"):  # iquery:T:block_t (indexer query tail), rope_inv:T:in_place
+            elif op in ("iquery", "rope_inv"):  # iquery:T:0 (indexer query tail), rope_inv:T:in_place
                 from bench_rope import make_ops
 
-                geo = {"block_t": int(n)} if op == "iquery" else {}
                 which = "indexer_query" if op == "iquery" else "rope_inverse" + ("_inplace" if int(n) else "")
-                tri, *_ = make_ops(which, int(mode), gen, torch.device("cpu"), {**geo, **variant})
+                tri, *_ = make_ops(which, int(mode), gen, torch.device("cpu"), dict(variant))
             elif op == "store_window":
                 fmt = FP8EntryFormat(cfg.head_dim, cfg.rope_head_dim)
                 tri, *_ = bw.case_store_window(fmt, mode, int(n), torch.device("cpu"), gen, variant)

@@ -55,13 +55,10 @@ __all__ = ["indexer_query_tail", "indexer_query_tail_reference"]
 _INTS = (torch.int32, torch.int64)
 _BLOCK_H = 16  # heads of one token a program: the MMA's M (>= 16); V4: 64 heads -> 4 programs a token
 _WARPS = 4
-# Tokens a program (one after another, the sign matrix built once).  H200, 2026-12-05
+# (Several tokens a program, one after another with the sign matrix built once, were no faster on the H200, 2026-12-05
 # (2026-12-05_h200_rope_tails_s20.*, graph time, 8,192 / 65,536 tokens): 1 token a program 394.7 / 3,094 us, 2 469.2 /
-# 3,698, 4 466.2 / 3,650, 8 453.0 / 3,458, 16 457.2 / 3,375 (the one-token tf32 kernel before: ~3.3 ms at 65,536 in
-# the layer profile).  The kernel is bound by its per-value instructions (rope roundings, MXFP4 round trip), not by
-# the per-program set-up, so one token a program stays the default (_MAX_BLOCK_T = 1); ``block_t`` remains a knob.
-_MAX_BLOCK_T = 1
-_MIN_PROGRAMS = 2048
+# 3,698, 4 466.2 / 3,650, 8 453.0 / 3,458, 16 457.2 / 3,375: the kernel is bound by its per-value instructions (rope
+# roundings, MXFP4 round trip), not by the per-program set-up; removed.)
 
 
 def indexer_query_tail_reference(
@@ -100,7 +97,6 @@ def _indexer_query_kernel(
     out_ptr,
     wout_ptr,
     w_scale,
-    T,
     HI: tl.constexpr,
     DI: tl.constexpr,
     HR: tl.constexpr,
@@ -111,50 +107,36 @@ def _indexer_query_kernel(
     Q_MANT: tl.constexpr,
     BLOCK_H: tl.constexpr,
     INTERP: tl.constexpr,
-    BLOCK_T: tl.constexpr = 1,
     PDL: tl.constexpr = False,
 ):
-    """Tokens [program_id(0) * BLOCK_T, ...) one after another, heads [program_id(1) * BLOCK_H, ...); see the
-    module docstring.  The Sylvester signs are built once a program, each token's cos/sin once for its heads.
-    Requires DI = 2 * (2 * HR): nope and rope halves of equal width.  The Hadamard MMAs take bf16 operands on the
-    GPU (the values are bf16 and the signs +-1: exact products, as tf32 would give) and tf32 under the interpreter
-    (its bf16 dot is wrong)."""
+    """Token ``program_id(0)``, heads [program_id(1) * BLOCK_H, ...); see the module docstring.  The token's
+    cos/sin are computed once for its heads.  Requires DI = 2 * (2 * HR): nope and rope halves of equal width.  The
+    Hadamard MMAs take bf16 operands on the GPU (the values are bf16 and the signs +-1: exact products, as tf32 would
+    give) and tf32 under the interpreter (its bf16 dot is wrong)."""
     pdl_enter(PDL)
     NOPE: tl.constexpr = DI // 2
+    t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    ok = h < HI
+    row = q_ptr + t * stride_qt + h * DI  # [BLOCK_H]
     cn = tl.arange(0, NOPE)
     j = tl.arange(0, HR)
+    xn = tl.load(row[:, None] + cn[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
     roff = NOPE + 2 * j[:, None] + tl.arange(0, 2)[None, :]  # [HR, 2] (even, odd) lanes of each rope pair
-    hm = sylvester_signs(cn, INTERP)  # [NOPE, NOPE]
-    for i in range(BLOCK_T):
-        t = tl.program_id(0).to(tl.int64) * BLOCK_T + i
-        ok = (h < HI) & ((t + 0 * h) < T)  # (t as a block: the interpreter rejects a block & a scalar as a mask)
-        row = q_ptr + t * stride_qt + h * DI  # [BLOCK_H]
-        xn = tl.load(row[:, None] + cn[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
-        xr = tl.load(row[:, None, None] + roff[None, :, :], mask=ok[:, None, None], other=0.0).to(tl.float32)
-        xe, xo = tl.split(xr)
-        tt = t + tl.arange(0, 1)
-        p = tl.load(pos_ptr + tt, mask=tt < T, other=0)
-        c, s = rope_cos_sin_pos(p, 1, inv_ptr + j, INTERP)  # [1, HR]
-        ye = bf16_rne(mul_rn(xe, c, INTERP) - mul_rn(xo, s, INTERP), INTERP)  # torch's roundings (no FMA)
-        yo = bf16_rne(mul_rn(xe, s, INTERP) + mul_rn(xo, c, INTERP), INTERP)
-        rot = tl.reshape(tl.join(ye, yo), [BLOCK_H, NOPE])
-        za, zb = hadamard_dots(xn, rot, hm, INTERP)
-        lo = _mxfp4_roundtrip(bf16_rne((za + zb) * HAD_SCALE, INTERP), BLOCK_H, NOPE // QB, QB, FLOOR, Q_EXP, Q_MANT)
-        hi = _mxfp4_roundtrip(bf16_rne((za - zb) * HAD_SCALE, INTERP), BLOCK_H, NOPE // QB, QB, FLOOR, Q_EXP, Q_MANT)
-        orow = out_ptr + (t * HI + h) * DI
-        tl.store(orow[:, None] + cn[None, :], lo.to(tl.bfloat16), mask=ok[:, None])
-        tl.store(orow[:, None] + NOPE + cn[None, :], hi.to(tl.bfloat16), mask=ok[:, None])
-        wv = tl.load(w_ptr + t * stride_wt + h, mask=ok, other=0.0).to(tl.float32)
-        tl.store(wout_ptr + t * HI + h, bf16_rne(wv * w_scale, INTERP), mask=ok)
-
-
-def _default_block_t(t: int, head_blocks: int) -> int:
-    """Tokens a program: the largest power of two <= _MAX_BLOCK_T that keeps >= _MIN_PROGRAMS programs (or 1)."""
-    bt = 1
-    while bt < _MAX_BLOCK_T and triton.cdiv(t, 2 * bt) * head_blocks >= _MIN_PROGRAMS:
-        bt *= 2
-    return bt
+    xr = tl.load(row[:, None, None] + roff[None, :, :], mask=ok[:, None, None], other=0.0).to(tl.float32)
+    xe, xo = tl.split(xr)
+    c, s = rope_cos_sin_pos(tl.load(pos_ptr + t + tl.arange(0, 1)), 1, inv_ptr + j, INTERP)  # [1, HR]
+    ye = bf16_rne(mul_rn(xe, c, INTERP) - mul_rn(xo, s, INTERP), INTERP)  # torch's roundings (no FMA)
+    yo = bf16_rne(mul_rn(xe, s, INTERP) + mul_rn(xo, c, INTERP), INTERP)
+    rot = tl.reshape(tl.join(ye, yo), [BLOCK_H, NOPE])
+    za, zb = hadamard_dots(xn, rot, sylvester_signs(cn, INTERP), INTERP)
+    lo = _mxfp4_roundtrip(bf16_rne((za + zb) * HAD_SCALE, INTERP), BLOCK_H, NOPE // QB, QB, FLOOR, Q_EXP, Q_MANT)
+    hi = _mxfp4_roundtrip(bf16_rne((za - zb) * HAD_SCALE, INTERP), BLOCK_H, NOPE // QB, QB, FLOOR, Q_EXP, Q_MANT)
+    orow = out_ptr + (t * HI + h) * DI
+    tl.store(orow[:, None] + cn[None, :], lo.to(tl.bfloat16), mask=ok[:, None])
+    tl.store(orow[:, None] + NOPE + cn[None, :], hi.to(tl.bfloat16), mask=ok[:, None])
+    wv = tl.load(w_ptr + t * stride_wt + h, mask=ok, other=0.0).to(tl.float32)
+    tl.store(wout_ptr + t * HI + h, bf16_rne(wv * w_scale, INTERP), mask=ok)
 
 
 def indexer_query_tail(
@@ -165,7 +147,6 @@ def indexer_query_tail(
     fmt: MXFP4KeyFormat,
     backend: str = "auto",
     *,
-    block_t: int | None = None,
     block_h: int | None = None,
     num_warps: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -184,8 +165,8 @@ def indexer_query_tail(
         Di^-1/2 Hi^-1/2 rounded to bf16).  New tensors.  The Triton kernel needs Di = 2 rd (nope = rope
         half), Di/2 a power of two and a multiple of ``fmt.block``; other geometries use the reference.
 
-    Tuning (Triton only; the results do not depend on it): ``block_t`` tokens a program (power of two; default
-    ``_default_block_t``), ``block_h`` heads a program (power of two >= 16; default _BLOCK_H), ``num_warps``.
+    Tuning (Triton only; the results do not depend on it): ``block_h`` heads a program (power of two >= 16; default
+    _BLOCK_H), ``num_warps``.
     """
     check_tensor("w_lin", w_lin, dtype=torch.bfloat16, ndim=2)
     t, hi = w_lin.shape
@@ -204,19 +185,17 @@ def indexer_query_tail(
     if not (use_triton(backend, q_lin, w_lin, positions, inv_freq) and fits):
         return indexer_query_tail_reference(q_lin, w_lin, positions, inv_freq, fmt)
     bh = block_h or _BLOCK_H
-    for name, v, lo in (("block_t", block_t, 1), ("block_h", bh, 16)):
-        if v is not None and (not isinstance(v, int) or v < lo or v & (v - 1)):
-            raise ValueError(f"{name}: expected a power of two >= {lo}, got {v!r}")
+    if not isinstance(bh, int) or bh < 16 or bh & (bh - 1):
+        raise ValueError(f"block_h: expected a power of two >= 16, got {bh!r}")
     q_out = torch.empty((t, hi, di), dtype=torch.bfloat16, device=dev)
     w_out = torch.empty((t, hi), dtype=torch.float32, device=dev)
     if t * hi == 0:
         return q_out, w_out
     q_exp, q_mant = qmax_split(fmt.fp4_max)
-    bt = block_t or _default_block_t(t, triton.cdiv(hi, bh))
-    _indexer_query_kernel[(triton.cdiv(t, bt), triton.cdiv(hi, bh))](
+    _indexer_query_kernel[(t, triton.cdiv(hi, bh))](
         q_lin, q_lin.stride(0), w_lin, w_lin.stride(0), positions, inv_freq, q_out, w_out,
-        F.indexer_weight_scale(hi, di), t, HI=hi, DI=di, HR=rd // 2, HAD_SCALE=di**-0.5, QB=fmt.block,
-        FLOOR=fmt.amax_floor, Q_EXP=q_exp, Q_MANT=q_mant, BLOCK_H=bh, INTERP=interpreter_enabled(), BLOCK_T=bt,
+        F.indexer_weight_scale(hi, di), HI=hi, DI=di, HR=rd // 2, HAD_SCALE=di**-0.5, QB=fmt.block,
+        FLOOR=fmt.amax_floor, Q_EXP=q_exp, Q_MANT=q_mant, BLOCK_H=bh, INTERP=interpreter_enabled(),
         num_warps=num_warps or _WARPS, **pdl_launch(q_lin.device),
     )  # fmt: skip
     return q_out, w_out
