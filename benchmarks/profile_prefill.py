@@ -45,6 +45,9 @@ def main(argv=None) -> None:
     ap.add_argument("--top", type=int, default=30, help="kernels listed")
     ap.add_argument("--smoke", action="store_true", help="tiny config on the CPU (torch backend)")
     ap.add_argument("--bands", type=int, default=None, help="HCA prefill row bands on / off (model.attention)")
+    ap.add_argument(
+        "--shared-keys", type=int, default=None, help="CSA indexer scores over keys folded once a request on / off"
+    )
     args = ap.parse_args(argv)
     cuda = torch.cuda.is_available() and not args.smoke
     device = torch.device("cuda" if cuda else "cpu")
@@ -52,6 +55,10 @@ def main(argv=None) -> None:
         from dsv4.model import attention as attention_mod
 
         attention_mod.PREFILL_BANDS = bool(args.bands)
+    if args.shared_keys is not None:
+        from dsv4.kernels.indexer import select as select_mod
+
+        select_mod.PREFILL_SHARED_KEYS = bool(args.shared_keys)
     model, tokens, start = ("tiny", 160, 64) if args.smoke else (args.model, args.tokens, args.start)
     backend = "auto" if cuda else "torch"
     total_tokens = start + tokens
@@ -83,6 +90,7 @@ def main(argv=None) -> None:
     print(
         f"device: {dev_name}; {model} {args.kind}: {tokens} tokens at positions {start}..{start + tokens - 1}"
         + ("" if args.bands is None else f"; HCA row bands {args.bands}")
+        + ("" if args.shared_keys is None else f"; shared keys {args.shared_keys}")
     )
     for k, (t, n) in sorted(ks.items(), key=lambda kv: -kv[1][0])[: args.top]:
         print(f"   {t * 1e6:9.1f} us  x{n:<4.0f} {k[:110]}")

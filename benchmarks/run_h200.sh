@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One H200 session: environment, GPU tests, then the kernel benchmarks. Results go to $OUT (or ./out).
-# Usage (on the device machine, repo root): bash benchmarks/run_h200.sh [tests|bench|all|pending|ncu|attention|attention_ncu|indexer_gluon|indexer_live|indexer_fold|pending_s12|topk_rows|indexer_default|indexer_p2|indexer_ablate|flush_topk|skeleton|topk_short|fold_auto|hca_online|write_s15|emit_s15|emit2_s15|main_s15|write2_s15|final_s15|gemv_s15|online_regs|write_s16|final_s16|ncu_pool|div_s16|lean_s17|fast_s17|emit_s17|emit2_s17|warps_s17|ipool_s17|final_s17|sweep_s18|overlap_s18|fuse_s19|pdl_s19|pdl_decode_s19|writes_s19|layer_s19|select_s19|grid_s20|tails_s20|linear_s20|layer_s20|topk_s20|validate_s20]
+# Usage (on the device machine, repo root): bash benchmarks/run_h200.sh [tests|bench|all|pending|ncu|attention|attention_ncu|indexer_gluon|indexer_live|indexer_fold|pending_s12|topk_rows|indexer_default|indexer_p2|indexer_ablate|flush_topk|skeleton|topk_short|fold_auto|hca_online|write_s15|emit_s15|emit2_s15|main_s15|write2_s15|final_s15|gemv_s15|online_regs|write_s16|final_s16|ncu_pool|div_s16|lean_s17|fast_s17|emit_s17|emit2_s17|warps_s17|ipool_s17|final_s17|sweep_s18|overlap_s18|fuse_s19|pdl_s19|pdl_decode_s19|writes_s19|layer_s19|select_s19|grid_s20|tails_s20|linear_s20|layer_s20|topk_s20|validate_s20|prefill_idx_s21]
 # "pending": the norm and top-k GPU tests (~4 min, most of it compiling the top-k kernels), launch D's rank
 # threshold on/off, top-k with both flush kinds, the decode step; about 8 minutes.  "ncu": Nsight Compute
 # sections of the indexer scores, dense attention and gather kernels (benchmarks/ncu_cases.py).  "attention": the
@@ -573,4 +573,16 @@ if [ "$what" = validate_s20 ]; then  # left for session 21 (~8 min): session 20'
   # the HCA prefill's attention in row bands (model.attention.PREFILL_BANDS, off until this), same layer profile
   timeout 150 python3 benchmarks/profile_prefill.py --kind hca --tokens 65536 --start 0 --bands 1 2>&1 | grep -v -i warn \
     | tee "$OUT/${stamp}_h200_profile_prefill_hca_65536_0_bands_s20.txt" | tail -3
+fi
+if [ "$what" = prefill_idx_s21 ]; then  # left for session 22 (~7 min, after validate_s20): a prefill's indexer scores over
+  # keys folded once a request (kernels/indexer/prefill.py; select.PREFILL_SHARED_KEYS off until this): GPU tests, the
+  # scores of 2,048 / 4,096 rows at P = 8,192 / 65,536 against indexer_scores (gluon_fold) over launch geometries
+  # (rows,block_n,warps,stages), indexer_topk of whole prefills on / off, then the CSA layer's profile with it on
+  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_indexer_prefill.py \
+    tests/kernels/test_indexer_select.py -k "gpu" -s 2>&1 | tee "$OUT/${stamp}_h200_gpu_tests_prefill_idx_s21.txt" | tail -4
+  timeout 200 python3 benchmarks/bench_prefill_indexer.py --launches 4,128,8,3 2,128,8,3 2,64,4,3 4,64,4,3 2,64,4,4 \
+    1,128,4,3 2,128,4,3 --select 8192 65536 --out "$OUT/${stamp}_h200_prefill_idx_s21.jsonl" 2>&1 | grep -v -i warn \
+    | tee "$OUT/${stamp}_h200_prefill_idx_s21.txt" | cut -c1-260
+  timeout 150 python3 benchmarks/profile_prefill.py --kind csa --tokens 65536 --start 0 --shared-keys 1 2>&1 \
+    | grep -v -i warn | tee "$OUT/${stamp}_h200_profile_prefill_csa_65536_0_shared_s21.txt" | tail -3
 fi

@@ -7,6 +7,7 @@ ptxas made of each: registers, spill / local-memory bytes, shared memory, SASS i
     python benchmarks/sass_report.py topk:4:262144                      # top-k's kernels (k = 1,024)
     python benchmarks/sass_report.py linear:1:1                         # compressor projections, 1 token, GEMV
     python benchmarks/sass_report.py iquery:65536:0 rope_inv:65536:1    # indexer query tail, inverse RoPE in place
+    python benchmarks/sass_report.py prefill_idx:4096:16384             # prefill indexer: fold_keys + prefill_scores
 
 The operation is built by ``bench_write``'s case builders on CPU tensors; every Triton launch is replaced by
 a compile-only ``warmup`` against a stand-in driver that reports an H100/H200 (``GPUTarget("cuda", 90, 32)``),
@@ -195,6 +196,15 @@ def main() -> None:
 
                 def tri(keys=keys, bt=bt, q=q, w=w, tr=tr, nv=nv, n=int(n), kw=variant):
                     indexer_scores(q, w, keys, bt, tr, nv, n, "triton", **kw)
+            elif op == "prefill_idx":  # prefill_idx:T:cols (fold_keys + prefill_scores: T rows of one request)
+                from dsv4.kernels.indexer.prefill import fold_keys, prefill_scores
+
+                keys, bt, q, w, tr, nv = make_problem(1, int(n), 64, 64, torch.device("cpu"), gen)
+                qp, wp = q.expand(int(mode), -1, -1).contiguous(), w.expand(int(mode), -1).contiguous()
+                nvp = torch.full((int(mode),), int(n), dtype=torch.int32)
+
+                def tri(keys=keys, bt=bt, q=qp, w=wp, nv=nvp, n=int(n), kw=variant):
+                    prefill_scores(q, w, fold_keys(keys, bt, 0, n, "triton"), nv, n, "triton", **kw)
             elif op in ("topk", "topk512"):  # topk:rows:n (k = 1,024; topk512: k = 512), n_visible given
                 from dsv4.kernels.indexer import topk_indices
 
@@ -223,7 +233,10 @@ def main() -> None:
                 tri, *_ = bw.case_compressor(op, cfg, mode, int(n), torch.device("cpu"), gen, variant)
             tri()
             print(f"== {args.model} {case}" + (f" tune {variant}" if variant else ""))
+            seen = collections.Counter()
             for name, k in COMPILED:
+                seen[name] += 1
+                name = name if seen[name] == 1 else f"{name}.{seen[name]}"  # (one kernel, two specialisations)
                 cubin = k.asm["cubin"]
                 sass = sass_of(cubin)
                 calls = sorted(set(re.findall(r"CALL\.\w+\s+(?:\S+\s+)?`?\(?([\w.$]+)", sass)))

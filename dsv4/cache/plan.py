@@ -170,6 +170,12 @@ class StepPlan:
         runs = [np.arange(c, c + n) for c, n in zip(self.context_lens, self.num_new_tokens, strict=True)]
         return np.concatenate([*runs, np.zeros(self.num_padded, dtype=np.int64)]).astype(np.int64)
 
+    def host_request_ids(self) -> np.ndarray:
+        """int64 [T] batch row of every token (padded rows: their own rows after the real ones), from the host fields:
+        ``request_ids`` of the plan as built."""
+        counts = np.array([*self.num_new_tokens, *([1] * self.num_padded)], dtype=np.int64)
+        return np.repeat(np.arange(len(counts), dtype=np.int64), counts)
+
     def host_n_visible(self, ratio: int) -> np.ndarray:
         """int64 [T] entries of ratio ``ratio`` visible to each token's query, ``(pos + 1) // ratio`` (padded rows:
         0), from the host fields: ``ratios[ratio].n_visible`` of the plan as built."""

@@ -210,12 +210,13 @@ class AttentionSubBlock:
         iv = handle.read_indexer_view()
         # a prefill scores and selects in row chunks of bounded memory, each only as wide as its rows can see;
         # a decode step (maybe graph-captured: its host fields go stale) uses static widths only
-        nv_host = None
+        nv_host = tr_host = None
         if not plan.is_decode:
             nv_host = plan.memo(("n_visible", self.ratio), lambda: plan.host_n_visible(self.ratio))
+            tr_host = plan.memo("request_ids", plan.host_request_ids)
         return indexer_topk(
             q_idx, wts.float(), iv.pages, rp.block_table, plan.request_ids, rp.n_visible, rp.max_entries,
-            cfg.index_topk, self.backend, n_visible_host=nv_host,
+            cfg.index_topk, self.backend, n_visible_host=nv_host, token_row_host=tr_host,
         )  # fmt: skip
 
     def _ring_window_index(self, handle: LayerCacheHandle) -> torch.Tensor:

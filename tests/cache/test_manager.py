@@ -47,6 +47,7 @@ def test_plan_allocates_exact_pages_and_builds_tensors():
     assert emit[3] == 0 and emit[7] == 1 and emit[127] == 31 and emit[0] == -1 and emit[128] == -1
     assert csa.n_visible[:8].tolist() == [0, 0, 0, 1, 1, 1, 1, 2]
     assert plan.host_positions().tolist() == plan.positions.tolist()
+    assert plan.host_request_ids().tolist() == plan.request_ids.tolist()
     for m_, rp in plan.ratios.items():
         assert plan.host_n_visible(m_).tolist() == rp.n_visible.tolist()
     with pytest.raises(ValueError, match="ratio: expected one of"):
@@ -282,6 +283,7 @@ def test_padded_decode_plan_for_graph_buckets():
         assert rp.n_visible.tolist()[2:] == [0, 0] and (rp.block_table[2:] == -1).all()
         assert p.host_n_visible(rp.ratio).tolist() == rp.n_visible.tolist()
     assert p.host_positions().tolist() == p.positions.tolist()
+    assert p.host_request_ids().tolist() == p.request_ids.tolist()
     m.commit(p)
     assert (m.num_tokens("a"), m.num_tokens("b")) == (8, 131)
     # A later plan with the same bucket loads into the first one's tensors (the graph's static buffers).

@@ -203,6 +203,68 @@ def test_single_chunk_is_the_plain_call_and_validation(monkeypatch):
         indexer_topk(q, w, kp, bt, tr, nv, 64, 3, "torch", n_visible_host=nv_host[:-1])
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_shared_keys_runs_give_the_one_call_indices(monkeypatch, backend):
+    """With token_row_host and shared_keys: runs of >= SHARED_MIN_ROWS rows of one request are scored by
+    prefill_scores over that request's keys folded once, shorter runs by indexer_scores, chunks split inside a
+    request; the indices are the one call's (keys without far blocks: the folded keys are the keys).  The torch
+    backend never takes the shared path (no Triton)."""
+    monkeypatch.setattr(select_mod, "COL_ALIGN", 16)
+    monkeypatch.setattr(select_mod, "SHARED_MIN_ROWS", 5)
+    g = torch.Generator().manual_seed(11)
+    T, N, k = 40, 96, 6
+    q, w, kp, bt, tr, nv, nv_host = _step(T, 64, N, g, backend)
+    want = topk_indices(indexer_scores(q, w, kp, bt, tr, nv, N, backend), k, nv, backend)
+    calls = {"fold": [], "prefill": [], "indexer": []}
+    real = (select_mod.fold_keys, select_mod.prefill_scores, select_mod.indexer_scores)
+
+    def fold(keys, bt_, row, n, *a):
+        calls["fold"].append((row, n))
+        return real[0](keys, bt_, row, n, *a)
+
+    def pre(q_, *a, **kw):
+        calls["prefill"].append(q_.shape[0])
+        return real[1](q_, *a, **kw)
+
+    def ind(q_, *a):
+        calls["indexer"].append(q_.shape[0])
+        return real[2](q_, *a)
+
+    monkeypatch.setattr(select_mod, "fold_keys", fold)
+    monkeypatch.setattr(select_mod, "prefill_scores", pre)
+    monkeypatch.setattr(select_mod, "indexer_scores", ind)
+    tr_host = tr.cpu().numpy()
+    budget = 9 * chunk_row_bytes(N, k)
+    got = indexer_topk(q, w, kp, bt, tr, nv, N, k, backend, n_visible_host=nv_host, token_row_host=tr_host,
+                       shared_keys=True, max_bytes=budget)  # fmt: skip
+    assert torch.equal(got, want)
+    if backend == "torch":
+        assert not calls["fold"] and not calls["prefill"]
+        return
+    scored = sum(b - a for a, b, c in row_chunks(T, N, k, nv_host, budget) if c is not None)
+    assert calls["prefill"] and sum(calls["prefill"]) + sum(calls["indexer"]) == scored
+    assert all(n < 5 for n in calls["indexer"]) and min(calls["prefill"]) >= 5
+    rows = [r for r, _ in calls["fold"]]
+    assert len(rows) == len(set(rows))  # one fold a request
+    with pytest.raises(ValueError, match="token_row_host"):
+        indexer_topk(q, w, kp, bt, tr, nv, N, k, backend, n_visible_host=nv_host, token_row_host=tr_host[:-1],
+                     shared_keys=True)  # fmt: skip
+
+
+def test_shared_runs_fold_width_covers_every_chunk(monkeypatch):
+    """_shared_runs: a request split over chunks folds the widest of their column counts; short runs get None; a
+    chunk without a long run (or not scored) is left to indexer_scores."""
+    monkeypatch.setattr(select_mod, "SHARED_MIN_ROWS", 40)
+    tr = np.array([0] * 100 + [1] * 3 + [2] * 200 + [3] * 10)
+    chunks = [(0, 50, 256), (50, 120, 512), (120, 303, 768), (303, 313, 768), (313, 313, None)]
+    runs = select_mod._shared_runs(tr, chunks)
+    assert runs == {
+        0: [(0, 50, 0, 512)],
+        50: [(0, 50, 0, 512), (50, 53, None, 0), (53, 70, None, 0)],
+        120: [(0, 183, 2, 768)],
+    }
+
+
 def _gpu_problem(T, n, seed, H=64, bs=64):
     """One request of n random MXFP4 keys in shuffled pages of bs on the GPU, T query rows of H heads:
     (generator, q, weights, keys, block table, token rows)."""
@@ -239,6 +301,31 @@ def test_gpu_prefill_selection_equal_and_memory_bounded():
     assert len(row_chunks(T, n, k, nv.cpu().numpy(), budget)) > 8
     slack = 2 * T * k * 4 + q.numel() * 2 + kp.scale.numel() * 4 + (4 << 20)
     assert peak <= budget + slack, (peak, budget, slack)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_prefill_shared_keys_selects_the_top_scores():
+    """2,048 prefill rows of one request against 65,536 entries, shared keys on: each row's selection is a top k
+    of the exact scores up to the fold path's error (its smallest selected exact score is at least the k-th
+    largest minus 1e-4 of the row's largest), and it equals the default path's on all but near-tied entries."""
+    T, n, k = 2048, 65536, 512
+    g, q, w, kp, bt, tr = _gpu_problem(T, n, seed=1)
+    dev = q.device
+    nv = ((torch.arange(4 * n - T, 4 * n, device=dev) + 1) // 4).to(torch.int32)
+    nv_host = nv.cpu().numpy()
+    ref = indexer_scores(q, w, kp, bt, tr, nv, n, impl="fp8mma")  # exact
+    got = indexer_topk(q, w, kp, bt, tr, nv, n, k, n_visible_host=nv_host, token_row_host=np.zeros(T, np.int64),
+                       shared_keys=True, max_bytes=128 << 20)  # fmt: skip
+    base = indexer_topk(q, w, kp, bt, tr, nv, n, k, n_visible_host=nv_host, shared_keys=False, max_bytes=128 << 20)
+    assert (got >= 0).all()
+    picked = ref.gather(1, got.long()).amin(dim=1)
+    kth = ref.topk(k, dim=1).values[:, -1]
+    top = ref.amax(dim=1)
+    assert (picked >= kth - 1e-4 * top.abs()).all()
+    same = torch.tensor([len(set(a) & set(b)) for a, b in zip(got.tolist(), base.tolist(), strict=True)])
+    print(f"shared keys vs default: {same.float().mean().item() / k:.5f} of the selections agree")
+    assert same.float().mean().item() >= 0.99 * k
 
 
 @pytest.mark.gpu

@@ -354,6 +354,28 @@ def test_indexer_row_chunks_change_nothing(monkeypatch, backend):
     assert len(widths) > 2 and len(set(widths)) > 1  # several chunks, of several widths
 
 
+def test_indexer_shared_keys_layer_matches_dense(monkeypatch):
+    """A CSA prefill with the indexer's shared-keys path on (select.PREFILL_SHARED_KEYS: the rows of a request scored
+    against its keys folded once) matches the dense reference, and the path ran (Triton kernels: the interpreter on
+    the CPU, the GPU where there is one)."""
+    from dsv4.kernels.indexer import select
+
+    layer, dev = LAYERS["csa"], _backend_device("triton")
+    w = random_attention_weights(TINY, layer, seed=8, device=dev)
+    x = torch.randn(2, 90, TINY.dim, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16).to(dev)
+    sched, cfg = [[57, 1, 32], [None, 90]], TINY
+    if dev.type == "cpu":  # the interpreter: a short prefill, top-2 so that rows see more entries than selected
+        x, sched, cfg = x[:1, :24], [[20, 4]], dataclasses.replace(TINY, index_topk=2)
+    monkeypatch.setattr(select, "PREFILL_SHARED_KEYS", True)
+    monkeypatch.setattr(select, "SHARED_MIN_ROWS", 4)
+    calls = []
+    real = select.prefill_scores
+    monkeypatch.setattr(select, "prefill_scores", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
+    out = run_cached(layer, w, x, sched, backend="triton", device=dev, cfg=cfg)
+    assert calls and min(calls) >= 4
+    assert_close(out, dense_attention(cfg, layer, w, x))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("kind", ["csa", "hca"])

@@ -1,6 +1,13 @@
-"""Lightning indexer read path: the query tail (RoPE, Hadamard, MXFP4), scores over paged FP4 (or FP8) keys,
-top-k selection, logical -> physical."""
+"""Lightning indexer read path: the query tail (RoPE, Hadamard, MXFP4), scores over paged FP4 (or FP8) keys (a
+prefill's rows of one request: over its keys folded once), top-k selection, logical -> physical."""
 
+from dsv4.kernels.indexer.prefill import (
+    FoldedKeys,
+    fold_keys,
+    fold_keys_reference,
+    prefill_scores,
+    prefill_scores_reference,
+)
 from dsv4.kernels.indexer.query import indexer_query_tail, indexer_query_tail_reference
 from dsv4.kernels.indexer.scores import (
     FP8KeyPages,
@@ -22,6 +29,11 @@ from dsv4.kernels.indexer.topk import (
 
 __all__ = [
     "FP8KeyPages",
+    "FoldedKeys",
+    "fold_keys",
+    "fold_keys_reference",
+    "prefill_scores",
+    "prefill_scores_reference",
     "fp8_key_pages",
     "fp8_key_pages_from_mxfp4",
     "indexer_scores",

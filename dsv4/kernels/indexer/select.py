@@ -32,11 +32,18 @@ import numpy as np
 import torch
 
 from dsv4.formats import KeyPages
+from dsv4.kernels.dispatch import use_triton
+from dsv4.kernels.indexer.prefill import FoldedKeys, fold_keys, prefill_scores
 from dsv4.kernels.indexer.scores import _check_common, indexer_scores
 from dsv4.kernels.indexer.topk import topk_indices, topk_scratch_cols, visible_logical
 
 MAX_SCRATCH_BYTES = 512 << 20  # scores + top-k workspace of one row chunk
 COL_ALIGN = 256  # a chunk's column count is rounded up to this (fewer distinct kernel shapes)
+# Prefill rows of one request scored against that request's keys folded once (``prefill_scores``: fold_keys +
+# prefill_scores, gluon_fold's numerics) instead of by ``indexer_scores`` (which converts every key tile once a row).
+# Off until timed on the H200 (``run_h200.sh prefill_idx_s21``); ``indexer_topk(shared_keys=...)`` overrides it.
+PREFILL_SHARED_KEYS = False
+SHARED_MIN_ROWS = 64  # a request's rows in a chunk below this count take indexer_scores
 
 
 def chunk_row_bytes(cols: int, k: int) -> int:
@@ -125,6 +132,8 @@ def indexer_topk(
     backend: str = "auto",
     *,
     n_visible_host: Sequence[int] | np.ndarray | None = None,
+    token_row_host: Sequence[int] | np.ndarray | None = None,
+    shared_keys: bool | None = None,
     max_bytes: int | None = None,
 ) -> torch.Tensor:
     """``topk_indices(indexer_scores(...), k, n_visible)`` of every query row, computed over ``row_chunks``.
@@ -138,6 +147,11 @@ def indexer_topk(
             scoring (``row_chunks``).  A chunk clamps its rows' ``n_visible`` to its column count (k for rows
             that skip), so a host count below the device one can only drop entries, never read or write out of
             bounds.  Leave it None inside a CUDA-graph capture (the chunking must not depend on a step's values).
+        token_row_host: optional, T host ints equal to ``token_row`` (e.g. ``StepPlan.host_request_ids``); with
+            ``n_visible_host`` and ``shared_keys``, a chunk's runs of >= ``SHARED_MIN_ROWS`` rows of one request are
+            scored by ``prefill_scores`` against that request's keys folded once (``fold_keys``; on the Triton
+            path only): gluon_fold's numerics, not bit-equal to ``indexer_scores``.
+        shared_keys: use ``token_row_host`` so (None: ``PREFILL_SHARED_KEYS``).
         max_bytes: bound on one chunk's scores + top-k workspace (``chunk_row_bytes``; None:
             ``MAX_SCRATCH_BYTES``); a single row above it still runs, as a chunk of one.
 
@@ -148,18 +162,65 @@ def indexer_topk(
     """
     T, _ = _check_common(q, weights, block_table, token_row, n_visible, max_entries)
     chunks = row_chunks(T, max_entries, k, n_visible_host, max_bytes)
-    if len(chunks) == 1 and chunks[0][2] == max_entries:  # the plain two calls (decode steps)
+    shared = PREFILL_SHARED_KEYS if shared_keys is None else shared_keys
+    runs = {}
+    if shared and token_row_host is not None and n_visible_host is not None:
+        tr = np.asarray(token_row_host, dtype=np.int64)
+        if tr.shape != (T,) or (T and (tr.min() < 0 or tr.max() >= block_table.shape[0])):
+            raise ValueError(
+                f"token_row_host: expected {T} host ints in [0, {block_table.shape[0]}), got shape {list(tr.shape)}"
+            )
+        if use_triton(backend, q, weights, keys.data, keys.scale, block_table):
+            runs = _shared_runs(tr, chunks)
+    if len(chunks) == 1 and chunks[0][2] == max_entries and not runs:  # the plain two calls (decode steps)
         scores = indexer_scores(q, weights, keys, block_table, token_row, n_visible, max_entries, backend)
         return topk_indices(scores, k, n_visible, backend)
     if len(chunks) == 1 and chunks[0][2] is None:  # every row sees at most k entries
         return visible_logical(n_visible.clamp(max=min(k, max_entries)), k)
+    folded: dict[int, FoldedKeys] = {}  # table row -> its folded keys (for every chunk of the call)
     out = torch.empty((T, k), dtype=torch.int32, device=q.device)
     for a, b, cols in chunks:
         if cols is None:
             out[a:b] = visible_logical(n_visible[a:b].clamp(max=min(k, max_entries)), k)
             continue
         nv = n_visible[a:b] if cols == max_entries else n_visible[a:b].clamp(max=cols)
-        scores = indexer_scores(q[a:b], weights[a:b], keys, block_table, token_row[a:b], nv, cols, backend)
+        mine = runs.get(a, [])
+        if not mine:
+            scores = indexer_scores(q[a:b], weights[a:b], keys, block_table, token_row[a:b], nv, cols, backend)
+        else:
+            scores = torch.empty((b - a, cols), dtype=torch.float32, device=q.device)
+            for r0, r1, row, n_fold in mine:
+                if row is None:  # rows of a short run: their own programs
+                    scores[r0:r1] = indexer_scores(
+                        q[a + r0 : a + r1], weights[a + r0 : a + r1], keys, block_table, token_row[a + r0 : a + r1],
+                        nv[r0:r1], cols, backend,
+                    )  # fmt: skip
+                    continue
+                if row not in folded:
+                    folded[row] = fold_keys(keys, block_table, row, n_fold, backend)
+                sl = slice(a + r0, a + r1)
+                prefill_scores(q[sl], weights[sl], folded[row], nv[r0:r1], cols, backend, out=scores[r0:r1])
         out[a:b] = topk_indices(scores, k, nv, backend)
         del scores  # free before the next chunk allocates its own
     return out
+
+
+def _shared_runs(token_row_host: np.ndarray, chunks) -> dict[int, list[tuple[int, int, int | None, int]]]:
+    """Per scored chunk (keyed by its start) that has a run of >= ``SHARED_MIN_ROWS`` rows of one block-table row:
+    its runs ``(r0, r1, row, n_fold)`` relative to the chunk, ``row`` None for the rows of short runs (scored by
+    ``indexer_scores``), ``n_fold`` the entries to fold for ``row``: the largest column count of the chunks that
+    score it (one ``fold_keys`` a request serves all of them)."""
+    tr = token_row_host
+    per_chunk, n_fold = {}, {}
+    for a, b, cols in chunks:
+        if cols is None:
+            continue
+        cuts = [0, *(np.flatnonzero(tr[a + 1 : b] != tr[a : b - 1]) + 1).tolist(), b - a]
+        runs = [(r0, r1, int(tr[a + r0])) for r0, r1 in zip(cuts[:-1], cuts[1:], strict=True)]
+        if not any(r1 - r0 >= SHARED_MIN_ROWS for r0, r1, _ in runs):
+            continue
+        per_chunk[a] = [(r0, r1, row if r1 - r0 >= SHARED_MIN_ROWS else None, cols) for r0, r1, row in runs]
+        for _, _, row, _ in per_chunk[a]:
+            if row is not None:
+                n_fold[row] = max(n_fold.get(row, 0), cols)
+    return {a: [(r0, r1, row, n_fold.get(row, 0)) for r0, r1, row, _ in v] for a, v in per_chunk.items()}
