@@ -150,7 +150,8 @@ def indexer_topk(
         token_row_host: optional, T host ints equal to ``token_row`` (e.g. ``StepPlan.host_request_ids``); with
             ``n_visible_host`` and ``shared_keys``, a chunk's runs of >= ``SHARED_MIN_ROWS`` rows of one request are
             scored by ``prefill_scores`` against that request's keys folded once (``fold_keys``; on the Triton
-            path only): gluon_fold's numerics, not bit-equal to ``indexer_scores``.
+            path only): gluon_fold's numerics, not bit-equal to ``indexer_scores``.  A request's folded keys (132
+            bytes an entry of its widest chunk) live from its first chunk to its last, outside ``max_bytes``.
         shared_keys: use ``token_row_host`` so (None: ``PREFILL_SHARED_KEYS``).
         max_bytes: bound on one chunk's scores + top-k workspace (``chunk_row_bytes``; None:
             ``MAX_SCRATCH_BYTES``); a single row above it still runs, as a chunk of one.
@@ -177,7 +178,8 @@ def indexer_topk(
         return topk_indices(scores, k, n_visible, backend)
     if len(chunks) == 1 and chunks[0][2] is None:  # every row sees at most k entries
         return visible_logical(n_visible.clamp(max=min(k, max_entries)), k)
-    folded: dict[int, FoldedKeys] = {}  # table row -> its folded keys (for every chunk of the call)
+    folded: dict[int, FoldedKeys] = {}  # table row -> its folded keys, from its first chunk to its last
+    last = {row: a for a, v in runs.items() for _, _, row, _ in v if row is not None}  # (chunks in order)
     out = torch.empty((T, k), dtype=torch.int32, device=q.device)
     for a, b, cols in chunks:
         if cols is None:
@@ -202,6 +204,8 @@ def indexer_topk(
                 prefill_scores(q[sl], weights[sl], folded[row], nv[r0:r1], cols, backend, out=scores[r0:r1])
         out[a:b] = topk_indices(scores, k, nv, backend)
         del scores  # free before the next chunk allocates its own
+        for row in [r for r, at in last.items() if at == a]:
+            folded.pop(row, None)  # (a batch of long prefills holds one request's folded keys at a time)
     return out
 
 
