@@ -12,6 +12,8 @@ and 65,536 (prefill).  Baseline, measured in the same run on the same data: two 
 Timings (GPU):
 - ``time_s`` / ``baseline_time_s``: ``triton.testing.do_bench`` median of one eager call (it clears L2 between
   calls, so the weights come from HBM; the Python launch path is included when it is slower than the GPU).
+- ``graph_time_fused_s``: the layer's call (bf16 x: two tf32 products a K block, ``linear.TF32X2``; the K-split sum
+  in the launch), ``graph_time_fused_tf32x3_s`` the same with tf32x3's three products.
 - ``graph_time_s`` / ``baseline_graph_time_s``: GPU time per call from a CUDA graph (``sweep_indexer.GraphTimer``) of
   GRAPH_CALLS (L2 flush, call) pairs, minus the time of a graph of the flushes alone (median of replays):
   what a captured decode step pays when the other layers' weights have evicted these from L2.
@@ -119,6 +121,7 @@ def run_case(op: str, m: int, n: int, timer: GraphTimer, meta: dict) -> dict:
         "roofline_s": roof,
         "roofline_tf32x3_s": roof3,
         "graph_time_fused_s": timer(layer_call),
+        "graph_time_fused_tf32x3_s": _without_tf32x2(timer, layer_call),
         "baseline": "torch fp32: two F.linear (cuBLAS, TF32 off)",
         "baseline_time_s": bench_time(base),
         "baseline_graph_time_s": timer(base),
@@ -133,6 +136,17 @@ def run_case(op: str, m: int, n: int, timer: GraphTimer, meta: dict) -> dict:
     return rec
 
 
+def _without_tf32x2(timer: GraphTimer, fn) -> float:
+    """``timer(fn)`` with the bf16 GEMM's two-product path off (``linear.TF32X2``): tf32x3's three products."""
+    from dsv4.kernels import linear as linear_mod
+
+    old, linear_mod.TF32X2 = linear_mod.TF32X2, False
+    try:
+        return timer(fn)
+    finally:
+        linear_mod.TF32X2 = old
+
+
 def us(t: float | None) -> str:
     return "     n/a" if t is None else f"{t * 1e6:8.1f}"
 
@@ -144,7 +158,7 @@ def print_row(r: dict) -> None:
     tc = f"; tensor cores {us(r['graph_time_fused_tc_s'])}" if r.get("gemv") else ""
     print(
         f"{r['name']:20s} M {s['M']:6d} N {s['N1']:5d}  graph {us(g)} us"
-        f" (bf16 x, fused sum {us(r['graph_time_fused_s'])}{tc})"
+        f" (bf16 x, fused sum {us(r['graph_time_fused_s'])}; its tf32x3 {us(r['graph_time_fused_tf32x3_s'])}{tc})"
         f"  eager {us(r['time_s'])} us"
         f"  torch graph {us(r['baseline_graph_time_s'])} us  eager {us(r['baseline_time_s'])} us"
         f"  roofline {us(r['roofline_s'])} / x3 {us(r['roofline_tf32x3_s'])} us ({pct})"

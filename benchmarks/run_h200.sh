@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One H200 session: environment, GPU tests, then the kernel benchmarks. Results go to $OUT (or ./out).
-# Usage (on the device machine, repo root): bash benchmarks/run_h200.sh [tests|bench|all|pending|ncu|attention|attention_ncu|indexer_gluon|indexer_live|indexer_fold|pending_s12|topk_rows|indexer_default|indexer_p2|indexer_ablate|flush_topk|skeleton|topk_short|fold_auto|hca_online|write_s15|emit_s15|emit2_s15|main_s15|write2_s15|final_s15|gemv_s15|online_regs|write_s16|final_s16|ncu_pool|div_s16|lean_s17|fast_s17|emit_s17|emit2_s17|warps_s17|ipool_s17|final_s17|sweep_s18|overlap_s18|fuse_s19|pdl_s19|pdl_decode_s19|writes_s19|layer_s19|select_s19|grid_s20|tails_s20|linear_s20|layer_s20|topk_s20|validate_s20|prefill_idx_s21]
+# Usage (on the device machine, repo root): bash benchmarks/run_h200.sh [tests|bench|all|pending|ncu|attention|attention_ncu|indexer_gluon|indexer_live|indexer_fold|pending_s12|topk_rows|indexer_default|indexer_p2|indexer_ablate|flush_topk|skeleton|topk_short|fold_auto|hca_online|write_s15|emit_s15|emit2_s15|main_s15|write2_s15|final_s15|gemv_s15|online_regs|write_s16|final_s16|ncu_pool|div_s16|lean_s17|fast_s17|emit_s17|emit2_s17|warps_s17|ipool_s17|final_s17|sweep_s18|overlap_s18|fuse_s19|pdl_s19|pdl_decode_s19|writes_s19|layer_s19|select_s19|grid_s20|tails_s20|linear_s20|layer_s20|topk_s20|validate_s20|prefill_idx_s21|tf32x2_s21]
 # "pending": the norm and top-k GPU tests (~4 min, most of it compiling the top-k kernels), launch D's rank
 # threshold on/off, top-k with both flush kinds, the decode step; about 8 minutes.  "ncu": Nsight Compute
 # sections of the indexer scores, dense attention and gather kernels (benchmarks/ncu_cases.py).  "attention": the
@@ -585,4 +585,12 @@ if [ "$what" = prefill_idx_s21 ]; then  # left for session 22 (~7 min, after val
     | tee "$OUT/${stamp}_h200_prefill_idx_s21.txt" | cut -c1-260
   timeout 150 python3 benchmarks/profile_prefill.py --kind csa --tokens 65536 --start 0 --shared-keys 1 2>&1 \
     | grep -v -i warn | tee "$OUT/${stamp}_h200_profile_prefill_csa_65536_0_shared_s21.txt" | tail -3
+fi
+if [ "$what" = tf32x2_s21 ]; then  # left for session 22 (~4 min): the compressor GEMM on bf16 x with two tf32 products a
+  # K block (linear.TF32X2, on: same bits as tf32x3, 24 -> 16 wgmma a loop in static SASS) against tf32x3's three:
+  # GPU tests (bit equality), then bench_linear's layer call both ways at every width, decode and 65,536 tokens
+  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_linear.py -k "gpu or cuda" 2>&1 \
+    | tee "$OUT/${stamp}_h200_gpu_tests_tf32x2_s21.txt" | tail -3
+  timeout 240 python3 benchmarks/bench_linear.py --tokens 64,4096,65536 --out "$OUT/${stamp}_h200_linear_tf32x2_s21.jsonl" \
+    2>&1 | tee "$OUT/${stamp}_h200_linear_tf32x2_s21.txt" | cut -c1-230
 fi

@@ -74,6 +74,10 @@ __all__ = [
 ]
 
 PRECISIONS = ("tf32x3", "ieee")
+# bf16 x (the layer's activations) is exact in tf32, so tf32x3's x_small·w_big product is zero: the GEMM runs the
+# other two (``_dot_tf32x2``; same bits).  Static sm_90 SASS (triton 3.6, ``sass_report.py linear:65536:0``): 24 ->
+# 16 wgmma a K loop.  Not yet timed on the H200 (``run_h200.sh tf32x2_s21``).
+TF32X2 = True
 DECODE_MAX_M = 128  # up to here a single M tile covers the tokens (decode regime of ``linear_launch``)
 _SUM_BLOCK = 1024  # elements a program of the split-sum launch adds up
 # ``counters`` fuse the split sum into the GEMM's launch up to this M.  H200 2026-12-04 (bench_linear, graph time with
@@ -225,19 +229,49 @@ def _store_tile(
         tl.store(out_ptr + offs, y, mask=mask)
 
 
+@triton.jit
+def _tf32_rna(v):
+    """fp32 ``v`` rounded to tf32 (10 mantissa bits), to nearest with ties away from zero: the bits of PTX
+    ``cvt.rna.tf32.f32``, which Triton's tf32x3 applies to each operand (half a tf32 unit added to the magnitude
+    bits, then the 13 low bits cleared; infinities stay infinite)."""
+    return ((v.to(tl.int32, bitcast=True) + 0x1000) & -0x2000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _dot_tf32x2(a, b, acc, SWAP_AB: tl.constexpr):
+    """``acc + a·bᵀ`` (SWAP_AB: ``acc + b·aᵀ``) for an ``a`` exact in tf32 (x widened from bf16): tf32x3 without
+    its ``a_small·b_big`` product, which is zero for such an ``a``.  The same steps as Triton's tf32x3 otherwise (its
+    F32DotTC lowering, triton 3.6): b split into ``b_big = rna(b)`` and ``b_small = b - b_big``, the chunk's
+    ``a·b_small`` from zero, NaN there replaced by 0 (an infinite b), then ``+ a·b_big`` on the tensor core, and the
+    chunk added to ``acc`` in fp32: so the result has the bits of tf32x3 on ``a`` (up to the sign of zeros) with two
+    MMAs a K block instead of three."""
+    b_big = _tf32_rna(b)
+    b_small = b - b_big
+    if SWAP_AB:
+        part = tl.dot(b_small, tl.trans(a), input_precision="tf32")
+        part = tl.where(part != part, 0.0, part)
+        part = tl.dot(b_big, tl.trans(a), part, input_precision="tf32")
+    else:
+        part = tl.dot(a, tl.trans(b_small), input_precision="tf32")
+        part = tl.where(part != part, 0.0, part)
+        part = tl.dot(a, tl.trans(b_big), part, input_precision="tf32")
+    return acc + part
+
+
 @triton.jit(do_not_specialize=["t1", "t2", "t3"])  # one binary for every set of weight widths
 def _linear_group_kernel(
     x_ptr, w1_ptr, w2_ptr, w3_ptr, w4_ptr, out_ptr, part_ptr, cnt_ptr,
     M, N1, N2, N3, N4, K, k_per_split, stride_xm, stride_w1, stride_w2, stride_w3, stride_w4, t1, t2, t3, split,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, SWAP_AB: tl.constexpr, PARTIAL: tl.constexpr, PRECISION: tl.constexpr,
-    FUSED_SUM: tl.constexpr = False, SPLIT: tl.constexpr = 1,
+    FUSED_SUM: tl.constexpr = False, SPLIT: tl.constexpr = 1, TF32X2: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):  # fmt: skip
     """One [BLOCK_M, BLOCK_N] tile of x·w_iᵀ over K range [pid_k·k_per_split, +k_per_split), into columns
     N1 + ... + N_(i-1) + [0, N_i) of out [M, N1 + N2 + N3 + N4] (row stride the total).  The program's weight is
     picked by its N tile: tiles [0, t1) are w1's, [t1, t2) w2's, [t2, t3) w3's, the rest w4's (an unused weight
-    has N 0 and no tiles).  x is fp32 or bf16 (widened to fp32 as loaded: exact).
+    has N 0 and no tiles).  x is fp32 or bf16 (widened to fp32 as loaded: exact).  TF32X2 (x bf16, PRECISION
+    tf32x3): the two products of ``_dot_tf32x2`` a K block instead of tf32x3's three, same bits.
 
     PARTIAL: store the fp32 tile at part[pid_k, rows, columns] (a [split, M, NT] buffer) instead of into out.
     FUSED_SUM (with PARTIAL): the last of the tile's ``split`` programs to finish (``last_arrival`` on the tile's
@@ -274,7 +308,9 @@ def _linear_group_kernel(
             in_k = (k + rk < K)[None, :]
             a = tl.load(x_ptrs, mask=in_k, other=0.0).to(tl.float32)
             b = tl.load(w_ptrs, mask=in_k, other=0.0)
-        if SWAP_AB:  # w·xᵀ: the weight tile is the MMA's A operand (kept in registers), the tokens its N side
+        if TF32X2:
+            acc = _dot_tf32x2(a, b, acc, SWAP_AB)
+        elif SWAP_AB:  # w·xᵀ: the weight tile is the MMA's A operand (kept in registers), the tokens its N side
             acc = tl.dot(b, tl.trans(a), acc, input_precision=PRECISION)
         else:
             acc = tl.dot(a, tl.trans(b), acc, input_precision=PRECISION)
@@ -441,7 +477,8 @@ def linear_fp32_group(
         x, *wl, out, part, counters if fused else out, m, *ns4, k, k_per_split, x.stride(0),
         *(w.stride(0) for w in wl), *bounds, split,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=k % bk == 0, SWAP_AB=swap, PARTIAL=split > 1, PRECISION=precision,
-        FUSED_SUM=fused, SPLIT=split if fused else 1, num_warps=warps, num_stages=stages, **pdl_launch(x.device),
+        FUSED_SUM=fused, SPLIT=split if fused else 1, num_warps=warps, num_stages=stages,
+        TF32X2=TF32X2 and precision == "tf32x3" and x.dtype == torch.bfloat16, **pdl_launch(x.device),
     )  # fmt: skip
     if split > 1 and not fused:
         numel = m * nt

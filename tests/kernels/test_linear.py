@@ -138,15 +138,45 @@ def test_linear_pair_counters_above_the_fused_limit(device):
     assert bool((cnt == 7).all())
 
 
-def test_linear_pair_bf16_input_is_its_fp32_value(device):
-    """x in bf16 is widened in the kernel: the same bits as passing x.float()."""
+@pytest.mark.parametrize("tf32x2", [True, False])
+@pytest.mark.parametrize("launch", [{"split_k": 2}, {"swap_ab": False, "block_m": 16}])
+def test_linear_pair_bf16_input_is_its_fp32_value(device, tf32x2, launch, monkeypatch):
+    """x in bf16 is widened in the kernel: the result of passing x.float().  With ``TF32X2`` (two products a K block,
+    x being exact in tf32) the GPU gives the very bits of tf32x3 on x.float(); the interpreter's dots are plain fp32
+    (no tf32 rounding), where splitting w into its tf32 parts only reorders the sum: within the fp32 bound."""
+    monkeypatch.setattr(linear_mod, "TF32X2", tf32x2)
     x, w1, w2 = _inputs(6, 96, 48, 32, device, seed=3)
     xb = x.to(torch.bfloat16)
-    got = linear_fp32_pair(xb, w1, w2, backend="triton", split_k=2)
-    want = linear_fp32_pair(xb.float(), w1, w2, backend="triton", split_k=2)
-    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    got = linear_fp32_pair(xb, w1, w2, backend="triton", **launch)
+    want = linear_fp32_pair(xb.float(), w1, w2, backend="triton", **launch)
+    if device.type == "cuda" or not tf32x2:
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     ref = linear_fp32_pair(xb, w1, w2, backend="torch")
-    _assert_close_fp32(ref[0], got[0], xb.float(), w1, _small_shape_rel(96))
+    for g, w, r in ((got[0], w1, ref[0]), (got[1], w2, ref[1])):
+        _assert_close_fp32(g, r, xb.float(), w, _small_shape_rel(96))
+
+
+def test_tf32_rounding_is_cvt_rna(device):
+    """``_tf32_rna``'s bit trick: nearest tf32 with ties away from zero (the rule written out on the bits, at and
+    around each rounding case, both signs, subnormals), infinities kept."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def rna(x_ptr, y_ptr, N: tl.constexpr):
+        i = tl.arange(0, N)
+        tl.store(y_ptr + i, linear_mod._tf32_rna(tl.load(x_ptr + i)))
+
+    bits = torch.tensor([0x3F800000, 0x3F800FFF, 0x3F801000, 0x3F801001, 0x3F803000, 0xBF801000, 0xBF800FFF,
+                         0x7F800000, 0xFF800000, 0x00000FFF, 0x00001000, 0x7F7FE000, 0x80001000, 0x3F7FF000,
+                         0x40000000, 0xC0001FFF], dtype=torch.int64)  # fmt: skip
+    v = bits.to(torch.int32).view(torch.float32).to(device)
+    out = torch.empty_like(v)
+    rna[(1,)](v, out, N=16)
+    got = out.cpu().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    mag = bits & 0x7FFFFFFF
+    want = torch.where(mag >= 0x7F800000, bits, ((mag + 0x1000) & ~0x1FFF) | (bits & 0x80000000))
+    assert got.tolist() == want.tolist()
 
 
 @pytest.mark.parametrize("m, split_k", [("above", 2), (40, 1)])
@@ -347,6 +377,23 @@ def test_linear_pair_tf32x3_real_shapes_on_gpu(m, n, no_tf32):
         _assert_close_fp32(t, ref, x, w, GPU_REL)
     z1, z2 = linear_fp32_pair(x, w1, w2)
     assert torch.equal(z1, y1) and torch.equal(z2, y2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("launch", [{}, {"split_k": 4}])
+@pytest.mark.parametrize("m", [64, 4096])
+def test_linear_group_bf16_two_products_equal_tf32x3_on_gpu(m, launch, monkeypatch):
+    """bf16 x at the CSA layer's four compressor widths: the two-product path (``TF32X2``) gives tf32x3's bits."""
+    g = torch.Generator(device="cuda").manual_seed(m)
+    x = torch.randn(m, 4096, device="cuda", generator=g).bfloat16()
+    ws = [torch.randn(n, 4096, device="cuda", generator=g) * 0.02 for n in (1024, 1024, 256, 256)]
+    got = linear_fp32_group(x, ws, **launch)
+    monkeypatch.setattr(linear_mod, "TF32X2", False)
+    want = linear_fp32_group(x, ws, **launch)
+    for a, b, w in zip(got, want, ws, strict=True):
+        assert torch.equal(a, b)
+        _assert_close_fp32(a, _fp64(x.float(), w), x.float(), w, GPU_REL)
 
 
 @pytest.mark.gpu
