@@ -579,7 +579,8 @@ if [ "$what" = prefill_idx_s21 ]; then  # left for session 22 (~7 min, after val
   # scores of 2,048 / 4,096 rows at P = 8,192 / 65,536 against indexer_scores (gluon_fold) over launch geometries
   # (rows,block_n,warps,stages), indexer_topk of whole prefills on / off, then the CSA layer's profile with it on
   timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_indexer_prefill.py \
-    tests/kernels/test_indexer_select.py -k "gpu" -s 2>&1 | tee "$OUT/${stamp}_h200_gpu_tests_prefill_idx_s21.txt" | tail -4
+    tests/kernels/test_indexer_select.py tests/model/test_attention.py -k "gpu or shared_keys" -s 2>&1 \
+    | tee "$OUT/${stamp}_h200_gpu_tests_prefill_idx_s21.txt" | tail -4
   timeout 200 python3 benchmarks/bench_prefill_indexer.py --launches 4,128,8,3 2,128,8,3 2,64,4,3 4,64,4,3 2,64,4,4 \
     1,128,4,3 2,128,4,3 --select 8192 65536 --out "$OUT/${stamp}_h200_prefill_idx_s21.jsonl" 2>&1 | grep -v -i warn \
     | tee "$OUT/${stamp}_h200_prefill_idx_s21.txt" | cut -c1-260
