@@ -13,7 +13,8 @@ Timings (GPU):
 - ``time_s`` / ``baseline_time_s``: ``triton.testing.do_bench`` median of one eager call (it clears L2 between
   calls, so the weights come from HBM; the Python launch path is included when it is slower than the GPU).
 - ``graph_time_fused_s``: the layer's call (bf16 x: two tf32 products a K block, ``linear.TF32X2``; the K-split sum
-  in the launch), ``graph_time_fused_tf32x3_s`` the same with tf32x3's three products.
+  in the launch), ``graph_time_fused_tf32x3_s`` the same with tf32x3's three products, ``graph_time_fused_bf16x3_s``
+  with ``precision="bf16x3"`` (three bf16 products of exact weight pieces; ``max_rel_err_fp64_bf16x3`` its error).
 - ``graph_time_s`` / ``baseline_graph_time_s``: GPU time per call from a CUDA graph (``sweep_indexer.GraphTimer``) of
   GRAPH_CALLS (L2 flush, call) pairs, minus the time of a graph of the flushes alone (median of replays):
   what a captured decode step pays when the other layers' weights have evicted these from L2.
@@ -122,6 +123,11 @@ def run_case(op: str, m: int, n: int, timer: GraphTimer, meta: dict) -> dict:
         "roofline_tf32x3_s": roof3,
         "graph_time_fused_s": timer(layer_call),
         "graph_time_fused_tf32x3_s": _without_tf32x2(timer, layer_call),
+        "graph_time_fused_bf16x3_s": timer(lambda: linear_fp32_pair(xb, w1, w2, counters=cnt, precision="bf16x3")),
+        "max_rel_err_fp64_bf16x3": max(
+            rel_err(linear_fp32_pair(xb, w1, w2, precision="bf16x3")[i], xb.double() @ w.double().T, xb.float(), w)
+            for i, w in enumerate((w1, w2))
+        ),
         "baseline": "torch fp32: two F.linear (cuBLAS, TF32 off)",
         "baseline_time_s": bench_time(base),
         "baseline_graph_time_s": timer(base),
@@ -158,7 +164,8 @@ def print_row(r: dict) -> None:
     tc = f"; tensor cores {us(r['graph_time_fused_tc_s'])}" if r.get("gemv") else ""
     print(
         f"{r['name']:20s} M {s['M']:6d} N {s['N1']:5d}  graph {us(g)} us"
-        f" (bf16 x, fused sum {us(r['graph_time_fused_s'])}; its tf32x3 {us(r['graph_time_fused_tf32x3_s'])}{tc})"
+        f" (bf16 x, fused sum {us(r['graph_time_fused_s'])}; its tf32x3 {us(r['graph_time_fused_tf32x3_s'])}"
+        f", bf16x3 {us(r['graph_time_fused_bf16x3_s'])} err {r['max_rel_err_fp64_bf16x3']:.1e}{tc})"
         f"  eager {us(r['time_s'])} us"
         f"  torch graph {us(r['baseline_graph_time_s'])} us  eager {us(r['baseline_time_s'])} us"
         f"  roofline {us(r['roofline_s'])} / x3 {us(r['roofline_tf32x3_s'])} us ({pct})"

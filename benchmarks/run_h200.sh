@@ -587,11 +587,12 @@ if [ "$what" = prefill_idx_s21 ]; then  # left for session 22 (~7 min, after val
   timeout 150 python3 benchmarks/profile_prefill.py --kind csa --tokens 65536 --start 0 --shared-keys 1 2>&1 \
     | grep -v -i warn | tee "$OUT/${stamp}_h200_profile_prefill_csa_65536_0_shared_s21.txt" | tail -3
 fi
-if [ "$what" = tf32x2_s21 ]; then  # left for session 22 (~4 min): the compressor GEMM on bf16 x with two tf32 products a
-  # K block (linear.TF32X2, on: same bits as tf32x3, 24 -> 16 wgmma a loop in static SASS) against tf32x3's three:
-  # GPU tests (bit equality), then bench_linear's layer call both ways at every width, decode and 65,536 tokens
+if [ "$what" = tf32x2_s21 ]; then  # left for session 22 (~6 min): the compressor GEMM on bf16 x with two tf32 products a
+  # K block (linear.TF32X2, on: same bits as tf32x3, 24 -> 16 wgmma a loop in static SASS) against tf32x3's three, and
+  # precision="bf16x3" (opt-in: three bf16 products of exact weight pieces, 12 wgmma): GPU tests (bit equality, error
+  # bounds), then bench_linear's layer call all three ways at every width, decode and 65,536 tokens
   timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_linear.py -k "gpu or cuda" 2>&1 \
     | tee "$OUT/${stamp}_h200_gpu_tests_tf32x2_s21.txt" | tail -3
-  timeout 240 python3 benchmarks/bench_linear.py --tokens 64,4096,65536 --out "$OUT/${stamp}_h200_linear_tf32x2_s21.jsonl" \
+  timeout 330 python3 benchmarks/bench_linear.py --tokens 64,4096,65536 --out "$OUT/${stamp}_h200_linear_tf32x2_s21.jsonl" \
     2>&1 | tee "$OUT/${stamp}_h200_linear_tf32x2_s21.txt" | cut -c1-230
 fi

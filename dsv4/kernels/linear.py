@@ -60,7 +60,7 @@ import triton.language as tl
 
 from dsv4.errors import check_tensor
 from dsv4.kernels._triton_sync import last_arrival, pdl_enter
-from dsv4.kernels.dispatch import DEFAULT_NUM_SMS, num_sms, pdl_launch, use_triton
+from dsv4.kernels.dispatch import DEFAULT_NUM_SMS, interpreter_enabled, num_sms, pdl_launch, use_triton
 
 __all__ = [
     "MAX_GROUP",
@@ -73,7 +73,7 @@ __all__ = [
     "linear_launch",
 ]
 
-PRECISIONS = ("tf32x3", "ieee")
+PRECISIONS = ("tf32x3", "ieee", "bf16x3")
 # bf16 x (the layer's activations) is exact in tf32, so tf32x3's x_small·w_big product is zero: the GEMM runs the
 # other two (``_dot_tf32x2``; same bits).  Static sm_90 SASS (triton 3.6, ``sass_report.py linear:65536:0``): 24 ->
 # 16 wgmma a K loop.  Not yet timed on the H200 (``run_h200.sh tf32x2_s21``).
@@ -258,6 +258,38 @@ def _dot_tf32x2(a, b, acc, SWAP_AB: tl.constexpr):
     return acc + part
 
 
+@triton.jit
+def _dot_bf16x3(a, b, acc, SWAP_AB: tl.constexpr, FP32_DOT: tl.constexpr):
+    """``acc + a·bᵀ`` (SWAP_AB: ``acc + b·aᵀ``) for bf16 ``a`` and fp32 ``b`` on bf16 MMAs: b = b_hi + b_mid + b_lo
+    exactly (three bf16 pieces of 8 significant bits hold fp32's 24; each remainder is exact in fp32), the three
+    products from the smallest piece up, each exact in fp32 (8 x 8 bits), summed by the tensor core into a chunk
+    that is added to ``acc`` in fp32.  Nothing is dropped: the only error is the fp32 accumulation.  FP32_DOT (the
+    interpreter, whose bf16 dot is wrong): the pieces widened to fp32, IEEE dots (exact products)."""
+    b_hi = b.to(tl.bfloat16)
+    r = b - b_hi.to(tl.float32)
+    b_mid = r.to(tl.bfloat16)
+    b_lo = (r - b_mid.to(tl.float32)).to(tl.bfloat16)
+    if FP32_DOT:
+        a, b_hi, b_mid, b_lo = a.to(tl.float32), b_hi.to(tl.float32), b_mid.to(tl.float32), b_lo.to(tl.float32)
+        if SWAP_AB:
+            part = tl.dot(b_lo, tl.trans(a), input_precision="ieee")
+            part = tl.dot(b_mid, tl.trans(a), part, input_precision="ieee")
+            part = tl.dot(b_hi, tl.trans(a), part, input_precision="ieee")
+        else:
+            part = tl.dot(a, tl.trans(b_lo), input_precision="ieee")
+            part = tl.dot(a, tl.trans(b_mid), part, input_precision="ieee")
+            part = tl.dot(a, tl.trans(b_hi), part, input_precision="ieee")
+    elif SWAP_AB:
+        part = tl.dot(b_lo, tl.trans(a))
+        part = tl.dot(b_mid, tl.trans(a), part)
+        part = tl.dot(b_hi, tl.trans(a), part)
+    else:
+        part = tl.dot(a, tl.trans(b_lo))
+        part = tl.dot(a, tl.trans(b_mid), part)
+        part = tl.dot(a, tl.trans(b_hi), part)
+    return acc + part
+
+
 @triton.jit(do_not_specialize=["t1", "t2", "t3"])  # one binary for every set of weight widths
 def _linear_group_kernel(
     x_ptr, w1_ptr, w2_ptr, w3_ptr, w4_ptr, out_ptr, part_ptr, cnt_ptr,
@@ -265,7 +297,7 @@ def _linear_group_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, SWAP_AB: tl.constexpr, PARTIAL: tl.constexpr, PRECISION: tl.constexpr,
     FUSED_SUM: tl.constexpr = False, SPLIT: tl.constexpr = 1, TF32X2: tl.constexpr = False,
-    PDL: tl.constexpr = False,
+    FP32_DOT: tl.constexpr = False, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """One [BLOCK_M, BLOCK_N] tile of x·w_iᵀ over K range [pid_k·k_per_split, +k_per_split), into columns
     N1 + ... + N_(i-1) + [0, N_i) of out [M, N1 + N2 + N3 + N4] (row stride the total).  The program's weight is
@@ -302,18 +334,20 @@ def _linear_group_kernel(
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(k_lo, k_hi, BLOCK_K):
         if EVEN_K:
-            a = tl.load(x_ptrs).to(tl.float32)
+            a = tl.load(x_ptrs)
             b = tl.load(w_ptrs)
         else:
             in_k = (k + rk < K)[None, :]
-            a = tl.load(x_ptrs, mask=in_k, other=0.0).to(tl.float32)
+            a = tl.load(x_ptrs, mask=in_k, other=0.0)
             b = tl.load(w_ptrs, mask=in_k, other=0.0)
-        if TF32X2:
-            acc = _dot_tf32x2(a, b, acc, SWAP_AB)
+        if PRECISION == "bf16x3":  # (bf16 x, as loaded)
+            acc = _dot_bf16x3(a, b, acc, SWAP_AB, FP32_DOT)
+        elif TF32X2:
+            acc = _dot_tf32x2(a.to(tl.float32), b, acc, SWAP_AB)
         elif SWAP_AB:  # w·xᵀ: the weight tile is the MMA's A operand (kept in registers), the tokens its N side
-            acc = tl.dot(b, tl.trans(a), acc, input_precision=PRECISION)
+            acc = tl.dot(b, tl.trans(a.to(tl.float32)), acc, input_precision=PRECISION)
         else:
-            acc = tl.dot(a, tl.trans(b), acc, input_precision=PRECISION)
+            acc = tl.dot(a.to(tl.float32), tl.trans(b), acc, input_precision=PRECISION)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     if SWAP_AB:
@@ -416,10 +450,12 @@ def linear_fp32_group(
     M may be 0.  x and the weights may be strided views (any row stride; a last stride other than 1 costs
     a copy).  Triton path: the outputs are column views of one [M, ΣN_i] buffer (row stride ΣN_i, unit inner
     stride; as the compressor kernels take them), ``precision`` "tf32x3" (3xTF32 tensor-core products, ~fp32
-    accuracy) or "ieee" (exact fp32 FMA dot); launch parameters default to ``linear_launch`` (its n1 + n2 read
-    as the total width).  ``counters``: int32 [>= output tiles] of zeros (``linear_counters``): with a K split
-    and M <= FUSED_SUM_MAX_M the last program of each output tile adds the partials (same order, same bits as
-    the second launch) in the one launch, and leaves its counter 0 again; launches sharing ``counters`` must not
+    accuracy; two of them for bf16 x, ``TF32X2``), "ieee" (exact fp32 FMA dot) or "bf16x3" (bf16 x only: each
+    weight tile split exactly into three bf16 pieces, three bf16 MMAs with exact products, ``_dot_bf16x3``: more
+    accurate than tf32x3, half its tensor-core cycles a product); launch parameters default to ``linear_launch``
+    (its n1 + n2 read as the total width).  ``counters``: int32 [>= output tiles] of zeros (``linear_counters``):
+    with a K split and M <= FUSED_SUM_MAX_M the last program of each output tile adds the partials (same order, same
+    bits as the second launch) in the one launch, and leaves its counter 0 again; launches sharing ``counters`` must not
     overlap (one stream).  Torch path (CPU, or ``backend="torch"``): ``F.linear`` of x in fp32 per weight (new
     contiguous tensors).  ``gemv``: the few-token kernel (``_linear_gemv_kernel``, exact fp32 FMAs, either
     ``precision``; M <= GEMV_LIMIT_M); None takes it for M <= GEMV_MAX_M when no launch parameter is given.
@@ -433,6 +469,8 @@ def linear_fp32_group(
         check_tensor(f"w{i + 1}", w, dtype=torch.float32, shape=(None, k), device=x.device)
     if precision not in PRECISIONS:
         raise ValueError(f"precision: expected one of {PRECISIONS}, got {precision!r}")
+    if precision == "bf16x3" and x.dtype != torch.bfloat16:
+        raise ValueError(f"precision='bf16x3': expected bf16 x (its products are exact only then), got {x.dtype}")
     m, ns = x.shape[0], [w.shape[0] for w in ws]
     launch = linear_launch(
         m, ns[0], sum(ns[1:]), k, num_sms=num_sms(x.device), block_m=block_m, block_n=block_n, block_k=block_k,
@@ -478,7 +516,8 @@ def linear_fp32_group(
         *(w.stride(0) for w in wl), *bounds, split,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=k % bk == 0, SWAP_AB=swap, PARTIAL=split > 1, PRECISION=precision,
         FUSED_SUM=fused, SPLIT=split if fused else 1, num_warps=warps, num_stages=stages,
-        TF32X2=TF32X2 and precision == "tf32x3" and x.dtype == torch.bfloat16, **pdl_launch(x.device),
+        TF32X2=TF32X2 and precision == "tf32x3" and x.dtype == torch.bfloat16, FP32_DOT=interpreter_enabled(),
+        **pdl_launch(x.device),
     )  # fmt: skip
     if split > 1 and not fused:
         numel = m * nt

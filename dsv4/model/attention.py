@@ -86,7 +86,9 @@ class AttentionSubBlock:
         backend: "auto" (Triton on CUDA, PyTorch on the CPU), "torch" or "triton".
         compressor_gemm: the compressor projections' fp32 GEMMs on the Triton path: "tf32x3" (default;
             ``kernels.linear.linear_fp32_group``, every compressor projection of the layer in one tensor-core GEMM,
-            error <= ~1e-5 of sum |x||w|, see its docstring) or "fp32" (``F.compressor_project``: cuBLAS fp32).
+            error <= ~1e-5 of sum |x||w|, see its docstring), "bf16x3" (the same GEMM on bf16 MMAs with the weights
+            split exactly into three bf16 pieces: exact products; for a bf16 x, else tf32x3) or "fp32"
+            (``F.compressor_project``: cuBLAS fp32).
     """
 
     def __init__(
@@ -98,8 +100,8 @@ class AttentionSubBlock:
         compressor_gemm: str = "tf32x3",
     ) -> None:
         w.check(cfg, layer_id)
-        if compressor_gemm not in ("tf32x3", "fp32"):
-            raise ValueError(f"compressor_gemm: expected 'tf32x3' or 'fp32', got {compressor_gemm!r}")
+        if compressor_gemm not in ("tf32x3", "bf16x3", "fp32"):
+            raise ValueError(f"compressor_gemm: expected 'tf32x3', 'bf16x3' or 'fp32', got {compressor_gemm!r}")
         self.cfg, self.layer_id, self.w, self.backend = cfg, layer_id, w, backend
         self.compressor_gemm = compressor_gemm
         # tile counters of the compressor GEMM's in-launch split sum (its calls on one stream, one after another)
@@ -192,17 +194,26 @@ class AttentionSubBlock:
         """``compressor_projections`` of several compressors (a CSA layer's main and indexer ones) for one x: on the
         Triton tf32x3 path one GEMM launch for all their weights (``linear_fp32_group``)."""
         weights = [wt for cw in cws for wt in (cw.wkv, cw.wgate)]
-        if self.compressor_gemm == "tf32x3" and use_triton(self.backend, x, *weights):
-            ys = linear_fp32_group(x, weights, backend=self.backend, counters=self._linear_counters)
+        if self.compressor_gemm != "fp32" and use_triton(self.backend, x, *weights):
+            ys = linear_fp32_group(
+                x, weights, backend=self.backend, counters=self._linear_counters, precision=self._gemm_precision(x)
+            )
             return [(ys[2 * i], ys[2 * i + 1]) for i in range(len(cws))]
         return [self.compressor_projections(x, cw, positions) for cw in cws]
 
     def compressor_projections(self, x: torch.Tensor, cw, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(kv, score without ape) fp32 [T, c*d] of one compressor (weights ``cw``) for x [T, dim] (bf16: the fp32
         projections of its exact fp32 value, widened inside the GEMM)."""
-        if self.compressor_gemm == "tf32x3" and use_triton(self.backend, x, cw.wkv, cw.wgate):
-            return linear_fp32_pair(x, cw.wkv, cw.wgate, backend=self.backend, counters=self._linear_counters)
+        if self.compressor_gemm != "fp32" and use_triton(self.backend, x, cw.wkv, cw.wgate):
+            return linear_fp32_pair(
+                x, cw.wkv, cw.wgate, backend=self.backend, counters=self._linear_counters,
+                precision=self._gemm_precision(x),
+            )  # fmt: skip
         return F.compressor_project(x, cw.wkv, cw.wgate, None, positions, self.ratio)
+
+    def _gemm_precision(self, x: torch.Tensor) -> str:
+        """``linear_fp32_group``'s precision for ``compressor_gemm`` and this x (bf16x3 needs a bf16 x)."""
+        return "bf16x3" if self.compressor_gemm == "bf16x3" and x.dtype == torch.bfloat16 else "tf32x3"
 
     def _indexer_topk(self, x: torch.Tensor, qr: torch.Tensor, handle: LayerCacheHandle) -> torch.Tensor:
         cfg, plan, rp = self.cfg, handle.plan, handle.ratio_plan

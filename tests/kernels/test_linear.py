@@ -88,6 +88,25 @@ def test_linear_pair_exact_on_integers(device, launch):
     assert torch.equal(y1, r1) and torch.equal(y2, r2)
 
 
+@pytest.mark.parametrize("launch", list(LAUNCHES))
+def test_linear_pair_bf16x3(device, launch):
+    """precision="bf16x3" (bf16 x; each weight tile split exactly into three bf16 pieces): exact on small integers
+    whatever the tiling (products and sums exact), within the fp32 summation bound on random data, and refused for
+    an fp32 x (its products would not be exact)."""
+    x, w1, w2 = _inputs(37, 160, 72, 24, device, seed=5, integer=True)
+    y = linear_fp32_pair(x.bfloat16(), w1, w2, backend="triton", precision="bf16x3", **LAUNCHES[launch])
+    r = linear_fp32_pair_reference(x, w1, w2)
+    assert torch.equal(y[0], r[0]) and torch.equal(y[1], r[1])
+    x, w1, w2 = _inputs(33, 96, 48, 100, device, seed=6)
+    xb = x.bfloat16()
+    y = linear_fp32_pair(xb, w1, w2, backend="triton", precision="bf16x3", **LAUNCHES[launch])
+    r = linear_fp32_pair_reference(xb.float(), w1, w2)
+    for g, w, t in ((y[0], w1, r[0]), (y[1], w2, r[1])):
+        _assert_close_fp32(g, t, xb.float(), w, 2 * 96 * U)  # no tf32 term: only the two fp32 sums' orders
+    with pytest.raises(ValueError, match="bf16x3"):
+        linear_fp32_pair(x, w1, w2, backend="triton", precision="bf16x3")
+
+
 def test_linear_pair_strided_inputs(device):
     """x a column slice of a wider tensor (row stride 200, unit last stride), w1 a column slice, w2 rows of a
     fused [N1 + N2, K] weight; and x with a non-unit last stride (a transposed view: copied)."""
@@ -394,6 +413,25 @@ def test_linear_group_bf16_two_products_equal_tf32x3_on_gpu(m, launch, monkeypat
     for a, b, w in zip(got, want, ws, strict=True):
         assert torch.equal(a, b)
         _assert_close_fp32(a, _fp64(x.float(), w), x.float(), w, GPU_REL)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("launch", [{}, {"split_k": 4}, {"swap_ab": False, "block_m": 64}])
+@pytest.mark.parametrize("m", [64, 4096])
+def test_linear_group_bf16x3_real_shapes_on_gpu(m, launch):
+    """precision="bf16x3" at the CSA layer's four compressor widths (K = 4,096): within the tf32x3 bound of fp64
+    (its only error is the fp32 accumulation); both errors printed for the record."""
+    g = torch.Generator(device="cuda").manual_seed(m + 1)
+    x = (torch.randn(m, 4096, device="cuda", generator=g) * 4).bfloat16()
+    ws = [torch.randn(n, 4096, device="cuda", generator=g) * 0.02 for n in (1024, 1024, 256, 256)]
+    got = linear_fp32_group(x, ws, precision="bf16x3", **launch)
+    tf = linear_fp32_group(x, ws, **launch)
+    for a, b, w in zip(got, tf, ws, strict=True):
+        ref, scale = _fp64(x.float(), w), _scale(x.float(), w)
+        _assert_close_fp32(a, ref, x.float(), w, GPU_REL)
+        e_bf, e_tf = ((a.double() - ref).abs() / scale).max().item(), ((b.double() - ref).abs() / scale).max().item()
+        print(f"m {m} n {w.shape[0]} {launch}: bf16x3 {e_bf:.3g}, tf32x3 {e_tf:.3g} of |x||w|")
 
 
 @pytest.mark.gpu

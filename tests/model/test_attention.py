@@ -190,6 +190,19 @@ def test_compressor_projections_choice(monkeypatch):
         assert torch.equal(a, b)
         bound = 1e-5 * (x.abs() @ wt.abs().T)  # fp32 summation order over K = dim (tests/kernels/test_linear.py)
         assert ((f - a).abs() <= bound).all()
+    # "bf16x3" on a bf16 x: the bf16 GEMM (close to the reference of x's fp32 value); on an fp32 x: tf32x3
+    precisions = []
+    monkeypatch.setattr(
+        attention_mod, "linear_fp32_pair", lambda *a, **k: precisions.append(k["precision"]) or real(*a, **k)
+    )
+    blk = AttentionSubBlock(TINY, layer, w, backend="triton", compressor_gemm="bf16x3")
+    xb = x.bfloat16()
+    got = blk.compressor_projections(xb, cw, pos)
+    blk.compressor_projections(x, cw, pos)
+    assert precisions == ["bf16x3", "tf32x3"]
+    for g, wt in zip(got, (cw.wkv, cw.wgate), strict=True):
+        r = xb.float() @ wt.T
+        assert ((g - r).abs() <= 1e-5 * (xb.float().abs() @ wt.abs().T)).all()
 
 
 def test_compressor_projections_all_is_one_gemm(monkeypatch):
