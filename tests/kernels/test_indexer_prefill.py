@@ -135,6 +135,20 @@ def test_prefill_scores_matches_reference(case, launch, wide_q):
     assert_close_rowmax(out, full, ATOL_INTERP)
 
 
+def test_prefill_scores_zero_query_heads_and_weights():
+    """A row whose query is all zero scores 0 on every visible entry; an all-zero head (its scale exponent taken as
+    127) and a zero weight change nothing; negative weights are kept (the head sum is signed)."""
+    kp, bt, q, w, nv = _problem(3, 64, 64, [64, 64, 40], seed=9)
+    q[0] = 0
+    q[1, 5] = 0
+    w[2, :8] = -w[2, :8]
+    w[1, 7] = 0
+    folded = ps.fold_keys(kp, bt, 0, 64, backend="triton")
+    out = ps.prefill_scores(q, w, folded, nv, 64, backend="triton")
+    assert (out[0] == 0).all()
+    assert_close_rowmax(out, ps.prefill_scores_reference(q, w, folded, nv, 64), ATOL_INTERP)
+
+
 def test_prefill_scores_out_slice_and_fewer_columns():
     """``out`` a column-contiguous slice of a wider buffer; n_cols below folded.n; rows outside stay untouched."""
     kp, bt, q, w, nv = _problem(4, 64, 96, [10, 50, 60, 64], seed=2)

@@ -58,7 +58,7 @@ DEFAULT_ROWS = 2
 DEFAULT_BLOCK_N = 64
 DEFAULT_WARPS = 4
 DEFAULT_STAGES = 3
-_PROGRAMS_PER_SM = 4  # grid target: the key range of a group is split over programs up to about this many a SM
+_PROGRAMS_PER_SM = 8  # grid target: a group's key range is split over programs until the grid has this many a SM
 _MIN_TILES = 8  # ... with at least this many tiles a program
 
 
@@ -304,8 +304,8 @@ def prefill_launch(T: int, n_cols: int, device: torch.device, rows: int, block_n
     tiles are split over programs until the grid has about ``_PROGRAMS_PER_SM`` programs a SM, keeping at least
     ``_MIN_TILES`` tiles a program."""
     groups, n_tiles = -(-T // rows), max(1, -(-n_cols // block_n))
-    target = _PROGRAMS_PER_SM * num_sms(device)
-    per = max(1, min(n_tiles, target // max(groups, 1)))  # programs a group
+    target = _PROGRAMS_PER_SM * num_sms(device)  # (~2.7 waves of 3 resident programs a SM: a short tail wave)
+    per = max(1, min(n_tiles, -(-target // max(groups, 1))))  # programs a group
     tiles = max(min(_MIN_TILES, n_tiles), -(-n_tiles // per))
     return groups, -(-n_tiles // tiles), tiles
 
