@@ -48,6 +48,7 @@ def main(argv=None) -> None:
     ap.add_argument("--warps-ac", type=int, default=None, help="filter path: topk._FILTER_WARPS_AC (launches A, C)")
     ap.add_argument("--warps-bd", type=int, default=None, help="filter path: topk._FILTER_WARPS_BD (launches B, D)")
     ap.add_argument("--tile", type=int, default=None, help="filter path: topk._FILTER_TILE (A, C entries a tile)")
+    ap.add_argument("--split-d", type=int, default=None, help="filter path: topk._SPLIT_D (launch D in two parts)")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args(argv)
     for flag, name in (("warps_ac", "_FILTER_WARPS_AC"), ("warps_bd", "_FILTER_WARPS_BD"), ("tile", "_FILTER_TILE")):
@@ -55,6 +56,8 @@ def main(argv=None) -> None:
             setattr(topk_mod, name, getattr(args, flag))
     if args.one_region is not None:
         topk_mod._ONE_REGION = bool(args.one_region)
+    if args.split_d is not None:
+        topk_mod._SPLIT_D = bool(args.split_d)
     if args.groups_per_k is not None:
         topk_mod._GROUPS_PER_K = topk_mod._GROUPS_PER_K_MANY = args.groups_per_k
     cuda = torch.cuda.is_available() and not args.smoke
@@ -80,7 +83,7 @@ def main(argv=None) -> None:
                 g = f"graph {timer(run) * 1e6:.1f} us, " if timer else ""
                 tag = f" rank_slots {topk_mod._RANK_SLOTS} groups_per_k {topk_mod._GROUPS_PER_K}"
                 tag += f" one_region {int(topk_mod._ONE_REGION)} warps {topk_mod._FILTER_WARPS_AC}/"
-                tag += f"{topk_mod._FILTER_WARPS_BD} tile {topk_mod._FILTER_TILE}"
+                tag += f"{topk_mod._FILTER_WARPS_BD} tile {topk_mod._FILTER_TILE} split_d {int(topk_mod._SPLIT_D)}"
                 tag = tag if name != "radix" else ""
                 print(f"== rows {r} n {n} k {k} {name}{tag} splits {sp}: {g}device {total * 1e6:.1f} us")
                 for kname, (t, c) in sorted(times.items(), key=lambda x: -x[1][0]):

@@ -438,11 +438,16 @@ def test_filter_one_split_with_and_without_the_copy(monkeypatch):
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], topk_indices_reference(s, 24, nv))
 
 
+@pytest.mark.parametrize("split_d", [False, True])
 @pytest.mark.parametrize("splits", [4, 1])
-def test_filter_boundary_ties_and_fallback_rows(splits):
+def test_filter_boundary_ties_and_fallback_rows(splits, split_d, monkeypatch):
     """Ties at the boundary (lower index wins), an all-equal row, sorted rows (every group max is near L: more
     candidates than SB2 slots -> the whole-row fallback) and a row for the second in-register tier; with one split
-    each tier reads the one region in place (``ONE_REGION``)."""
+    each tier reads the one region in place (``ONE_REGION``).  split_d: launch D as its two parts (``_SPLIT_D``:
+    the SB1 rows, then the second tier and the fallback rows), every row written once, the same result."""
+    monkeypatch.setattr(topk_mod, "_SPLIT_D", split_d)
+    monkeypatch.setattr(topk_mod, "_SPLIT_D_MIN_ROWS", 1)
+    assert topk_mod._split_d(6) == split_d
     g = torch.Generator().manual_seed(21)
     N, k = 2048, 16
     s = torch.randn(6, N, generator=g)

@@ -201,6 +201,14 @@ _FILTER_WARPS_BD_MANY = 4
 _FILTER_MANY_ROWS = 256
 _FILTER_BD_MANY_MAX_K = 512
 _FILTER_TILE_INTERP = 512  # the same under the interpreter (more tiles per chunk in small tests)
+# Launch D as two launches (``_split_d``; ``_filter_write`` PART 1, 2) from _SPLIT_D_MIN_ROWS rows: the rows whose
+# candidates fit SB1 slots (nearly all) in a build without the SB2 list and the whole-row fallback, then the others.
+# sm_90 SASS (triton 3.6, ``sass_report.py topk512:2048:16384``, 4 warps): PART 1 168 registers, no stack, 2,344
+# static instructions (3 programs a SM) against 255 + 312 B of stack and 26,368 for the one launch (2 a SM); the
+# second launch's programs mostly return at once (~2-3 us), so not for the decode step's few rows.  Off until timed
+# (``run_h200.sh topk_s21``).
+_SPLIT_D = False
+_SPLIT_D_MIN_ROWS = 256
 # Workspace layout of a row (int32 columns); the kernels see the offsets as constexpr globals.
 _WS_H2, _WS_CNT, _WS_META, _WS_W = _BINS, 2 * _BINS, 2 * _BINS + 1, 2 * _BINS + 8
 _WS_C = _WS_W + _MAX_SPLITS
@@ -847,13 +855,17 @@ def _filter_write(
     HAS_NV: tl.constexpr, G: tl.constexpr, ALIGN: tl.constexpr, LEVELS: tl.constexpr,
     SB1: tl.constexpr, SB2: tl.constexpr, CPB: tl.constexpr,
     BLOCK: tl.constexpr, KP: tl.constexpr, SP: tl.constexpr, R: tl.constexpr, RANK_SLOTS: tl.constexpr = 0,
-    ONE_REGION: tl.constexpr = False, PDL: tl.constexpr = False,
+    ONE_REGION: tl.constexpr = False, PART: tl.constexpr = 0, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """D, grid (T,): when the listed candidates fit SB2 register slots, copies the S regions into one dense
     list in region order (= index order; [SP, CPB] tiles of (region, position)), then takes the exact top kk
     of it (``_take_dense``); else runs the single-program radix select over the whole row (adversarial rows:
     many equal scores; exact, slow).  Writes the whole output row.  ``ONE_REGION`` (S = 1): the one region, which
-    starts at column 0 of the row's lists, is already the dense list: no copy, ``_take_dense`` reads it there."""
+    starts at column 0 of the row's lists, is already the dense list: no copy, ``_take_dense`` reads it there.
+
+    PART: 0 every row here; 1 only rows whose candidates fit SB1 slots (the others are left alone); 2 only the
+    others (rows that fit SB1 return at once).  Launched as PART 1 then PART 2, the common case compiles without
+    the SB2 list and the whole-row fallback, whose registers otherwise set the occupancy of every row's program."""
     pdl_enter(PDL)
     r = tl.program_id(0).to(tl.int64)
     ws_row = ws_ptr + r * stride_w
@@ -862,8 +874,14 @@ def _filter_write(
     sidx = tl.arange(0, SP)
     c = tl.load(ws_row + _C + sidx, mask=sidx < S, other=0)
     total = tl.sum(c, axis=0)
+    if PART == 1:
+        if total > SB1:
+            return
+    if PART == 2:
+        if total <= SB1:
+            return
     nv = _visible(nv_ptr, r, N, HAS_NV)
-    if total <= SB2:
+    if (total <= SB1) if PART == 1 else (total <= SB2):
         if ONE_REGION:  # the list is the region itself
             li, lk = RIDX, RKEY
         else:
@@ -879,11 +897,15 @@ def _filter_write(
                 tl.store(ws_row + DKEY + dst, tl.load(ws_row + RKEY + src, mask=m), mask=m)
             tl.debug_barrier()  # the dense list is complete before any thread reads it
             li, lk = DIDX, DKEY
-        if total <= SB1:
+        if PART == 1:
+            _take_dense(ws_row, out_row, total, kk, K, li, lk, SB1, KP, R, RANK_SLOTS)
+        elif PART == 2:
+            _take_dense(ws_row, out_row, total, kk, K, li, lk, SB2, KP, R, RANK_SLOTS)
+        elif total <= SB1:
             _take_dense(ws_row, out_row, total, kk, K, li, lk, SB1, KP, R, RANK_SLOTS)
         else:
             _take_dense(ws_row, out_row, total, kk, K, li, lk, SB2, KP, R, RANK_SLOTS)
-    else:
+    elif PART != 1:
         _select_row(s_ptr + r * stride_s, nv, out_row, ws_row + RIDX, K, BLOCK, KP)
 
 
@@ -1063,6 +1085,11 @@ def _filter_plan(N: int, k: int, splits: int, interp: bool, T: int = 1) -> dict:
                 DIDX=_WS_LIST, DKEY=_WS_LIST + dn, GM=gm, RIDX=gm + ng, RKEY=gm + ng + N)  # fmt: skip
 
 
+def _split_d(T: int) -> bool:
+    """Launch D as its two parts for T rows (see ``_SPLIT_D``)."""
+    return _SPLIT_D and T >= _SPLIT_D_MIN_ROWS
+
+
 def _launch_filter(scores, nv, out, ws, k, splits, has_nv, interp):
     T, N = scores.shape
     ss, so, sw = scores.stride(0), out.stride(0), ws.stride(0)
@@ -1079,11 +1106,14 @@ def _launch_filter(scores, nv, out, ws, k, splits, has_nv, interp):
         nv, ws, sw, N, k, p["NG"], splits, p["GM"], NGP=p["NGP"], SP=sp, BITS=_LEVEL_BITS, R=_RADIX_STEP_BITS, **row,
     )  # fmt: skip
     _filter_cand[grid](scores, nv, ws, ss, sw, N, p["NG"], splits, p["GM"], p["RIDX"], p["RKEY"], NGB=p["NGB"], **ac)
-    _filter_write[(T,)](
-        scores, nv, out, ws, ss, so, sw, N, k, p["NG"], splits, p["RIDX"], p["RKEY"], p["DIDX"], p["DKEY"],
-        SB1=p["SB1"], SB2=p["SB2"], CPB=_COPY_COLS * _MAX_SPLITS // sp, BLOCK=1024 if interp else 4096, KP=p["KP"],
-        SP=sp, R=_RADIX_STEP_BITS, RANK_SLOTS=_RANK_SLOTS, ONE_REGION=splits == 1 and _ONE_REGION, **row,
-    )  # fmt: skip
+    parts = (1, 2) if _split_d(T) else (0,)
+    for part in parts:
+        _filter_write[(T,)](
+            scores, nv, out, ws, ss, so, sw, N, k, p["NG"], splits, p["RIDX"], p["RKEY"], p["DIDX"], p["DKEY"],
+            SB1=p["SB1"], SB2=p["SB2"], CPB=_COPY_COLS * _MAX_SPLITS // sp, BLOCK=1024 if interp else 4096,
+            KP=p["KP"], SP=sp, R=_RADIX_STEP_BITS, RANK_SLOTS=_RANK_SLOTS, ONE_REGION=splits == 1 and _ONE_REGION,
+            PART=part, **row,
+        )  # fmt: skip
 
 
 def to_physical_reference(
