@@ -14,7 +14,9 @@ Timings (GPU):
   calls, so the weights come from HBM; the Python launch path is included when it is slower than the GPU).
 - ``graph_time_fused_s``: the layer's call (bf16 x: two tf32 products a K block, ``linear.TF32X2``; the K-split sum
   in the launch), ``graph_time_fused_tf32x3_s`` the same with tf32x3's three products, ``graph_time_fused_bf16x3_s``
-  with ``precision="bf16x3"`` (three bf16 products of exact weight pieces; ``max_rel_err_fp64_bf16x3`` its error).
+  with ``precision="bf16x3"`` (three bf16 products of exact weight pieces; ``max_rel_err_fp64_bf16x3`` its error),
+  ``graph_time_fused_bf16w_s`` with ``precision="bf16w"`` on the weights rounded to bf16 (one bf16 product: what an
+  FP8 checkpoint's compressor weights allow; ``max_rel_err_fp64_bf16w`` against fp64 on those weights).
 - ``graph_time_s`` / ``baseline_graph_time_s``: GPU time per call from a CUDA graph (``sweep_indexer.GraphTimer``) of
   GRAPH_CALLS (L2 flush, call) pairs, minus the time of a graph of the flushes alone (median of replays):
   what a captured decode step pays when the other layers' weights have evicted these from L2.
@@ -128,6 +130,7 @@ def run_case(op: str, m: int, n: int, timer: GraphTimer, meta: dict) -> dict:
             rel_err(linear_fp32_pair(xb, w1, w2, precision="bf16x3")[i], xb.double() @ w.double().T, xb.float(), w)
             for i, w in enumerate((w1, w2))
         ),
+        **_bf16w_cols(xb, w1, w2, cnt, timer),
         "baseline": "torch fp32: two F.linear (cuBLAS, TF32 off)",
         "baseline_time_s": bench_time(base),
         "baseline_graph_time_s": timer(base),
@@ -140,6 +143,16 @@ def run_case(op: str, m: int, n: int, timer: GraphTimer, meta: dict) -> dict:
         rec["graph_time_fused_tc_s"] = timer(lambda: linear_fp32_pair(xb, w1, w2, counters=cnt, gemv=False))
     rec["speedup_graph"] = rec["baseline_graph_time_s"] / rec["graph_time_s"] if rec["graph_time_s"] else None
     return rec
+
+
+def _bf16w_cols(xb, w1, w2, cnt, timer: GraphTimer) -> dict:
+    """The layer's call with ``precision="bf16w"`` on the weights rounded to bf16 (as an FP8 checkpoint's are exact
+    in bf16): its graph time and its error against fp64 on those weights."""
+    b1, b2 = w1.bfloat16().float(), w2.bfloat16().float()
+    y = linear_fp32_pair(xb, b1, b2, precision="bf16w")
+    err = max(rel_err(y[i], xb.double() @ w.double().T, xb.float(), w) for i, w in enumerate((b1, b2)))
+    t = timer(lambda: linear_fp32_pair(xb, b1, b2, counters=cnt, precision="bf16w"))
+    return {"graph_time_fused_bf16w_s": t, "max_rel_err_fp64_bf16w": err}
 
 
 def _without_tf32x2(timer: GraphTimer, fn) -> float:
@@ -165,7 +178,8 @@ def print_row(r: dict) -> None:
     print(
         f"{r['name']:20s} M {s['M']:6d} N {s['N1']:5d}  graph {us(g)} us"
         f" (bf16 x, fused sum {us(r['graph_time_fused_s'])}; its tf32x3 {us(r['graph_time_fused_tf32x3_s'])}"
-        f", bf16x3 {us(r['graph_time_fused_bf16x3_s'])} err {r['max_rel_err_fp64_bf16x3']:.1e}{tc})"
+        f", bf16x3 {us(r['graph_time_fused_bf16x3_s'])} err {r['max_rel_err_fp64_bf16x3']:.1e}"
+        f", bf16w {us(r['graph_time_fused_bf16w_s'])} err {r['max_rel_err_fp64_bf16w']:.1e}{tc})"
         f"  eager {us(r['time_s'])} us"
         f"  torch graph {us(r['baseline_graph_time_s'])} us  eager {us(r['baseline_time_s'])} us"
         f"  roofline {us(r['roofline_s'])} / x3 {us(r['roofline_tf32x3_s'])} us ({pct})"

@@ -589,8 +589,9 @@ if [ "$what" = prefill_idx_s21 ]; then  # left for session 22 (~7 min, after val
 fi
 if [ "$what" = tf32x2_s21 ]; then  # left for session 22 (~6 min): the compressor GEMM on bf16 x with two tf32 products a
   # K block (linear.TF32X2, on: same bits as tf32x3, 24 -> 16 wgmma a loop in static SASS) against tf32x3's three, and
-  # precision="bf16x3" (opt-in: three bf16 products of exact weight pieces, 12 wgmma): GPU tests (bit equality, error
-  # bounds), then bench_linear's layer call all three ways at every width, decode and 65,536 tokens
+  # precision="bf16x3" (opt-in: three bf16 products of exact weight pieces, 12 wgmma) and "bf16w" (weights exact in
+  # bf16, as an FP8 checkpoint's: one bf16 product, 4 wgmma; model.attention.BF16_EXACT_COMPRESSOR off): GPU tests
+  # (bit equality, error bounds), then bench_linear's layer call all four ways at every width, decode and 65,536
   timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_linear.py -k "gpu or cuda" 2>&1 \
     | tee "$OUT/${stamp}_h200_gpu_tests_tf32x2_s21.txt" | tail -3
   timeout 330 python3 benchmarks/bench_linear.py --tokens 64,4096,65536 --out "$OUT/${stamp}_h200_linear_tf32x2_s21.jsonl" \

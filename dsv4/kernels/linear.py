@@ -66,6 +66,7 @@ __all__ = [
     "MAX_GROUP",
     "PRECISIONS",
     "LinearLaunch",
+    "bf16_exact",
     "linear_counters",
     "linear_fp32_group",
     "linear_fp32_pair",
@@ -73,7 +74,7 @@ __all__ = [
     "linear_launch",
 ]
 
-PRECISIONS = ("tf32x3", "ieee", "bf16x3")
+PRECISIONS = ("tf32x3", "ieee", "bf16x3", "bf16w")
 # bf16 x (the layer's activations) is exact in tf32, so tf32x3's x_small·w_big product is zero: the GEMM runs the
 # other two (``_dot_tf32x2``; same bits).  Static sm_90 SASS (triton 3.6, ``sass_report.py linear:65536:0``): 24 ->
 # 16 wgmma a K loop.  Not yet timed on the H200 (``run_h200.sh tf32x2_s21``).
@@ -290,6 +291,25 @@ def _dot_bf16x3(a, b, acc, SWAP_AB: tl.constexpr, FP32_DOT: tl.constexpr):
     return acc + part
 
 
+@triton.jit
+def _dot_bf16w(a, b, acc, SWAP_AB: tl.constexpr, FP32_DOT: tl.constexpr):
+    """``acc + a·bᵀ`` (SWAP_AB: ``acc + b·aᵀ``) for bf16 ``a`` and an fp32 ``b`` whose every value is exact in bf16
+    (a weight dequantised from an FP8 or bf16 checkpoint; the caller's precondition): one bf16 MMA from zero, its
+    products exact in fp32 (8 x 8 bits), the chunk added to ``acc`` in fp32.  FP32_DOT: as ``_dot_bf16x3``."""
+    bb = b.to(tl.bfloat16)
+    if FP32_DOT:
+        a, bb = a.to(tl.float32), bb.to(tl.float32)
+        if SWAP_AB:
+            part = tl.dot(bb, tl.trans(a), input_precision="ieee")
+        else:
+            part = tl.dot(a, tl.trans(bb), input_precision="ieee")
+    elif SWAP_AB:
+        part = tl.dot(bb, tl.trans(a))
+    else:
+        part = tl.dot(a, tl.trans(bb))
+    return acc + part
+
+
 @triton.jit(do_not_specialize=["t1", "t2", "t3"])  # one binary for every set of weight widths
 def _linear_group_kernel(
     x_ptr, w1_ptr, w2_ptr, w3_ptr, w4_ptr, out_ptr, part_ptr, cnt_ptr,
@@ -342,6 +362,8 @@ def _linear_group_kernel(
             b = tl.load(w_ptrs, mask=in_k, other=0.0)
         if PRECISION == "bf16x3":  # (bf16 x, as loaded)
             acc = _dot_bf16x3(a, b, acc, SWAP_AB, FP32_DOT)
+        elif PRECISION == "bf16w":
+            acc = _dot_bf16w(a, b, acc, SWAP_AB, FP32_DOT)
         elif TF32X2:
             acc = _dot_tf32x2(a.to(tl.float32), b, acc, SWAP_AB)
         elif SWAP_AB:  # w·xᵀ: the weight tile is the MMA's A operand (kept in registers), the tokens its N side
@@ -452,7 +474,9 @@ def linear_fp32_group(
     stride; as the compressor kernels take them), ``precision`` "tf32x3" (3xTF32 tensor-core products, ~fp32
     accuracy; two of them for bf16 x, ``TF32X2``), "ieee" (exact fp32 FMA dot) or "bf16x3" (bf16 x only: each
     weight tile split exactly into three bf16 pieces, three bf16 MMAs with exact products, ``_dot_bf16x3``: more
-    accurate than tf32x3, half its tensor-core cycles a product); launch parameters default to ``linear_launch``
+    accurate than tf32x3, half its tensor-core cycles a product) or "bf16w" (bf16 x and weights whose every value is
+    exact in bf16, ``bf16_exact``, e.g. dequantised from an FP8 checkpoint: one bf16 MMA with exact products; the
+    weights' exactness is the caller's precondition); launch parameters default to ``linear_launch``
     (its n1 + n2 read as the total width).  ``counters``: int32 [>= output tiles] of zeros (``linear_counters``):
     with a K split and M <= FUSED_SUM_MAX_M the last program of each output tile adds the partials (same order, same
     bits as the second launch) in the one launch, and leaves its counter 0 again; launches sharing ``counters`` must not
@@ -469,8 +493,8 @@ def linear_fp32_group(
         check_tensor(f"w{i + 1}", w, dtype=torch.float32, shape=(None, k), device=x.device)
     if precision not in PRECISIONS:
         raise ValueError(f"precision: expected one of {PRECISIONS}, got {precision!r}")
-    if precision == "bf16x3" and x.dtype != torch.bfloat16:
-        raise ValueError(f"precision='bf16x3': expected bf16 x (its products are exact only then), got {x.dtype}")
+    if precision in ("bf16x3", "bf16w") and x.dtype != torch.bfloat16:
+        raise ValueError(f"precision={precision!r}: expected bf16 x (its products are exact only then), got {x.dtype}")
     m, ns = x.shape[0], [w.shape[0] for w in ws]
     launch = linear_launch(
         m, ns[0], sum(ns[1:]), k, num_sms=num_sms(x.device), block_m=block_m, block_n=block_n, block_k=block_k,
@@ -525,6 +549,13 @@ def linear_fp32_group(
             part, out, numel, split, BLOCK=_SUM_BLOCK, num_warps=4, **pdl_launch(part.device)
         )
     return views
+
+
+def bf16_exact(*ws: torch.Tensor) -> bool:
+    """Every value of the fp32 tensors ``ws`` is exactly representable in bf16 (``precision="bf16w"``'s precondition;
+    true of weights dequantised from an FP8 checkpoint's e4m3 values and power-of-two block scales).  Reads the
+    values back to the host: a check for load time, not for a step."""
+    return all(bool(torch.equal(w.to(torch.bfloat16).float(), w)) for w in ws)
 
 
 def _linear_gemv(x, wl, ns, ns4, out, counters) -> None:

@@ -40,7 +40,7 @@ from dsv4.kernels.attention import sparse_attention
 from dsv4.kernels.cache.ring import ring_window_slots
 from dsv4.kernels.dispatch import use_triton
 from dsv4.kernels.indexer import indexer_topk, to_physical, visible_physical
-from dsv4.kernels.linear import linear_counters, linear_fp32_group, linear_fp32_pair
+from dsv4.kernels.linear import bf16_exact, linear_counters, linear_fp32_group, linear_fp32_pair
 from dsv4.model import functional as F
 from dsv4.model.projections import indexer_query, output_projection, query
 from dsv4.model.weights import AttentionWeights
@@ -50,6 +50,10 @@ from dsv4.model.weights import AttentionWeights
 # entries, ~45 % of the one index's columns -1 (each still a key block of the attention loop).  Off until timed on
 # the H200 (``run_h200.sh validate_s20``: the HCA layer profile with and without).
 PREFILL_BANDS = False
+# compressor_gemm "tf32x3" with compressor weights exact in bf16 (dequantised from an FP8 or bf16 checkpoint; checked
+# once, at construction): the GEMM takes ``precision="bf16w"`` on a bf16 x, one bf16 MMA with exact products instead
+# of two tf32 ones.  Off until timed on the H200 (``run_h200.sh tf32x2_s21``, bench_linear's bf16w column).
+BF16_EXACT_COMPRESSOR = False
 BAND_ALIGN = 64  # a band's index width is rounded up to this many entries (the attention kernels' key blocks)
 BAND_MIN_ROWS = 1024  # rows a band has at least (but the last): each band costs two launches
 
@@ -106,6 +110,11 @@ class AttentionSubBlock:
         self.compressor_gemm = compressor_gemm
         # tile counters of the compressor GEMM's in-launch split sum (its calls on one stream, one after another)
         self._linear_counters = linear_counters(w.device)
+        comp = [c for c in (w.compressor, w.indexer.compressor if w.indexer is not None else None) if c is not None]
+        self._bf16w = (
+            BF16_EXACT_COMPRESSOR and compressor_gemm == "tf32x3" and bool(comp)
+            and bf16_exact(*(t for c in comp for t in (c.wkv, c.wgate)))
+        )  # fmt: skip
         self.kind = cfg.layer_kind(layer_id)
         self.ratio = cfg.ratio(layer_id)
         self.inv_freq = F.rope_inv_freq(cfg, layer_id, w.device)
@@ -212,8 +221,11 @@ class AttentionSubBlock:
         return F.compressor_project(x, cw.wkv, cw.wgate, None, positions, self.ratio)
 
     def _gemm_precision(self, x: torch.Tensor) -> str:
-        """``linear_fp32_group``'s precision for ``compressor_gemm`` and this x (bf16x3 needs a bf16 x)."""
-        return "bf16x3" if self.compressor_gemm == "bf16x3" and x.dtype == torch.bfloat16 else "tf32x3"
+        """``linear_fp32_group``'s precision for ``compressor_gemm`` and this x (bf16x3 and bf16w need a bf16 x;
+        bf16w weights exact in bf16, ``BF16_EXACT_COMPRESSOR``)."""
+        if x.dtype != torch.bfloat16:
+            return "tf32x3"
+        return "bf16x3" if self.compressor_gemm == "bf16x3" else "bf16w" if self._bf16w else "tf32x3"
 
     def _indexer_topk(self, x: torch.Tensor, qr: torch.Tensor, handle: LayerCacheHandle) -> torch.Tensor:
         cfg, plan, rp = self.cfg, handle.plan, handle.ratio_plan

@@ -107,6 +107,27 @@ def test_linear_pair_bf16x3(device, launch):
         linear_fp32_pair(x, w1, w2, backend="triton", precision="bf16x3")
 
 
+@pytest.mark.parametrize("launch", list(LAUNCHES))
+def test_linear_pair_bf16w(device, launch):
+    """precision="bf16w" (bf16 x, weights exact in bf16): exact on small integers, within the fp32 summation bound on
+    weights rounded to bf16; ``bf16_exact`` tells such weights from fp32 ones; an fp32 x is refused."""
+    x, w1, w2 = _inputs(37, 160, 72, 24, device, seed=5, integer=True)
+    assert linear_mod.bf16_exact(w1, w2)
+    y = linear_fp32_pair(x.bfloat16(), w1, w2, backend="triton", precision="bf16w", **LAUNCHES[launch])
+    r = linear_fp32_pair_reference(x, w1, w2)
+    assert torch.equal(y[0], r[0]) and torch.equal(y[1], r[1])
+    x, w1, w2 = _inputs(33, 96, 48, 100, device, seed=7)
+    assert not linear_mod.bf16_exact(w1)
+    xb, w1, w2 = x.bfloat16(), w1.bfloat16().float(), w2.bfloat16().float()
+    assert linear_mod.bf16_exact(w1, w2)
+    y = linear_fp32_pair(xb, w1, w2, backend="triton", precision="bf16w", **LAUNCHES[launch])
+    r = linear_fp32_pair_reference(xb.float(), w1, w2)
+    for g, w, t in ((y[0], w1, r[0]), (y[1], w2, r[1])):
+        _assert_close_fp32(g, t, xb.float(), w, 2 * 96 * U)
+    with pytest.raises(ValueError, match="bf16w"):
+        linear_fp32_pair(x, w1, w2, backend="triton", precision="bf16w")
+
+
 def test_linear_pair_strided_inputs(device):
     """x a column slice of a wider tensor (row stride 200, unit last stride), w1 a column slice, w2 rows of a
     fused [N1 + N2, K] weight; and x with a non-unit last stride (a transposed view: copied)."""
@@ -412,6 +433,28 @@ def test_linear_group_bf16_two_products_equal_tf32x3_on_gpu(m, launch, monkeypat
     want = linear_fp32_group(x, ws, **launch)
     for a, b, w in zip(got, want, ws, strict=True):
         assert torch.equal(a, b)
+        _assert_close_fp32(a, _fp64(x.float(), w), x.float(), w, GPU_REL)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("launch", [{}, {"split_k": 4}, {"swap_ab": False, "block_m": 64}])
+@pytest.mark.parametrize("m", [64, 4096])
+def test_linear_group_bf16w_real_shapes_on_gpu(m, launch):
+    """precision="bf16w" at the CSA layer's four widths with weights as an FP8 checkpoint gives them (e4m3 values
+    times power-of-two 128 x 128 block scales, dequantised: exact in bf16): within the tf32x3 bound of fp64."""
+    from dsv4.model.weights import dequantize_fp8_weight
+
+    g = torch.Generator(device="cuda").manual_seed(m + 2)
+    x = (torch.randn(m, 4096, device="cuda", generator=g) * 4).bfloat16()
+    ws = []
+    for n in (1024, 1024, 256, 256):
+        w8 = (torch.randn(n, 4096, device="cuda", generator=g) * 100).to(torch.float8_e4m3fn)
+        sc = torch.exp2(torch.randint(-16, -10, (n // 128, 32), device="cuda", generator=g).float())
+        ws.append(dequantize_fp8_weight(w8, sc))
+    assert linear_mod.bf16_exact(*ws)
+    got = linear_fp32_group(x, ws, precision="bf16w", **launch)
+    for a, w in zip(got, ws, strict=True):
         _assert_close_fp32(a, _fp64(x.float(), w), x.float(), w, GPU_REL)
 
 

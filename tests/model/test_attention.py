@@ -203,6 +203,22 @@ def test_compressor_projections_choice(monkeypatch):
     for g, wt in zip(got, (cw.wkv, cw.wgate), strict=True):
         r = xb.float() @ wt.T
         assert ((g - r).abs() <= 1e-5 * (xb.float().abs() @ wt.abs().T)).all()
+    # BF16_EXACT_COMPRESSOR: "tf32x3" takes bf16w where every compressor weight is exact in bf16 (checked at
+    # construction), tf32x3 otherwise
+    monkeypatch.setattr(attention_mod, "BF16_EXACT_COMPRESSOR", True)
+    precisions.clear()
+    AttentionSubBlock(TINY, layer, w, backend="triton").compressor_projections(xb, cw, pos)
+    wr = random_attention_weights(TINY, layer, seed=6)
+    for c in (wr.compressor, wr.indexer.compressor):
+        c.wkv.copy_(c.wkv.bfloat16().float())
+        c.wgate.copy_(c.wgate.bfloat16().float())
+    blk = AttentionSubBlock(TINY, layer, wr, backend="triton")
+    got = blk.compressor_projections(xb, wr.compressor, pos)
+    blk.compressor_projections(x, wr.compressor, pos)
+    assert precisions == ["tf32x3", "bf16w", "tf32x3"]
+    for g, wt in zip(got, (wr.compressor.wkv, wr.compressor.wgate), strict=True):
+        r = xb.float() @ wt.T
+        assert ((g - r).abs() <= 1e-5 * (xb.float().abs() @ wt.abs().T)).all()
 
 
 def test_compressor_projections_all_is_one_gemm(monkeypatch):
