@@ -24,7 +24,7 @@ from dsv4.cache.paged_cache import PagedKVPool
 from dsv4.cache.schema import CacheSchema
 from dsv4.cache.state_cache import StateCachePool
 
-__all__ = ["REGIONS", "RequestSnapshot", "check_snapshot", "save_request", "load_request"]
+__all__ = ["REGIONS", "RequestSnapshot", "check_snapshot", "load_request", "move", "pack", "save_request", "unpack"]
 
 REGIONS = ("window", "compressor", "pages")
 
@@ -81,6 +81,51 @@ def _page_rows(pool: PagedKVPool, layer_id: int) -> tuple[torch.Tensor, torch.Te
     return ent, keys
 
 
+_ALIGN = 16  # bytes: each tensor of a packed transfer starts at a multiple of this (any dtype's view)
+
+
+def pack(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The bytes of ``parts`` (tensors of one device, any dtypes and shapes) as one uint8 tensor on that device, each
+    part at a multiple of ``_ALIGN`` bytes in list order (one ``torch.cat``; zero padding between them)."""
+    pieces, pad = [], None
+    for p in parts:
+        b = p.contiguous().reshape(-1).view(torch.uint8)
+        pieces.append(b)
+        gap = -b.numel() % _ALIGN
+        if gap:
+            pad = torch.zeros(_ALIGN, dtype=torch.uint8, device=b.device) if pad is None else pad
+            pieces.append(pad[:gap])
+    return torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.uint8)
+
+
+def unpack(flat: torch.Tensor, likes: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Inverse of ``pack``: views of ``flat`` (uint8) with the dtypes and shapes of ``likes``, in order."""
+    out, off = [], 0
+    for like in likes:
+        n = like.numel() * like.element_size()
+        out.append(flat[off : off + n].view(like.dtype).view(like.shape))
+        off += n + (-n % _ALIGN)
+    return out
+
+
+def move(parts: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """New copies of ``parts`` on ``device``.  Between the host and a GPU in one transfer: packed on the source
+    (``pack``), one copy through pinned host memory, split into views (``unpack``) of the one buffer -- one
+    synchronisation for a device -> host save instead of one a tensor (a request has hundreds); else one copy a
+    tensor (device-side copies, no host wait)."""
+    src = {p.device for p in parts}
+    if len(src) != 1 or (next(iter(src)).type == "cuda") == (device.type == "cuda"):
+        return [p.to(device, copy=True) for p in parts]
+    flat = pack(parts)
+    if device.type == "cpu":  # GPU -> host: pinned buffer, one wait for the copy
+        host = torch.empty(flat.numel(), dtype=torch.uint8, pin_memory=True)
+        host.copy_(flat, non_blocking=True)
+        torch.cuda.current_stream(flat.device).synchronize()
+        return unpack(host, parts)
+    # host -> GPU: staged in pinned memory (the caching host allocator keeps it until the copy has run)
+    return unpack(flat.pin_memory().to(device, non_blocking=True), parts)
+
+
 def save_request(
     schema: CacheSchema,
     state: StateCachePool,
@@ -90,16 +135,24 @@ def save_request(
     num_tokens: int,
     device: torch.device | str,
 ) -> RequestSnapshot:
-    """Copy the regions of the request at ``slot`` with pages ``blocks`` (ratio -> page ids) to ``device``."""
+    """Copy the regions of the request at ``slot`` with pages ``blocks`` (ratio -> page ids) to ``device`` (``move``:
+    one transfer to or from the host)."""
     dev = torch.device(device)
-    window, comp = ({k: tuple(t.to(dev, copy=True) for t in v) for k, v in r.items()} for r in _slot_views(state, slot))
-    pages = {}
+    win_v, comp_v = _slot_views(state, slot)
+    parts = [t for v in win_v.values() for t in v] + [t for v in comp_v.values() for t in v]
+    page_keys = []
     for m, pool in pools.items():
         idx = torch.tensor(blocks[m], dtype=torch.long, device=pool.device)
-        pages[m] = {}
         for layer_id in pool.layers:
             ent, keys = _page_rows(pool, layer_id)
-            pages[m][layer_id] = (ent[idx].to(dev), keys[idx].to(dev) if keys is not None else None)
+            page_keys.append((m, layer_id, keys is not None))
+            parts += [ent[idx]] + ([keys[idx]] if keys is not None else [])
+    moved = iter(move(parts, dev))
+    window = {k: tuple(next(moved) for _ in v) for k, v in win_v.items()}
+    comp = {k: tuple(next(moved) for _ in v) for k, v in comp_v.items()}
+    pages: dict[int, dict] = {m: {} for m in pools}
+    for m, layer_id, has_keys in page_keys:
+        pages[m][layer_id] = (next(moved), next(moved) if has_keys else None)
     return RequestSnapshot(num_tokens, fingerprint(schema), window, comp, pages)
 
 
@@ -168,16 +221,27 @@ def check_snapshot(
 def load_request(
     state: StateCachePool, pools: dict[int, PagedKVPool], slot: int, blocks: dict[int, list[int]], snap: RequestSnapshot
 ) -> None:
-    """Copy ``snap`` (checked by ``check_snapshot``) into ``slot`` and the pages ``blocks``."""
+    """Copy ``snap`` (checked by ``check_snapshot``) into ``slot`` and the pages ``blocks`` (the snapshot's tensors
+    moved to the cache's device first, in one transfer from the host: ``move``)."""
     window, comp = _slot_views(state, slot)
+    dsts, srcs = [], []
     for views, region in ((window, snap.window), (comp, snap.compressor)):
         for key, parts in region.items():
-            for dst, src in zip(views[key], parts, strict=True):
-                dst.copy_(src)
+            dsts += list(views[key])
+            srcs += list(parts)
+    n_state = len(srcs)
+    page_dsts = []
     for m, pool in pools.items():
         idx = torch.tensor(blocks[m], dtype=torch.long, device=pool.device)
         for layer_id, (ent_b, key_b) in snap.pages[m].items():
             ent, keys = _page_rows(pool, layer_id)
-            ent[idx] = ent_b.to(pool.device)
+            page_dsts.append((ent, idx))
+            srcs.append(ent_b)
             if keys is not None:
-                keys[idx] = key_b.to(pool.device)
+                page_dsts.append((keys, idx))
+                srcs.append(key_b)
+    moved = move(srcs, state.device) if srcs else []
+    for dst, src in zip(dsts, moved[:n_state], strict=True):
+        dst.copy_(src)
+    for (rows, idx), src in zip(page_dsts, moved[n_state:], strict=True):
+        rows[idx] = src

@@ -301,3 +301,49 @@ def test_fork_that_does_not_fit_is_not_now():
         assert full.fork("p", "s2", share=share) is False and "s2" not in full
     assert full.stats() == before
     full.check_invariants()
+
+
+def test_pack_unpack_round_trip_of_mixed_tensors():
+    """``pack`` / ``unpack`` (the one-transfer save and load): any dtypes and shapes, 0-dim and empty tensors, odd
+    byte counts and non-contiguous views come back equal, each view aligned for its dtype."""
+    from dsv4.cache.snapshot import _ALIGN, move, pack, unpack
+
+    g = torch.Generator().manual_seed(0)
+    parts = [
+        torch.randint(0, 256, (3, 7), dtype=torch.uint8, generator=g),
+        torch.tensor(5, dtype=torch.int32),
+        torch.randn(5, 4, generator=g)[:, 1:3],  # non-contiguous
+        torch.empty(0, 9, dtype=torch.uint8),
+        torch.randint(-9, 9, (11,), dtype=torch.int32, generator=g),
+        torch.randn(2, 3, generator=g).double(),
+    ]
+    flat = pack(parts)
+    assert flat.dtype == torch.uint8 and flat.dim() == 1
+    back = unpack(flat, parts)
+    for a, b in zip(parts, back, strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+        assert b.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+        assert (b.data_ptr() - flat.data_ptr()) % _ALIGN == 0
+    copies = move(parts, torch.device("cpu"))  # same device kind: one copy a tensor, new storage
+    for a, b in zip(parts, copies, strict=True):
+        fresh = a.numel() == 0 or b.untyped_storage().data_ptr() != a.untyped_storage().data_ptr()
+        assert torch.equal(a, b) and fresh
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_move_is_one_transfer_each_way():
+    """GPU -> host and back: the parts come back equal, the host copies are views of one pinned buffer."""
+    from dsv4.cache.snapshot import move
+
+    dev = torch.device("cuda")
+    shapes = ((5, torch.uint8), (7, torch.int32), (3, torch.float32))
+    parts = [torch.arange(n, device=dev, dtype=dt) for n, dt in shapes]
+    parts.append(torch.tensor(9, device=dev, dtype=torch.int32))
+    host = move(parts, torch.device("cpu"))
+    assert all(h.device.type == "cpu" and h.is_pinned() for h in host)
+    assert len({h.untyped_storage().data_ptr() for h in host}) == 1
+    back = move(host, dev)
+    torch.cuda.synchronize()
+    for a, b in zip(parts, back, strict=True):
+        assert b.device.type == "cuda" and torch.equal(a, b)
