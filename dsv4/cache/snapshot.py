@@ -240,7 +240,8 @@ def load_request(
             if keys is not None:
                 page_dsts.append((keys, idx))
                 srcs.append(key_b)
-    on_device = all(t.device == state.device for t in srcs)  # (a fork's snapshot: copied straight in)
+    dev = state.device
+    on_device = all(t.device.type == dev.type and dev.index in (None, t.device.index) for t in srcs)  # (a fork's)
     moved = srcs if on_device else move(srcs, state.device)
     for dst, src in zip(dsts, moved[:n_state], strict=True):
         dst.copy_(src)
