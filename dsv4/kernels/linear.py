@@ -293,8 +293,8 @@ def _dot_bf16x3(a, b, acc, SWAP_AB: tl.constexpr, FP32_DOT: tl.constexpr):
 
 @triton.jit
 def _dot_bf16w(a, b, acc, SWAP_AB: tl.constexpr, FP32_DOT: tl.constexpr):
-    """``acc + a·bᵀ`` (SWAP_AB: ``acc + b·aᵀ``) for bf16 ``a`` and an fp32 ``b`` whose every value is exact in bf16
-    (a weight dequantised from an FP8 or bf16 checkpoint; the caller's precondition): one bf16 MMA from zero, its
+    """``acc + a·bᵀ`` (SWAP_AB: ``acc + b·aᵀ``) for bf16 ``a`` and a bf16 ``b``, or an fp32 one whose every value is
+    exact in bf16 (a weight dequantised from an FP8 or bf16 checkpoint; the caller's precondition): one bf16 MMA, its
     products exact in fp32 (8 x 8 bits), the chunk added to ``acc`` in fp32.  FP32_DOT: as ``_dot_bf16x3``."""
     bb = b.to(tl.bfloat16)
     if FP32_DOT:
@@ -360,6 +360,8 @@ def _linear_group_kernel(
             in_k = (k + rk < K)[None, :]
             a = tl.load(x_ptrs, mask=in_k, other=0.0)
             b = tl.load(w_ptrs, mask=in_k, other=0.0)
+        if PRECISION != "bf16w":  # (bf16 weights: their exact fp32 values; bf16w converts fp32 ones to bf16)
+            b = b.to(tl.float32)
         if PRECISION == "bf16x3":  # (bf16 x, as loaded)
             acc = _dot_bf16x3(a, b, acc, SWAP_AB, FP32_DOT)
         elif PRECISION == "bf16w":
@@ -413,11 +415,11 @@ def _linear_gemv_kernel(
     acc = tl.zeros((M_PAD, BLOCK_N, BLOCK_K), dtype=tl.float32)
     for i in tl.static_range(ITERS):
         if EVEN_K:
-            w = tl.load(w_ptrs + i * BLOCK_K)
+            w = tl.load(w_ptrs + i * BLOCK_K).to(tl.float32)
             x = tl.load(x_ptrs + i * BLOCK_K).to(tl.float32)
         else:
             in_k = k0 + i * BLOCK_K + rk < K
-            w = tl.load(w_ptrs + i * BLOCK_K, mask=in_k[None, :], other=0.0)
+            w = tl.load(w_ptrs + i * BLOCK_K, mask=in_k[None, :], other=0.0).to(tl.float32)
             x = tl.load(x_ptrs + i * BLOCK_K, mask=in_k[None, :], other=0.0).to(tl.float32)
         acc += x[:, None, :] * w[None, :, :]
     y = tl.sum(acc, axis=2)  # [M_PAD, BLOCK_N]
@@ -467,7 +469,8 @@ def linear_fp32_group(
 ) -> list[torch.Tensor]:
     """``[x·w_iᵀ for w_i in ws]`` in fp32 in one GEMM launch (two with a K split above FUSED_SUM_MAX_M tokens or
     without ``counters``): x [M, K] fp32 or bf16 (taken as its exact fp32 value), 1 to MAX_GROUP weights w_i
-    [N_i, K] fp32 -> [M, N_i] fp32 each.  A CSA layer's two compressors (four weights) are one launch.
+    [N_i, K] fp32, or all bf16 (their exact fp32 values: half the bytes, for weights exact in bf16) -> [M, N_i] fp32
+    each.  A CSA layer's two compressors (four weights) are one launch.
 
     M may be 0.  x and the weights may be strided views (any row stride; a last stride other than 1 costs
     a copy).  Triton path: the outputs are column views of one [M, ΣN_i] buffer (row stride ΣN_i, unit inner
@@ -490,7 +493,9 @@ def linear_fp32_group(
         got = len(ws) if isinstance(ws, (list, tuple)) else type(ws).__name__
         raise ValueError(f"ws: expected a list of 1 to {MAX_GROUP} weights, got {got}")
     for i, w in enumerate(ws):
-        check_tensor(f"w{i + 1}", w, dtype=torch.float32, shape=(None, k), device=x.device)
+        check_tensor(f"w{i + 1}", w, dtype=(torch.float32, torch.bfloat16), shape=(None, k), device=x.device)
+    if len({w.dtype for w in ws}) != 1:
+        raise ValueError(f"ws: expected one dtype for every weight, got {[str(w.dtype) for w in ws]}")
     if precision not in PRECISIONS:
         raise ValueError(f"precision: expected one of {PRECISIONS}, got {precision!r}")
     if precision in ("bf16x3", "bf16w") and x.dtype != torch.bfloat16:
@@ -502,7 +507,7 @@ def linear_fp32_group(
     )  # fmt: skip
     if not use_triton(backend, x, *ws, counters):
         xf = x.float()
-        return [torch.nn.functional.linear(xf, w) for w in ws]
+        return [torch.nn.functional.linear(xf, w.float()) for w in ws]
     nt = sum(ns)
     out = torch.empty(m, nt, dtype=torch.float32, device=x.device)
     views = list(torch.split(out, ns, dim=1))

@@ -51,8 +51,9 @@ from dsv4.model.weights import AttentionWeights
 # the H200 (``run_h200.sh validate_s20``: the HCA layer profile with and without).
 PREFILL_BANDS = False
 # compressor_gemm "tf32x3" with compressor weights exact in bf16 (dequantised from an FP8 or bf16 checkpoint; checked
-# once, at construction): the GEMM takes ``precision="bf16w"`` on a bf16 x, one bf16 MMA with exact products instead
-# of two tf32 ones.  Off until timed on the H200 (``run_h200.sh tf32x2_s21``, bench_linear's bf16w column).
+# once, at construction): the Triton path keeps bf16 copies of them (half the bytes for a decode step's GEMV to stream;
+# +50 % of the compressor weights' memory) and the GEMM takes ``precision="bf16w"`` on a bf16 x, one bf16 MMA with
+# exact products instead of two tf32 ones.  Off until timed on the H200 (``run_h200.sh tf32x2_s21``).
 BF16_EXACT_COMPRESSOR = False
 BAND_ALIGN = 64  # a band's index width is rounded up to this many entries (the attention kernels' key blocks)
 BAND_MIN_ROWS = 1024  # rows a band has at least (but the last): each band costs two launches
@@ -115,6 +116,8 @@ class AttentionSubBlock:
             BF16_EXACT_COMPRESSOR and compressor_gemm == "tf32x3" and bool(comp)
             and bf16_exact(*(t for c in comp for t in (c.wkv, c.wgate)))
         )  # fmt: skip
+        # ... and then the Triton path reads them as bf16 copies (half the bytes: a decode step's GEMV streams them)
+        self._w16 = {id(c): (c.wkv.bfloat16(), c.wgate.bfloat16()) for c in comp} if self._bf16w else {}
         self.kind = cfg.layer_kind(layer_id)
         self.ratio = cfg.ratio(layer_id)
         self.inv_freq = F.rope_inv_freq(cfg, layer_id, w.device)
@@ -202,7 +205,7 @@ class AttentionSubBlock:
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """``compressor_projections`` of several compressors (a CSA layer's main and indexer ones) for one x: on the
         Triton tf32x3 path one GEMM launch for all their weights (``linear_fp32_group``)."""
-        weights = [wt for cw in cws for wt in (cw.wkv, cw.wgate)]
+        weights = [wt for cw in cws for wt in self._w16.get(id(cw), (cw.wkv, cw.wgate))]
         if self.compressor_gemm != "fp32" and use_triton(self.backend, x, *weights):
             ys = linear_fp32_group(
                 x, weights, backend=self.backend, counters=self._linear_counters, precision=self._gemm_precision(x)
@@ -215,7 +218,7 @@ class AttentionSubBlock:
         projections of its exact fp32 value, widened inside the GEMM)."""
         if self.compressor_gemm != "fp32" and use_triton(self.backend, x, cw.wkv, cw.wgate):
             return linear_fp32_pair(
-                x, cw.wkv, cw.wgate, backend=self.backend, counters=self._linear_counters,
+                x, *self._w16.get(id(cw), (cw.wkv, cw.wgate)), backend=self.backend, counters=self._linear_counters,
                 precision=self._gemm_precision(x),
             )  # fmt: skip
         return F.compressor_project(x, cw.wkv, cw.wgate, None, positions, self.ratio)

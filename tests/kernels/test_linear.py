@@ -128,6 +128,25 @@ def test_linear_pair_bf16w(device, launch):
         linear_fp32_pair(x, w1, w2, backend="triton", precision="bf16w")
 
 
+@pytest.mark.parametrize("precision", ["tf32x3", "bf16w", "bf16x3"])
+@pytest.mark.parametrize("launch", [{}, {"split_k": 3, "block_k": 64}, {"gemv": True}])
+def test_linear_group_bf16_weights_are_their_fp32_values(device, precision, launch):
+    """Weights given in bf16 (half the bytes) give the bits of the same values given in fp32, on every path; one
+    dtype a group."""
+    x, w1, w2 = _inputs(3 if "gemv" in launch else 9, 96, 48, 40, device, seed=8)
+    xb, b1, b2 = x.bfloat16(), w1.bfloat16(), w2.bfloat16()
+    if "gemv" in launch and precision != "tf32x3":
+        pytest.skip("the few-token kernel has one precision (exact fp32 FMAs)")
+    got = linear_fp32_group(xb, [b1, b2], backend="triton", precision=precision, **launch)
+    want = linear_fp32_group(xb, [b1.float(), b2.float()], backend="triton", precision=precision, **launch)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    ref = linear_fp32_group(xb, [b1, b2], backend="torch")
+    for r, w in zip(ref, (b1, b2), strict=True):  # the torch path: F.linear of the fp32 values
+        assert torch.equal(r, torch.nn.functional.linear(xb.float(), w.float()))
+    with pytest.raises(ValueError, match="one dtype"):
+        linear_fp32_group(xb, [b1, w2], backend="triton")
+
+
 def test_linear_pair_strided_inputs(device):
     """x a column slice of a wider tensor (row stride 200, unit last stride), w1 a column slice, w2 rows of a
     fused [N1 + N2, K] weight; and x with a non-unit last stride (a transposed view: copied)."""

@@ -191,10 +191,14 @@ def test_compressor_projections_choice(monkeypatch):
         bound = 1e-5 * (x.abs() @ wt.abs().T)  # fp32 summation order over K = dim (tests/kernels/test_linear.py)
         assert ((f - a).abs() <= bound).all()
     # "bf16x3" on a bf16 x: the bf16 GEMM (close to the reference of x's fp32 value); on an fp32 x: tf32x3
-    precisions = []
-    monkeypatch.setattr(
-        attention_mod, "linear_fp32_pair", lambda *a, **k: precisions.append(k["precision"]) or real(*a, **k)
-    )
+    precisions, wdtypes = [], []
+
+    def spy(*a, **k):
+        precisions.append(k["precision"])
+        wdtypes.append(a[1].dtype)
+        return real(*a, **k)
+
+    monkeypatch.setattr(attention_mod, "linear_fp32_pair", spy)
     blk = AttentionSubBlock(TINY, layer, w, backend="triton", compressor_gemm="bf16x3")
     xb = x.bfloat16()
     got = blk.compressor_projections(xb, cw, pos)
@@ -207,6 +211,7 @@ def test_compressor_projections_choice(monkeypatch):
     # construction), tf32x3 otherwise
     monkeypatch.setattr(attention_mod, "BF16_EXACT_COMPRESSOR", True)
     precisions.clear()
+    wdtypes.clear()
     AttentionSubBlock(TINY, layer, w, backend="triton").compressor_projections(xb, cw, pos)
     wr = random_attention_weights(TINY, layer, seed=6)
     for c in (wr.compressor, wr.indexer.compressor):
@@ -216,6 +221,7 @@ def test_compressor_projections_choice(monkeypatch):
     got = blk.compressor_projections(xb, wr.compressor, pos)
     blk.compressor_projections(x, wr.compressor, pos)
     assert precisions == ["tf32x3", "bf16w", "tf32x3"]
+    assert wdtypes[1:] == [torch.bfloat16, torch.bfloat16]  # the layer's bf16 copies of the exact weights
     for g, wt in zip(got, (wr.compressor.wkv, wr.compressor.wgate), strict=True):
         r = xb.float() @ wt.T
         assert ((g - r).abs() <= 1e-5 * (xb.float().abs() @ wt.abs().T)).all()
