@@ -15,8 +15,9 @@ Timings (GPU):
 - ``graph_time_fused_s``: the layer's call (bf16 x: two tf32 products a K block, ``linear.TF32X2``; the K-split sum
   in the launch), ``graph_time_fused_tf32x3_s`` the same with tf32x3's three products, ``graph_time_fused_bf16x3_s``
   with ``precision="bf16x3"`` (three bf16 products of exact weight pieces; ``max_rel_err_fp64_bf16x3`` its error),
-  ``graph_time_fused_bf16w_s`` with ``precision="bf16w"`` on the weights rounded to bf16 (one bf16 product: what an
-  FP8 checkpoint's compressor weights allow; ``max_rel_err_fp64_bf16w`` against fp64 on those weights).
+  ``graph_time_fused_bf16w_s`` with ``precision="bf16w"`` on the weights rounded to bf16 and passed as bf16 tensors
+  (one bf16 product, half the weight bytes: what an FP8 checkpoint's compressor weights allow, as the layer runs them
+  with ``BF16_EXACT_COMPRESSOR``; ``max_rel_err_fp64_bf16w`` against fp64 on those weights).
 - ``graph_time_s`` / ``baseline_graph_time_s``: GPU time per call from a CUDA graph (``sweep_indexer.GraphTimer``) of
   GRAPH_CALLS (L2 flush, call) pairs, minus the time of a graph of the flushes alone (median of replays):
   what a captured decode step pays when the other layers' weights have evicted these from L2.
@@ -148,9 +149,9 @@ def run_case(op: str, m: int, n: int, timer: GraphTimer, meta: dict) -> dict:
 def _bf16w_cols(xb, w1, w2, cnt, timer: GraphTimer) -> dict:
     """The layer's call with ``precision="bf16w"`` on the weights rounded to bf16 (as an FP8 checkpoint's are exact
     in bf16): its graph time and its error against fp64 on those weights."""
-    b1, b2 = w1.bfloat16().float(), w2.bfloat16().float()
+    b1, b2 = w1.bfloat16(), w2.bfloat16()  # (the layer's bf16 copies of exact weights)
     y = linear_fp32_pair(xb, b1, b2, precision="bf16w")
-    err = max(rel_err(y[i], xb.double() @ w.double().T, xb.float(), w) for i, w in enumerate((b1, b2)))
+    err = max(rel_err(y[i], xb.double() @ w.double().T, xb.float(), w.float()) for i, w in enumerate((b1, b2)))
     t = timer(lambda: linear_fp32_pair(xb, b1, b2, counters=cnt, precision="bf16w"))
     return {"graph_time_fused_bf16w_s": t, "max_rel_err_fp64_bf16w": err}
 
