@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One H200 session: environment, GPU tests, then the kernel benchmarks. Results go to $OUT (or ./out).
-# Usage (on the device machine, repo root): bash benchmarks/run_h200.sh [tests|bench|all|pending|ncu|attention|attention_ncu|indexer_gluon|indexer_live|indexer_fold|pending_s12|topk_rows|indexer_default|indexer_p2|indexer_ablate|flush_topk|skeleton|topk_short|fold_auto|hca_online|write_s15|emit_s15|emit2_s15|main_s15|write2_s15|final_s15|gemv_s15|online_regs|write_s16|final_s16|ncu_pool|div_s16|lean_s17|fast_s17|emit_s17|emit2_s17|warps_s17|ipool_s17|final_s17|sweep_s18|overlap_s18|fuse_s19|pdl_s19|pdl_decode_s19|writes_s19|layer_s19|select_s19|grid_s20|tails_s20|linear_s20|layer_s20|topk_s20|validate_s20|prefill_idx_s21|tf32x2_s21|topk_s21]
+# Usage (on the device machine, repo root): bash benchmarks/run_h200.sh [tests|bench|all|pending|ncu|attention|attention_ncu|indexer_gluon|indexer_live|indexer_fold|pending_s12|topk_rows|indexer_default|indexer_p2|indexer_ablate|flush_topk|skeleton|topk_short|fold_auto|hca_online|write_s15|emit_s15|emit2_s15|main_s15|write2_s15|final_s15|gemv_s15|online_regs|write_s16|final_s16|ncu_pool|div_s16|lean_s17|fast_s17|emit_s17|emit2_s17|warps_s17|ipool_s17|final_s17|sweep_s18|overlap_s18|fuse_s19|pdl_s19|pdl_decode_s19|writes_s19|layer_s19|select_s19|grid_s20|tails_s20|linear_s20|layer_s20|topk_s20|validate_s20|prefill_idx_s21|tf32x2_s21|topk_s21|iquery_s21]
 # "pending": the norm and top-k GPU tests (~4 min, most of it compiling the top-k kernels), launch D's rank
 # threshold on/off, top-k with both flush kinds, the decode step; about 8 minutes.  "ncu": Nsight Compute
 # sections of the indexer scores, dense attention and gather kernels (benchmarks/ncu_cases.py).  "attention": the
@@ -605,4 +605,12 @@ if [ "$what" = topk_s21 ]; then  # left for session 22 (~3 min): launch D of a p
   for rn in "2048 16384" "8192 4096"; do for sd in 0 1; do set -- $rn; timeout 60 python3 benchmarks/profile_topk.py \
     --rows $1 --n $2 --k 512 --methods filter --splits 1 --reps 3 --split-d $sd 2>&1 | grep -v -i warn \
     | tee -a "$OUT/${stamp}_h200_profile_topk_split_d_s21.txt" | tail -6; done; done
+fi
+if [ "$what" = iquery_s21 ]; then  # left for session 22 (~3 min): the indexer query tail with more heads a program (never
+  # timed; 16 heads / 4 warps is the default): sm_90 SASS (triton 3.6) 2,576 static instructions for 16 heads x 128
+  # values on 4 warps (161 a value a thread; half of them libdevice cos / sin, computed once a program), 2,760 for 64
+  # heads on 8 warps (86; wgmma, 74 registers), 3,320 for 32 heads on 4 warps
+  for g in "16 4" "32 4" "64 8" "64 4"; do set -- $g; timeout 60 python3 benchmarks/bench_rope.py --ops indexer_query \
+    --tokens 64,8192,65536 --block-h $1 --num-warps $2 --out "$OUT/${stamp}_h200_rope_iquery_s21.jsonl" 2>&1 \
+    | cut -c1-150; done
 fi
