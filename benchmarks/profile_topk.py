@@ -49,9 +49,12 @@ def main(argv=None) -> None:
     ap.add_argument("--warps-bd", type=int, default=None, help="filter path: topk._FILTER_WARPS_BD (launches B, D)")
     ap.add_argument("--tile", type=int, default=None, help="filter path: topk._FILTER_TILE (A, C entries a tile)")
     ap.add_argument("--split-d", type=int, default=None, help="filter path: topk._SPLIT_D (launch D in two parts)")
+    ap.add_argument("--warps-bd-many", type=int, default=None, help="filter path: topk._FILTER_WARPS_BD_MANY")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args(argv)
-    for flag, name in (("warps_ac", "_FILTER_WARPS_AC"), ("warps_bd", "_FILTER_WARPS_BD"), ("tile", "_FILTER_TILE")):
+    knobs = (("warps_ac", "_FILTER_WARPS_AC"), ("warps_bd", "_FILTER_WARPS_BD"), ("tile", "_FILTER_TILE"),
+             ("warps_bd_many", "_FILTER_WARPS_BD_MANY"))  # fmt: skip
+    for flag, name in knobs:
         if getattr(args, flag) is not None:
             setattr(topk_mod, name, getattr(args, flag))
     if args.one_region is not None:
@@ -83,7 +86,9 @@ def main(argv=None) -> None:
                 g = f"graph {timer(run) * 1e6:.1f} us, " if timer else ""
                 tag = f" rank_slots {topk_mod._RANK_SLOTS} groups_per_k {topk_mod._GROUPS_PER_K}"
                 tag += f" one_region {int(topk_mod._ONE_REGION)} warps {topk_mod._FILTER_WARPS_AC}/"
-                tag += f"{topk_mod._FILTER_WARPS_BD} tile {topk_mod._FILTER_TILE} split_d {int(topk_mod._SPLIT_D)}"
+                many = f"({topk_mod._FILTER_WARPS_BD_MANY} from {topk_mod._FILTER_MANY_ROWS})"
+                tag += f"{topk_mod._FILTER_WARPS_BD} {many}"
+                tag += f" tile {topk_mod._FILTER_TILE} split_d {int(topk_mod._SPLIT_D)}"
                 tag = tag if name != "radix" else ""
                 print(f"== rows {r} n {n} k {k} {name}{tag} splits {sp}: {g}device {total * 1e6:.1f} us")
                 for kname, (t, c) in sorted(times.items(), key=lambda x: -x[1][0]):
