@@ -149,6 +149,14 @@ def test_prefill_scores_zero_query_heads_and_weights():
     assert_close_rowmax(out, ps.prefill_scores_reference(q, w, folded, nv, 64), ATOL_INTERP)
 
 
+def test_prefill_scores_more_than_64_heads():
+    """80 heads pad to 128 on the MMA's N side (two rows a program at most): the reference's scores."""
+    kp, bt, q, w, nv = _problem(5, 80, 64, [64, 1, 40, 63, 0], seed=12)
+    folded = ps.fold_keys(kp, bt, 0, 64, backend="triton")
+    out = ps.prefill_scores(q, w, folded, nv, 64, backend="triton", rows=2)
+    assert_close_rowmax(out, ps.prefill_scores_reference(q, w, folded, nv, 64), ATOL_INTERP)
+
+
 def test_prefill_scores_out_slice_and_fewer_columns():
     """``out`` a column-contiguous slice of a wider buffer; n_cols below folded.n; rows outside stay untouched."""
     kp, bt, q, w, nv = _problem(4, 64, 96, [10, 50, 60, 64], seed=2)
@@ -181,7 +189,10 @@ def test_prefill_scores_errors():
     with pytest.raises(ValueError, match="n_cols"):
         ps.prefill_scores(q, w, folded, nv, 33)
     with pytest.raises(ValueError, match="q: expected"):
-        ps.prefill_scores(torch.zeros(2, 65, 128, dtype=torch.bfloat16), w, folded, nv, 32)
+        ps.prefill_scores(torch.zeros(2, 64, 64, dtype=torch.bfloat16), w, folded, nv, 32)
+    with pytest.raises(ValueError, match="rows x 128"):  # 65 heads pad to 128: two rows fill the N side
+        q65 = torch.zeros(2, 65, 128, dtype=torch.bfloat16)
+        ps.prefill_scores(q65, torch.zeros(2, 65), folded, nv, 32, backend="triton", rows=4)
     with pytest.raises(ValueError, match="weights"):
         ps.prefill_scores(q, w.double(), folded, nv, 32)
     with pytest.raises(ValueError, match="out"):

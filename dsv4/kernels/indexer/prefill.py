@@ -327,7 +327,8 @@ def prefill_scores(
     """Indexer scores of query rows that all belong to the request whose keys ``folded`` holds.
 
     Args:
-        q: [T, Hi, 128] bf16 index query (RoPE'd, Hadamard-rotated, MXFP4-simulated), Hi <= 64.
+        q: [T, Hi, 128] bf16 index query (RoPE'd, Hadamard-rotated, MXFP4-simulated); rows x HP <= 256 with HP the
+            next power of two >= max(Hi, 16) (the MMA's N side; V4: 64 heads).
         weights: [T, Hi] fp32 head weights.
         folded: ``fold_keys`` of the request, with ``folded.n >= n_cols``.
         n_visible: [T] int32 entries visible to each row, in [0, n_cols].
@@ -343,8 +344,8 @@ def prefill_scores(
     """
     check_tensor("q", q, dtype=torch.bfloat16, ndim=3)
     T, H, D = q.shape
-    if D != _DIM or H > 64:
-        raise ValueError(f"q: expected [T, <= 64, {_DIM}], got {list(q.shape)}")
+    if D != _DIM or H < 1:
+        raise ValueError(f"q: expected [T, Hi >= 1, {_DIM}], got {list(q.shape)}")
     check_tensor("weights", weights, dtype=torch.float32, shape=(T, H), device=q.device)
     check_tensor("n_visible", n_visible, dtype=torch.int32, shape=(T,), device=q.device)
     if not isinstance(n_cols, int) or isinstance(n_cols, bool) or not 0 <= n_cols <= folded.n:
@@ -369,6 +370,9 @@ def prefill_scores(
     for name, v in (("rows", rows), ("block_n", block_n)):
         if not isinstance(v, int) or v < 1 or v & (v - 1) or (name == "block_n" and not 16 <= v <= PAD):
             raise ValueError(f"{name}: expected a power of two{' in [16, 128]' if name == 'block_n' else ''}, got {v}")
+    hp = max(16, 1 << (H - 1).bit_length())
+    if rows * hp > 256:
+        raise ValueError(f"rows: expected rows x {hp} (heads, padded) <= 256 (the MMA's N side), got rows = {rows}")
     groups, per, tiles = prefill_launch(T, n_cols, q.device, rows, block_n)
     q = q if q.stride(2) == 1 else q.contiguous()
     weights = weights if weights.stride(1) == 1 else weights.contiguous()
@@ -376,7 +380,7 @@ def prefill_scores(
     for general in (False, True):
         _prefill_scores_kernel[(groups, per)](
             q, weights, folded.codes, folded.factor, n_visible.contiguous(), out, flags, q.stride(0), q.stride(1),
-            weights.stride(0), out.stride(0), T, H, n_cols, tiles, R=rows, HP=64, D=_DIM, QB=_QBLOCK,
+            weights.stride(0), out.stride(0), T, H, n_cols, tiles, R=rows, HP=hp, D=_DIM, QB=_QBLOCK,
             BLOCK_N=block_n, FP32_DOT=interp, GENERAL=general, num_warps=num_warps or DEFAULT_WARPS,
             num_stages=num_stages or (1 if interp else DEFAULT_STAGES),
         )  # fmt: skip
