@@ -336,8 +336,8 @@ def prefill_scores(
         backend: "auto" | "torch" | "triton".
         out: optional [T, n_cols] fp32 destination (last dim contiguous; e.g. a slice of a chunk's scores).
         rows, block_n, num_warps, num_stages: the Triton launch (query rows a program, entries a tile, warps,
-            pipelining stages); None: ``DEFAULT_ROWS``, ``DEFAULT_BLOCK_N``, ``DEFAULT_WARPS``, ``DEFAULT_STAGES``
-            (interpreter: 2, 32, 4, 1).
+            pipelining stages); None: ``DEFAULT_ROWS`` (fewer where rows x HP would pass 256), ``DEFAULT_BLOCK_N``,
+            ``DEFAULT_WARPS``, ``DEFAULT_STAGES`` (interpreter: 2, 32, 4, 1).
 
     Returns:
         [T, n_cols] fp32 (``out`` when given): ``prefill_scores_reference``'s scores up to the FP8 MMA's accumulation.
@@ -365,12 +365,12 @@ def prefill_scores(
     if T == 0 or n_cols == 0:
         return out
     interp = interpreter_enabled()
-    rows = rows if rows is not None else (2 if interp else DEFAULT_ROWS)
+    hp = max(16, 1 << (H - 1).bit_length())
+    rows = rows if rows is not None else max(1, min(2 if interp else DEFAULT_ROWS, 256 // hp))
     block_n = block_n if block_n is not None else (32 if interp else DEFAULT_BLOCK_N)
     for name, v in (("rows", rows), ("block_n", block_n)):
         if not isinstance(v, int) or v < 1 or v & (v - 1) or (name == "block_n" and not 16 <= v <= PAD):
             raise ValueError(f"{name}: expected a power of two{' in [16, 128]' if name == 'block_n' else ''}, got {v}")
-    hp = max(16, 1 << (H - 1).bit_length())
     if rows * hp > 256:
         raise ValueError(f"rows: expected rows x {hp} (heads, padded) <= 256 (the MMA's N side), got rows = {rows}")
     groups, per, tiles = prefill_launch(T, n_cols, q.device, rows, block_n)

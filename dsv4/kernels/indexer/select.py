@@ -171,8 +171,8 @@ def indexer_topk(
             raise ValueError(
                 f"token_row_host: expected {T} host ints in [0, {block_table.shape[0]}), got shape {list(tr.shape)}"
             )
-        if use_triton(backend, q, weights, keys.data, keys.scale, block_table):
-            runs = _shared_runs(tr, chunks)
+        if use_triton(backend, q, weights, keys.data, keys.scale, block_table) and q.shape[1] <= 256:
+            runs = _shared_runs(tr, chunks)  # (prefill_scores holds up to 256 heads a program)
     if len(chunks) == 1 and chunks[0][2] == max_entries and not runs:  # the plain two calls (decode steps)
         scores = indexer_scores(q, weights, keys, block_table, token_row, n_visible, max_entries, backend)
         return topk_indices(scores, k, n_visible, backend)
