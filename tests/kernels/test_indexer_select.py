@@ -251,6 +251,43 @@ def test_shared_keys_runs_give_the_one_call_indices(monkeypatch, backend):
                      shared_keys=True)  # fmt: skip
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_shared_keys_random_batches(monkeypatch, seed):
+    """Random prefill batches (1-4 requests of random lengths and starts, random chunk budgets, random run minimum):
+    the shared-keys selection gives the one call's indices (keys without far blocks), and every fold serves one
+    request."""
+    rng = np.random.default_rng(seed)
+    monkeypatch.setattr(select_mod, "COL_ALIGN", 16)
+    monkeypatch.setattr(select_mod, "SHARED_MIN_ROWS", int(rng.integers(2, 5)))
+    g = torch.Generator().manual_seed(100 + seed)
+    bs, N, k = 16, 96, int(rng.integers(2, 9))
+    n_req = int(rng.integers(1, 5))
+    lens = rng.integers(1, 24, n_req)
+    starts = [int(rng.integers(0, 4 * N - int(n) + 1)) for n in lens]
+    kp = make_keys(6 * n_req + 1, bs, gen=g)
+    bt = torch.randperm(6 * n_req + 1, generator=g)[: 6 * n_req].view(n_req, 6).to(torch.int32)
+    pos = np.concatenate([np.arange(s0, s0 + n) for s0, n in zip(starts, lens, strict=True)])
+    nv_host = np.minimum((pos + 1) // 4, N)
+    tr_host = np.repeat(np.arange(n_req), lens)
+    T = len(pos)
+    q, w = make_query(T, 64, g)
+    i32 = lambda a: torch.as_tensor(np.asarray(a), dtype=torch.int32)  # noqa: E731
+    tr, nv = i32(tr_host), i32(nv_host)
+    want = topk_indices(indexer_scores(q, w, kp, bt, tr, nv, N, "triton"), k, nv, "triton")
+    folds = []
+    real = select_mod.fold_keys
+    monkeypatch.setattr(
+        select_mod, "fold_keys", lambda kp_, bt_, row, n, *a: folds.append(row) or real(kp_, bt_, row, n, *a)
+    )
+    budget = int(rng.integers(2, 12)) * chunk_row_bytes(N, k)
+    got = indexer_topk(q, w, kp, bt, tr, nv, N, k, "triton", n_visible_host=nv_host, token_row_host=tr_host,
+                       shared_keys=True, max_bytes=budget)  # fmt: skip
+    assert torch.equal(got, want)
+    assert len(folds) == len(set(folds))
+    runs = select_mod._shared_runs(tr_host, row_chunks(T, N, k, nv_host, budget))
+    assert set(folds) == {row for v in runs.values() for _, _, row, _ in v if row is not None}
+
+
 def test_shared_runs_fold_width_covers_every_chunk(monkeypatch):
     """_shared_runs: a request split over chunks folds the widest of their column counts; short runs get None; a
     chunk without a long run (or not scored) is left to indexer_scores."""
