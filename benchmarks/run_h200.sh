@@ -602,6 +602,9 @@ if [ "$what" = topk_s21 ]; then  # left for session 22 (~3 min): launch D of a p
   # (255 registers + 312 B of stack, 2 a SM), at the two prefill shapes; the top-k GPU tests with it on
   timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_topk.py -k "gpu and (filter or many_rows)" \
     2>&1 | tee "$OUT/${stamp}_h200_gpu_tests_topk_s21.txt" | tail -2
+  # (and the snapshots' one-transfer save / load on the GPU: its test, a migrated request decoding on)
+  timeout 120 python3 -m pytest -q -p no:cacheprovider tests/cache/test_snapshot.py -k "gpu or cuda" 2>&1 \
+    | tee "$OUT/${stamp}_h200_gpu_tests_snapshot_s21.txt" | tail -2
   # (D on 8 warps: PART 1 105 registers, 2 programs a SM of 8 warps; the one launch 255 + 0 stack)
   for rn in "2048 16384" "8192 4096"; do for v in "0 4" "1 4" "0 8" "1 8"; do set -- $rn $v; timeout 60 python3 \
     benchmarks/profile_topk.py --rows $1 --n $2 --k 512 --methods filter --splits 1 --reps 3 --split-d $3 \
