@@ -260,34 +260,37 @@ def _dot_tf32x2(a, b, acc, SWAP_AB: tl.constexpr):
 
 
 @triton.jit
+def _dot_w(a, b, acc, SWAP_AB: tl.constexpr, FP32_DOT: tl.constexpr):
+    """``acc + a·bᵀ`` (SWAP_AB: ``acc + b·aᵀ``, the weight tile on the MMA's M side) of bf16 tiles ``a`` (x) and
+    ``b`` (a weight piece), fp32 result; ``acc`` None: from zero.  FP32_DOT (the interpreter, whose bf16 dot is
+    wrong): both widened to fp32 and multiplied in IEEE fp32 (exact products)."""
+    if FP32_DOT:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+        if SWAP_AB:
+            out = tl.dot(b, tl.trans(a), acc, input_precision="ieee")
+        else:
+            out = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
+    elif SWAP_AB:
+        out = tl.dot(b, tl.trans(a), acc)
+    else:
+        out = tl.dot(a, tl.trans(b), acc)
+    return out
+
+
+@triton.jit
 def _dot_bf16x3(a, b, acc, SWAP_AB: tl.constexpr, FP32_DOT: tl.constexpr):
     """``acc + a·bᵀ`` (SWAP_AB: ``acc + b·aᵀ``) for bf16 ``a`` and fp32 ``b`` on bf16 MMAs: b = b_hi + b_mid + b_lo
     exactly (three bf16 pieces of 8 significant bits hold fp32's 24; each remainder is exact in fp32), the three
     products from the smallest piece up, each exact in fp32 (8 x 8 bits), summed by the tensor core into a chunk
-    that is added to ``acc`` in fp32.  Nothing is dropped: the only error is the fp32 accumulation.  FP32_DOT (the
-    interpreter, whose bf16 dot is wrong): the pieces widened to fp32, IEEE dots (exact products)."""
+    that is added to ``acc`` in fp32.  Nothing is dropped: the only error is the fp32 accumulation."""
     b_hi = b.to(tl.bfloat16)
     r = b - b_hi.to(tl.float32)
     b_mid = r.to(tl.bfloat16)
     b_lo = (r - b_mid.to(tl.float32)).to(tl.bfloat16)
-    if FP32_DOT:
-        a, b_hi, b_mid, b_lo = a.to(tl.float32), b_hi.to(tl.float32), b_mid.to(tl.float32), b_lo.to(tl.float32)
-        if SWAP_AB:
-            part = tl.dot(b_lo, tl.trans(a), input_precision="ieee")
-            part = tl.dot(b_mid, tl.trans(a), part, input_precision="ieee")
-            part = tl.dot(b_hi, tl.trans(a), part, input_precision="ieee")
-        else:
-            part = tl.dot(a, tl.trans(b_lo), input_precision="ieee")
-            part = tl.dot(a, tl.trans(b_mid), part, input_precision="ieee")
-            part = tl.dot(a, tl.trans(b_hi), part, input_precision="ieee")
-    elif SWAP_AB:
-        part = tl.dot(b_lo, tl.trans(a))
-        part = tl.dot(b_mid, tl.trans(a), part)
-        part = tl.dot(b_hi, tl.trans(a), part)
-    else:
-        part = tl.dot(a, tl.trans(b_lo))
-        part = tl.dot(a, tl.trans(b_mid), part)
-        part = tl.dot(a, tl.trans(b_hi), part)
+    part = _dot_w(a, b_lo, None, SWAP_AB, FP32_DOT)
+    part = _dot_w(a, b_mid, part, SWAP_AB, FP32_DOT)
+    part = _dot_w(a, b_hi, part, SWAP_AB, FP32_DOT)
     return acc + part
 
 
@@ -295,19 +298,8 @@ def _dot_bf16x3(a, b, acc, SWAP_AB: tl.constexpr, FP32_DOT: tl.constexpr):
 def _dot_bf16w(a, b, acc, SWAP_AB: tl.constexpr, FP32_DOT: tl.constexpr):
     """``acc + a·bᵀ`` (SWAP_AB: ``acc + b·aᵀ``) for bf16 ``a`` and a bf16 ``b``, or an fp32 one whose every value is
     exact in bf16 (a weight dequantised from an FP8 or bf16 checkpoint; the caller's precondition): one bf16 MMA, its
-    products exact in fp32 (8 x 8 bits), the chunk added to ``acc`` in fp32.  FP32_DOT: as ``_dot_bf16x3``."""
-    bb = b.to(tl.bfloat16)
-    if FP32_DOT:
-        a, bb = a.to(tl.float32), bb.to(tl.float32)
-        if SWAP_AB:
-            part = tl.dot(bb, tl.trans(a), input_precision="ieee")
-        else:
-            part = tl.dot(a, tl.trans(bb), input_precision="ieee")
-    elif SWAP_AB:
-        part = tl.dot(bb, tl.trans(a))
-    else:
-        part = tl.dot(a, tl.trans(bb))
-    return acc + part
+    products exact in fp32 (8 x 8 bits), the chunk added to ``acc`` in fp32."""
+    return acc + _dot_w(a, b.to(tl.bfloat16), None, SWAP_AB, FP32_DOT)
 
 
 @triton.jit(do_not_specialize=["t1", "t2", "t3"])  # one binary for every set of weight widths
