@@ -42,6 +42,7 @@ from dsv4.errors import check_tensor
 from dsv4.formats import FP8_DTYPE, KeyPages, MXFP4KeyFormat
 from dsv4.kernels.dispatch import interpreter_enabled, num_sms, use_triton
 from dsv4.kernels.indexer import scores as _scores
+from dsv4.kernels.indexer.scores import _dot, _e2m1_to_bf16, _pow2
 
 _FMT = MXFP4KeyFormat()
 _DIM = _FMT.dim  # 128 values a key
@@ -115,20 +116,6 @@ def prefill_scores_reference(
 
 # ------------------------------------------------------------------------------------------------ kernels
 @triton.jit
-def _pow2(biased_exp):
-    """2**(biased_exp - 127) as fp32 (biased_exp int32 in [1, 254])."""
-    return (biased_exp << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _e2m1_value(code):
-    """e2m1 codes (int32, 4 bits: sign, 2 exponent bits, 1 mantissa bit) -> their fp32 values."""
-    m = code & 7
-    mag = tl.where(m < 2, m.to(tl.float32) * 0.5, _pow2((m >> 1) + 126) * (1.0 + 0.5 * (m & 1).to(tl.float32)))
-    return tl.where((code & 8) != 0, -mag, mag)
-
-
-@triton.jit
 def _fold_keys_kernel(
     data_ptr, scale_ptr, bt_ptr, codes_ptr, factor_ptr,
     stride_dp, stride_dr, stride_sp, stride_sr, table_row, stride_bt,
@@ -152,24 +139,15 @@ def _fold_keys_kernel(
     sb = (sw[:, None] >> (8 * ((2 * i) // (2 * HALF_D // NB)))[None, :]) & 255
     d = smax[:, None] - sb
     near = d <= FOLD_MAX_D
-    mult = tl.where(near, _pow2(tl.where(near, FOLD_C + 127 - d, 127)), 0.0)
-    lo = _e2m1_value(packed & 15) * mult  # element 2i
-    hi = _e2m1_value(packed >> 4) * mult  # element 2i + 1
+    keep = tl.where(near, 1.0, 0.0)  # blocks further down flushed (to a zero of the value's sign)
+    sadd = (FOLD_C + 126 - tl.where(near, d, 0)) << 7  # the nibbles' values times 2**(FOLD_C - d), as bf16
+    lo = _e2m1_to_bf16(packed & 15, sadd).to(tl.float32) * keep  # element 2i
+    hi = _e2m1_to_bf16(packed >> 4, sadd).to(tl.float32) * keep  # element 2i + 1
     codes = tl.reshape(tl.join(lo, hi), [BLOCK, 2 * HALF_D])  # exact in e4m3 (normals: d <= 11)
     codes = tl.where(ok[:, None], codes, 0.0)
     j = tl.arange(0, 2 * HALF_D)
     tl.store(codes_ptr + offs.to(tl.int64)[:, None] * (2 * HALF_D) + j[None, :], codes.to(tl.float8e4nv))
     tl.store(factor_ptr + offs, tl.where(ok, _pow2(tl.maximum(smax, 1)), 0.0))
-
-
-@triton.jit
-def _dot(a, b, FP32_DOT: tl.constexpr):
-    """a @ b of e4m3 operands, fp32 result: the FP8 MMA on the GPU; under the interpreter (whose low-precision dot is
-    not the tensor core's) on operands widened to fp32 (exact products, IEEE fp32 sums)."""
-    if FP32_DOT:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    else:
-        return tl.dot(a, b)
 
 
 @triton.jit
@@ -232,7 +210,7 @@ def _prefill_scores_kernel(
                 offs_n = tile0 + i * BLOCK_N
                 k = tl.load(codes_ptr + offs_n.to(tl.int64)[:, None] * D + tl.arange(0, D)[None, :])  # [BLOCK_N, D]
                 f = tl.load(factor_ptr + offs_n)
-                acc = _dot(k, q8t, FP32_DOT)  # [BLOCK_N, R HP]
+                acc = _dot(k, q8t, None, FP32_DOT)  # [BLOCK_N, R HP]
                 _epilogue(acc, wq, f, offs_n, nv, t_ok, out_base + offs_n[:, None], N_COLS, R, HP)
         for i in range(n_live, tiles):
             offs_n = tile0 + i * BLOCK_N
@@ -253,7 +231,7 @@ def _prefill_scores_kernel(
                 rel = eb - e + 127
                 cb = tl.where(rel >= 1, _pow2(tl.maximum(rel, 1)), 0.0)
                 kb = tl.load(codes_ptr + offs_n.to(tl.int64)[:, None] * D + cols[None, :])  # [BLOCK_N, QB]
-                acc += _dot(kb, tl.trans(q8b), FP32_DOT) * cb[None, :]
+                acc += _dot(kb, tl.trans(q8b), None, FP32_DOT) * cb[None, :]
             _epilogue(acc, wq, f, offs_n, nv, t_ok, out_base + offs_n[:, None], N_COLS, R, HP)
 
 
