@@ -242,7 +242,7 @@ def load_request(
                 srcs.append(key_b)
     dev = state.device
     on_device = all(t.device.type == dev.type and dev.index in (None, t.device.index) for t in srcs)  # (a fork's)
-    moved = srcs if on_device else move(srcs, state.device)
+    moved = srcs if on_device else move(srcs, dev)
     for dst, src in zip(dsts, moved[:n_state], strict=True):
         dst.copy_(src)
     for (rows, idx), src in zip(page_dsts, moved[n_state:], strict=True):
