@@ -269,10 +269,11 @@ def fold_keys(keys: KeyPages, block_table: torch.Tensor, table_row: int, n: int,
     factor = torch.empty((n_pad,), dtype=torch.float32, device=dev)
     scale32 = _scores._scale_words(keys.scale)
     block = 32 if interpreter_enabled() else 64
+    bt = block_table.contiguous()
     _fold_keys_kernel[(n_pad // block,)](
-        keys.data, scale32, block_table.contiguous(), codes, factor, keys.data.stride(0), keys.data.stride(1),
-        scale32.stride(0), scale32.stride(1), table_row, block_table.shape[1], n, block_table.shape[1],
-        keys.data.shape[0], BS=bs, BLOCK=block, HALF_D=_DIM // 2, NB=_FMT.n_blocks, num_warps=4,
+        keys.data, scale32, bt, codes, factor, keys.data.stride(0), keys.data.stride(1), scale32.stride(0),
+        scale32.stride(1), table_row, bt.stride(0), n, bt.shape[1], keys.data.shape[0], BS=bs, BLOCK=block,
+        HALF_D=_DIM // 2, NB=_FMT.n_blocks, num_warps=4,
     )  # fmt: skip
     return FoldedKeys(codes, factor, n)
 

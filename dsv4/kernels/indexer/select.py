@@ -223,8 +223,8 @@ def _shared_runs(token_row_host: np.ndarray, chunks) -> dict[int, list[tuple[int
         runs = [(r0, r1, int(tr[a + r0])) for r0, r1 in zip(cuts[:-1], cuts[1:], strict=True)]
         if not any(r1 - r0 >= SHARED_MIN_ROWS for r0, r1, _ in runs):
             continue
-        per_chunk[a] = [(r0, r1, row if r1 - r0 >= SHARED_MIN_ROWS else None, cols) for r0, r1, row in runs]
-        for _, _, row, _ in per_chunk[a]:
+        per_chunk[a] = [(r0, r1, row if r1 - r0 >= SHARED_MIN_ROWS else None) for r0, r1, row in runs]
+        for _, _, row in per_chunk[a]:
             if row is not None:
                 n_fold[row] = max(n_fold.get(row, 0), cols)
-    return {a: [(r0, r1, row, n_fold.get(row, 0)) for r0, r1, row, _ in v] for a, v in per_chunk.items()}
+    return {a: [(r0, r1, row, n_fold.get(row, 0)) for r0, r1, row in v] for a, v in per_chunk.items()}
