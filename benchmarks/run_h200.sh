@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One H200 session: environment, GPU tests, then the kernel benchmarks. Results go to $OUT (or ./out).
-# Usage (on the device machine, repo root): bash benchmarks/run_h200.sh [tests|bench|all|pending|ncu|attention|attention_ncu|indexer_gluon|indexer_live|indexer_fold|pending_s12|topk_rows|indexer_default|indexer_p2|indexer_ablate|flush_topk|skeleton|topk_short|fold_auto|hca_online|write_s15|emit_s15|emit2_s15|main_s15|write2_s15|final_s15|gemv_s15|online_regs|write_s16|final_s16|ncu_pool|div_s16|lean_s17|fast_s17|emit_s17|emit2_s17|warps_s17|ipool_s17|final_s17|sweep_s18|overlap_s18|fuse_s19|pdl_s19|pdl_decode_s19|writes_s19|layer_s19|select_s19|grid_s20|tails_s20|linear_s20|layer_s20|topk_s20|validate_s20|prefill_idx_s21|tf32x2_s21|topk_s21|iquery_s21]
+# Usage (on the device machine, repo root): bash benchmarks/run_h200.sh [tests|bench|all|pending|ncu|attention|attention_ncu|indexer_gluon|indexer_live|indexer_fold|pending_s12|topk_rows|indexer_default|indexer_p2|indexer_ablate|flush_topk|skeleton|topk_short|fold_auto|hca_online|write_s15|emit_s15|emit2_s15|main_s15|write2_s15|final_s15|gemv_s15|online_regs|write_s16|final_s16|ncu_pool|div_s16|lean_s17|fast_s17|emit_s17|emit2_s17|warps_s17|ipool_s17|final_s17|sweep_s18|overlap_s18|fuse_s19|pdl_s19|pdl_decode_s19|writes_s19|layer_s19|select_s19|grid_s20|tails_s20|linear_s20|layer_s20|topk_s20|validate_s20|prefill_idx_s21|tf32x2_s21|topk_s21|iquery_s21|fp8_linear_s22|fp8_step_s22]
 # "pending": the norm and top-k GPU tests (~4 min, most of it compiling the top-k kernels), launch D's rank
 # threshold on/off, top-k with both flush kinds, the decode step; about 8 minutes.  "ncu": Nsight Compute
 # sections of the indexer scores, dense attention and gather kernels (benchmarks/ncu_cases.py).  "attention": the
@@ -618,4 +618,24 @@ if [ "$what" = iquery_s21 ]; then  # left for session 22 (~3 min): the indexer q
   for g in "16 4" "32 4" "64 8" "64 4"; do set -- $g; timeout 60 python3 benchmarks/bench_rope.py --ops indexer_query \
     --tokens 64,8192,65536 --block-h $1 --num-warps $2 --out "$OUT/${stamp}_h200_rope_iquery_s21.jsonl" 2>&1 \
     | cut -c1-150; done
+fi
+if [ "$what" = fp8_linear_s22 ]; then  # left for session 23 (~5 min): the layer's projections on FP8 weights
+  # (kernels/fp8_linear.py; opt-in: keep_fp8 / random_attention_weights(fp8=True)): GPU tests (every projection width
+  # of V4-Flash / V4-Pro against fp64 and cuBLAS, every e4m3 code through both conversions, a CUDA graph, the layer
+  # vs the dense reference), then bench_fp8_linear against cuBLAS bf16 on the dequantised weights, both conversions
+  timeout 240 python3 -m pytest -q -p no:cacheprovider -s tests/kernels/test_fp8_linear.py -m gpu 2>&1 \
+    | tee "$OUT/${stamp}_h200_gpu_tests_fp8_linear_s22.txt" | grep -v "differ from" | tail -4
+  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/model/test_attention.py -k "fp8" 2>&1 \
+    | tee -a "$OUT/${stamp}_h200_gpu_tests_fp8_linear_s22.txt" | tail -2
+  for c in 1 0; do
+    timeout 150 python3 benchmarks/bench_fp8_linear.py --cvt-asm $c --out "$OUT/${stamp}_h200_fp8_linear_s22.jsonl" 2>&1 \
+      | tee -a "$OUT/${stamp}_h200_fp8_linear_s22.txt" | cut -c1-200
+  done
+fi
+if [ "$what" = fp8_step_s22 ]; then  # left for session 23 (~6 min): one CSA layer's decode step (V4-Flash and V4-Pro,
+  # 128K context, B = 1 / 64) with its linear weights kept FP8 against bf16, same run: the "projecti" column
+  for f in "" "--fp8-weights"; do
+    timeout 270 python3 -m dsv4.cli bench --models v4-flash,v4-pro --kinds csa --contexts 131072 --batches 1,64 $f \
+      --out "$OUT/${stamp}_h200_decode_fp8${f:+_on}_s22.jsonl" 2>&1 | tail -6
+  done
 fi

@@ -8,6 +8,7 @@ ptxas made of each: registers, spill / local-memory bytes, shared memory, SASS i
     python benchmarks/sass_report.py linear:1:1                         # compressor projections, 1 token, GEMV
     python benchmarks/sass_report.py iquery:65536:0 rope_inv:65536:1    # indexer query tail, inverse RoPE in place
     python benchmarks/sass_report.py prefill_idx:4096:16384             # prefill indexer: fold_keys + prefill_scores
+    python benchmarks/sass_report.py fp8_linear:1:all --model v4-pro    # the projections on FP8 weights, 1 token
 
 The operation is built by ``bench_write``'s case builders on CPU tensors; every Triton launch is replaced by
 a compile-only ``warmup`` against a stand-in driver that reports an H100/H200 (``GPUTarget("cuda", 90, 32)``),
@@ -221,6 +222,19 @@ def main() -> None:
 
                 def tri(x=x, ws=ws, gemv=bool(int(n)), kw=variant):
                     linear_fp32_group(x, ws, "triton", counters=linear_counters("cpu"), gemv=gemv, **kw)
+            elif op == "fp8_linear":  # fp8_linear:M:NAME (--model's projection NAME of bench_fp8_linear, or "all")
+                from bench_fp8_linear import make_case, projection_shapes
+
+                from dsv4.kernels.fp8_linear import fp8_linear
+
+                shapes = projection_shapes(args.model)
+                picked = {k: v for k, v in shapes.items() if n in ("all", k)}
+                cases = [(make_case(*shape, int(mode), "cpu")[::2], shape[2]) for shape in picked.values()]
+
+                def tri(cases=cases, kw=variant):
+                    cnt = torch.zeros(4096, dtype=torch.int32)
+                    for (w, x), groups in cases:
+                        fp8_linear(x, w, "triton", groups=groups, counters=cnt, **kw)
             elif op in ("iquery", "rope_inv"):  # iquery:T:0 (indexer query tail), rope_inv:T:in_place
                 from bench_rope import make_ops
 

@@ -68,13 +68,14 @@ from dsv4.cache.manager import KVCacheManager
 from dsv4.cache.schema import CacheSchema
 from dsv4.config import ModelConfig, get_preset
 from dsv4.engine.graphs import DecodeGraphRunner, capture_graph
+from dsv4.formats.fp8_weight import FP8Weight
 from dsv4.kernels.attention import sparse_attention
 from dsv4.kernels.cache.store import store_fp8_entries, store_mxfp4_keys
 from dsv4.kernels.indexer import indexer_scores, to_physical, topk_indices, visible_physical
 from dsv4.model import functional as F
 from dsv4.model.attention import AttentionSubBlock
-from dsv4.model.projections import indexer_query, output_projection, query
-from dsv4.model.weights import random_attention_weights
+from dsv4.model.projections import dense, indexer_query, output_projection, query
+from dsv4.model.weights import AttentionWeights, random_attention_weights
 
 __all__ = ["BenchSettings", "plain_decode_step", "run_bench", "format_table"]
 
@@ -102,6 +103,9 @@ class BenchSettings:
     seed: int = 0
     # block tables sized for this many tokens (an engine's static max length under CUDA graphs); None: the context
     table_context: int | None = None
+    # the layer's linear weights kept FP8 (``random_attention_weights(fp8=True)``: kernels.fp8_linear); the plain
+    # PyTorch step gets them dequantised to bf16 once, as a user would load them
+    fp8_weights: bool = False
 
 
 SMOKE = BenchSettings(models=("tiny",), contexts=(256, 512), batches=(1, 3), graph=False, device="cpu", smoke=True)
@@ -137,8 +141,8 @@ def _roofline(nbytes: float, flops: float) -> float:
     return max(nbytes / PEAK_HBM_BYTES, flops / PEAK_BF16_FLOPS)
 
 
-def _nbytes(*ts: torch.Tensor) -> int:
-    return sum(t.numel() * t.element_size() for t in ts)
+def _nbytes(*ts: torch.Tensor | FP8Weight) -> int:
+    return sum(t.nbytes if isinstance(t, FP8Weight) else t.numel() * t.element_size() for t in ts)
 
 
 # ---------------------------------------------------------------------------------------------- setup
@@ -210,7 +214,8 @@ def _store_k(x, slots, *, pages, fmt, backend):
 # ---------------------------------------------------------------------------------------------- plain PyTorch
 def plain_decode_step(blk: AttentionSubBlock, m: KVCacheManager, slots: torch.Tensor, positions: torch.Tensor,
                       block_table: torch.Tensor | None, x: torch.Tensor, index_chunk: int = 1 << 23,
-                      aux: dict | None = None, index_qr: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+                      aux: dict | None = None, index_qr: torch.Tensor | None = None,
+                      w: AttentionWeights | None = None) -> torch.Tensor:  # fmt: skip
     """The decode step of ``blk``'s layer written in plain PyTorch, as a user would (eager, vectorised).
 
     ``slots`` [B] int64 state slot per request, ``positions`` [B] int64 decode position (= cached tokens),
@@ -223,9 +228,11 @@ def plain_decode_step(blk: AttentionSubBlock, m: KVCacheManager, slots: torch.Te
     (CSA) ``scores`` [B, N] fp32, ``topk`` [B, k] int64, ``q_idx``, ``weights`` and ``qr``: the plain
     indexer scores, selection and query side.  ``index_qr`` (checks only): [B, q_lora_rank] bf16, a query
     latent (after ``q_norm``) for the indexer query in place of the step's own (the attention query keeps
-    its own): isolates a one-ulp ``q_norm`` rounding difference, which the MXFP4 query amplifies.
+    its own): isolates a one-ulp ``q_norm`` rounding difference, which the MXFP4 query amplifies.  ``w``: the weights
+    (default ``blk.w``; the bench passes FP8 ones dequantised to bf16).
     """
-    cfg, w, inv, ratio = blk.cfg, blk.w, blk.inv_freq, blk.ratio
+    cfg, inv, ratio = blk.cfg, blk.inv_freq, blk.ratio
+    w = blk.w if w is None else w
     schema = m.schema
     efmt, kfmt, ring, eps = schema.entry_fmt, schema.key_fmt, schema.ring_size, cfg.norm_eps
     st = m.state.layer(blk.layer_id)
@@ -381,8 +388,9 @@ def _parts(blk: AttentionSubBlock, handle, x: torch.Tensor) -> dict[str, Callabl
     cfg, w, be, inv = blk.cfg, blk.w, blk.backend, blk.inv_freq
     plan, rp = handle.plan, handle.ratio_plan
     hp = plan.positions[:, None]
-    q, qr = query(cfg, w, x, hp, inv, be)
-    kv_raw = F.linear(x, w.wkv)
+    cnt = blk._linear_counters  # noqa: SLF001 - the layer's own (its projections take them)
+    q, qr = query(cfg, w, x, hp, inv, be, counters=cnt)
+    kv_raw = dense(x, w.wkv, be, counters=cnt)
     out: dict[str, Callable[[], object]] = {}
 
     out["window_store"] = lambda: handle.write_window(kv_raw, w.kv_norm, inv, backend=be)
@@ -400,7 +408,7 @@ def _parts(blk: AttentionSubBlock, handle, x: torch.Tensor) -> dict[str, Callabl
         iv = handle.read_indexer_view()
 
         def index():
-            q_idx, wts = indexer_query(cfg, w, x, qr, hp, inv, be)
+            q_idx, wts = indexer_query(cfg, w, x, qr, hp, inv, be, counters=cnt)
             return indexer_scores(q_idx, wts.float(), iv.pages, rp.block_table, plan.request_ids, rp.n_visible,
                                   rp.max_entries, backend=be)  # fmt: skip
 
@@ -418,10 +426,10 @@ def _parts(blk: AttentionSubBlock, handle, x: torch.Tensor) -> dict[str, Callabl
     o = out["attention"]()[0]
 
     def projections():
-        query(cfg, w, x, hp, inv, be)
-        F.linear(x, w.wkv)
+        query(cfg, w, x, hp, inv, be, counters=cnt)
+        dense(x, w.wkv, be, counters=cnt)
         # as the layer runs it (o rotated in place: each timed call rotates it again; the time does not depend on it)
-        return output_projection(cfg, w, o, hp, inv, be, consume_o=True)
+        return output_projection(cfg, w, o, hp, inv, be, consume_o=True, counters=cnt)
 
     out["projections"] = projections
     return out
@@ -525,7 +533,7 @@ def run_bench(s: BenchSettings, log: Callable[[str], None] = print) -> list[dict
 def _bench_context(cfg, kind, context, s: BenchSettings, device, graph: bool, b_max: int) -> list[dict]:
     gen = torch.Generator(device=device).manual_seed(s.seed)
     backend = "torch" if s.smoke and s.backend == "auto" else s.backend
-    w = random_attention_weights(cfg, 0, seed=s.seed, device=device)
+    w = random_attention_weights(cfg, 0, seed=s.seed, device=device, fp8=s.fp8_weights)
     blk = AttentionSubBlock(cfg, 0, w, backend=backend)
     schema = CacheSchema(cfg)
     per_req = {m_: rc.pages_for_tokens(context) for m_, rc in schema.ratio_classes.items()}
@@ -567,7 +575,8 @@ def _bench_batch(blk, m, kind, context, bsz, max_blocks, s: BenchSettings, devic
     slots, pos = sp.request_slots.long(), sp.positions.long()
     bt = sp.ratios[blk.ratio].block_table.long() if blk.ratio else None
     aux: dict = {}
-    yb = plain_decode_step(blk, m, slots, pos, bt, x, aux=aux)
+    wp = blk.w.dequantized() if blk.w.has_fp8 else None  # the plain step's bf16 weights (loaded once)
+    yb = plain_decode_step(blk, m, slots, pos, bt, x, aux=aux, w=wp)
     d = (yb.float() - y.float()).abs()
     max_abs, mean_abs = d.max().item(), d.mean().item()
     row_ok = (d.amax(1) <= MATCH_MAX_ABS) & (d.mean(1) <= MATCH_MEAN_ABS)
@@ -579,19 +588,19 @@ def _bench_batch(blk, m, kind, context, bsz, max_blocks, s: BenchSettings, devic
         # when the plain indexer query starts from dsv4's latent (everything after it stays the plain's)
         _, qr_dsv4 = query(cfg, blk.w, x, sp.positions[:, None], blk.inv_freq, blk.backend)
         qr_diff = (qr_dsv4 != aux["qr"]).any(1)
-        d2 = (plain_decode_step(blk, m, slots, pos, bt, x, index_qr=qr_dsv4).float() - y.float()).abs()
+        d2 = (plain_decode_step(blk, m, slots, pos, bt, x, index_qr=qr_dsv4, w=wp).float() - y.float()).abs()
         row_ok2 = (d2.amax(1) <= MATCH_MAX_ABS) & (d2.mean(1) <= MATCH_MEAN_ABS)
         qr_ok = ~row_ok & ~tie & qr_diff & row_ok2
         qr_rows = int(qr_ok.sum())
         row_ok = row_ok | qr_ok
     match = bool((row_ok | tie).all())
-    t_plain = _time(lambda: plain_decode_step(blk, m, slots, pos, bt, x), device)
+    t_plain = _time(lambda: plain_decode_step(blk, m, slots, pos, bt, x, w=wp), device)
     t_compiled = None
     if s.compile:
         try:
             cplain = torch.compile(plain_decode_step, dynamic=False)
-            cplain(blk, m, slots, pos, bt, x)
-            t_compiled = _time(lambda: cplain(blk, m, slots, pos, bt, x), device)
+            cplain(blk, m, slots, pos, bt, x, w=wp)
+            t_compiled = _time(lambda: cplain(blk, m, slots, pos, bt, x, w=wp), device)
         except Exception as e:  # noqa: BLE001 - an optional baseline; report and go on
             t_compiled = f"failed: {type(e).__name__}"
     # parts

@@ -87,6 +87,11 @@ def add_bench_subcommand(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="size the block tables for this many tokens (an engine's static max length; default: the context)",
     )
+    p.add_argument(
+        "--fp8-weights",
+        action="store_true",
+        help="keep the layer's linear weights FP8 as a checkpoint stores them (kernels.fp8_linear); plain: bf16",
+    )
     p.add_argument("--smoke", action="store_true", help="tiny model, contexts 256/512, batches 1/3, CPU, torch backend")
     p.set_defaults(func=cmd_bench)
 
@@ -95,7 +100,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from dsv4.engine.bench import SMOKE, BenchSettings, format_table, run_bench, write_jsonl
 
     if args.smoke:
-        s = SMOKE
+        s = dataclasses.replace(SMOKE, fp8_weights=args.fp8_weights)
     else:
         s = BenchSettings(
             models=args.models,
@@ -108,9 +113,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
             backend=args.backend,
             seed=args.seed,
             table_context=args.table_context,
+            fp8_weights=args.fp8_weights,
         )
     print(f"dsv4 bench: models {','.join(s.models)} kinds {','.join(s.kinds)} contexts {s.contexts} "
-          f"batches {s.batches} graph {s.graph}", flush=True)  # fmt: skip
+          f"batches {s.batches} graph {s.graph}" + (" fp8-weights" if s.fp8_weights else ""), flush=True)  # fmt: skip
     rows = run_bench(s, log=lambda line: print(line, flush=True))
     table = format_table(rows)
     print(table)
@@ -145,6 +151,7 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--progress-every", type=int, default=5, help="a progress line every N steps (default 5)")
     p.add_argument("--swap", action="store_true", help="preempted requests keep their cache on the host (no recompute)")
     p.add_argument("--samples", type=int, default=1, help="continuations of each prompt, forked from its cache")
+    p.add_argument("--fp8-weights", action="store_true", help="linear weights kept FP8 (kernels.fp8_linear)")
     p.set_defaults(func=cmd_demo)
 
 
@@ -254,6 +261,7 @@ def run_demo(args: argparse.Namespace, out: TextIO | None = None) -> tuple[Engin
         backend=args.backend,
         seed=args.seed,
         swap=args.swap,
+        fp8_weights=args.fp8_weights,
     )
     setup = dict(
         model=cfg.name,
@@ -269,6 +277,7 @@ def run_demo(args: argparse.Namespace, out: TextIO | None = None) -> tuple[Engin
         seed=args.seed,
         swap=args.swap,
         samples=args.samples,
+        fp8_weights=args.fp8_weights,
     )
     on_step = None if args.json else _progress_printer(out, args.progress_every)
     if not args.json:

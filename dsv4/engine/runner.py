@@ -295,6 +295,8 @@ class EngineRunner:
         layers: the stack's layer ids (default: every cache layer of ``cfg``, MTP included).
         check_invariants: call ``manager.check_invariants()`` after every step.
         swap: a preempted request's cache goes to the host and comes back on re-admission (no recompute).
+        fp8_weights: the layers' linear weights kept FP8 as a checkpoint stores them (``random_attention_weights``'s
+            ``fp8``; the projections then run ``kernels.fp8_linear``; the dense reference dequantises them).
     """
 
     def __init__(
@@ -313,6 +315,7 @@ class EngineRunner:
         layers: Sequence[int] | None = None,
         check_invariants: bool = True,
         swap: bool = False,
+        fp8_weights: bool = False,
     ) -> None:
         if (num_pages is None) == (budget_bytes is None):
             raise ValueError("EngineRunner: give exactly one of num_pages and budget_bytes")
@@ -335,7 +338,7 @@ class EngineRunner:
         for i in self.layers:
             cfg.ratio(i)  # validates
         self.weights = {
-            i: random_attention_weights(cfg, i, seed=seed * _LAYER_SEED_STRIDE + i, device=self.device)
+            i: random_attention_weights(cfg, i, seed=seed * _LAYER_SEED_STRIDE + i, device=self.device, fp8=fp8_weights)
             for i in self.layers
         }
         self.blocks = {i: AttentionSubBlock(cfg, i, self.weights[i], backend=backend) for i in self.layers}

@@ -42,7 +42,7 @@ from dsv4.kernels.dispatch import use_triton
 from dsv4.kernels.indexer import indexer_topk, to_physical, visible_physical
 from dsv4.kernels.linear import bf16_exact, linear_counters, linear_fp32_group, linear_fp32_pair
 from dsv4.model import functional as F
-from dsv4.model.projections import indexer_query, output_projection, query
+from dsv4.model.projections import dense, indexer_query, output_projection, query
 from dsv4.model.weights import AttentionWeights
 
 # An HCA prefill attends in row bands, each with an entry index as wide as its rows see (``visible_bands``), instead of
@@ -87,7 +87,9 @@ class AttentionSubBlock:
 
     Args:
         cfg: the model config; ``layer_id`` picks the layer kind and RoPE table.
-        w: the layer's weights (``dsv4.model.weights``), on the device the cache lives on.
+        w: the layer's weights (``dsv4.model.weights``), on the device the cache lives on; linear weights bf16, or
+            the checkpoint's ``FP8Weight`` (loaded with ``keep_fp8=True``): the projections then run
+            ``kernels.fp8_linear`` on the Triton path (half the weight bytes; same products for UE8M0 scales).
         backend: "auto" (Triton on CUDA, PyTorch on the CPU), "torch" or "triton".
         compressor_gemm: the compressor projections' fp32 GEMMs on the Triton path: "tf32x3" (default;
             ``kernels.linear.linear_fp32_group``, every compressor projection of the layer in one tensor-core GEMM,
@@ -134,9 +136,10 @@ class AttentionSubBlock:
         if handle.layer_id != self.layer_id:
             raise ValueError(f"handle: expected layer {self.layer_id}, got a handle of layer {handle.layer_id}")
         pos = plan.positions
-        q, qr = query(cfg, w, x, pos[:, None], self.inv_freq, be)
+        cnt = self._linear_counters
+        q, qr = query(cfg, w, x, pos[:, None], self.inv_freq, be, counters=cnt)
 
-        kv_raw = F.linear(x, w.wkv)
+        kv_raw = dense(x, w.wkv, be, counters=cnt)
         if plan.is_decode:
             handle.write_window(kv_raw, w.kv_norm, self.inv_freq, backend=be)
             window = (handle.read_swa_view().pages, self._ring_window_index(handle))
@@ -167,7 +170,9 @@ class AttentionSubBlock:
                     # step and an eager one agree bit for bit)
                     if self.kind is LayerKind.HCA and not plan.is_decode and PREFILL_BANDS:
                         o = self._banded_hca_attention(q, window, comp, handle)
-                        return output_projection(cfg, w, o, pos[:, None], self.inv_freq, be, consume_o=True)
+                        return output_projection(
+                            cfg, w, o, pos[:, None], self.inv_freq, be, consume_o=True, counters=cnt
+                        )
                     width = cfg.index_topk if self.kind is LayerKind.CSA else rp.max_entries
                     phys = visible_physical(
                         rp.n_visible, width, rp.block_table, plan.request_ids, rp.entries_per_page, backend=be
@@ -175,7 +180,7 @@ class AttentionSubBlock:
                 caches.append((comp, phys))
 
         o, _ = sparse_attention(q, caches, w.attn_sink, self.scale, backend=be)
-        return output_projection(cfg, w, o, pos[:, None], self.inv_freq, be, consume_o=True)
+        return output_projection(cfg, w, o, pos[:, None], self.inv_freq, be, consume_o=True, counters=cnt)
 
     def _banded_hca_attention(
         self, q: torch.Tensor, window: tuple[EntryPages, torch.Tensor], comp: EntryPages, handle: LayerCacheHandle
@@ -232,7 +237,9 @@ class AttentionSubBlock:
 
     def _indexer_topk(self, x: torch.Tensor, qr: torch.Tensor, handle: LayerCacheHandle) -> torch.Tensor:
         cfg, plan, rp = self.cfg, handle.plan, handle.ratio_plan
-        q_idx, wts = indexer_query(cfg, self.w, x, qr, plan.positions[:, None], self.inv_freq, self.backend)
+        q_idx, wts = indexer_query(
+            cfg, self.w, x, qr, plan.positions[:, None], self.inv_freq, self.backend, counters=self._linear_counters
+        )
         iv = handle.read_indexer_view()
         # a prefill scores and selects in row chunks of bounded memory, each only as wide as its rows can see;
         # a decode step (maybe graph-captured: its host fields go stale) uses static widths only

@@ -35,6 +35,7 @@ import torch
 from dsv4.config import ModelConfig
 from dsv4.errors import check_tensor
 from dsv4.formats import FP8EntryFormat, MXFP4KeyFormat, entry_format, key_format  # noqa: F401 (re-exported)
+from dsv4.formats.fp8_weight import FP8Weight
 
 __all__ = [
     "entry_format",
@@ -65,13 +66,21 @@ _INTS = (torch.int32, torch.int64)
 
 
 # ---------------------------------------------------------------------------------------------- basics
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor | FP8Weight) -> torch.Tensor:
     """``y = x @ weight.T`` in ``x``'s dtype (weight cast to it): x [..., in], weight [out, in] -> [..., out].
 
     The dense bf16 layers of the reference are plain ``F.linear`` on bf16 (weights dequantised once at
-    load time); the compressor passes fp32 ``x`` and fp32 weights.
+    load time); the compressor passes fp32 ``x`` and fp32 weights.  An ``FP8Weight`` is dequantised to x's dtype
+    first (exact in bf16: the same values a checkpoint loaded without ``keep_fp8`` holds).
     """
-    return torch.nn.functional.linear(x, weight.to(x.dtype))
+    return torch.nn.functional.linear(x, weight_as(weight, x.dtype))
+
+
+def weight_as(weight: torch.Tensor | FP8Weight, dtype: torch.dtype) -> torch.Tensor:
+    """A linear weight as a ``dtype`` tensor (an ``FP8Weight`` dequantised)."""
+    if isinstance(weight, FP8Weight):
+        return weight.dequantize(dtype)
+    return weight.to(dtype)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:

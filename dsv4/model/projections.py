@@ -10,11 +10,34 @@ from __future__ import annotations
 import torch
 
 from dsv4.config import ModelConfig
+from dsv4.formats.fp8_weight import FP8Weight
+from dsv4.kernels.fp8_linear import fp8_linear
 from dsv4.kernels.indexer.query import indexer_query_tail
 from dsv4.kernels.norm import rms_norm
 from dsv4.kernels.rope import q_norm_rope, rope_inverse
 from dsv4.model import functional as F
 from dsv4.model.weights import AttentionWeights
+
+
+def dense(
+    x: torch.Tensor,
+    w: torch.Tensor | FP8Weight,
+    backend: str = "torch",
+    *,
+    groups: int = 1,
+    counters: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One of the layer's dense projections: x [..., G·in] bf16 -> [..., G·out] (``groups`` G: the weight's rows and
+    x's columns in G blocks, block g times block g).  An ``FP8Weight`` with a 2-D x goes to ``kernels.fp8_linear``
+    (``backend``; its torch path is the bf16 computation below); otherwise ``F.linear`` on the bf16 weight (an FP8
+    one dequantised), per group an einsum.  ``counters``: ``fp8_linear``'s."""
+    if isinstance(w, FP8Weight) and x.dim() == 2:
+        return fp8_linear(x, w, backend, groups=groups, counters=counters)
+    if groups == 1:
+        return F.linear(x, w)
+    wd = F.weight_as(w, x.dtype)
+    xg = x.unflatten(-1, (groups, -1))
+    return torch.einsum("...gc,grc->...gr", xg, wd.view(groups, -1, xg.shape[-1])).flatten(-2)
 
 
 def query(
@@ -24,20 +47,23 @@ def query(
     head_positions: torch.Tensor,
     inv_freq: torch.Tensor,
     backend: str = "torch",
+    *,
+    counters: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Spec §2 step 1.  x [..., dim] bf16 -> (q [..., H, D] bf16 after per-head norm and RoPE(t),
     qr [..., q_lora_rank] bf16: the normed latent the indexer's query also reads).
 
     ``backend`` "torch" (default; the dense reference) composes the model's functions; "auto" / "triton"
     runs the latent's RMSNorm as one launch (``kernels.norm.rms_norm``) and the per-head norm and RoPE as
-    another (``kernels.rope.q_norm_rope``; x [T, dim] and ``head_positions`` [T, 1] there)."""
+    another (``kernels.rope.q_norm_rope``; x [T, dim] and ``head_positions`` [T, 1] there).  FP8 weights: ``dense``
+    (``counters`` its)."""
     pos = _token_positions(x.shape[:-1], head_positions, backend)
-    latent = F.linear(x, w.wq_a)
+    latent = dense(x, w.wq_a, backend, counters=counters)
     if pos is None:
         qr = F.rms_norm(latent, w.q_norm, cfg.norm_eps)
     else:
         qr = rms_norm(latent, w.q_norm, cfg.norm_eps, backend=backend)
-    q = F.linear(qr, w.wq_b).unflatten(-1, (cfg.n_heads, cfg.head_dim))
+    q = dense(qr, w.wq_b, backend, counters=counters).unflatten(-1, (cfg.n_heads, cfg.head_dim))
     if pos is not None:
         return q_norm_rope(q, pos, inv_freq, cfg.norm_eps, backend=backend), qr
     return F.apply_rope(F.head_rms_norm(q, cfg.norm_eps), head_positions, inv_freq), qr
@@ -59,6 +85,8 @@ def indexer_query(
     head_positions: torch.Tensor,
     inv_freq: torch.Tensor,
     backend: str = "torch",
+    *,
+    counters: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Spec §4 query side.  Returns (q_idx [..., Hi, Di] bf16 after RoPE, Hadamard and MXFP4 — exact
     e2m1 x 2^k values; w [..., Hi] head weights already scaled by Di^-1/2 * Hi^-1/2: bf16 values).
@@ -68,10 +96,10 @@ def indexer_query(
     ``head_positions`` [T, 1] there), whose head weights come back as fp32 holding the same bf16 values."""
     iw = w.indexer
     hi, di = cfg.index_n_heads, cfg.index_head_dim
-    q_lin = F.linear(qr, iw.wq_b)
+    q_lin = dense(qr, iw.wq_b, backend, counters=counters)
     pos = _token_positions(x.shape[:-1], head_positions, backend)
     if pos is not None:
-        w_lin = F.linear(x, iw.weights_proj)
+        w_lin = dense(x, iw.weights_proj, backend, counters=counters)
         return indexer_query_tail(q_lin, w_lin, pos, inv_freq, F.key_format(cfg), backend=backend)
     q_idx = q_lin.unflatten(-1, (hi, di))
     q_idx = F.mxfp4_simulate(F.hadamard(F.apply_rope(q_idx, head_positions, inv_freq)), F.key_format(cfg))
@@ -87,12 +115,15 @@ def output_projection(
     backend: str = "torch",
     *,
     consume_o: bool = False,
+    counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Spec §2 steps 5–6.  o [..., H, D] bf16 attention output -> inverse RoPE(t) on the rope dims ->
     grouped ``wo_a`` (o_groups blocks of H/o_groups heads) -> ``wo_b`` -> y [..., dim] bf16.
     ``backend``: as ``query`` (the inverse RoPE in one launch, ``kernels.rope.rope_inverse``).  ``consume_o``: the
-    caller has no further use for o, so the kernel may rotate its rope channels in place (``derotate``)."""
-    return project_groups(cfg, w, derotate(o, head_positions, inv_freq, backend, in_place=consume_o))
+    caller has no further use for o, so the kernel may rotate its rope channels in place (``derotate``).  FP8
+    weights: ``dense`` (``counters`` its)."""
+    o = derotate(o, head_positions, inv_freq, backend, in_place=consume_o)
+    return project_groups(cfg, w, o, backend, counters=counters)
 
 
 def derotate(
@@ -112,9 +143,15 @@ def derotate(
     return F.apply_rope(o, head_positions, inv_freq, inverse=True)
 
 
-def project_groups(cfg: ModelConfig, w: AttentionWeights, o: torch.Tensor) -> torch.Tensor:
-    """Grouped output projection of de-rotated o [..., H, D] -> [..., dim]."""
-    g = cfg.o_groups
-    wo_a = w.wo_a.to(o.dtype).view(g, cfg.o_lora_rank, -1)
-    og = torch.einsum("...gc,grc->...gr", o.flatten(-2).unflatten(-1, (g, -1)), wo_a)
-    return F.linear(og.flatten(-2), w.wo_b)
+def project_groups(
+    cfg: ModelConfig,
+    w: AttentionWeights,
+    o: torch.Tensor,
+    backend: str = "torch",
+    *,
+    counters: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Grouped output projection of de-rotated o [..., H, D] -> [..., dim] (``dense`` twice: ``wo_a`` in o_groups
+    groups of H/o_groups heads, then ``wo_b``)."""
+    og = dense(o.flatten(-2), w.wo_a, backend, groups=cfg.o_groups, counters=counters)
+    return dense(og, w.wo_b, backend, counters=counters)

@@ -41,12 +41,13 @@ from typing import NamedTuple
 import torch
 
 from dsv4.config import LayerKind, ModelConfig
-from dsv4.formats.ue8m0 import UE8M0_BIAS
+from dsv4.formats.fp8_weight import WEIGHT_BLOCK, FP8Weight, scale_to_fp32
 
 __all__ = [
     "WEIGHT_BLOCK",
     "AttentionWeights",
     "CompressorWeights",
+    "FP8Weight",
     "IndexerWeights",
     "ParamSpec",
     "attention_param_specs",
@@ -57,7 +58,6 @@ __all__ = [
     "attention_weights_from_safetensors",
 ]
 
-WEIGHT_BLOCK = 128  # FP8 checkpoint weights carry one scale per WEIGHT_BLOCK x WEIGHT_BLOCK block
 _SCALE_SUFFIXES = (".scale", ".weight_scale_inv")  # official convert-script name, Hugging Face name
 
 
@@ -87,10 +87,10 @@ class CompressorWeights:
 @dataclass(frozen=True)
 class IndexerWeights:
     """Parameters of the lightning indexer (spec §4): wq_b [Hi·Di, q_lora_rank], weights_proj [Hi, dim]
-    (bf16) and its own d = index_head_dim compressor."""
+    (bf16, or ``FP8Weight``) and its own d = index_head_dim compressor."""
 
-    wq_b: torch.Tensor
-    weights_proj: torch.Tensor
+    wq_b: torch.Tensor | FP8Weight
+    weights_proj: torch.Tensor | FP8Weight
     compressor: CompressorWeights
 
 
@@ -99,39 +99,40 @@ class AttentionWeights:
     """One attention layer's parameters (spec §11), field names = official module names.
 
     ``compressor`` is None for SWA-only layers; ``indexer`` is None unless the layer is CSA.  Linear
-    weights are ``[out, in]`` (``y = x·Wᵀ``).  Build with ``random_attention_weights``,
-    ``attention_weights_from_state_dict`` or ``attention_weights_from_safetensors``; validate against a
-    config with ``check``.
+    weights are ``[out, in]`` (``y = x·Wᵀ``): bf16 tensors, or, loaded with ``keep_fp8=True`` (built with
+    ``fp8=True``), the checkpoint's ``FP8Weight`` (e4m3 + block scales: half the bytes; the layer then runs
+    ``kernels.fp8_linear`` on them; ``dequantized`` gives the bf16 copy).  The compressors' weights are fp32.
+    Build with ``random_attention_weights``, ``attention_weights_from_state_dict`` or
+    ``attention_weights_from_safetensors``; validate against a config with ``check``.
     """
 
     attn_sink: torch.Tensor
-    wq_a: torch.Tensor
+    wq_a: torch.Tensor | FP8Weight
     q_norm: torch.Tensor
-    wq_b: torch.Tensor
-    wkv: torch.Tensor
+    wq_b: torch.Tensor | FP8Weight
+    wkv: torch.Tensor | FP8Weight
     kv_norm: torch.Tensor
-    wo_a: torch.Tensor
-    wo_b: torch.Tensor
+    wo_a: torch.Tensor | FP8Weight
+    wo_b: torch.Tensor | FP8Weight
     compressor: CompressorWeights | None = None
     indexer: IndexerWeights | None = None
 
     def to_state_dict(self) -> dict[str, torch.Tensor]:
-        """Official keys (no ``layers.{i}.attn.`` prefix) → the tensors held (not copies)."""
-        sd: dict[str, torch.Tensor] = {
-            "attn_sink": self.attn_sink,
-            "wq_a.weight": self.wq_a,
-            "q_norm.weight": self.q_norm,
-            "wq_b.weight": self.wq_b,
-            "wkv.weight": self.wkv,
-            "kv_norm.weight": self.kv_norm,
-            "wo_a.weight": self.wo_a,
-            "wo_b.weight": self.wo_b,
-        }
+        """Official keys (no ``layers.{i}.attn.`` prefix) → the tensors held (not copies); an ``FP8Weight`` as its
+        e4m3 ``<module>.weight`` and fp32 ``<module>.scale``, as a checkpoint holds it."""
+        sd: dict[str, torch.Tensor] = {"attn_sink": self.attn_sink}
+        _put_linear(sd, "wq_a", self.wq_a)
+        sd["q_norm.weight"] = self.q_norm
+        _put_linear(sd, "wq_b", self.wq_b)
+        _put_linear(sd, "wkv", self.wkv)
+        sd["kv_norm.weight"] = self.kv_norm
+        _put_linear(sd, "wo_a", self.wo_a)
+        _put_linear(sd, "wo_b", self.wo_b)
         if self.compressor is not None:
             sd.update(_compressor_sd(self.compressor, "compressor."))
         if self.indexer is not None:
-            sd["indexer.wq_b.weight"] = self.indexer.wq_b
-            sd["indexer.weights_proj.weight"] = self.indexer.weights_proj
+            _put_linear(sd, "indexer.wq_b", self.indexer.wq_b)
+            _put_linear(sd, "indexer.weights_proj", self.indexer.weights_proj)
             sd.update(_compressor_sd(self.indexer.compressor, "indexer.compressor."))
         return sd
 
@@ -140,12 +141,51 @@ class AttentionWeights:
         _validate(attention_param_specs(cfg, layer_id), self.to_state_dict(), prefix="", layer_id=layer_id)
 
     def to(self, device: torch.device | str) -> AttentionWeights:
-        """A copy with every tensor moved to ``device`` (dtypes unchanged)."""
-        return _build(self.to_state_dict(), lambda key, t: t.to(device))
+        """A copy with every tensor moved to ``device`` (dtypes unchanged; ``FP8Weight`` stays FP8)."""
+        return _map_weights(self, lambda t: t.to(device))
+
+    def dequantized(self, dtype: torch.dtype = torch.bfloat16) -> AttentionWeights:
+        """A copy whose ``FP8Weight`` linear weights are dequantised to ``dtype`` (what a checkpoint loaded without
+        ``keep_fp8`` holds); every other tensor is shared."""
+        return _map_weights(self, lambda t: t.dequantize(dtype) if isinstance(t, FP8Weight) else t)
+
+    @property
+    def has_fp8(self) -> bool:
+        """Some linear weight is an ``FP8Weight``."""
+        return any(isinstance(v, FP8Weight) for v in _linear_fields(self))
 
     @property
     def device(self) -> torch.device:
         return self.wq_a.device
+
+
+def _put_linear(sd: dict[str, torch.Tensor], module: str, w: torch.Tensor | FP8Weight) -> None:
+    if isinstance(w, FP8Weight):
+        sd[module + ".weight"] = w.data
+        sd[module + ".scale"] = w.scale
+    else:
+        sd[module + ".weight"] = w
+
+
+def _linear_fields(w: AttentionWeights) -> list[torch.Tensor | FP8Weight]:
+    out = [w.wq_a, w.wq_b, w.wkv, w.wo_a, w.wo_b]
+    if w.indexer is not None:
+        out += [w.indexer.wq_b, w.indexer.weights_proj]
+    return out
+
+
+def _map_weights(w: AttentionWeights, fn) -> AttentionWeights:
+    """A copy of ``w`` with ``fn`` applied to every tensor and ``FP8Weight`` (compressors and indexer included)."""
+
+    def comp(c: CompressorWeights | None) -> CompressorWeights | None:
+        return None if c is None else CompressorWeights(fn(c.wkv), fn(c.wgate), fn(c.ape), fn(c.norm))
+
+    ix = w.indexer
+    return AttentionWeights(
+        attn_sink=fn(w.attn_sink), wq_a=fn(w.wq_a), q_norm=fn(w.q_norm), wq_b=fn(w.wq_b), wkv=fn(w.wkv),
+        kv_norm=fn(w.kv_norm), wo_a=fn(w.wo_a), wo_b=fn(w.wo_b), compressor=comp(w.compressor),
+        indexer=None if ix is None else IndexerWeights(fn(ix.wq_b), fn(ix.weights_proj), comp(ix.compressor)),
+    )  # fmt: skip
 
 
 def _compressor_sd(c: CompressorWeights, prefix: str) -> dict[str, torch.Tensor]:
@@ -250,18 +290,9 @@ def dequantize_fp8_weight(weight: torch.Tensor, scale: torch.Tensor, block: int 
     want = ((out_f + block - 1) // block, (in_f + block - 1) // block)
     if tuple(scale.shape) != want:
         raise ValueError(f"scale: expected shape {list(want)}, got {list(scale.shape)}")
-    s = _scale_to_fp32(scale)
+    s = scale_to_fp32(scale)
     s = s.repeat_interleave(block, dim=0)[:out_f].repeat_interleave(block, dim=1)[:, :in_f]
     return weight.float() * s
-
-
-def _scale_to_fp32(scale: torch.Tensor) -> torch.Tensor:
-    if scale.dtype == torch.float8_e8m0fnu:
-        e = scale.view(torch.uint8).to(torch.int32) - UE8M0_BIAS
-        return torch.ldexp(torch.ones_like(e, dtype=torch.float32), e)
-    if scale.dtype == torch.float32:
-        return scale
-    raise ValueError(f"scale: expected dtype float8_e8m0fnu or float32, got {scale.dtype}")
 
 
 # ---------------------------------------------------------------------------------------------- loading
@@ -332,6 +363,7 @@ def attention_weights_from_state_dict(
     *,
     device: torch.device | str | None = None,
     dtype: torch.dtype = torch.bfloat16,
+    keep_fp8: bool = False,
 ) -> AttentionWeights:
     """Build a layer's weights from a state dict with official keys (spec §11).
 
@@ -340,7 +372,9 @@ def attention_weights_from_state_dict(
     required key must be present with its exact shape, and no other key may appear under the prefix
     (a block-scale companion is allowed only next to an FP8 weight); all problems are reported in one
     ``ValueError``.  FP8 weights are dequantised; linear weights become ``dtype``; sink, norms and the
-    compressors become fp32.  Tensors land on ``device`` (default: where they are).
+    compressors become fp32.  ``keep_fp8``: the FP8 linear weights (not the compressors') stay FP8, as
+    ``FP8Weight`` (half the memory; the layer runs ``kernels.fp8_linear`` on them).  Tensors land on ``device``
+    (default: where they are).
     """
     if not isinstance(sd, Mapping):
         raise ValueError(f"sd: expected a mapping of str -> Tensor, got {type(sd).__name__}")
@@ -348,11 +382,13 @@ def attention_weights_from_state_dict(
     local = {k[len(prefix) :]: v for k, v in sd.items() if k.startswith(prefix)}
     checked = _validate(specs, local, prefix, layer_id)
 
-    def convert(key: str, item: tuple[torch.Tensor, torch.Tensor | None]) -> torch.Tensor:
+    def convert(key: str, item: tuple[torch.Tensor, torch.Tensor | None]) -> torch.Tensor | FP8Weight:
         t, scale = item
         if device is not None:
             t = t.to(device)
             scale = None if scale is None else scale.to(device)
+        if scale is not None and keep_fp8 and specs[key].kind == "linear":
+            return FP8Weight.from_checkpoint(t, scale)
         if scale is not None:
             t = dequantize_fp8_weight(t, scale)
         target = dtype if specs[key].kind == "linear" else torch.float32
@@ -368,6 +404,7 @@ def attention_weights_from_safetensors(
     *,
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.bfloat16,
+    keep_fp8: bool = False,
 ) -> AttentionWeights:
     """Load one layer's attention weights from official-format ``.safetensors`` shards.
 
@@ -392,7 +429,7 @@ def attention_weights_from_safetensors(
             for key in fh.keys():
                 if key.startswith(prefix):
                     sd[key] = fh.get_tensor(key)
-    return attention_weights_from_state_dict(cfg, layer_id, sd, prefix, device=device, dtype=dtype)
+    return attention_weights_from_state_dict(cfg, layer_id, sd, prefix, device=device, dtype=dtype, keep_fp8=keep_fp8)
 
 
 # ---------------------------------------------------------------------------------------------- random
@@ -402,13 +439,16 @@ def random_attention_weights(
     seed: int = 0,
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.bfloat16,
+    fp8: bool = False,
 ) -> AttentionWeights:
     """Seeded random weights for tests and demos, scaled so every activation is O(1).
 
     Linear weights ~ N(0, 1/fan_in) (so projections of unit-RMS inputs stay unit-RMS, q·k·D^-½ has
     unit spread and no softmax is degenerate); RMSNorm weights ~ 1 + N(0, 0.1²); ``attn_sink`` ~ N(0, 1);
     ``ape`` ~ N(0, 0.1²).  Deterministic for a given (cfg, layer_id, seed) on every device (drawn on
-    the CPU, then moved).
+    the CPU, then moved).  ``fp8``: the linear weights (not the compressors') are quantised as a checkpoint
+    stores them and kept as ``FP8Weight`` (e4m3, UE8M0 scale per 128 x 128 block; ``dequantized()`` gives the
+    exact bf16 values).
     """
     gen = torch.Generator().manual_seed(seed)
     specs = attention_param_specs(cfg, layer_id)
@@ -424,4 +464,10 @@ def random_attention_weights(
         else:  # norm weights
             v = 1.0 + 0.1 * z
         flat[key] = v.to(dtype if spec.kind == "linear" else torch.float32)
-    return _build(flat, lambda key, t: t.to(device))
+
+    def place(key: str, t: torch.Tensor) -> torch.Tensor | FP8Weight:
+        if fp8 and specs[key].kind == "linear":
+            return FP8Weight.quantize(t).to(device)
+        return t.to(device)
+
+    return _build(flat, place)

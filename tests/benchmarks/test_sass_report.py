@@ -42,3 +42,16 @@ def test_pdl_compiles_the_grid_dependency_instructions(sass_report, tmp_path):
         sass_report("hca:decode:2", "--sass", str(out), *flags)
         sass = (out / "_compressor_decode_emit_main_kernel.sass").read_text()
         assert ("ACQBULK" in sass) == want and ("PREEXIT" in sass) == want
+
+
+@pytest.mark.skipif(not os.path.exists(PTXAS), reason="triton without its bundled ptxas")
+def test_fp8_linear_converts_weights_without_f2f(sass_report, tmp_path):
+    """The FP8-weight projection kernel (``fp8_linear:64:wq_b``) compiles for sm_90 with its inline-PTX conversion:
+    e4m3 pairs through F2FP and one bf16x2 multiply (HMUL2), no per-value F2F on the conversion unit; with
+    ``cvt_asm=0`` Triton's cast, which has them."""
+    sass_report("fp8_linear:64:wq_b", "--sass", str(tmp_path / "asm"))
+    sass_report("fp8_linear:64:wq_b", "--tune", "fp8_linear:cvt_asm=0", "--sass", str(tmp_path / "cast"))
+    asm = (tmp_path / "asm" / "_fp8_linear_kernel.sass").read_text()
+    cast = (tmp_path / "cast" / "_fp8_linear_kernel.sass").read_text()
+    assert "HMUL2" in asm and not re.search(r"\bF2F\.", asm) and "HGMMA" in asm
+    assert re.search(r"\bF2F\.BF16", cast)

@@ -71,6 +71,16 @@ def test_swapped_requests_are_not_recomputed_and_verify():
     assert s.slots_used == 0 and all(p.pages_used == 0 for p in s.pools.values())
 
 
+def test_fp8_weights_run_verifies():
+    """fp8_weights=True: every layer's linear weights are FP8Weight; the same preempting workload finishes with every
+    request matching the dense reference on those weights (CPU: the projections' torch path)."""
+    eng = EngineRunner(CFG, max_requests=3, num_pages=3, backend="torch", fp8_weights=True)
+    assert all(w.has_fp8 for w in eng.weights.values())
+    eng.run([Request("a", 150, 4), Request("b", 140, 5), Request("c", 100, 3, arrival_step=1)])
+    eng.verify()
+    assert eng.result.finished == 3 and eng.result.all_passed
+
+
 def test_samples_fork_the_prompt_and_verify():
     """Request(samples=n): once the prompt is cached, n - 1 continuations get its cache by ``fork`` (filled pages
     shared) instead of computing it; each continues on its own (seeded noise on its inputs) and every one, the forks

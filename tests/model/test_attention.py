@@ -249,14 +249,37 @@ def test_compressor_projections_all_is_one_gemm(monkeypatch):
             assert ((a - b).abs() <= 1e-5 * (x.float().abs() @ wt.abs().T)).all()
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_fp8_weights_layer_matches_dense(monkeypatch, backend):
+    """Linear weights kept FP8 (``random_attention_weights(fp8=True)``): the layer runs ``kernels.fp8_linear`` for its
+    projections on a kernel backend (the interpreter on the CPU, the GPU where there is one) and matches the dense
+    reference on the same weights; on the torch backend it is the bf16 layer on the dequantised weights, bit for
+    bit."""
+    layer, dev = LAYERS["csa"], _backend_device(backend)
+    w = random_attention_weights(TINY, layer, seed=12, device=dev, fp8=True)
+    assert w.has_fp8 and not w.dequantized().has_fp8
+    x = torch.randn(2, 40, TINY.dim, generator=torch.Generator().manual_seed(12)).to(torch.bfloat16).to(dev)
+    sched = [[13, 1, 1, 25], [None, 36, 1, 1, 1, 1]]
+    calls = []
+    real = P.fp8_linear
+    monkeypatch.setattr(P, "fp8_linear", lambda *a, **k: calls.append(a[1].shape) or real(*a, **k))
+    out = run_cached(layer, w, x, sched, backend=backend, device=dev)
+    assert len(calls) >= 6 * 4  # wq_a, wq_b, wkv, wo_a, wo_b, the indexer's two: every step
+    assert_close(out, dense_attention(TINY, layer, w, x))
+    if backend == "torch":
+        assert torch.equal(out, run_cached(layer, w.dequantized(), x, sched, backend=backend, device=dev))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("kind", list(LAYERS))
-def test_gpu_triton_path_matches_dense(kind):
-    """On the GPU: every op on its Triton kernel, chunked prefill + decode + mixed batch, vs the dense reference."""
+def test_gpu_triton_path_matches_dense(kind, fp8):
+    """On the GPU: every op on its Triton kernel, chunked prefill + decode + mixed batch, vs the dense reference
+    (``fp8``: linear weights kept FP8, ``kernels.fp8_linear``)."""
     layer = LAYERS[kind]
     dev = torch.device("cuda")
-    w = random_attention_weights(TINY, layer, seed=7, device=dev)
+    w = random_attention_weights(TINY, layer, seed=7, device=dev, fp8=fp8)
     x = torch.randn(3, 300, TINY.dim, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16).to(dev)
     ref = dense_attention(TINY, layer, w, x)
     sched = [[37, 100, 1, 1, 5, 130, 1], [None, None, 3, 1, 200, 20, 75], [1] * 40 + [129, 200]]

@@ -22,7 +22,10 @@ def assert_same(a: AttentionWeights, b: AttentionWeights):
     assert sa.keys() == sb.keys()
     for k in sa:
         assert sa[k].dtype == sb[k].dtype, k
-        assert torch.equal(sa[k], sb[k]), k
+        if sa[k].dtype == torch.float8_e4m3fn:  # (no torch.equal for fp8 on the CPU: compare the bytes)
+            assert torch.equal(sa[k].view(torch.uint8), sb[k].view(torch.uint8)), k
+        else:
+            assert torch.equal(sa[k], sb[k]), k
 
 
 @pytest.mark.parametrize("layer_id", [0, 1, 2, 4])
@@ -170,3 +173,50 @@ def test_safetensors_reads_only_its_layer(tmp_path):
     assert torch.equal(got.compressor.ape, w2.compressor.ape)
     with pytest.raises(ValueError, match="missing key 'layers.1.attn.attn_sink'"):
         attention_weights_from_safetensors(tmp_path / "model-00002.safetensors", TINY, 1)
+
+
+@pytest.mark.parametrize("layer_id", [1, 2])
+def test_random_fp8_weights(layer_id):
+    """``fp8=True``: the linear weights (not the compressors') are FP8Weight with power-of-two block scales; the
+    container validates, round-trips through its state dict (e4m3 weight + fp32 ``.scale``), moves, and dequantises
+    to the exact bf16 values."""
+    from dsv4.formats.fp8_weight import FP8Weight
+
+    w = random_attention_weights(TINY, layer_id, seed=3, fp8=True)
+    w.check(TINY, layer_id)
+    assert w.has_fp8 and isinstance(w.wq_b, FP8Weight) and isinstance(w.wo_a, FP8Weight)
+    assert w.compressor.wkv.dtype == torch.float32
+    if w.indexer is not None:
+        assert isinstance(w.indexer.wq_b, FP8Weight) and isinstance(w.indexer.weights_proj, FP8Weight)
+    assert all(v.pow2_scales() for v in (w.wq_a, w.wq_b, w.wkv, w.wo_a, w.wo_b))
+    sd = w.to_state_dict()
+    assert sd["wq_a.weight"].dtype == torch.float8_e4m3fn and sd["wq_a.scale"].dtype == torch.float32
+    kept = attention_weights_from_state_dict(TINY, layer_id, sd, keep_fp8=True)
+    assert_same(w, kept)
+    assert_same(w, w.to("cpu"))
+    d = w.dequantized()
+    assert not d.has_fp8 and d.wq_b.dtype == torch.bfloat16
+    assert torch.equal(d.wq_b.float(), w.wq_b.dequantize())
+    assert d.compressor is w.compressor or torch.equal(d.compressor.wkv, w.compressor.wkv)
+    # without keep_fp8 the loader dequantises: the same values as dequantized()
+    assert_same(d, attention_weights_from_state_dict(TINY, layer_id, sd))
+    # the scaled init survives the quantisation
+    assert 0.5 < (torch.randn(64, TINY.dim) @ d.wq_a.float().T).square().mean().sqrt().item() < 2.0
+
+
+def test_loader_keep_fp8_only_for_fp8_linear_weights():
+    """``keep_fp8``: an FP8 linear weight of the checkpoint stays FP8 (its e8m0 scale as fp32); bf16 linear weights and
+    FP8 compressor weights are loaded as without it."""
+    from dsv4.formats.fp8_weight import FP8Weight
+
+    w = random_attention_weights(TINY, 1, seed=2)
+    sd = w.to_state_dict()
+    q, e8m0, s32, full = _fp8_block_weight(*sd["wq_b.weight"].shape, seed=5)
+    sd["wq_b.weight"], sd["wq_b.scale"] = q, e8m0
+    cq, ce, _, cfull = _fp8_block_weight(*sd["compressor.wkv.weight"].shape, seed=6)
+    sd["compressor.wkv.weight"], sd["compressor.wkv.scale"] = cq, ce
+    got = attention_weights_from_state_dict(TINY, 1, sd, keep_fp8=True)
+    assert isinstance(got.wq_b, FP8Weight) and torch.equal(got.wq_b.data.view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(got.wq_b.scale, s32) and torch.equal(got.wq_b.dequantize(), full)
+    assert got.wq_a.dtype == torch.bfloat16 and torch.equal(got.wq_a, w.wq_a)
+    assert got.compressor.wkv.dtype == torch.float32 and torch.equal(got.compressor.wkv, cfull)
