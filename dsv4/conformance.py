@@ -33,6 +33,7 @@ def replay(
     layer_id: int = 0,
     prefill_chunk: int | None = None,
     backend: str = "auto",
+    keep_fp8: bool = False,
 ) -> torch.Tensor:
     """Run layer ``layer_id`` over ``x`` through ``KVCacheManager`` -> ``acquire`` -> ``AttentionSubBlock``.
 
@@ -46,6 +47,8 @@ def replay(
             if given, else in one step); every later position is one decode step.  All B sequences
             start at position 0 and run in one batch.
         backend: "auto" | "torch" | "triton" for every operation.
+        keep_fp8: FP8 linear weights stay FP8 (``attention_weights_from_state_dict``'s; the projections then run
+            ``kernels.fp8_linear``: the same products for UE8M0 scales).
 
     Returns:
         y [B, T, dim] bf16.
@@ -60,7 +63,7 @@ def replay(
     if prefill_chunk is not None and (not isinstance(prefill_chunk, int) or prefill_chunk < 1):
         raise ValueError(f"prefill_chunk: expected a positive int or None, got {prefill_chunk!r}")
     cfg = cfg.replace(max_seq_len=max(cfg.max_seq_len, t_len))
-    w = attention_weights_from_state_dict(cfg, layer_id, state_dict, device=x.device)
+    w = attention_weights_from_state_dict(cfg, layer_id, state_dict, device=x.device, keep_fp8=keep_fp8)
     block = math.lcm(DEFAULT_BLOCK_TOKENS, *cfg.ratio_classes)
     pages = bsz * (-(-t_len // block) + 1)
     mgr = KVCacheManager(cfg, max_requests=bsz, num_pages=pages, block_tokens=block, device=x.device)

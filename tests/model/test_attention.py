@@ -126,15 +126,21 @@ def test_triton_kernels_end_to_end_under_interpreter():
     assert_close(run_cached(layer, w, x, [[13, 1, 1, 25], [None, 36, 1, 1, 1, 1]], backend="triton"), ref)
 
 
+@pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("kind", ["csa", "hca"])
-def test_conformance_replay_matches_dense(kind):
+def test_conformance_replay_matches_dense(kind, fp8):
+    """``replay`` of a state dict (``fp8``: FP8 linear weights with their scales, kept FP8 by ``keep_fp8``; on the
+    torch backend the same outputs as the dequantised weights) against the dense reference."""
     layer = LAYERS[kind]
-    w = random_attention_weights(TINY, layer, seed=5)
+    w = random_attention_weights(TINY, layer, seed=5, fp8=fp8)
     x = torch.randn(2, 160, TINY.dim, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
     ref = dense_attention(TINY, layer, w, x)
-    y = replay(TINY.to_official(), w.to_state_dict(), x, 130, layer_id=layer, prefill_chunk=50, backend="torch")
+    kw = dict(layer_id=layer, prefill_chunk=50, backend="torch")
+    y = replay(TINY.to_official(), w.to_state_dict(), x, 130, keep_fp8=fp8, **kw)
     assert y.dtype == torch.bfloat16 and y.shape == x.shape
     assert_close(y, ref)
+    if fp8:
+        assert torch.equal(y, replay(TINY.to_official(), w.to_state_dict(), x, 130, **kw))
 
 
 def test_replay_bad_input():
