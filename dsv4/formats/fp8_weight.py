@@ -102,6 +102,13 @@ class FP8Weight:
         data = (w.float() / _expand(scale, o, i, block)).to(torch.float8_e4m3fn).contiguous()
         return cls(data, scale)
 
+    @classmethod
+    def quantize_lossless(cls, w: torch.Tensor) -> FP8Weight | None:
+        """``quantize(w)`` if it gives back exactly w's values (w already e4m3 values times a power of two per block,
+        e.g. a weight a convert script stored dequantised), else None.  Reads back (a load-time call)."""
+        q = cls.quantize(w)
+        return q if torch.equal(q.dequantize(), w.float()) else None
+
     @property
     def shape(self) -> torch.Size:
         return self.data.shape

@@ -373,8 +373,10 @@ def attention_weights_from_state_dict(
     (a block-scale companion is allowed only next to an FP8 weight); all problems are reported in one
     ``ValueError``.  FP8 weights are dequantised; linear weights become ``dtype``; sink, norms and the
     compressors become fp32.  ``keep_fp8``: the FP8 linear weights (not the compressors') stay FP8, as
-    ``FP8Weight`` (half the memory; the layer runs ``kernels.fp8_linear`` on them).  Tensors land on ``device``
-    (default: where they are).
+    ``FP8Weight`` (half the memory; the layer runs ``kernels.fp8_linear`` on them), and a non-FP8 linear weight whose
+    values are exactly e4m3 times a power-of-two block scale (``wo_a``, which the official convert script stores
+    dequantised to bf16) is re-encoded so, losslessly (``FP8Weight.quantize_lossless``: checked value by value; a
+    weight that is not stays as it is).  Tensors land on ``device`` (default: where they are).
     """
     if not isinstance(sd, Mapping):
         raise ValueError(f"sd: expected a mapping of str -> Tensor, got {type(sd).__name__}")
@@ -387,8 +389,12 @@ def attention_weights_from_state_dict(
         if device is not None:
             t = t.to(device)
             scale = None if scale is None else scale.to(device)
-        if scale is not None and keep_fp8 and specs[key].kind == "linear":
-            return FP8Weight.from_checkpoint(t, scale)
+        if keep_fp8 and specs[key].kind == "linear":
+            if scale is not None:
+                return FP8Weight.from_checkpoint(t, scale)
+            lossless = FP8Weight.quantize_lossless(t)
+            if lossless is not None:
+                return lossless
         if scale is not None:
             t = dequantize_fp8_weight(t, scale)
         target = dtype if specs[key].kind == "linear" else torch.float32

@@ -205,7 +205,8 @@ def test_random_fp8_weights(layer_id):
 
 
 def test_loader_keep_fp8_only_for_fp8_linear_weights():
-    """``keep_fp8``: an FP8 linear weight of the checkpoint stays FP8 (its e8m0 scale as fp32); bf16 linear weights and
+    """``keep_fp8``: an FP8 linear weight of the checkpoint stays FP8 (its e8m0 scale as fp32), a bf16 one that is an
+    exact FP8 dequantisation (``wo_a`` in the official files) is re-encoded losslessly; other bf16 linear weights and
     FP8 compressor weights are loaded as without it."""
     from dsv4.formats.fp8_weight import FP8Weight
 
@@ -215,8 +216,14 @@ def test_loader_keep_fp8_only_for_fp8_linear_weights():
     sd["wq_b.weight"], sd["wq_b.scale"] = q, e8m0
     cq, ce, _, cfull = _fp8_block_weight(*sd["compressor.wkv.weight"].shape, seed=6)
     sd["compressor.wkv.weight"], sd["compressor.wkv.scale"] = cq, ce
+    # wo_a as the convert script stores it: an FP8 weight dequantised to bf16 (exact), re-encoded losslessly
+    wo_a8 = FP8Weight.quantize(sd["wo_a.weight"].float() * 37.0)
+    sd["wo_a.weight"] = wo_a8.dequantize(torch.bfloat16)
     got = attention_weights_from_state_dict(TINY, 1, sd, keep_fp8=True)
     assert isinstance(got.wq_b, FP8Weight) and torch.equal(got.wq_b.data.view(torch.uint8), q.view(torch.uint8))
     assert torch.equal(got.wq_b.scale, s32) and torch.equal(got.wq_b.dequantize(), full)
+    assert isinstance(got.wo_a, FP8Weight) and torch.equal(got.wo_a.dequantize(), wo_a8.dequantize())
+    # a bf16 weight whose values are not e4m3 x a block scale stays bf16
     assert got.wq_a.dtype == torch.bfloat16 and torch.equal(got.wq_a, w.wq_a)
     assert got.compressor.wkv.dtype == torch.float32 and torch.equal(got.compressor.wkv, cfull)
+    assert FP8Weight.quantize_lossless(w.wq_a) is None
