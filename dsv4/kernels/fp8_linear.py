@@ -16,6 +16,9 @@ additions (and from there, rarely, in the last bit of the bf16 output).  A non-p
 Face conversion) is applied the same way: the exact ``x·e4m3·s`` up to fp32 rounding, where the dequantised bf16
 weight rounds ``e4m3·s`` to 8 bits first.
 
+``out_dtype=torch.float32`` gives the fp32 sums themselves: the compressors' projections (fp32 in the reference) on
+FP8 compressor weights, a quarter of the bytes of their fp32 form, all of a layer's in one launch.
+
 Groups (``groups=G``): the weight's rows are G blocks of N (``wo_a``: o_groups blocks of o_lora_rank rows) and x's
 columns G blocks of K; block g of the output is x's block g times the weight's block g (``einsum("mgk,gnk->mgn")``).
 Each group's rows must start on a scale block (N a multiple of 128 when G > 1).
@@ -47,6 +50,7 @@ from dsv4.formats.fp8_weight import WEIGHT_BLOCK, FP8Weight
 from dsv4.kernels._triton_sync import last_arrival, pdl_enter
 from dsv4.kernels.cache._triton_quant import bf16_round
 from dsv4.kernels.dispatch import DEFAULT_NUM_SMS, interpreter_enabled, num_sms, pdl_launch, use_triton
+from dsv4.kernels.linear import linear_fp32_group
 
 __all__ = [
     "DECODE_MAX_M",
@@ -169,12 +173,15 @@ def _e4m3_to_bf16(b):
 
 
 @triton.jit
-def _store_out(y, out_ptr, offs, mask, INTERP: tl.constexpr):
-    """fp32 ``y`` -> bf16 at ``out_ptr + offs``, rounded to nearest even (the interpreter's cast truncates: there
-    the rounding is done on the bits first, ``bf16_round``, and the cast is exact)."""
-    if INTERP:
-        y = bf16_round(y)
-    tl.store(out_ptr + offs, y.to(tl.bfloat16), mask=mask)
+def _store_out(y, out_ptr, offs, mask, INTERP: tl.constexpr, OUT_FP32: tl.constexpr):
+    """fp32 ``y`` at ``out_ptr + offs``: as it is (OUT_FP32) or as bf16, rounded to nearest even (the interpreter's
+    cast truncates: there the rounding is done on the bits first, ``bf16_round``, and the cast is exact)."""
+    if OUT_FP32:
+        tl.store(out_ptr + offs, y, mask=mask)
+    else:
+        if INTERP:
+            y = bf16_round(y)
+        tl.store(out_ptr + offs, y.to(tl.bfloat16), mask=mask)
 
 
 @triton.jit
@@ -183,17 +190,18 @@ def _fp8_linear_kernel(
     M, N, K, NT, stride_xm, k_per_split, split, tiles_n, kblocks,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     PARTIAL: tl.constexpr, FUSED_SUM: tl.constexpr, SPLIT: tl.constexpr, INTERP: tl.constexpr,
-    CVT_ASM: tl.constexpr = True, PDL: tl.constexpr = False,
+    CVT_ASM: tl.constexpr = True, OUT_FP32: tl.constexpr = False, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """One [BLOCK_M, BLOCK_N] tile of group g's x_g·w_gᵀ over K range [pid_k·k_per_split, +k_per_split).
 
     Program (g·tiles_n + n tile, m tile, k split).  x [M, G·K] bf16 (row stride ``stride_xm``), w [G·N, K] e4m3
-    (contiguous), s [ceil(G·N/128), kblocks] fp32, out [M, NT = G·N] bf16 (contiguous).  Per K block: the weight tile
-    as bf16 (exact), one MMA w·xᵀ from zero (exact products, fp32 sum), times the block's scale, into the fp32
-    accumulator.  PARTIAL: the fp32 tile goes to part[pid_k] ([split, M, G·N]); FUSED_SUM: the last of the tile's
-    ``split`` programs (``last_arrival`` on ``cnt_ptr[pid_m·tiles + pid_n]``) adds the partials in split order and
-    stores the bf16 tile.  INTERP (the interpreter): operands widened to fp32 (its bf16 dot multiplies raw bits).
-    CVT_ASM: the weight bytes to bf16 by ``_e4m3_to_bf16`` (else Triton's cast: the same values)."""
+    (contiguous), s [ceil(G·N/128), kblocks] fp32, out [M, NT = G·N] bf16 (OUT_FP32: fp32), contiguous.  Per K
+    block: the weight tile as bf16 (exact), one MMA w·xᵀ from zero (exact products, fp32 sum), times the block's
+    scale, into the fp32 accumulator.  PARTIAL: the fp32 tile goes to part[pid_k] ([split, M, G·N]); FUSED_SUM:
+    the last of the tile's ``split`` programs (``last_arrival`` on ``cnt_ptr[pid_m·tiles + pid_n]``) adds the
+    partials in split order and stores the tile.  INTERP (the interpreter): operands widened to fp32 (its bf16 dot
+    multiplies raw bits).  CVT_ASM: the weight bytes to bf16 by ``_e4m3_to_bf16`` (else Triton's cast: the same
+    values)."""
     pdl_enter(PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -240,15 +248,16 @@ def _fp8_linear_kernel(
                 total = tl.load(part_ptr + offs, mask=mask, other=0.0)
                 for i in tl.static_range(1, SPLIT):
                     total += tl.load(part_ptr + i * M * NT + offs, mask=mask, other=0.0)
-                _store_out(total, out_ptr, offs, mask, INTERP)
+                _store_out(total, out_ptr, offs, mask, INTERP, OUT_FP32)
     else:
-        _store_out(y, out_ptr, offs, mask, INTERP)
+        _store_out(y, out_ptr, offs, mask, INTERP, OUT_FP32)
 
 
 @triton.jit
-def _sum_splits_bf16_kernel(part_ptr, out_ptr, numel, split, BLOCK: tl.constexpr, INTERP: tl.constexpr,
-                            PDL: tl.constexpr = False):  # fmt: skip
-    """out (bf16) = Σ_s part[s] in the order s = 0, 1, ... (part [split, M, NT] fp32, numel = M·NT)."""
+def _sum_splits_kernel(part_ptr, out_ptr, numel, split, BLOCK: tl.constexpr, INTERP: tl.constexpr,
+                       OUT_FP32: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
+    """out (bf16, or OUT_FP32 fp32) = Σ_s part[s] in the order s = 0, 1, ... (part [split, M, NT] fp32,
+    numel = M·NT)."""
     pdl_enter(PDL)
     e = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = e < numel
@@ -257,7 +266,7 @@ def _sum_splits_bf16_kernel(part_ptr, out_ptr, numel, split, BLOCK: tl.constexpr
     for _ in range(1, split):
         ptrs += numel
         acc += tl.load(ptrs, mask=ok, other=0.0)
-    _store_out(acc, out_ptr, e, ok, INTERP)
+    _store_out(acc, out_ptr, e, ok, INTERP, OUT_FP32)
 
 
 @triton.jit
@@ -272,7 +281,7 @@ def _dequant_kernel(w_ptr, s_ptr, out_ptr, R, K, kblocks, BLOCK_N: tl.constexpr,
     offs = r.to(tl.int64)[:, None] * K + c[None, :]
     s = tl.load(s_ptr + (r // BLOCK_K) * kblocks + tl.program_id(1), mask=r < R, other=0.0)
     v = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32) * s[:, None]
-    _store_out(v, out_ptr, offs, ok, INTERP)
+    _store_out(v, out_ptr, offs, ok, INTERP, False)
 
 
 def dequantize(w: FP8Weight, backend: str = "auto") -> torch.Tensor:
@@ -312,9 +321,12 @@ def fp8_linear(
     num_stages: int | None = None,
     split_k: int | None = None,
     cvt_asm: bool | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
     """``y = x·wᵀ`` per group (module docstring): x [M, G·K] bf16 (any row stride, unit column stride), w an
-    ``FP8Weight`` [G·N, K] -> y [M, G·N] bf16, new and contiguous.  M may be 0.
+    ``FP8Weight`` [G·N, K] -> y [M, G·N] bf16, new and contiguous.  M may be 0.  ``out_dtype`` torch.float32 (one
+    group): the fp32 sums themselves (the compressor's projections), on the torch path ``F.linear`` in fp32 on the
+    fp32 dequantised weight, above DECODE_MAX_M ``linear.linear_fp32_group(precision="bf16w")`` on the bf16 one.
 
     Torch path (CPU, or ``backend="torch"``): ``F.linear`` per group on the weight dequantised to bf16 -- the layer's
     computation before this kernel.  Triton path: up to ``DECODE_MAX_M`` tokens the kernel; above, ``dequantize`` then
@@ -323,12 +335,19 @@ def fp8_linear(
     overlap).  The launch keywords override ``fp8_linear_launch``'s choice; ``cvt_asm`` (default ``CVT_ASM``) picks the
     weight conversion (``_e4m3_to_bf16`` or Triton's cast: same values)."""
     n, k, m = _check(x, w, groups)
+    if out_dtype not in (torch.bfloat16, torch.float32) or (out_dtype == torch.float32 and groups != 1):
+        raise ValueError(f"out_dtype: expected torch.bfloat16, or torch.float32 with one group, got {out_dtype}")
+    out_fp32 = out_dtype == torch.float32
     if not use_triton(backend, x, w.data, w.scale, counters):
+        if out_fp32:
+            return torch.nn.functional.linear(x.float(), w.dequantize())
         return _dense(x, w.dequantize(torch.bfloat16), groups)
     rows = groups * n
     if m > DECODE_MAX_M:
+        if out_fp32:
+            return linear_fp32_group(x, [dequantize(w, backend)], backend, precision="bf16w")[0]
         return _dense(x, dequantize(w, backend), groups)
-    out = torch.empty(m, rows, dtype=torch.bfloat16, device=x.device)
+    out = torch.empty(m, rows, dtype=out_dtype, device=x.device)
     if m == 0 or rows == 0:
         return out
     if k and x.stride(1) != 1:
@@ -357,11 +376,19 @@ def fp8_linear(
         tiles_n, w.scale.shape[1],
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=_BLOCK_K, EVEN_K=k % _BLOCK_K == 0, PARTIAL=split > 1, FUSED_SUM=fused,
         SPLIT=split if fused else 1, INTERP=interp, CVT_ASM=CVT_ASM if cvt_asm is None else bool(cvt_asm),
-        num_warps=warps, num_stages=stages, **pdl_launch(x.device),
+        OUT_FP32=out_fp32, num_warps=warps, num_stages=stages, **pdl_launch(x.device),
     )  # fmt: skip
     if split > 1 and not fused:
         numel = m * rows
-        _sum_splits_bf16_kernel[(triton.cdiv(numel, _SUM_BLOCK),)](
-            part, out, numel, split, BLOCK=_SUM_BLOCK, INTERP=interp, num_warps=4, **pdl_launch(x.device)
+        _sum_splits_kernel[(triton.cdiv(numel, _SUM_BLOCK),)](
+            part,
+            out,
+            numel,
+            split,
+            BLOCK=_SUM_BLOCK,
+            INTERP=interp,
+            OUT_FP32=out_fp32,
+            num_warps=4,
+            **pdl_launch(x.device),
         )
     return out

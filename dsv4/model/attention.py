@@ -26,6 +26,7 @@ passes its ``backend`` to all of them.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import numpy as np
@@ -36,14 +37,16 @@ from dsv4.cache.plan import StepPlan, int32_to_device
 from dsv4.config import LayerKind, ModelConfig
 from dsv4.errors import check_tensor
 from dsv4.formats import EntryPages
+from dsv4.formats.fp8_weight import WEIGHT_BLOCK, FP8Weight
 from dsv4.kernels.attention import sparse_attention
 from dsv4.kernels.cache.ring import ring_window_slots
 from dsv4.kernels.dispatch import use_triton
+from dsv4.kernels.fp8_linear import fp8_linear
 from dsv4.kernels.indexer import indexer_topk, to_physical, visible_physical
 from dsv4.kernels.linear import bf16_exact, linear_counters, linear_fp32_group, linear_fp32_pair
 from dsv4.model import functional as F
 from dsv4.model.projections import dense, indexer_query, output_projection, query
-from dsv4.model.weights import AttentionWeights
+from dsv4.model.weights import AttentionWeights, CompressorWeights
 
 # An HCA prefill attends in row bands, each with an entry index as wide as its rows see (``visible_bands``), instead of
 # one index of ``max_entries`` columns for every row: a 65,536-token prefill from position 0 has rows seeing 0 .. 512
@@ -89,7 +92,9 @@ class AttentionSubBlock:
         cfg: the model config; ``layer_id`` picks the layer kind and RoPE table.
         w: the layer's weights (``dsv4.model.weights``), on the device the cache lives on; linear weights bf16, or
             the checkpoint's ``FP8Weight`` (loaded with ``keep_fp8=True``): the projections then run
-            ``kernels.fp8_linear`` on the Triton path (half the weight bytes; same products for UE8M0 scales).
+            ``kernels.fp8_linear`` on the Triton path (half the weight bytes; same products for UE8M0 scales); FP8
+            compressor weights are kept in one buffer (``self.w`` holds views of it) and projected by one launch with
+            fp32 outputs (a quarter of the fp32 weights' bytes).
         backend: "auto" (Triton on CUDA, PyTorch on the CPU), "torch" or "triton".
         compressor_gemm: the compressor projections' fp32 GEMMs on the Triton path: "tf32x3" (default;
             ``kernels.linear.linear_fp32_group``, every compressor projection of the layer in one tensor-core GEMM,
@@ -109,13 +114,16 @@ class AttentionSubBlock:
         w.check(cfg, layer_id)
         if compressor_gemm not in ("tf32x3", "bf16x3", "fp32"):
             raise ValueError(f"compressor_gemm: expected 'tf32x3', 'bf16x3' or 'fp32', got {compressor_gemm!r}")
-        self.cfg, self.layer_id, self.w, self.backend = cfg, layer_id, w, backend
         self.compressor_gemm = compressor_gemm
         # tile counters of the compressor GEMM's in-launch split sum (its calls on one stream, one after another)
         self._linear_counters = linear_counters(w.device)
+        # FP8 compressor weights: one buffer for all of the layer's (one fp8_linear launch projects them all)
+        w, self._comp8, self._comp8_widths = _gather_fp8_compressors(w)
+        self.cfg, self.layer_id, self.w, self.backend = cfg, layer_id, w, backend
         comp = [c for c in (w.compressor, w.indexer.compressor if w.indexer is not None else None) if c is not None]
         self._bf16w = (
-            BF16_EXACT_COMPRESSOR and compressor_gemm == "tf32x3" and bool(comp)
+            BF16_EXACT_COMPRESSOR and compressor_gemm == "tf32x3" and bool(comp) and self._comp8 is None
+            and not any(isinstance(t, FP8Weight) for c in comp for t in (c.wkv, c.wgate))
             and bf16_exact(*(t for c in comp for t in (c.wkv, c.wgate)))
         )  # fmt: skip
         # ... and then the Triton path reads them as bf16 copies (half the bytes: a decode step's GEMV streams them)
@@ -209,7 +217,18 @@ class AttentionSubBlock:
         self, x: torch.Tensor, cws: list, positions: torch.Tensor
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """``compressor_projections`` of several compressors (a CSA layer's main and indexer ones) for one x: on the
-        Triton tf32x3 path one GEMM launch for all their weights (``linear_fp32_group``)."""
+        Triton tf32x3 path one GEMM launch for all their weights (``linear_fp32_group``); FP8 weights (all of the
+        layer's compressors, ``self._comp8``) one ``fp8_linear`` launch with fp32 outputs."""
+        comp8 = self._comp8
+        if comp8 is not None and self.compressor_gemm != "fp32" and use_triton(self.backend, x, comp8.data):
+            ix = self.w.indexer
+            mine = [c for c in (self.w.compressor, ix.compressor if ix is not None else None) if c is not None]
+            if [id(c) for c in cws] == [id(c) for c in mine]:
+                y = fp8_linear(x, comp8, self.backend, counters=self._linear_counters, out_dtype=torch.float32)
+                ys = torch.split(y, self._comp8_widths, dim=1)
+                return [(ys[2 * i], ys[2 * i + 1]) for i in range(len(cws))]
+        if any(isinstance(wt, FP8Weight) for cw in cws for wt in (cw.wkv, cw.wgate)):
+            return [self.compressor_projections(x, cw, positions) for cw in cws]
         weights = [wt for cw in cws for wt in self._w16.get(id(cw), (cw.wkv, cw.wgate))]
         if self.compressor_gemm != "fp32" and use_triton(self.backend, x, *weights):
             ys = linear_fp32_group(
@@ -220,7 +239,15 @@ class AttentionSubBlock:
 
     def compressor_projections(self, x: torch.Tensor, cw, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(kv, score without ape) fp32 [T, c*d] of one compressor (weights ``cw``) for x [T, dim] (bf16: the fp32
-        projections of its exact fp32 value, widened inside the GEMM)."""
+        projections of its exact fp32 value, widened inside the GEMM; FP8 weights: ``fp8_linear`` with fp32 outputs
+        on the Triton path)."""
+        if isinstance(cw.wkv, FP8Weight) and isinstance(cw.wgate, FP8Weight):
+            if self.compressor_gemm != "fp32" and use_triton(self.backend, x, cw.wkv.data):
+                kw = dict(counters=self._linear_counters, out_dtype=torch.float32)
+                return fp8_linear(x, cw.wkv, self.backend, **kw), fp8_linear(x, cw.wgate, self.backend, **kw)
+            return F.compressor_project(x, cw.wkv, cw.wgate, None, positions, self.ratio)
+        if isinstance(cw.wkv, FP8Weight) or isinstance(cw.wgate, FP8Weight):
+            return F.compressor_project(x, cw.wkv, cw.wgate, None, positions, self.ratio)
         if self.compressor_gemm != "fp32" and use_triton(self.backend, x, cw.wkv, cw.wgate):
             return linear_fp32_pair(
                 x, *self._w16.get(id(cw), (cw.wkv, cw.wgate)), backend=self.backend, counters=self._linear_counters,
@@ -290,6 +317,32 @@ class WindowWorkspaceIndex(NamedTuple):
     src_row: torch.Tensor  # [H] int64 its ring row (position mod ring)
     index: torch.Tensor  # [T, ring] int32 workspace rows a query attends (positions t - ring + 1 .. t), -1 before 0
     chunk_rows: torch.Tensor  # [T] int32 workspace row of each token of the step
+
+
+def _gather_fp8_compressors(w: AttentionWeights) -> tuple[AttentionWeights, FP8Weight | None, list[int]]:
+    """Where every compressor weight of the layer (wkv, wgate of the main and, CSA, the indexer's compressor) is an
+    ``FP8Weight`` whose rows are whole 128-row scale blocks: one FP8Weight of all of them stacked by rows (so one
+    ``fp8_linear`` launch projects them all), and ``w`` with its compressor weights replaced by row views of it (no
+    second copy is kept).  Else (w, None, [])."""
+    comps = [c for c in (w.compressor, w.indexer.compressor if w.indexer is not None else None) if c is not None]
+    ws = [t for c in comps for t in (c.wkv, c.wgate)]
+    if not ws or not all(isinstance(t, FP8Weight) and t.shape[0] % WEIGHT_BLOCK == 0 for t in ws):
+        return w, None, []
+    cat = FP8Weight(torch.cat([t.data for t in ws]), torch.cat([t.scale for t in ws]))
+    widths = [t.shape[0] for t in ws]
+    rows = np.cumsum([0] + widths).tolist()
+    views = [
+        FP8Weight(cat.data[a:b], cat.scale[a // WEIGHT_BLOCK : b // WEIGHT_BLOCK])
+        for a, b in zip(rows[:-1], rows[1:], strict=True)
+    ]
+
+    def comp(c: CompressorWeights, i: int) -> CompressorWeights:
+        return dataclasses.replace(c, wkv=views[2 * i], wgate=views[2 * i + 1])
+
+    new = dataclasses.replace(w, compressor=comp(w.compressor, 0))
+    if w.indexer is not None:
+        new = dataclasses.replace(new, indexer=dataclasses.replace(w.indexer, compressor=comp(w.indexer.compressor, 1)))
+    return new, cat, widths
 
 
 def window_workspace_index(plan: StepPlan, ring: int) -> WindowWorkspaceIndex:

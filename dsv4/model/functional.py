@@ -222,20 +222,22 @@ def mxfp4_simulate(x: torch.Tensor, fmt: MXFP4KeyFormat | None = None) -> torch.
 # ---------------------------------------------------------------------------------------------- compressor
 def compressor_project(
     x: torch.Tensor,
-    wkv: torch.Tensor,
-    wgate: torch.Tensor,
+    wkv: torch.Tensor | FP8Weight,
+    wgate: torch.Tensor | FP8Weight,
     ape: torch.Tensor | None,
     positions: torch.Tensor,
     ratio: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token compressor projections in fp32 (spec §3): ``kv = x·wkvᵀ``, ``score = x·wgateᵀ + ape[pos mod m]``.
 
-    x [..., dim] (cast to fp32); wkv, wgate [c·d, dim] (cast to fp32); ape [m, c·d] fp32, or None to leave
+    x [..., dim] (cast to fp32); wkv, wgate [c·d, dim] (cast to fp32; an ``FP8Weight`` dequantised); ape [m, c·d]
+    fp32, or None to leave
     it out (``score = x·wgateᵀ``: for a consumer that adds it itself, as ``LayerCacheHandle.compress``);
     positions (int) broadcastable to ``x.shape[:-1]`` (absolute positions).  Returns
     (kv, score), both fp32 [..., c·d].  These are the rows the compressor state keeps (§3.1).
     """
     check_tensor("x", x, dtype=_FLOATS)
+    wkv, wgate = weight_as(wkv, torch.float32), weight_as(wgate, torch.float32)
     check_tensor("wkv", wkv, ndim=2)
     check_tensor("wgate", wgate, shape=tuple(wkv.shape))
     if ape is not None:

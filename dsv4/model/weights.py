@@ -76,10 +76,11 @@ class ParamSpec(NamedTuple):
 # ---------------------------------------------------------------------------------------------- containers
 @dataclass(frozen=True)
 class CompressorWeights:
-    """Parameters of one compressor (spec §3): wkv, wgate [c·d, dim] fp32, ape [m, c·d] fp32, norm [d] fp32."""
+    """Parameters of one compressor (spec §3): wkv, wgate [c·d, dim] fp32 (or ``FP8Weight``: ``keep_fp8``), ape
+    [m, c·d] fp32, norm [d] fp32."""
 
-    wkv: torch.Tensor
-    wgate: torch.Tensor
+    wkv: torch.Tensor | FP8Weight
+    wgate: torch.Tensor | FP8Weight
     ape: torch.Tensor
     norm: torch.Tensor
 
@@ -101,7 +102,8 @@ class AttentionWeights:
     ``compressor`` is None for SWA-only layers; ``indexer`` is None unless the layer is CSA.  Linear
     weights are ``[out, in]`` (``y = x·Wᵀ``): bf16 tensors, or, loaded with ``keep_fp8=True`` (built with
     ``fp8=True``), the checkpoint's ``FP8Weight`` (e4m3 + block scales: half the bytes; the layer then runs
-    ``kernels.fp8_linear`` on them; ``dequantized`` gives the bf16 copy).  The compressors' weights are fp32.
+    ``kernels.fp8_linear`` on them; ``dequantized`` gives the bf16 copy).  The compressors' weights are fp32, or
+    likewise ``FP8Weight`` (a quarter of the bytes; their projections then run ``fp8_linear`` with fp32 outputs).
     Build with ``random_attention_weights``, ``attention_weights_from_state_dict`` or
     ``attention_weights_from_safetensors``; validate against a config with ``check``.
     """
@@ -142,12 +144,18 @@ class AttentionWeights:
 
     def to(self, device: torch.device | str) -> AttentionWeights:
         """A copy with every tensor moved to ``device`` (dtypes unchanged; ``FP8Weight`` stays FP8)."""
-        return _map_weights(self, lambda t: t.to(device))
+        return _map_weights(self, lambda t, kind: t.to(device))
 
     def dequantized(self, dtype: torch.dtype = torch.bfloat16) -> AttentionWeights:
-        """A copy whose ``FP8Weight`` linear weights are dequantised to ``dtype`` (what a checkpoint loaded without
-        ``keep_fp8`` holds); every other tensor is shared."""
-        return _map_weights(self, lambda t: t.dequantize(dtype) if isinstance(t, FP8Weight) else t)
+        """A copy whose ``FP8Weight`` weights are dequantised (what a checkpoint loaded without ``keep_fp8`` holds):
+        linear weights to ``dtype``, the compressors' to fp32; every other tensor is shared."""
+
+        def deq(t, kind: str):
+            if not isinstance(t, FP8Weight):
+                return t
+            return t.dequantize(dtype if kind == "linear" else torch.float32)
+
+        return _map_weights(self, deq)
 
     @property
     def has_fp8(self) -> bool:
@@ -171,30 +179,42 @@ def _linear_fields(w: AttentionWeights) -> list[torch.Tensor | FP8Weight]:
     out = [w.wq_a, w.wq_b, w.wkv, w.wo_a, w.wo_b]
     if w.indexer is not None:
         out += [w.indexer.wq_b, w.indexer.weights_proj]
+    for c in (w.compressor, w.indexer.compressor if w.indexer is not None else None):
+        if c is not None:
+            out += [c.wkv, c.wgate]
     return out
 
 
 def _map_weights(w: AttentionWeights, fn) -> AttentionWeights:
-    """A copy of ``w`` with ``fn`` applied to every tensor and ``FP8Weight`` (compressors and indexer included)."""
+    """A copy of ``w`` with ``fn(value, kind)`` applied to every tensor and ``FP8Weight`` (compressors and indexer
+    included); ``kind`` is the ``ParamSpec`` kind: "linear", "linear_fp32" (a compressor's wkv / wgate) or "fp32"."""
+
+    def lin(t):
+        return fn(t, "linear")
+
+    def par(t):
+        return fn(t, "fp32")
 
     def comp(c: CompressorWeights | None) -> CompressorWeights | None:
-        return None if c is None else CompressorWeights(fn(c.wkv), fn(c.wgate), fn(c.ape), fn(c.norm))
+        if c is None:
+            return None
+        return CompressorWeights(fn(c.wkv, "linear_fp32"), fn(c.wgate, "linear_fp32"), par(c.ape), par(c.norm))
 
     ix = w.indexer
     return AttentionWeights(
-        attn_sink=fn(w.attn_sink), wq_a=fn(w.wq_a), q_norm=fn(w.q_norm), wq_b=fn(w.wq_b), wkv=fn(w.wkv),
-        kv_norm=fn(w.kv_norm), wo_a=fn(w.wo_a), wo_b=fn(w.wo_b), compressor=comp(w.compressor),
-        indexer=None if ix is None else IndexerWeights(fn(ix.wq_b), fn(ix.weights_proj), comp(ix.compressor)),
+        attn_sink=par(w.attn_sink), wq_a=lin(w.wq_a), q_norm=par(w.q_norm), wq_b=lin(w.wq_b), wkv=lin(w.wkv),
+        kv_norm=par(w.kv_norm), wo_a=lin(w.wo_a), wo_b=lin(w.wo_b), compressor=comp(w.compressor),
+        indexer=None if ix is None else IndexerWeights(lin(ix.wq_b), lin(ix.weights_proj), comp(ix.compressor)),
     )  # fmt: skip
 
 
 def _compressor_sd(c: CompressorWeights, prefix: str) -> dict[str, torch.Tensor]:
-    return {
-        prefix + "wkv.weight": c.wkv,
-        prefix + "wgate.weight": c.wgate,
-        prefix + "ape": c.ape,
-        prefix + "norm.weight": c.norm,
-    }
+    sd: dict[str, torch.Tensor] = {}
+    _put_linear(sd, prefix + "wkv", c.wkv)
+    _put_linear(sd, prefix + "wgate", c.wgate)
+    sd[prefix + "ape"] = c.ape
+    sd[prefix + "norm.weight"] = c.norm
+    return sd
 
 
 def _build(flat: Mapping[str, torch.Tensor], fn) -> AttentionWeights:
@@ -372,8 +392,9 @@ def attention_weights_from_state_dict(
     required key must be present with its exact shape, and no other key may appear under the prefix
     (a block-scale companion is allowed only next to an FP8 weight); all problems are reported in one
     ``ValueError``.  FP8 weights are dequantised; linear weights become ``dtype``; sink, norms and the
-    compressors become fp32.  ``keep_fp8``: the FP8 linear weights (not the compressors') stay FP8, as
-    ``FP8Weight`` (half the memory; the layer runs ``kernels.fp8_linear`` on them), and a non-FP8 linear weight whose
+    compressors become fp32.  ``keep_fp8``: the FP8 linear weights (the compressors' too) stay FP8, as
+    ``FP8Weight`` (half the memory, a quarter for the fp32 compressor weights; the layer runs ``kernels.fp8_linear``
+    on them), and a non-FP8 linear weight whose
     values are exactly e4m3 times a power-of-two block scale (``wo_a``, which the official convert script stores
     dequantised to bf16) is re-encoded so, losslessly (``FP8Weight.quantize_lossless``: checked value by value; a
     weight that is not stays as it is).  Tensors land on ``device`` (default: where they are).
@@ -389,7 +410,7 @@ def attention_weights_from_state_dict(
         if device is not None:
             t = t.to(device)
             scale = None if scale is None else scale.to(device)
-        if keep_fp8 and specs[key].kind == "linear":
+        if keep_fp8 and specs[key].kind in ("linear", "linear_fp32"):
             if scale is not None:
                 return FP8Weight.from_checkpoint(t, scale)
             lossless = FP8Weight.quantize_lossless(t)
@@ -452,9 +473,9 @@ def random_attention_weights(
     Linear weights ~ N(0, 1/fan_in) (so projections of unit-RMS inputs stay unit-RMS, q·k·D^-½ has
     unit spread and no softmax is degenerate); RMSNorm weights ~ 1 + N(0, 0.1²); ``attn_sink`` ~ N(0, 1);
     ``ape`` ~ N(0, 0.1²).  Deterministic for a given (cfg, layer_id, seed) on every device (drawn on
-    the CPU, then moved).  ``fp8``: the linear weights (not the compressors') are quantised as a checkpoint
-    stores them and kept as ``FP8Weight`` (e4m3, UE8M0 scale per 128 x 128 block; ``dequantized()`` gives the
-    exact bf16 values).
+    the CPU, then moved).  ``fp8``: the linear weights (the compressors' too) are quantised as a checkpoint
+    stores them and kept as ``FP8Weight`` (e4m3, UE8M0 scale per 128 x 128 block; ``dequantized()`` gives their
+    exact values).
     """
     gen = torch.Generator().manual_seed(seed)
     specs = attention_param_specs(cfg, layer_id)
@@ -472,7 +493,7 @@ def random_attention_weights(
         flat[key] = v.to(dtype if spec.kind == "linear" else torch.float32)
 
     def place(key: str, t: torch.Tensor) -> torch.Tensor | FP8Weight:
-        if fp8 and specs[key].kind == "linear":
+        if fp8 and specs[key].kind in ("linear", "linear_fp32"):
             return FP8Weight.quantize(t).to(device)
         return t.to(device)
 

@@ -86,6 +86,26 @@ def test_fp8_linear_fused_split_sum_is_bit_identical(device, split):
         fp8_linear(x, w, "triton", split_k=split, counters=torch.zeros(2, dtype=torch.int32, device=device))
 
 
+@pytest.mark.parametrize("m, launch", [(1, {}), (5, {"split_k": 3}), (20, {"split_k": 2}), (DECODE_MAX_M + 2, {})])
+def test_fp8_linear_fp32_out_is_the_fp32_sum(device, m, launch):
+    """``out_dtype=torch.float32`` (the compressor's projections): the fp32 sums themselves, within the fp32 bound
+    K·2^-24·(|x|·|w|ᵀ) of fp64 (twice for the order), the split sums in the launch bit-equal to the second launch's;
+    above DECODE_MAX_M tokens through ``linear_fp32_group(precision="bf16w")`` on the dequantised weight."""
+    w = _weight(384, 640, seed=21 + m, device=device)
+    x = torch.randn(m, 640, device=device).bfloat16()
+    y = fp8_linear(x, w, "triton", out_dtype=torch.float32, **launch)
+    assert y.dtype == torch.float32 and y.shape == (m, 384)
+    exact, mag = _exact(x.cpu(), w.to("cpu"))
+    assert bool(((y.cpu().double() - exact).abs() <= 2 * 640 * U * mag + 1e-30).all())
+    if launch.get("split_k", 1) > 1 and m <= fl.FUSED_SUM_MAX_M:
+        cnt = torch.zeros(64, dtype=torch.int32, device=device)
+        assert torch.equal(fp8_linear(x, w, "triton", out_dtype=torch.float32, counters=cnt, **launch), y)
+    want = torch.nn.functional.linear(x.cpu().float(), w.to("cpu").dequantize())
+    assert torch.equal(fp8_linear(x.cpu(), w.to("cpu"), "torch", out_dtype=torch.float32), want)
+    with pytest.raises(ValueError, match="out_dtype"):
+        fp8_linear(x, w, "triton", out_dtype=torch.float16)
+
+
 def test_fp8_linear_non_pow2_scales_are_the_exact_product(device):
     """fp32 block scales that are not powers of two (a Hugging Face conversion): still x·(e4m3·s), exactly up to the
     fp32 sum and the bf16 output."""

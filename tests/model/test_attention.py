@@ -257,20 +257,27 @@ def test_compressor_projections_all_is_one_gemm(monkeypatch):
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_fp8_weights_layer_matches_dense(monkeypatch, backend):
-    """Linear weights kept FP8 (``random_attention_weights(fp8=True)``): the layer runs ``kernels.fp8_linear`` for its
-    projections on a kernel backend (the interpreter on the CPU, the GPU where there is one) and matches the dense
-    reference on the same weights; on the torch backend it is the bf16 layer on the dequantised weights, bit for
-    bit."""
+    """Linear weights kept FP8 (``random_attention_weights(fp8=True)``, compressors included): the layer runs
+    ``kernels.fp8_linear`` for its projections (the compressors' as one launch with fp32 outputs) on a kernel backend
+    (the interpreter on the CPU, the GPU where there is one) and matches the dense reference on the same weights; on
+    the torch backend it is the layer on the dequantised weights, bit for bit."""
     layer, dev = LAYERS["csa"], _backend_device(backend)
     w = random_attention_weights(TINY, layer, seed=12, device=dev, fp8=True)
     assert w.has_fp8 and not w.dequantized().has_fp8
     x = torch.randn(2, 40, TINY.dim, generator=torch.Generator().manual_seed(12)).to(torch.bfloat16).to(dev)
     sched = [[13, 1, 1, 25], [None, 36, 1, 1, 1, 1]]
-    calls = []
+    calls, comp = [], []
     real = P.fp8_linear
     monkeypatch.setattr(P, "fp8_linear", lambda *a, **k: calls.append(a[1].shape) or real(*a, **k))
+    monkeypatch.setattr(attention_mod, "fp8_linear", lambda *a, **k: comp.append(a[1].shape) or real(*a, **k))
     out = run_cached(layer, w, x, sched, backend=backend, device=dev)
     assert len(calls) >= 6 * 4  # wq_a, wq_b, wkv, wo_a, wo_b, the indexer's two: every step
+    # the kernel path: the compressors' four weights (main wkv, wgate; the indexer's) in one launch a step, fp32
+    # outputs; the torch path: the fp32 PyTorch projections on the dequantised weights
+    if backend == "triton":
+        assert comp and set(comp) == {(2 * 2 * TINY.head_dim + 2 * 2 * TINY.index_head_dim, TINY.dim)}
+    else:
+        assert comp == []
     assert_close(out, dense_attention(TINY, layer, w, x))
     if backend == "torch":
         assert torch.equal(out, run_cached(layer, w.dequantized(), x, sched, backend=backend, device=dev))

@@ -177,15 +177,15 @@ def test_safetensors_reads_only_its_layer(tmp_path):
 
 @pytest.mark.parametrize("layer_id", [1, 2])
 def test_random_fp8_weights(layer_id):
-    """``fp8=True``: the linear weights (not the compressors') are FP8Weight with power-of-two block scales; the
+    """``fp8=True``: the linear weights, the compressors' too, are FP8Weight with power-of-two block scales; the
     container validates, round-trips through its state dict (e4m3 weight + fp32 ``.scale``), moves, and dequantises
-    to the exact bf16 values."""
+    to the exact values (bf16 linear weights, fp32 compressor weights)."""
     from dsv4.formats.fp8_weight import FP8Weight
 
     w = random_attention_weights(TINY, layer_id, seed=3, fp8=True)
     w.check(TINY, layer_id)
     assert w.has_fp8 and isinstance(w.wq_b, FP8Weight) and isinstance(w.wo_a, FP8Weight)
-    assert w.compressor.wkv.dtype == torch.float32
+    assert isinstance(w.compressor.wkv, FP8Weight) and isinstance(w.compressor.wgate, FP8Weight)
     if w.indexer is not None:
         assert isinstance(w.indexer.wq_b, FP8Weight) and isinstance(w.indexer.weights_proj, FP8Weight)
     assert all(v.pow2_scales() for v in (w.wq_a, w.wq_b, w.wkv, w.wo_a, w.wo_b))
@@ -197,7 +197,8 @@ def test_random_fp8_weights(layer_id):
     d = w.dequantized()
     assert not d.has_fp8 and d.wq_b.dtype == torch.bfloat16
     assert torch.equal(d.wq_b.float(), w.wq_b.dequantize())
-    assert d.compressor is w.compressor or torch.equal(d.compressor.wkv, w.compressor.wkv)
+    assert d.compressor.wkv.dtype == torch.float32 and torch.equal(d.compressor.wkv, w.compressor.wkv.dequantize())
+    assert torch.equal(d.compressor.ape, w.compressor.ape)
     # without keep_fp8 the loader dequantises: the same values as dequantized()
     assert_same(d, attention_weights_from_state_dict(TINY, layer_id, sd))
     # the scaled init survives the quantisation
@@ -205,9 +206,9 @@ def test_random_fp8_weights(layer_id):
 
 
 def test_loader_keep_fp8_only_for_fp8_linear_weights():
-    """``keep_fp8``: an FP8 linear weight of the checkpoint stays FP8 (its e8m0 scale as fp32), a bf16 one that is an
-    exact FP8 dequantisation (``wo_a`` in the official files) is re-encoded losslessly; other bf16 linear weights and
-    FP8 compressor weights are loaded as without it."""
+    """``keep_fp8``: an FP8 linear weight of the checkpoint stays FP8 (its e8m0 scale as fp32), the compressors' too;
+    a bf16 one that is an exact FP8 dequantisation (``wo_a`` in the official files) is re-encoded losslessly; other
+    bf16 and fp32 linear weights are loaded as without it."""
     from dsv4.formats.fp8_weight import FP8Weight
 
     w = random_attention_weights(TINY, 1, seed=2)
@@ -225,5 +226,6 @@ def test_loader_keep_fp8_only_for_fp8_linear_weights():
     assert isinstance(got.wo_a, FP8Weight) and torch.equal(got.wo_a.dequantize(), wo_a8.dequantize())
     # a bf16 weight whose values are not e4m3 x a block scale stays bf16
     assert got.wq_a.dtype == torch.bfloat16 and torch.equal(got.wq_a, w.wq_a)
-    assert got.compressor.wkv.dtype == torch.float32 and torch.equal(got.compressor.wkv, cfull)
+    assert isinstance(got.compressor.wkv, FP8Weight) and torch.equal(got.compressor.wkv.dequantize(), cfull)
+    assert got.compressor.wgate.dtype == torch.float32 and torch.equal(got.compressor.wgate, w.compressor.wgate)
     assert FP8Weight.quantize_lossless(w.wq_a) is None
