@@ -6,9 +6,11 @@
 Ops: each projection of one attention layer at the real widths of V4-Flash and V4-Pro (``wq_a``, ``wq_b``, ``wkv``,
 grouped ``wo_a``, ``wo_b``, the indexer's ``wq_b`` and ``weights_proj``) for M = 1, 8, 64, 128 tokens (a decode
 step's requests; 128: 64 requests verifying a draft token each), and ``all``: the seven back to back (a CSA layer's
-projections in one decode step).  dsv4: ``fp8_linear(x, w)`` on the e4m3 weight and its UE8M0 block scales, the
-split sum in the launch (``counters``).  Baseline, in the same run on the same values: what the layer ran before,
-``F.linear`` (cuBLAS bf16; ``wo_a`` a grouped einsum) on the weight dequantised to bf16 once (the same products).
+projections in one decode step), and ``compressors_csa``: a CSA layer's four compressor weights as the layer keeps
+them in FP8 (one launch, fp32 outputs) against the layer's tf32x3 GEMM on the fp32 weights.  dsv4:
+``fp8_linear(x, w)`` on the e4m3 weight and its UE8M0 block scales, the split sum in the launch (``counters``).
+Baseline, in the same run on the same values: what the layer ran before, ``F.linear`` (cuBLAS bf16; ``wo_a`` a
+grouped einsum) on the weight dequantised to bf16 once (the same products).
 
 Timing: GPU time per call from a CUDA graph of 20 (L2 flush, call) pairs minus a graph of the flushes alone
 (``sweep_indexer.GraphTimer``): the weights come from HBM, as in a decode step whose other layers evicted them.
@@ -39,6 +41,7 @@ from dsv4.config import get_preset  # noqa: E402
 from dsv4.formats.fp8_weight import FP8Weight  # noqa: E402
 from dsv4.kernels import fp8_linear as fp8_mod  # noqa: E402
 from dsv4.kernels.fp8_linear import fp8_linear, fp8_linear_launch  # noqa: E402
+from dsv4.kernels.linear import linear_fp32_group  # noqa: E402
 
 PEAK_HBM_BYTES = 4.17e12
 PEAK_BF16_FLOPS = 776e12
@@ -79,14 +82,16 @@ def baseline(x: torch.Tensor, wd: torch.Tensor, groups: int) -> torch.Tensor:
 
 
 def err_vs_bound(y: torch.Tensor, x: torch.Tensor, w: FP8Weight, groups: int) -> float:
-    """max |y - exact| / (2^-8·|exact| + 2·K·2^-24·(|x|·|w|ᵀ)) against fp64 (tests/kernels/test_fp8_linear.py)."""
+    """max |y - exact| / (2^-8·|exact| + 2·K·2^-24·(|x|·|w|ᵀ)) against fp64 (tests/kernels/test_fp8_linear.py); an
+    fp32 y (the compressors' projections) without the bf16 rounding's 2^-8·|exact|."""
     wd = w.dequantize().double()
     k = wd.shape[1]
     xg = x.double().unflatten(-1, (groups, k))
     wg = wd.view(groups, -1, k)
     exact = torch.einsum("mgk,gnk->mgn", xg, wg).flatten(-2)
     mag = torch.einsum("mgk,gnk->mgn", xg.abs(), wg.abs()).flatten(-2)
-    bound = 2.0**-8 * exact.abs() + 2 * k * 2.0**-24 * mag + 1e-30
+    rel = 2.0**-8 if y.dtype == torch.bfloat16 else 0.0
+    bound = rel * exact.abs() + 2 * k * 2.0**-24 * mag + 1e-30
     return ((y.double() - exact).abs() / bound).max().item()
 
 
@@ -133,15 +138,43 @@ def run_model(model: str, m: int, timer, meta: dict, cvt_asm: bool | None = None
     nb = sum(r["bytes"] for r in rows_out)
     nbb = sum(r["baseline_bytes"] for r in rows_out)
     fl = sum(r["flops"] for r in rows_out)
-    rows_out.append({
+    all_row = {
         "name": "fp8_linear_all", "model": model, **meta, "shape": {"m": m, "ops": list(cases)},
         "time_s": timer(all_fp8), "bytes": nb, "flops": fl,
         "roofline_s": max(nb / PEAK_HBM_BYTES, fl / PEAK_BF16_FLOPS),
         "baseline": "F.linear bf16 (cuBLAS) on the dequantised weights", "baseline_time_s": timer(all_base),
         "baseline_bytes": nbb, "baseline_roofline_s": max(nbb / PEAK_HBM_BYTES, fl / PEAK_BF16_FLOPS),
-    })  # fmt: skip
+    }  # fmt: skip
+    rows_out.append(all_row)
+    print_row(rows_out[-1])
+    rows_out.append(compressor_row(model, m, timer, meta, cnt, cvt_asm))
     print_row(rows_out[-1])
     return rows_out
+
+
+def compressor_row(model: str, m: int, timer, meta: dict, cnt: torch.Tensor, cvt_asm: bool | None) -> dict:
+    """A CSA layer's four compressor weights (main wkv, wgate [2·head_dim, dim]; the indexer's [2·index_head_dim,
+    dim]) stacked as the layer keeps them in FP8, one ``fp8_linear`` with fp32 outputs, against the layer's GEMM on
+    the fp32 weights (``linear_fp32_group``: tf32x3, two products on bf16 x)."""
+    c = get_preset(model)
+    widths = [2 * c.head_dim] * 2 + [2 * c.index_head_dim] * 2
+    w, _, x = make_case(sum(widths), c.dim, 1, m, "cuda", seed=99)
+    wf = list(torch.split(w.dequantize(), widths))  # the exact fp32 weights
+    y = fp8_linear(x, w, counters=cnt, cvt_asm=cvt_asm, out_dtype=torch.float32)
+    ratio = err_vs_bound(y, x, w, 1)
+    yb = torch.cat(linear_fp32_group(x, wf, counters=cnt), dim=1)
+    t = timer(lambda: fp8_linear(x, w, counters=cnt, cvt_asm=cvt_asm, out_dtype=torch.float32))
+    tb = timer(lambda: linear_fp32_group(x, wf, counters=cnt))
+    rows, k = w.shape
+    nb, nbb = w.nbytes + 2 * m * k + 4 * m * rows, 4 * rows * k + 2 * m * k + 4 * m * rows
+    fl = 2.0 * m * rows * k
+    return {
+        "name": "fp8_linear_compressors_csa", "model": model, **meta, "shape": {"m": m, "rows": rows, "k": k},
+        "time_s": t, "bytes": nb, "flops": fl, "roofline_s": max(nb / PEAK_HBM_BYTES, fl / PEAK_BF16_FLOPS),
+        "baseline": "linear_fp32_group (tf32x3 Triton, the layer's) on the fp32 weights", "baseline_time_s": tb,
+        "baseline_bytes": nbb, "baseline_roofline_s": max(nbb / PEAK_HBM_BYTES, fl / PEAK_BF16_FLOPS),
+        "max_err_bound": ratio, "baseline_max_err_bound": err_vs_bound(yb, x, w, 1),
+    }  # fmt: skip
 
 
 def print_row(r: dict) -> None:
