@@ -99,18 +99,20 @@ def _bytes(w_bytes: int, m: int, rows: int, k: int, groups: int) -> int:
     return w_bytes + 2 * m * (groups * k + rows)
 
 
-def run_model(model: str, m: int, timer, meta: dict, cvt_asm: bool | None = None) -> list[dict]:
+def run_model(model: str, m: int, timer, meta: dict, cvt_asm: bool | None = None, device="cuda") -> list[dict]:
+    """The rows of one model and token count (``timer(fn) -> seconds``; ``device`` "cpu": the interpreter, for the
+    tests of this script)."""
     rows_out = []
     meta = {**meta, "cvt_asm": fp8_mod.CVT_ASM if cvt_asm is None else cvt_asm}
-    cnt = torch.zeros(4096, dtype=torch.int32, device="cuda")
+    cnt = torch.zeros(4096, dtype=torch.int32, device=device)
     shapes = projection_shapes(model)
-    cases = {name: make_case(*shape, m, "cuda", seed=i) for i, (name, shape) in enumerate(shapes.items())}
+    cases = {name: make_case(*shape, m, device, seed=i) for i, (name, shape) in enumerate(shapes.items())}
     for name, (w, wd, x) in cases.items():
         rows, k, groups = shapes[name]
-        y = fp8_linear(x, w, groups=groups, counters=cnt, cvt_asm=cvt_asm)
+        y = fp8_linear(x, w, "triton", groups=groups, counters=cnt, cvt_asm=cvt_asm)
         ratio = err_vs_bound(y, x, w, groups)
         yb = baseline(x, wd, groups)
-        t = timer(lambda w=w, x=x, groups=groups: fp8_linear(x, w, groups=groups, counters=cnt, cvt_asm=cvt_asm))
+        t = timer(lambda w=w, x=x, g=groups: fp8_linear(x, w, "triton", groups=g, counters=cnt, cvt_asm=cvt_asm))
         tb = timer(lambda wd=wd, x=x, groups=groups: baseline(x, wd, groups))
         nb, nbb = _bytes(w.nbytes, m, rows, k, groups), _bytes(2 * rows * k, m, rows, k, groups)
         fl = 2.0 * m * rows * k
@@ -129,7 +131,7 @@ def run_model(model: str, m: int, timer, meta: dict, cvt_asm: bool | None = None
 
     def all_fp8():
         for name, (w, _, x) in cases.items():
-            fp8_linear(x, w, groups=shapes[name][2], counters=cnt, cvt_asm=cvt_asm)
+            fp8_linear(x, w, "triton", groups=shapes[name][2], counters=cnt, cvt_asm=cvt_asm)
 
     def all_base():
         for name, (_, wd, x) in cases.items():
@@ -147,24 +149,24 @@ def run_model(model: str, m: int, timer, meta: dict, cvt_asm: bool | None = None
     }  # fmt: skip
     rows_out.append(all_row)
     print_row(rows_out[-1])
-    rows_out.append(compressor_row(model, m, timer, meta, cnt, cvt_asm))
+    rows_out.append(compressor_row(model, m, timer, meta, cnt, cvt_asm, device))
     print_row(rows_out[-1])
     return rows_out
 
 
-def compressor_row(model: str, m: int, timer, meta: dict, cnt: torch.Tensor, cvt_asm: bool | None) -> dict:
+def compressor_row(model: str, m: int, timer, meta: dict, cnt: torch.Tensor, cvt_asm: bool | None, device) -> dict:
     """A CSA layer's four compressor weights (main wkv, wgate [2·head_dim, dim]; the indexer's [2·index_head_dim,
     dim]) stacked as the layer keeps them in FP8, one ``fp8_linear`` with fp32 outputs, against the layer's GEMM on
     the fp32 weights (``linear_fp32_group``: tf32x3, two products on bf16 x)."""
     c = get_preset(model)
     widths = [2 * c.head_dim] * 2 + [2 * c.index_head_dim] * 2
-    w, _, x = make_case(sum(widths), c.dim, 1, m, "cuda", seed=99)
+    w, _, x = make_case(sum(widths), c.dim, 1, m, device, seed=99)
     wf = list(torch.split(w.dequantize(), widths))  # the exact fp32 weights
-    y = fp8_linear(x, w, counters=cnt, cvt_asm=cvt_asm, out_dtype=torch.float32)
+    y = fp8_linear(x, w, "triton", counters=cnt, cvt_asm=cvt_asm, out_dtype=torch.float32)
     ratio = err_vs_bound(y, x, w, 1)
-    yb = torch.cat(linear_fp32_group(x, wf, counters=cnt), dim=1)
-    t = timer(lambda: fp8_linear(x, w, counters=cnt, cvt_asm=cvt_asm, out_dtype=torch.float32))
-    tb = timer(lambda: linear_fp32_group(x, wf, counters=cnt))
+    yb = torch.cat(linear_fp32_group(x, wf, "triton", counters=cnt), dim=1)
+    t = timer(lambda: fp8_linear(x, w, "triton", counters=cnt, cvt_asm=cvt_asm, out_dtype=torch.float32))
+    tb = timer(lambda: linear_fp32_group(x, wf, "triton", counters=cnt))
     rows, k = w.shape
     nb, nbb = w.nbytes + 2 * m * k + 4 * m * rows, 4 * rows * k + 2 * m * k + 4 * m * rows
     fl = 2.0 * m * rows * k
