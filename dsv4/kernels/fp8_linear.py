@@ -47,10 +47,9 @@ import triton.language as tl
 
 from dsv4.errors import check_tensor
 from dsv4.formats.fp8_weight import WEIGHT_BLOCK, FP8Weight
-from dsv4.kernels._triton_sync import last_arrival, pdl_enter
-from dsv4.kernels.cache._triton_quant import bf16_round
+from dsv4.kernels._triton_sync import pdl_enter
 from dsv4.kernels.dispatch import DEFAULT_NUM_SMS, interpreter_enabled, num_sms, pdl_launch, use_triton
-from dsv4.kernels.linear import linear_fp32_group
+from dsv4.kernels.linear import _store_out, _store_tile, _sum_splits_kernel, linear_fp32_group
 
 __all__ = [
     "DECODE_MAX_M",
@@ -173,24 +172,12 @@ def _e4m3_to_bf16(b):
 
 
 @triton.jit
-def _store_out(y, out_ptr, offs, mask, INTERP: tl.constexpr, OUT_FP32: tl.constexpr):
-    """fp32 ``y`` at ``out_ptr + offs``: as it is (OUT_FP32) or as bf16, rounded to nearest even (the interpreter's
-    cast truncates: there the rounding is done on the bits first, ``bf16_round``, and the cast is exact)."""
-    if OUT_FP32:
-        tl.store(out_ptr + offs, y, mask=mask)
-    else:
-        if INTERP:
-            y = bf16_round(y)
-        tl.store(out_ptr + offs, y.to(tl.bfloat16), mask=mask)
-
-
-@triton.jit
 def _fp8_linear_kernel(
     x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, cnt_ptr,
     M, N, K, NT, stride_xm, k_per_split, split, tiles_n, kblocks,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     PARTIAL: tl.constexpr, FUSED_SUM: tl.constexpr, SPLIT: tl.constexpr, INTERP: tl.constexpr,
-    CVT_ASM: tl.constexpr = True, OUT_FP32: tl.constexpr = False, PDL: tl.constexpr = False,
+    CVT_ASM: tl.constexpr = True, BF16_RNE: tl.constexpr = False, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """One [BLOCK_M, BLOCK_N] tile of group g's x_g·w_gᵀ over K range [pid_k·k_per_split, +k_per_split).
 
@@ -201,7 +188,7 @@ def _fp8_linear_kernel(
     the last of the tile's ``split`` programs (``last_arrival`` on ``cnt_ptr[pid_m·tiles + pid_n]``) adds the
     partials in split order and stores the tile.  INTERP (the interpreter): operands widened to fp32 (its bf16 dot
     multiplies raw bits).  CVT_ASM: the weight bytes to bf16 by ``_e4m3_to_bf16`` (else Triton's cast: the same
-    values)."""
+    values).  BF16_RNE: ``linear._store_out``'s (a bf16 out under the interpreter)."""
     pdl_enter(PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -238,35 +225,12 @@ def _fp8_linear_kernel(
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
         s_ptrs += 1
-    y = tl.trans(acc)
     mask = (rm < M)[:, None] & (rn < N)[None, :]
     offs = rm.to(tl.int64)[:, None] * NT + (g * N + rn)[None, :]
-    if PARTIAL:
-        tl.store(part_ptr + pid_k * M * NT + offs, y, mask=mask)
-        if FUSED_SUM:
-            if last_arrival(cnt_ptr + pid_m * tl.num_programs(0) + pid_n, split):
-                total = tl.load(part_ptr + offs, mask=mask, other=0.0)
-                for i in tl.static_range(1, SPLIT):
-                    total += tl.load(part_ptr + i * M * NT + offs, mask=mask, other=0.0)
-                _store_out(total, out_ptr, offs, mask, INTERP, OUT_FP32)
-    else:
-        _store_out(y, out_ptr, offs, mask, INTERP, OUT_FP32)
-
-
-@triton.jit
-def _sum_splits_kernel(part_ptr, out_ptr, numel, split, BLOCK: tl.constexpr, INTERP: tl.constexpr,
-                       OUT_FP32: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
-    """out (bf16, or OUT_FP32 fp32) = Σ_s part[s] in the order s = 0, 1, ... (part [split, M, NT] fp32,
-    numel = M·NT)."""
-    pdl_enter(PDL)
-    e = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    ok = e < numel
-    ptrs = part_ptr + e
-    acc = tl.load(ptrs, mask=ok, other=0.0)
-    for _ in range(1, split):
-        ptrs += numel
-        acc += tl.load(ptrs, mask=ok, other=0.0)
-    _store_out(acc, out_ptr, e, ok, INTERP, OUT_FP32)
+    _store_tile(
+        tl.trans(acc), out_ptr, part_ptr, cnt_ptr + pid_m * tl.num_programs(0) + pid_n, offs, mask, pid_k * M * NT,
+        M * NT, split, PARTIAL, FUSED_SUM, SPLIT, BF16_RNE,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -281,7 +245,7 @@ def _dequant_kernel(w_ptr, s_ptr, out_ptr, R, K, kblocks, BLOCK_N: tl.constexpr,
     offs = r.to(tl.int64)[:, None] * K + c[None, :]
     s = tl.load(s_ptr + (r // BLOCK_K) * kblocks + tl.program_id(1), mask=r < R, other=0.0)
     v = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32) * s[:, None]
-    _store_out(v, out_ptr, offs, ok, INTERP, False)
+    _store_out(v, out_ptr + offs, ok, INTERP)
 
 
 def dequantize(w: FP8Weight, backend: str = "auto") -> torch.Tensor:
@@ -376,19 +340,12 @@ def fp8_linear(
         tiles_n, w.scale.shape[1],
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=_BLOCK_K, EVEN_K=k % _BLOCK_K == 0, PARTIAL=split > 1, FUSED_SUM=fused,
         SPLIT=split if fused else 1, INTERP=interp, CVT_ASM=CVT_ASM if cvt_asm is None else bool(cvt_asm),
-        OUT_FP32=out_fp32, num_warps=warps, num_stages=stages, **pdl_launch(x.device),
+        BF16_RNE=interp and not out_fp32, num_warps=warps, num_stages=stages, **pdl_launch(x.device),
     )  # fmt: skip
     if split > 1 and not fused:
         numel = m * rows
         _sum_splits_kernel[(triton.cdiv(numel, _SUM_BLOCK),)](
-            part,
-            out,
-            numel,
-            split,
-            BLOCK=_SUM_BLOCK,
-            INTERP=interp,
-            OUT_FP32=out_fp32,
-            num_warps=4,
+            part, out, numel, split, BLOCK=_SUM_BLOCK, BF16_RNE=interp and not out_fp32, num_warps=4,
             **pdl_launch(x.device),
-        )
+        )  # fmt: skip
     return out

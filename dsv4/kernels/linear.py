@@ -60,6 +60,7 @@ import triton.language as tl
 
 from dsv4.errors import check_tensor
 from dsv4.kernels._triton_sync import last_arrival, pdl_enter
+from dsv4.kernels.cache._triton_quant import bf16_round
 from dsv4.kernels.dispatch import DEFAULT_NUM_SMS, interpreter_enabled, num_sms, pdl_launch, use_triton
 
 __all__ = [
@@ -211,13 +212,23 @@ def _tile_weight(
 
 
 @triton.jit
+def _store_out(y, ptrs, mask, BF16_RNE: tl.constexpr):
+    """fp32 ``y`` stored at ``ptrs`` (converted to their type: fp32, or bf16 rounded to nearest even).  BF16_RNE (a bf16
+    output under the interpreter, whose cast truncates): the rounding is done on the bits first, so the cast is
+    exact."""
+    if BF16_RNE:
+        y = bf16_round(y)
+    tl.store(ptrs, y, mask=mask)
+
+
+@triton.jit
 def _store_tile(
     y, out_ptr, part_ptr, cnt_ptr, offs, mask, part_off, part_stride, split, PARTIAL: tl.constexpr,
-    FUSED_SUM: tl.constexpr, SPLIT: tl.constexpr,
+    FUSED_SUM: tl.constexpr, SPLIT: tl.constexpr, BF16_RNE: tl.constexpr = False,
 ):  # fmt: skip
-    """An output tile ``y`` at ``offs``: into out, or (PARTIAL) into its split's partial buffer at ``part_off`` and,
-    with FUSED_SUM, by the tile's last program to arrive (counter ``cnt_ptr``) the partials summed in split order
-    (``part_stride`` apart) into out."""
+    """An output tile ``y`` (fp32) at ``offs``: into out, or (PARTIAL) into its split's fp32 partial buffer at
+    ``part_off`` and, with FUSED_SUM, by the tile's last program to arrive (counter ``cnt_ptr``) the partials summed in
+    split order (``part_stride`` apart) into out.  out may be bf16 (``_store_out``'s BF16_RNE)."""
     if PARTIAL:
         tl.store(part_ptr + part_off + offs, y, mask=mask)
         if FUSED_SUM:
@@ -225,9 +236,9 @@ def _store_tile(
                 total = tl.load(part_ptr + offs, mask=mask, other=0.0)
                 for s in tl.static_range(1, SPLIT):
                     total += tl.load(part_ptr + s * part_stride + offs, mask=mask, other=0.0)
-                tl.store(out_ptr + offs, total, mask=mask)
+                _store_out(total, out_ptr + offs, mask, BF16_RNE)
     else:
-        tl.store(out_ptr + offs, y, mask=mask)
+        _store_out(y, out_ptr + offs, mask, BF16_RNE)
 
 
 @triton.jit
@@ -423,8 +434,11 @@ def _linear_gemv_kernel(
 
 
 @triton.jit
-def _sum_splits_kernel(part_ptr, out_ptr, numel, split, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
-    """out = Σ_s part[s] in the order s = 0, 1, ... (part [split, M, NT] fp32, out [M, NT], numel = M·NT)."""
+def _sum_splits_kernel(
+    part_ptr, out_ptr, numel, split, BLOCK: tl.constexpr, PDL: tl.constexpr = False, BF16_RNE: tl.constexpr = False
+):
+    """out = Σ_s part[s] in the order s = 0, 1, ... (part [split, M, NT] fp32, out [M, NT] fp32 or bf16 (BF16_RNE:
+    ``_store_out``'s), numel = M·NT)."""
     pdl_enter(PDL)
     e = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = e < numel
@@ -433,7 +447,7 @@ def _sum_splits_kernel(part_ptr, out_ptr, numel, split, BLOCK: tl.constexpr, PDL
     for _ in range(1, split):
         ptrs += numel
         acc += tl.load(ptrs, mask=ok, other=0.0)
-    tl.store(out_ptr + e, acc, mask=ok)
+    _store_out(acc, out_ptr + e, ok, BF16_RNE)
 
 
 def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
