@@ -154,6 +154,21 @@ def test_fp8_linear_torch_path_is_the_bf16_linear():
     assert torch.equal(fp8_linear(x, w2, "torch", groups=2), want.flatten(-2))
 
 
+def test_e4m3_to_bf16_bit_trick_on_every_code():
+    """The arithmetic of ``_e4m3_to_bf16``'s PTX, modelled on the host for every non-NaN e4m3 code: the value as f16
+    (exact), its magnitude bits shifted right by 3 with the sign kept, read as bf16, times 2^112 gives the value back
+    exactly (zeros and subnormals included).  (The GPU test runs the PTX itself.)"""
+    codes = torch.arange(256, dtype=torch.int32)
+    codes = codes[(codes & 0x7F) != 0x7F].to(torch.uint8)
+    v = codes.view(torch.float8_e4m3fn).float()
+    h = v.half().view(torch.int16).to(torch.int32) & 0xFFFF
+    assert torch.equal(h.to(torch.int16).view(torch.float16).float(), v)  # e4m3 -> f16 is exact
+    t = ((h & 0x7FFF) >> 3) | (h & 0x8000)
+    as_bf16 = (t << 16).to(torch.int32).view(torch.float32).double()  # bf16 bits widened to fp32: same value
+    assert torch.equal(as_bf16 * 2.0**112, v.double())
+    assert bool(((h & 0x7F) == 0).all())  # f16's low 7 mantissa bits are zero: the shift loses nothing
+
+
 def test_fp8_linear_launch_defaults_and_overrides():
     # V4-Flash decode, 1 token: wq_a (1,024 rows) splits, wq_b (32,768 rows) does not
     assert fp8_linear_launch(1, 1024, 4096, num_sms=132) == (16, 64, 4, 4, 16)
