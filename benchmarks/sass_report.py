@@ -183,15 +183,17 @@ def main() -> None:
 
                 def tri(q=q, caches=caches, sink=sink, kw=variant):
                     sparse_attention_triton(q, caches, sink, 0.0625, **kw)
-            elif op.startswith("indexer_gluon"):  # indexer_gluon[_fold][_p1|_p2]:B:entries, the Gluon kernel
+            elif op.startswith("indexer_gluon"):  # indexer_gluon[_fold[_hsum]][_p1|_p2]:B:entries, the Gluon kernel
                 from dsv4.kernels.indexer._gluon_scores import launch_gluon_scores
 
                 keys, bt, q, w, tr, nv = make_problem(int(mode), int(n), 64, 64, torch.device("cpu"), gen)
 
                 fold, producers = "_fold" in op, {"_p1": 1, "_p2": 2}.get(op[-3:])  # None: the default
+                hs = "_hsum" in op
 
-                def tri(keys=keys, bt=bt, q=q, w=w, tr=tr, nv=nv, n=int(n), fold=fold, producers=producers, kw=variant):
-                    launch_gluon_scores(q, w, keys, bt, tr, nv, n, fold=fold, producers=producers, **kw)  # compile only
+                def tri(keys=keys, bt=bt, q=q, w=w, tr=tr, nv=nv, n=int(n), fold=fold, producers=producers, kw=variant,
+                        hs=hs):  # fmt: skip
+                    launch_gluon_scores(q, w, keys, bt, tr, nv, n, fold=fold, producers=producers, hsum=hs, **kw)
             elif op == "indexer":  # indexer:B:entries (MXFP4 scores, 64 heads, the bench_indexer problem)
                 keys, bt, q, w, tr, nv = make_problem(int(mode), int(n), 64, 64, torch.device("cpu"), gen)
 

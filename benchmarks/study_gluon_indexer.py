@@ -113,6 +113,7 @@ def main() -> None:
     ap.add_argument("--visible", type=int, default=1, help="rows see entries // VISIBLE entries")
     ap.add_argument("--quick", action="store_true", help="only the default stages / raw / tiles")
     ap.add_argument("--fold", action="store_true", help="also the fold variant (fold=True) of each configuration")
+    ap.add_argument("--hsum", action="store_true", help="with --fold: also its head sum on the tensor core (hsum=True)")
     ap.add_argument("--producers", type=int, nargs="+", default=[GLUON_PRODUCERS], help="producer warpgroups (1, 2)")
     flush_help = "L2 flush before each call: write (dirty lines the kernel may write back), read (clean), none"
     ap.add_argument("--flush", choices=["write", "read", "none"], default="write", help=flush_help)
@@ -150,12 +151,18 @@ def main() -> None:
                 args.producers,
                 [None if r is None else tuple(int(x) for x in r.split(",")) for r in args.regs],
                 args.ablate,
+                (False, True) if args.hsum else (False,),
             )
-            for tiles, fold, producers, regs, ablate in variants:
+            for tiles, fold, producers, regs, ablate, hsum in variants:
+                if hsum and (not fold or ablate):
+                    continue
                 knobs = dict(stages=stages, raw=raw, fold=fold, producers=producers, regs=regs, ablate=ablate)
+                if hsum:
+                    knobs["hsum"] = True
                 fn = partial(indexer_scores_gluon, q, w, keys, bt, tr, nv, n, tiles=tiles, **knobs)
                 cfg = f"stages={stages} raw={raw} tiles={tiles or 'auto':>4} fold={fold:d} producers={producers}"
                 cfg += (f" regs={regs[0]},{regs[1]}" if regs else "") + (f" ablate={ablate}" if ablate else "")
+                cfg += " hsum=1" if hsum else ""
                 try:
                     out = fn()
                 except Exception as exc:  # a configuration that does not compile (e.g. shared memory): reported
@@ -171,7 +178,7 @@ def main() -> None:
                 row = dict(info, name="indexer_gluon_ws", date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
                            shape={"entries": n, "visible": n_vis, "B": B, "heads": 64, "page": 64},
                            config={"stages": stages, "raw": raw, "tiles": tiles or "auto", "fold": fold,
-                                   "producers": producers, "regs": regs, "ablate": ablate}, time_s=t,
+                                   "producers": producers, "regs": regs, "ablate": ablate, "hsum": hsum}, time_s=t,
                            bytes=nbytes,
                            roofline_s=nbytes / HBM_BYTES_PER_S, baseline="indexer_fp4_fp8mma", baseline_time_s=t_ref,
                            timer="graph", flush=args.flush, max_abs_err_over_max_vs_baseline=err)  # fmt: skip

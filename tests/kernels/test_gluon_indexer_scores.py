@@ -216,6 +216,10 @@ def test_gluon_entry_point_refuses_bad_arguments():
         indexer_scores_gluon(q, w, kp, bt, tr, nv, 256, tiles=0)
     with pytest.raises(ValueError, match="fold: expected a bool, got 'yes'"):
         indexer_scores_gluon(q, w, kp, bt, tr, nv, 256, fold="yes")
+    with pytest.raises(ValueError, match="hsum: expected a bool, True only with fold=True"):
+        indexer_scores_gluon(q, w, kp, bt, tr, nv, 256, hsum=True)
+    with pytest.raises(ValueError, match="hsum: no ablations"):
+        indexer_scores_gluon(q, w, kp, bt, tr, nv, 256, fold=True, hsum=True, ablate=2)
     with pytest.raises(ValueError, match=r"ablate: expected bits of ABLATE_\* \(0-7\), got 8"):
         indexer_scores_gluon(q, w, kp, bt, tr, nv, 256, ablate=8)
     with pytest.raises(ValueError, match="producers: expected 1 or 2, got 3"):
@@ -244,7 +248,10 @@ def test_programs_per_row_fills_the_sms():
 
 
 @pytest.mark.skipif(not (HAVE_GLUON and os.path.exists(PTXAS)), reason="triton without Gluon's Hopper module / ptxas")
-@pytest.mark.parametrize("case", ["indexer_gluon", "indexer_gluon_fold", "indexer_gluon_p1", "indexer_gluon_fold_p1"])
+@pytest.mark.parametrize(
+    "case",
+    ["indexer_gluon", "indexer_gluon_fold", "indexer_gluon_p1", "indexer_gluon_fold_p1", "indexer_gluon_fold_hsum"],
+)
 def test_gluon_indexer_compiles_for_sm90(sass_report, case):
     out = sass_report(f"{case}:4:65536")  # > 1 tile a program (tiles = 1 would be specialised away)
     m = re.search(r"_mxfp4_scores_ws_kernel\s+regs\s+(\d+)\s+stack\s+(\d+) B.*local\s+(\d+) B\s+warps (\d+)", out)
@@ -365,3 +372,37 @@ def test_gluon_fold_matches_reference_gpu(bs, n, nv, tiles, producers):
     assert ((out[:2][fin2] - model[fin2]).abs() <= 1e-3 * model[fin2].abs().max()).all()
     got = indexer_scores(dev[0], dev[1], kp_d, dev[2], dev[3], dev[4], n, impl="gluon_fold").cpu()
     assert torch.equal(got.isneginf(), out.isneginf())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (on_sm90 and HAVE_GLUON), reason="needs an sm_90 GPU and Gluon")
+@pytest.mark.parametrize(
+    "bs,n,nv,tiles", [(64, 4096, None, None), (64, 4096, None, 13), (128, 8192, [130, 0, 8000], 4)]
+)
+def test_gluon_fold_hsum_matches_reference_gpu(bs, n, nv, tiles):
+    """The fold variant with the head sum on the tensor core (``hsum=True``): odd and even live-tile counts a
+    program, a row on the scale-a-block path (which keeps the fp32 epilogue), against the reference within fold's
+    bound plus the bf16 rounding of each ReLU'd logit, 2**-8 · Σ_h |w_h| ReLU(logit_h) an entry (the weights' hi + lo
+    parts hold them to ~16 bits; the MMA's sum is fp32); the largest error relative to that term is printed."""
+    from dsv4.kernels.indexer._gluon_scores import indexer_scores_gluon
+
+    gen = torch.Generator().manual_seed(15)
+    T, pages = 3, 200
+    kp = make_keys(pages, bs, gen=gen)
+    q, w = make_query(T, 64, gen)
+    q[2] *= torch.tensor([2.0**-30, 1.0, 2.0**17, 2.0**-5]).repeat_interleave(32)  # scale-a-block row
+    bt = torch.stack([torch.randperm(pages, generator=gen)[: -(-n // bs)] for _ in range(T)]).int()
+    tr = torch.arange(T, dtype=torch.int32)
+    nv_t = torch.full((T,), n, dtype=torch.int32) if nv is None else torch.tensor(nv, dtype=torch.int32)
+    ref = indexer_scores_reference(q, w, kp, bt, tr, nv_t, n)
+    mag = indexer_scores_reference(q, w.abs(), kp, bt, tr, nv_t, n)  # Σ_h |w_h| ReLU(logit_h)
+    dev = [x.cuda() for x in (q, w, bt, tr, nv_t)]
+    kp_d = type(kp)(kp.data.cuda(), kp.scale.cuda())
+    out = indexer_scores_gluon(dev[0], dev[1], kp_d, dev[2], dev[3], dev[4], n, tiles=tiles, fold=True, hsum=True).cpu()
+    assert torch.equal(torch.isneginf(out), torch.isneginf(ref))
+    fin = torch.isfinite(ref)
+    scale = ref.where(fin, 0.0).abs().amax(-1, keepdim=True).expand_as(ref)[fin]
+    err = (out[fin] - ref[fin]).abs()
+    assert (err <= 1e-3 * scale + 2.0**-8 * mag[fin] + 1e-6).all()
+    rel_term, rel_row = (err / mag[fin].clamp(min=1e-30)).max(), (err / scale).max()
+    print(f"hsum: max error / Σ|w|ReLU {rel_term:.2e}, / row max {rel_row:.2e}")

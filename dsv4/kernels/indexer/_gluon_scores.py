@@ -98,6 +98,7 @@ HEADS = 64  # index heads (wgmma N)
 DIM = 128  # key / query dims
 QBLOCK = 32  # elements a UE8M0 block = one FP8 wgmma's K
 CODE_SCALE_LOG2 = 6  # the e4m3 re-encoding stores e2m1 value * 2**-6
+HSUM_N = 8  # ``hsum``: the head-sum MMA's N (rows 0 / 1 of its B operand hold the weights' bf16 high / low parts)
 # fold (``fold=True``): the Triton fold impl's encoding (``scores._fold_tables``): e2m1 value v of a block d =
 # s_max - s_b binades below its key's largest block is stored as the e4m3 byte of v * 2**(6 - d), exact for
 # d <= scores._FOLD_MAX_D (11; the tables are affine in d there); blocks further down are flushed to zero here
@@ -115,6 +116,7 @@ if HAVE_GLUON:
     _FOLD_HI_OFF = gl.constexpr(_scores._FOLD_HI_OFF)
     _FOLD_CODE_SCALE = gl.constexpr(2.0**-_scores._FOLD_C)
     _FOLD_WORD_PTX = gl.constexpr(_scores.fold_lookup_ptx("$3", "$4"))  # pack = 1: w, lo, hi are $2, $3, $4
+    _HSUM_N = gl.constexpr(HSUM_N)
 
     @gluon.jit
     def _e2m1_words_to_e4m3(w):
@@ -203,7 +205,7 @@ if HAVE_GLUON:
         (
             q_ptr, w_ptr, d_desc, s_desc, bt_ptr, row_ptr, nv_ptr, out_ptr, stride_qt, stride_qh,
             stride_wt, stride_bt, stride_ot, N, MAX_BLOCKS, NUM_PAGES, k_s, k_w, f0, f1, f2, f3, f4, q_s,
-            raw_d, raw_c, bars, page_s, c_s, fold_s, abl_s,
+            raw_d, raw_c, bars, page_s, c_s, fold_s, abl_s, hw_s, hbars, hsum_s,
         ) = args  # fmt: skip
         STAGES: gl.constexpr = k_s.type.shape[0]
         BOXR: gl.constexpr = raw_d.type.shape[2]
@@ -261,7 +263,7 @@ if HAVE_GLUON:
         (
             q_ptr, w_ptr, d_desc, s_desc, bt_ptr, row_ptr, nv_ptr, out_ptr, stride_qt, stride_qh,
             stride_wt, stride_bt, stride_ot, N, MAX_BLOCKS, NUM_PAGES, k_s, k_w, f0, f1, f2, f3, f4, q_s,
-            raw_d, raw_c, bars, page_s, c_s, fold_s, abl_s,
+            raw_d, raw_c, bars, page_s, c_s, fold_s, abl_s, hw_s, hbars, hsum_s,
         ) = args  # fmt: skip
         STAGES: gl.constexpr = k_s.type.shape[0]
         BOXR: gl.constexpr = raw_d.type.shape[2]
@@ -421,7 +423,7 @@ if HAVE_GLUON:
         (
             q_ptr, w_ptr, d_desc, s_desc, bt_ptr, row_ptr, nv_ptr, out_ptr, stride_qt, stride_qh,
             stride_wt, stride_bt, stride_ot, N, MAX_BLOCKS, NUM_PAGES, k_s, k_w, f0, f1, f2, f3, f4, q_s,
-            raw_d, raw_c, bars, page_s, c_s, fold_s, abl_s,
+            raw_d, raw_c, bars, page_s, c_s, fold_s, abl_s, hw_s, hbars, hsum_s,
         ) = args  # fmt: skip
         STAGES: gl.constexpr = k_s.type.shape[0]
         QBAR: gl.constexpr = 2 * STAGES
@@ -434,9 +436,14 @@ if HAVE_GLUON:
         )
         mbarrier.wait(bars.index(QBAR), 0)
         out_row = out_ptr + gl.program_id(0).to(gl.int64) * stride_ot
+        HSUM: gl.constexpr = hsum_s.type.shape[0] == 2
         if FOLD:
             if general:  # four blocks from zero times the query's c_b (the keys carry their block scales)
                 _consume(W, k_s, q_s, f0, f1, f2, f3, f4, c_s, bars, wq, out_row, c, G, n_live, N, True, True)
+            elif HSUM:  # the head sum on the tensor core (bf16 logits)
+                hw = hw_s.index(W)
+                _head_weights_tile(wq, hw, hbars.index(W))
+                _consume_fold_pairs_hsum(W, k_s, q_s, f4, bars, hw, out_row, c, G, n_live, N)
             else:
                 _consume_fold_pairs(W, k_s, q_s, f4, bars, wq, out_row, c, G, n_live, N, abl_s.type.shape[0])
         elif general:  # a query that needs a scale a block (see _query_prep): one more multiply a value and block
@@ -554,6 +561,101 @@ if HAVE_GLUON:
             _write_scores(acc_b, fk_b, wq, out_row, (c + i * G) * _TILE_N + rows, N, n_live > 0, NO_EPI)
 
     @gluon.jit
+    def _relu_bf16(x):
+        """max(x, 0) as bf16 (round to nearest even), two values an instruction: PTX ``cvt.rn.relu.bf16x2.f32``
+        (its first source goes to the upper half, so element 1 is passed first)."""
+        return gl.inline_asm_elementwise(
+            asm="cvt.rn.relu.bf16x2.f32 $0, $2, $1;",
+            constraints="=r,r,r",
+            args=[x],
+            dtype=gl.bfloat16,
+            is_pure=True,
+            pack=2,
+        )
+
+    @gluon.jit
+    def _head_weights_tile(wq, hw, bar):
+        """Consumer's B operand of the head-sum MMA, ``hw`` [HSUM_N, HEADS] bf16: row 0 the head weights ``wq``
+        (fp32, [HEADS] in the accumulator's column layout) rounded to bf16, row 1 what that rounding left (so hi +
+        lo holds wq to ~16 bits), the other rows 0.  Stored by the warpgroup, fenced for the async proxy and waited
+        for on ``bar`` (count 1: Triton makes the arrive a warpgroup barrier and one thread's arrive)."""
+        tl_: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [1, 4], [1, 0])  # [8, 64] over 4 warps
+        r = gl.arange(0, _HSUM_N, layout=gl.SliceLayout(1, tl_))
+        w = gl.convert_layout(wq, gl.SliceLayout(0, tl_))
+        hi = w.to(gl.bfloat16).to(gl.float32)
+        lo = (w - hi).to(gl.bfloat16).to(gl.float32)
+        tile = gl.where(r[:, None] == 0, hi[None, :], gl.where(r[:, None] == 1, lo[None, :], 0.0))
+        hw.store(tile.to(gl.bfloat16))
+        fence_async_shared()
+        mbarrier.arrive(bar)
+        mbarrier.wait(bar, 0)
+
+    @gluon.jit
+    def _hsum(acc, hw):
+        """Σ_h w_h · ReLU(logit) of one consumer's [64 entries, 64 heads] logits on the tensor core: the ReLU'd
+        logits rounded to bf16 (``_relu_bf16``) are the A operand in registers -- the accumulator's own fragment
+        (an m64 accumulator's registers are the A fragment of the next wgmma: no data moves) -- times ``hw`` (the
+        weights' bf16 high and low parts in columns 0 and 1), one m64 nHSUM_N k64 wgmma, waited for.  Returns the
+        [64, HSUM_N] fp32 result (columns 0 + 1: the weighted sum).  Nothing else may be in flight (the wait is
+        for all groups)."""
+        mma_h: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, _HSUM_N, 16]
+        )
+        a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_h, k_width=2)
+        p = gl.convert_layout(_relu_bf16(acc), a_l, assert_trivial=True)
+        tok = warpgroup_mma(
+            p, hw.permute((1, 0)), gl.zeros([64, _HSUM_N], gl.float32, mma_h), use_acc=False, is_async=True
+        )
+        return warpgroup_mma_wait(0, deps=[tok])
+
+    @gluon.jit
+    def _hsum_store(r, fk, out_row, first, N, live):
+        """Scores of ``_hsum``'s result ``r`` times each entry's 2**(s_max - 127) (``fk``; 0 -> -inf: not visible),
+        stored for entries ``first`` .. ``first + 63`` (< N, only when ``live``)."""
+        row_h: gl.constexpr = gl.SliceLayout(1, r.type.layout)
+        s = gl.sum(r, axis=1)
+        fkh = gl.convert_layout(fk, row_h)
+        offs = first + gl.arange(0, 64, layout=row_h)
+        gl.store(out_row + offs, gl.where(fkh > 0.0, s * fkh, float("-inf")), mask=(offs < N) & live)
+
+    @gluon.jit
+    def _consume_fold_pairs_hsum(W: gl.constexpr, k_s, q_s, f4, bars, hw, out_row, c, G, n_live, N):
+        """``_consume_fold_pairs`` with the head sum on the tensor core (``hsum``): a tile's epilogue is ReLU +
+        bf16 conversion (``_relu_bf16``, one instruction a pair), one small wgmma (``_hsum``: issued and waited for
+        before the next tile's K = 128 chain, since wgmma groups retire in order), then the column sum, key factor
+        and store under that chain.  ~40 instructions a consumer thread a tile against ~100 (static estimate)."""
+        STAGES: gl.constexpr = k_s.type.shape[0]
+        FREE: gl.constexpr = STAGES
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 32])
+        row_l: gl.constexpr = gl.SliceLayout(1, mma)
+        zero = gl.zeros([64, _HEADS], gl.float32, mma)
+        base = 64 * W
+        acc_b = zero
+        fk_b = gl.zeros([64], gl.float32, row_l)
+        for p in range(n_live // 2):
+            i = 2 * p
+            r_b = _hsum(acc_b, hw)
+            a, st, fk_a = _fold_mma(k_s, q_s, f4, bars, i, W, zero, False)
+            _hsum_store(r_b, fk_b, out_row, (c + (i - 1) * G) * _TILE_N + base, N, i > 0)
+            acc_a = _mma_done(a, False)
+            mbarrier.arrive(bars.index(FREE + st))
+            r_a = _hsum(acc_a, hw)
+            b, st, fk_b = _fold_mma(k_s, q_s, f4, bars, i + 1, W, zero, False)
+            _hsum_store(r_a, fk_a, out_row, (c + i * G) * _TILE_N + base, N, True)
+            acc_b = _mma_done(b, False)
+            mbarrier.arrive(bars.index(FREE + st))
+        i = n_live - 1  # the last tile (its predecessor's epilogue still pending when n_live is odd)
+        if n_live % 2 == 1:
+            r_b = _hsum(acc_b, hw)
+            a, st, fk_a = _fold_mma(k_s, q_s, f4, bars, i, W, zero, False)
+            _hsum_store(r_b, fk_b, out_row, (c + (i - 1) * G) * _TILE_N + base, N, i > 0)
+            acc_a = _mma_done(a, False)
+            mbarrier.arrive(bars.index(FREE + st))
+            _hsum_store(_hsum(acc_a, hw), fk_a, out_row, (c + i * G) * _TILE_N + base, N, True)
+        else:
+            _hsum_store(_hsum(acc_b, hw), fk_b, out_row, (c + i * G) * _TILE_N + base, N, n_live > 0)
+
+    @gluon.jit
     def _write_scores(acc, fk, wq, out_row, offs, N, live, SKIP: gl.constexpr = False):
         """ReLU, head weights and head sum of one consumer's [64 entries, 64 heads] logits, times each entry's
         2**(s_max - 127) (``fk``; 0 -> -inf: not visible), stored at ``offs`` (< N, and only when ``live``).  SKIP
@@ -592,7 +694,7 @@ if HAVE_GLUON:
         stride_bt, stride_ot, N, MAX_BLOCKS, NUM_PAGES, BS: gl.constexpr, STAGES: gl.constexpr,
         RAW: gl.constexpr, WORKER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
         FOLD: gl.constexpr = False, PRODUCERS: gl.constexpr = 1, ABLATE: gl.constexpr = 0,
-        PDL: gl.constexpr = False,
+        HSUM: gl.constexpr = False, PDL: gl.constexpr = False,
     ):  # fmt: skip
         """Grid (T, programs a row); ``num_warps=4`` (consumer W = 0) + 4 (consumer W = 1) + 4 (producer) + 1
         (loader; its warpgroup padded to 4).
@@ -629,16 +731,24 @@ if HAVE_GLUON:
         fold_s = gl.allocate_shared_memory(gl.int8, [2 if FOLD else 1], s_l)
         # never accessed: its shape (2**ABLATE) carries ABLATE into the partitions
         abl_s = gl.allocate_shared_memory(gl.int8, [1 << ABLATE], s_l)
+        # hsum: each consumer's head-weight tile (B of its head-sum MMA) and the barrier its stores are waited on;
+        # the shape of hsum_s (never accessed: 2 with hsum, else 1) carries HSUM into the partitions
+        hw_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        hw_s = gl.allocate_shared_memory(gl.bfloat16, [2 if HSUM else 1, _HSUM_N, _HEADS], hw_l)
+        hbars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        hsum_s = gl.allocate_shared_memory(gl.int8, [2 if HSUM else 1], s_l)
         for i in gl.static_range(STAGES):
             mbarrier.init(bars.index(i), count=1)
             mbarrier.init(bars.index(STAGES + i), count=2)
         mbarrier.init(bars.index(2 * STAGES), count=1)
         for i in gl.static_range(2 * RAW):  # raw-ready (TMA bytes), raw-free (the producer)
             mbarrier.init(bars.index(2 * STAGES + 1 + i), count=1)
+        for i in gl.static_range(2):
+            mbarrier.init(hbars.index(i), count=1)
         args = (
             q_ptr, w_ptr, d_desc, s_desc, bt_ptr, row_ptr, nv_ptr, out_ptr, stride_qt, stride_qh,
             stride_wt, stride_bt, stride_ot, N, MAX_BLOCKS, NUM_PAGES, k_s, k_w, f0, f1, f2, f3, f4, q_s,
-            raw_d, raw_c, bars, page_s, c_s, fold_s, abl_s,
+            raw_d, raw_c, bars, page_s, c_s, fold_s, abl_s, hw_s, hbars, hsum_s,
         )  # fmt: skip
         if PRODUCERS == 2:  # alternate tiles, each its own stages and raw slots (STAGES, RAW even)
             gl.warp_specialize(
@@ -739,6 +849,7 @@ def programs_per_row(T: int, n_tiles: int, sms: int) -> int:
 def launch_gluon_scores(
     q, weights, keys, block_table, token_row, n_visible, max_entries: int, tiles=None, stages=None, raw=None,
     fold: bool = False, producers: int | None = None, regs: tuple[int, int] | None = None, ablate: int = 0,
+    hsum: bool = False,
 ) -> torch.Tensor:  # fmt: skip
     """The kernel's scores [T, max_entries] fp32 (-inf where not visible).  No host sync; preconditions:
     ``gluon_unsupported`` is None, ``block_table`` / ``token_row`` / ``n_visible`` contiguous int32, ``weights``
@@ -747,7 +858,10 @@ def launch_gluon_scores(
     accumulation, and blocks more than ``scores._FOLD_MAX_D`` binades below their key's largest flushed to
     zero).  ``producers``: producer warpgroups (1, or 2 taking alternate tiles; ``GLUON_PRODUCERS``), ``regs``:
     (consumer, producer) registers a thread (default by producers and fold), ``ablate``: bits of ``ABLATE_*`` (work
-    left out, for timing studies; the scores are then wrong)."""
+    left out, for timing studies; the scores are then wrong).  ``hsum`` (with ``fold``; the one-scale query path):
+    the weighted head sum on the tensor core (``_consume_fold_pairs_hsum``): the ReLU'd logits are rounded to bf16
+    first (as the official reference's bf16 logits are), the weights kept to ~16 bits, so each term is within
+    2**-9 of its exact value: an error bound of 2**-9 · Σ_h |w_h| ReLU(logit_h) an entry on top of fold's."""
     from dsv4.kernels.dispatch import num_sms, pdl_launch
 
     producers = producers or GLUON_PRODUCERS
@@ -772,7 +886,7 @@ def launch_gluon_scores(
         weights.stride(0), block_table.stride(0), out.stride(0), max_entries, block_table.shape[1], P, bs,
         STAGES=stages or GLUON_STAGES, RAW=raw or GLUON_RAW, WORKER_REGS=regs[0], PRODUCER_REGS=regs[1],
         LOADER_REGS=GLUON_LOADER_REGS, FOLD=bool(fold), PRODUCERS=producers, ABLATE=ablate,
-        num_warps=4, **pdl_launch(q.device),
+        HSUM=bool(hsum) and bool(fold), num_warps=4, **pdl_launch(q.device),
     )  # fmt: skip
     return out
 
@@ -792,11 +906,13 @@ def indexer_scores_gluon(
     producers: int = GLUON_PRODUCERS,
     regs: tuple[int, int] | None = None,
     ablate: int = 0,
+    hsum: bool = False,
 ):
     """The scores of ``indexer_scores`` (same arguments; 64 heads) by this kernel, with its launch knobs:
     ``tiles`` 128-entry tiles a program (programs a row = cdiv(tiles of max_entries, tiles); None:
     ``programs_per_row``), ``stages`` / ``raw`` the depths of its stage and raw rings (powers of two), ``fold``
-    (``launch_gluon_scores``), ``producers``, ``regs``, ``ablate`` (``launch_gluon_scores``).  ValueError for
+    (``launch_gluon_scores``), ``producers``, ``regs``, ``ablate``, ``hsum`` (``launch_gluon_scores``; needs fold).
+    ValueError for
     arguments ``indexer_scores`` refuses, for bad knobs, and where ``gluon_unsupported`` says why it cannot run."""
     _scores._check_common(q, weights, block_table, token_row, n_visible, max_entries)
     _scores._check_mxfp4_keys(keys, q.device)
@@ -806,6 +922,10 @@ def indexer_scores_gluon(
             raise ValueError(f"indexer_scores_gluon: {name}: expected {kind}, got {v!r}")
     if not isinstance(fold, bool):
         raise ValueError(f"indexer_scores_gluon: fold: expected a bool, got {fold!r}")
+    if not isinstance(hsum, bool) or (hsum and not fold):
+        raise ValueError(f"indexer_scores_gluon: hsum: expected a bool, True only with fold=True, got {hsum!r}")
+    if hsum and ablate:
+        raise ValueError("indexer_scores_gluon: hsum: no ablations (its loop has none)")
     if producers not in (1, 2):
         raise ValueError(f"indexer_scores_gluon: producers: expected 1 or 2, got {producers!r}")
     if ablate not in range(8):
@@ -823,5 +943,5 @@ def indexer_scores_gluon(
         raise ValueError(f"indexer_scores_gluon: {why}")
     return launch_gluon_scores(
         q, weights.contiguous(), keys, block_table.contiguous(), token_row.contiguous(), n_visible.contiguous(),
-        max_entries, tiles, stages, raw, fold, producers, regs, ablate,
+        max_entries, tiles, stages, raw, fold, producers, regs, ablate, hsum,
     )  # fmt: skip
