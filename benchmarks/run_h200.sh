@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One H200 session: environment, GPU tests, then the kernel benchmarks. Results go to $OUT (or ./out).
-# Usage (on the device machine, repo root): bash benchmarks/run_h200.sh [tests|bench|all|pending|ncu|attention|attention_ncu|indexer_gluon|indexer_live|indexer_fold|pending_s12|topk_rows|indexer_default|indexer_p2|indexer_ablate|flush_topk|skeleton|topk_short|fold_auto|hca_online|write_s15|emit_s15|emit2_s15|main_s15|write2_s15|final_s15|gemv_s15|online_regs|write_s16|final_s16|ncu_pool|div_s16|lean_s17|fast_s17|emit_s17|emit2_s17|warps_s17|ipool_s17|final_s17|sweep_s18|overlap_s18|fuse_s19|pdl_s19|pdl_decode_s19|writes_s19|layer_s19|select_s19|grid_s20|tails_s20|linear_s20|layer_s20|topk_s20|validate_s20|prefill_idx_s21|tf32x2_s21|topk_s21|iquery_s21|fp8_linear_s22|fp8_step_s22]
+# Usage (on the device machine, repo root): bash benchmarks/run_h200.sh [tests|bench|all|pending|ncu|attention|attention_ncu|indexer_gluon|indexer_live|indexer_fold|pending_s12|topk_rows|indexer_default|indexer_p2|indexer_ablate|flush_topk|skeleton|topk_short|fold_auto|hca_online|write_s15|emit_s15|emit2_s15|main_s15|write2_s15|final_s15|gemv_s15|online_regs|write_s16|final_s16|ncu_pool|div_s16|lean_s17|fast_s17|emit_s17|emit2_s17|warps_s17|ipool_s17|final_s17|sweep_s18|overlap_s18|fuse_s19|pdl_s19|pdl_decode_s19|writes_s19|layer_s19|select_s19|grid_s20|tails_s20|linear_s20|layer_s20|topk_s20|validate_s20|prefill_idx_s21|tf32x2_s21|topk_s21|iquery_s21|fp8_linear_s22|fp8_step_s22|hsum_s22]
 # "pending": the norm and top-k GPU tests (~4 min, most of it compiling the top-k kernels), launch D's rank
 # threshold on/off, top-k with both flush kinds, the decode step; about 8 minutes.  "ncu": Nsight Compute
 # sections of the indexer scores, dense attention and gather kernels (benchmarks/ncu_cases.py).  "attention": the
@@ -638,4 +638,12 @@ if [ "$what" = fp8_step_s22 ]; then  # left for session 23 (~6 min): one CSA lay
     timeout 270 python3 -m dsv4.cli bench --models v4-flash,v4-pro --kinds csa --contexts 131072 --batches 1,64 $f \
       --out "$OUT/${stamp}_h200_decode_fp8${f:+_on}_s22.jsonl" 2>&1 | tail -6
   done
+fi
+if [ "$what" = hsum_s22 ]; then  # left for session 23 (~3 min): the Gluon FP4 indexer's fold variant with the head sum
+  # on the tensor core (hsum=True, opt-in: bf16 logits; static sm_90 pair loop 125 -> 98 instructions a consumer warp a
+  # tile): its GPU tests, then 1M-entry rows at B = 4 / 64, fold with and without hsum, clean L2
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -s tests/kernels/test_gluon_indexer_scores.py -k "fold and gpu" \
+    2>&1 | tee "$OUT/${stamp}_h200_gpu_tests_hsum_s22.txt" | grep -E "hsum:|passed|failed" | tail -6
+  timeout 240 python3 benchmarks/study_gluon_indexer.py --batches 4 64 --quick --fold --hsum --flush read \
+    --out "$OUT/${stamp}_h200_study_gluon_hsum_s22.jsonl" 2>&1 | tee "$OUT/${stamp}_h200_study_gluon_hsum_s22.txt" | tail -12
 fi

@@ -62,7 +62,17 @@ so the two accumulators alternate without register copies.  Static SASS of the l
 ``sass_report.py``): 122.5 instructions a consumer warp a tile (283 exact) and 290 a producer warp (245), ~2,240 a
 tile an SM against ~3,340: about 1.5x fewer, if the schedulers stay as busy.  Measured (H200, session 13, two
 producers): B = 1 / 4 / 8 / 64 at 1M 15.5 / 42.2 / 79.5 / 572 us against the exact kernel's 17.3 / 48.1 / 90.8 /
-679; within 2.4e-5 of the row's largest |score| of fp8mma's exact scores.  It stays opt-in.
+679; within 2.4e-5 of the row's largest |score| of fp8mma's exact scores.  ``impl="auto"`` takes it since session 14
+(``scores.GLUON_AUTO_FOLD``).
+
+``hsum=True`` (with fold; session 22, not yet timed): the weighted head sum on the tensor core
+(``_consume_fold_pairs_hsum``).  A consumer's fp32 logits [64 entries, 64 heads] become bf16 with the ReLU in the same
+instruction (``F2FP.RELU.BF16.F32.PACK_AB``, one a pair) and, as an m64 accumulator's registers are the A fragment
+of the next wgmma, feed an m64 n8 k64 bf16 wgmma against the head weights' bf16 high and low parts (columns 0 and 1
+of an [8, 64] tile in shared memory), replacing the ReLU, multiply and tree sum on the CUDA cores.  Static SASS of
+the pair loop (triton 3.6): 98 / 90 instructions a consumer warp a tile (consumers 0 / 1) against 125 / 122.  The
+logits are rounded to bf16 first (as the official reference's bf16 einsum rounds them), so each term is within
+2**-9 of exact: 2**-9 · Σ_h |w_h| ReLU(logit_h) an entry on top of fold's error.
 """
 
 from __future__ import annotations
