@@ -49,17 +49,31 @@ def _load_model(args: argparse.Namespace) -> ModelConfig:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from dsv4.cache.planner import format_plan, plan_memory
+    from dsv4.cache.planner import _fmt_bytes, format_plan, plan_memory
+    from dsv4.model.weights import attention_weight_bytes
 
+    cfg = _load_model(args)
     plan = plan_memory(
-        _load_model(args),
+        cfg,
         args.context,
         concurrency=args.concurrency,
         budget_bytes=args.budget,
         block_tokens=args.block_tokens,
         online_state=args.state == "online",
     )
-    print(json.dumps(plan.to_dict(), indent=None if args.compact else 2) if args.json else format_plan(plan))
+    # the attention layers' own weights (not in the budget, which is the cache's): bf16, and kept FP8 (keep_fp8)
+    weights = {
+        "bf16": attention_weight_bytes(cfg),
+        "fp8": attention_weight_bytes(cfg, fp8=True),
+        "fp8_with_compressors": attention_weight_bytes(cfg, fp8=True, fp8_compressors=True),
+    }
+    if args.json:
+        print(json.dumps({**plan.to_dict(), "attention_weight_bytes": weights}, indent=None if args.compact else 2))
+    else:
+        print(format_plan(plan))
+        bf16, fp8, fp8c = (_fmt_bytes(weights[k]) for k in ("bf16", "fp8", "fp8_with_compressors"))
+        print(f"attention weights, all layers, one copy (not in the budget): bf16 {bf16}, kept FP8 {fp8}, "
+              f"FP8 compressors too {fp8c}")  # fmt: skip
     return 0
 
 

@@ -51,6 +51,7 @@ __all__ = [
     "IndexerWeights",
     "ParamSpec",
     "attention_param_specs",
+    "attention_weight_bytes",
     "checkpoint_prefix",
     "dequantize_fp8_weight",
     "random_attention_weights",
@@ -275,6 +276,26 @@ def attention_param_specs(cfg: ModelConfig, layer_id: int) -> dict[str, ParamSpe
         specs["indexer.weights_proj.weight"] = ParamSpec((hi, dim), "linear")
         specs.update(_compressor_specs("indexer.compressor.", dim, di, m, True))
     return specs
+
+
+def attention_weight_bytes(cfg: ModelConfig, fp8: bool = False, fp8_compressors: bool = False) -> int:
+    """Bytes of every cache layer's attention parameters (main and MTP layers; one copy, unsharded): linear weights
+    bf16, or (``fp8``) e4m3 with an fp32 scale per 128 x 128 block as ``keep_fp8`` holds them (``wo_a`` included:
+    re-encoded losslessly); the compressors' weights fp32, or (``fp8_compressors``: where the checkpoint holds them
+    FP8) likewise; sink, norms and ape fp32."""
+    total = 0
+    for layer in range(cfg.num_cache_layers):
+        for spec in attention_param_specs(cfg, layer).values():
+            n = 1
+            for d in spec.shape:
+                n *= d
+            fp8_here = (spec.kind == "linear" and fp8) or (spec.kind == "linear_fp32" and fp8_compressors)
+            if fp8_here:
+                so, si = (-(-d // WEIGHT_BLOCK) for d in spec.shape)
+                total += n + 4 * so * si
+            else:
+                total += n * (2 if spec.kind == "linear" else 4)
+    return total
 
 
 def _compressor_specs(prefix: str, dim: int, d: int, m: int, overlap: bool) -> dict[str, ParamSpec]:

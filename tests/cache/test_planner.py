@@ -63,3 +63,31 @@ def test_cli_plan_official_config_and_errors(tmp_path, capsys):
     assert "expected a size" in capsys.readouterr().err
     assert main(["plan", "--budget", "80GiB", "--context", "4096"]) == 0
     assert "fit" in capsys.readouterr().out
+
+
+def test_attention_weight_bytes_and_the_plan_line(capsys):
+    """``attention_weight_bytes`` equals the bytes of every layer's weights as built (bf16; FP8 linear weights with fp32
+    block scales, compressors fp32; everything FP8 as ``random_attention_weights(fp8=True)`` builds it), and ``dsv4
+    plan`` prints / returns the three figures (not part of the cache budget)."""
+    from dsv4.model.weights import attention_weight_bytes, random_attention_weights
+
+    cfg = get_preset("tiny")
+
+    def held(fp8: bool, compressors: bool) -> int:
+        total = 0
+        for layer in range(cfg.num_cache_layers):
+            w = random_attention_weights(cfg, layer, fp8=fp8)
+            total += sum(t.numel() * t.element_size() for t in w.to_state_dict().values())  # FP8: data + scale
+            if fp8 and not compressors:  # the compressors' weights as fp32 instead
+                comps = [c for c in (w.compressor, w.indexer.compressor if w.indexer else None) if c is not None]
+                total += sum(4 * t.numel() - t.nbytes for c in comps for t in (c.wkv, c.wgate))
+        return total
+
+    assert attention_weight_bytes(cfg) == held(False, False)
+    assert attention_weight_bytes(cfg, fp8=True, fp8_compressors=True) == held(True, True)
+    assert attention_weight_bytes(cfg, fp8=True) == held(True, False)
+    assert main(["plan", "--model", "v4-flash", "--context", "4096", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)["attention_weight_bytes"]
+    assert d["bf16"] > d["fp8"] > d["fp8_with_compressors"] > 0
+    assert main(["plan", "--model", "v4-flash", "--context", "4096"]) == 0
+    assert "attention weights, all layers, one copy (not in the budget): bf16" in capsys.readouterr().out
