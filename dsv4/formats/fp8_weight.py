@@ -24,7 +24,7 @@ from dsv4.formats.ue8m0 import UE8M0_BIAS, ceil_log2_ratio
 WEIGHT_BLOCK = 128  # rows and columns of a weight block that share one scale
 E4M3_MAX = 448.0
 
-__all__ = ["E4M3_MAX", "WEIGHT_BLOCK", "FP8Weight", "scale_shape"]
+__all__ = ["E4M3_MAX", "WEIGHT_BLOCK", "FP8Weight", "expand_scale", "scale_shape", "scale_to_fp32"]
 
 
 def scale_shape(out_features: int, in_features: int, block: int = WEIGHT_BLOCK) -> tuple[int, int]:
@@ -42,7 +42,8 @@ def scale_to_fp32(scale: torch.Tensor) -> torch.Tensor:
     raise ValueError(f"scale: expected dtype float8_e8m0fnu or float32, got {scale.dtype}")
 
 
-def _expand(scale: torch.Tensor, out_features: int, in_features: int, block: int) -> torch.Tensor:
+def expand_scale(scale: torch.Tensor, out_features: int, in_features: int, block: int = WEIGHT_BLOCK) -> torch.Tensor:
+    """A block scale [ceil(out/b), ceil(in/b)] repeated to one value an element, [out_features, in_features]."""
     return scale.repeat_interleave(block, dim=0)[:out_features].repeat_interleave(block, dim=1)[:, :in_features]
 
 
@@ -99,7 +100,7 @@ class FP8Weight:
         amax = pad.view(so, block, si, block).abs().amax(dim=(1, 3))
         e = ceil_log2_ratio(amax, E4M3_MAX, 1e-4)
         scale = torch.ldexp(torch.ones_like(amax), e).contiguous()
-        data = (w.float() / _expand(scale, o, i, block)).to(torch.float8_e4m3fn).contiguous()
+        data = (w.float() / expand_scale(scale, o, i, block)).to(torch.float8_e4m3fn).contiguous()
         return cls(data, scale)
 
     @classmethod
@@ -133,7 +134,7 @@ class FP8Weight:
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """``fp32(data) · scale`` per block, in ``dtype`` (exact in bf16 for power-of-two scales)."""
         o, i = self.data.shape
-        return (self.data.float() * _expand(self.scale, o, i, WEIGHT_BLOCK)).to(dtype)
+        return (self.data.float() * expand_scale(self.scale, o, i)).to(dtype)
 
     def pow2_scales(self) -> bool:
         """Every block scale is a power of two (then the dequantised values are exact in bf16).  Reads back."""

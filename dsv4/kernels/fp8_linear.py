@@ -57,6 +57,7 @@ __all__ = [
     "fp8_linear",
     "fp8_linear_launch",
     "fp8_linear_reference",
+    "grouped_linear",
 ]
 
 DECODE_MAX_M = 128  # tokens up to which the kernel runs; above, dequantise + cuBLAS
@@ -264,13 +265,14 @@ def dequantize(w: FP8Weight, backend: str = "auto") -> torch.Tensor:
     return out
 
 
-def _dense(x: torch.Tensor, wd: torch.Tensor, groups: int) -> torch.Tensor:
-    """x [M, G·K] bf16 times the dequantised bf16 weight wd [G·N, K] per group (PyTorch: cuBLAS on a GPU)."""
+def grouped_linear(x: torch.Tensor, w: torch.Tensor, groups: int = 1) -> torch.Tensor:
+    """x [..., G·K] times a weight tensor w [G·N, K] of x's dtype per group: block g of x's columns times block g of
+    w's rows, -> [..., G·N] (PyTorch: cuBLAS on a GPU; ``F.linear`` for one group).  The layer's projections on
+    tensor weights, and ``fp8_linear``'s torch and prefill paths on the dequantised weight."""
     if groups == 1:
-        return torch.nn.functional.linear(x, wd)
-    k = wd.shape[1]
-    y = torch.einsum("mgk,gnk->mgn", x.unflatten(-1, (groups, k)), wd.view(groups, -1, k))
-    return y.flatten(-2)
+        return torch.nn.functional.linear(x, w)
+    k = w.shape[1]
+    return torch.einsum("...gk,gnk->...gn", x.unflatten(-1, (groups, k)), w.view(groups, -1, k)).flatten(-2)
 
 
 def fp8_linear(
@@ -305,12 +307,12 @@ def fp8_linear(
     if not use_triton(backend, x, w.data, w.scale, counters):
         if out_fp32:
             return torch.nn.functional.linear(x.float(), w.dequantize())
-        return _dense(x, w.dequantize(torch.bfloat16), groups)
+        return grouped_linear(x, w.dequantize(torch.bfloat16), groups)
     rows = groups * n
     if m > DECODE_MAX_M:
         if out_fp32:
             return linear_fp32_group(x, [dequantize(w, backend)], backend, precision="bf16w")[0]
-        return _dense(x, dequantize(w, backend), groups)
+        return grouped_linear(x, dequantize(w, backend), groups)
     out = torch.empty(m, rows, dtype=out_dtype, device=x.device)
     if m == 0 or rows == 0:
         return out

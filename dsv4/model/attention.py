@@ -120,9 +120,9 @@ class AttentionSubBlock:
         # FP8 compressor weights: one buffer for all of the layer's (one fp8_linear launch projects them all)
         w, self._comp8, self._comp8_widths = _gather_fp8_compressors(w)
         self.cfg, self.layer_id, self.w, self.backend = cfg, layer_id, w, backend
-        comp = [c for c in (w.compressor, w.indexer.compressor if w.indexer is not None else None) if c is not None]
+        comp = w.compressors
         self._bf16w = (
-            BF16_EXACT_COMPRESSOR and compressor_gemm == "tf32x3" and bool(comp) and self._comp8 is None
+            BF16_EXACT_COMPRESSOR and compressor_gemm == "tf32x3" and bool(comp)
             and not any(isinstance(t, FP8Weight) for c in comp for t in (c.wkv, c.wgate))
             and bf16_exact(*(t for c in comp for t in (c.wkv, c.wgate)))
         )  # fmt: skip
@@ -221,9 +221,7 @@ class AttentionSubBlock:
         layer's compressors, ``self._comp8``) one ``fp8_linear`` launch with fp32 outputs."""
         comp8 = self._comp8
         if comp8 is not None and self.compressor_gemm != "fp32" and use_triton(self.backend, x, comp8.data):
-            ix = self.w.indexer
-            mine = [c for c in (self.w.compressor, ix.compressor if ix is not None else None) if c is not None]
-            if [id(c) for c in cws] == [id(c) for c in mine]:
+            if [id(c) for c in cws] == [id(c) for c in self.w.compressors]:
                 y = fp8_linear(x, comp8, self.backend, counters=self._linear_counters, out_dtype=torch.float32)
                 ys = torch.split(y, self._comp8_widths, dim=1)
                 return [(ys[2 * i], ys[2 * i + 1]) for i in range(len(cws))]
@@ -241,12 +239,11 @@ class AttentionSubBlock:
         """(kv, score without ape) fp32 [T, c*d] of one compressor (weights ``cw``) for x [T, dim] (bf16: the fp32
         projections of its exact fp32 value, widened inside the GEMM; FP8 weights: ``fp8_linear`` with fp32 outputs
         on the Triton path)."""
-        if isinstance(cw.wkv, FP8Weight) and isinstance(cw.wgate, FP8Weight):
-            if self.compressor_gemm != "fp32" and use_triton(self.backend, x, cw.wkv.data):
+        fp8 = [isinstance(t, FP8Weight) for t in (cw.wkv, cw.wgate)]
+        if any(fp8):
+            if all(fp8) and self.compressor_gemm != "fp32" and use_triton(self.backend, x, cw.wkv.data):
                 kw = dict(counters=self._linear_counters, out_dtype=torch.float32)
                 return fp8_linear(x, cw.wkv, self.backend, **kw), fp8_linear(x, cw.wgate, self.backend, **kw)
-            return F.compressor_project(x, cw.wkv, cw.wgate, None, positions, self.ratio)
-        if isinstance(cw.wkv, FP8Weight) or isinstance(cw.wgate, FP8Weight):
             return F.compressor_project(x, cw.wkv, cw.wgate, None, positions, self.ratio)
         if self.compressor_gemm != "fp32" and use_triton(self.backend, x, cw.wkv, cw.wgate):
             return linear_fp32_pair(
@@ -324,8 +321,7 @@ def _gather_fp8_compressors(w: AttentionWeights) -> tuple[AttentionWeights, FP8W
     ``FP8Weight`` whose rows are whole 128-row scale blocks: one FP8Weight of all of them stacked by rows (so one
     ``fp8_linear`` launch projects them all), and ``w`` with its compressor weights replaced by row views of it (no
     second copy is kept).  Else (w, None, [])."""
-    comps = [c for c in (w.compressor, w.indexer.compressor if w.indexer is not None else None) if c is not None]
-    ws = [t for c in comps for t in (c.wkv, c.wgate)]
+    ws = [t for c in w.compressors for t in (c.wkv, c.wgate)]
     if not ws or not all(isinstance(t, FP8Weight) and t.shape[0] % WEIGHT_BLOCK == 0 for t in ws):
         return w, None, []
     cat = FP8Weight(torch.cat([t.data for t in ws]), torch.cat([t.scale for t in ws]))

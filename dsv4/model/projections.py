@@ -11,7 +11,7 @@ import torch
 
 from dsv4.config import ModelConfig
 from dsv4.formats.fp8_weight import FP8Weight
-from dsv4.kernels.fp8_linear import fp8_linear
+from dsv4.kernels.fp8_linear import fp8_linear, grouped_linear
 from dsv4.kernels.indexer.query import indexer_query_tail
 from dsv4.kernels.norm import rms_norm
 from dsv4.kernels.rope import q_norm_rope, rope_inverse
@@ -29,15 +29,11 @@ def dense(
 ) -> torch.Tensor:
     """One of the layer's dense projections: x [..., G·in] bf16 -> [..., G·out] (``groups`` G: the weight's rows and
     x's columns in G blocks, block g times block g).  An ``FP8Weight`` with a 2-D x goes to ``kernels.fp8_linear``
-    (``backend``; its torch path is the bf16 computation below); otherwise ``F.linear`` on the bf16 weight (an FP8
-    one dequantised), per group an einsum.  ``counters``: ``fp8_linear``'s."""
+    (``backend``; its torch path is the bf16 computation below); otherwise ``grouped_linear`` on the weight in x's
+    dtype (an FP8 one dequantised).  ``counters``: ``fp8_linear``'s."""
     if isinstance(w, FP8Weight) and x.dim() == 2:
         return fp8_linear(x, w, backend, groups=groups, counters=counters)
-    if groups == 1:
-        return F.linear(x, w)
-    wd = F.weight_as(w, x.dtype)
-    xg = x.unflatten(-1, (groups, -1))
-    return torch.einsum("...gc,grc->...gr", xg, wd.view(groups, -1, xg.shape[-1])).flatten(-2)
+    return grouped_linear(x, F.weight_as(w, x.dtype), groups)
 
 
 def query(

@@ -32,6 +32,7 @@ bf16 matmuls on the dequantised weights instead (a deviation of bf16-rounding si
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -41,7 +42,7 @@ from typing import NamedTuple
 import torch
 
 from dsv4.config import LayerKind, ModelConfig
-from dsv4.formats.fp8_weight import WEIGHT_BLOCK, FP8Weight, scale_to_fp32
+from dsv4.formats.fp8_weight import WEIGHT_BLOCK, FP8Weight, expand_scale, scale_shape, scale_to_fp32
 
 __all__ = [
     "WEIGHT_BLOCK",
@@ -159,8 +160,13 @@ class AttentionWeights:
         return _map_weights(self, deq)
 
     @property
+    def compressors(self) -> list[CompressorWeights]:
+        """The layer's compressors: the main one, then (CSA) the indexer's; [] for an SWA layer."""
+        return [c for c in (self.compressor, self.indexer.compressor if self.indexer else None) if c is not None]
+
+    @property
     def has_fp8(self) -> bool:
-        """Some linear weight is an ``FP8Weight``."""
+        """Some linear weight (a compressor's included) is an ``FP8Weight``."""
         return any(isinstance(v, FP8Weight) for v in _linear_fields(self))
 
     @property
@@ -180,10 +186,7 @@ def _linear_fields(w: AttentionWeights) -> list[torch.Tensor | FP8Weight]:
     out = [w.wq_a, w.wq_b, w.wkv, w.wo_a, w.wo_b]
     if w.indexer is not None:
         out += [w.indexer.wq_b, w.indexer.weights_proj]
-    for c in (w.compressor, w.indexer.compressor if w.indexer is not None else None):
-        if c is not None:
-            out += [c.wkv, c.wgate]
-    return out
+    return out + [t for c in w.compressors for t in (c.wkv, c.wgate)]
 
 
 def _map_weights(w: AttentionWeights, fn) -> AttentionWeights:
@@ -286,13 +289,9 @@ def attention_weight_bytes(cfg: ModelConfig, fp8: bool = False, fp8_compressors:
     total = 0
     for layer in range(cfg.num_cache_layers):
         for spec in attention_param_specs(cfg, layer).values():
-            n = 1
-            for d in spec.shape:
-                n *= d
-            fp8_here = (spec.kind == "linear" and fp8) or (spec.kind == "linear_fp32" and fp8_compressors)
-            if fp8_here:
-                so, si = (-(-d // WEIGHT_BLOCK) for d in spec.shape)
-                total += n + 4 * so * si
+            n = math.prod(spec.shape)
+            if (spec.kind == "linear" and fp8) or (spec.kind == "linear_fp32" and fp8_compressors):
+                total += n + 4 * math.prod(scale_shape(*spec.shape))
             else:
                 total += n * (2 if spec.kind == "linear" else 4)
     return total
@@ -328,12 +327,10 @@ def dequantize_fp8_weight(weight: torch.Tensor, scale: torch.Tensor, block: int 
     if weight.dtype != torch.float8_e4m3fn or weight.dim() != 2:
         raise ValueError(f"weight: expected a 2-D float8_e4m3fn tensor, got {weight.dtype} {list(weight.shape)}")
     out_f, in_f = weight.shape
-    want = ((out_f + block - 1) // block, (in_f + block - 1) // block)
+    want = scale_shape(out_f, in_f, block)
     if tuple(scale.shape) != want:
         raise ValueError(f"scale: expected shape {list(want)}, got {list(scale.shape)}")
-    s = scale_to_fp32(scale)
-    s = s.repeat_interleave(block, dim=0)[:out_f].repeat_interleave(block, dim=1)[:, :in_f]
-    return weight.float() * s
+    return weight.float() * expand_scale(scale_to_fp32(scale), out_f, in_f, block)
 
 
 # ---------------------------------------------------------------------------------------------- loading
@@ -377,8 +374,7 @@ def _validate(
                 continue
             consumed.add(found[0])
             scale = local[found[0]]
-            b = WEIGHT_BLOCK
-            want = [(spec.shape[0] + b - 1) // b, (spec.shape[1] + b - 1) // b]
+            want = list(scale_shape(*spec.shape))
             if list(scale.shape) != want:
                 problems.append(f"{prefix + found[0]!r}: expected shape {want}, found shape {list(scale.shape)}")
                 continue

@@ -79,8 +79,7 @@ def test_attention_weight_bytes_and_the_plan_line(capsys):
             w = random_attention_weights(cfg, layer, fp8=fp8)
             total += sum(t.numel() * t.element_size() for t in w.to_state_dict().values())  # FP8: data + scale
             if fp8 and not compressors:  # the compressors' weights as fp32 instead
-                comps = [c for c in (w.compressor, w.indexer.compressor if w.indexer else None) if c is not None]
-                total += sum(4 * t.numel() - t.nbytes for c in comps for t in (c.wkv, c.wgate))
+                total += sum(4 * t.numel() - t.nbytes for c in w.compressors for t in (c.wkv, c.wgate))
         return total
 
     assert attention_weight_bytes(cfg) == held(False, False)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from dsv4.formats.fp8_weight import E4M3_MAX, WEIGHT_BLOCK, FP8Weight, scale_shape, scale_to_fp32
+from dsv4.formats.fp8_weight import E4M3_MAX, WEIGHT_BLOCK, FP8Weight, expand_scale, scale_shape, scale_to_fp32
 from dsv4.model.weights import dequantize_fp8_weight
 
 
@@ -25,20 +25,16 @@ def test_quantize_blocks_scales_and_values(shape):
     # every block's largest |value| / scale fits e4m3, and the scale is the smallest power of two doing so
     deq = q.dequantize()
     o, i = shape
-    ratio = (w.abs() / scale_expand(q.scale, o, i)).amax()
+    ratio = (w.abs() / expand_scale(q.scale, o, i)).amax()
     assert ratio <= E4M3_MAX
     # e4m3 keeps 4 significant bits: each value within half an e4m3 ulp (2^-4 relative) or a subnormal step
     err = (deq - w).abs()
-    bound = 2.0**-4 * w.abs() + scale_expand(q.scale, o, i) * 2.0**-10
+    bound = 2.0**-4 * w.abs() + expand_scale(q.scale, o, i) * 2.0**-10
     assert bool((err <= bound).all())
     # dequantised values are exact in bf16 (power-of-two scales)
     assert torch.equal(q.dequantize(torch.bfloat16).float(), deq)
     # the loader's function agrees
     assert torch.equal(dequantize_fp8_weight(q.data, q.scale), deq)
-
-
-def scale_expand(s, o, i):
-    return s.repeat_interleave(WEIGHT_BLOCK, 0)[:o].repeat_interleave(WEIGHT_BLOCK, 1)[:, :i]
 
 
 def test_quantize_all_zero_block_uses_the_floor():
