@@ -23,7 +23,6 @@ Bytes: the weights (dsv4: 1 byte an element + fp32 block scales; baseline: 2), x
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import sys
@@ -33,14 +32,15 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
-import triton  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from benchmarks.bench_indexer import env_info  # noqa: E402
 from dsv4.config import get_preset  # noqa: E402
 from dsv4.formats.fp8_weight import FP8Weight  # noqa: E402
 from dsv4.kernels import fp8_linear as fp8_mod  # noqa: E402
-from dsv4.kernels.fp8_linear import fp8_linear, fp8_linear_launch  # noqa: E402
+from dsv4.kernels.dispatch import num_sms  # noqa: E402
+from dsv4.kernels.fp8_linear import fp8_linear, fp8_linear_launch, grouped_linear  # noqa: E402
 from dsv4.kernels.linear import linear_fp32_group  # noqa: E402
 
 PEAK_HBM_BYTES = 4.17e12
@@ -73,14 +73,6 @@ def make_case(rows: int, k: int, groups: int, m: int, device, seed: int = 0):
     return w, w.dequantize(torch.bfloat16), x
 
 
-def baseline(x: torch.Tensor, wd: torch.Tensor, groups: int) -> torch.Tensor:
-    """The layer's former computation: cuBLAS bf16 on the dequantised weight (grouped: the einsum it used)."""
-    if groups == 1:
-        return torch.nn.functional.linear(x, wd)
-    k = wd.shape[1]
-    return torch.einsum("mgk,gnk->mgn", x.unflatten(-1, (groups, k)), wd.view(groups, -1, k)).flatten(-2)
-
-
 def err_vs_bound(y: torch.Tensor, x: torch.Tensor, w: FP8Weight, groups: int) -> float:
     """max |y - exact| / (2^-8·|exact| + 2·K·2^-24·(|x|·|w|ᵀ)) against fp64 (tests/kernels/test_fp8_linear.py); an
     fp32 y (the compressors' projections) without the bf16 rounding's 2^-8·|exact|."""
@@ -111,9 +103,9 @@ def run_model(model: str, m: int, timer, meta: dict, cvt_asm: bool | None = None
         rows, k, groups = shapes[name]
         y = fp8_linear(x, w, "triton", groups=groups, counters=cnt, cvt_asm=cvt_asm)
         ratio = err_vs_bound(y, x, w, groups)
-        yb = baseline(x, wd, groups)
+        yb = grouped_linear(x, wd, groups)
         t = timer(lambda w=w, x=x, g=groups: fp8_linear(x, w, "triton", groups=g, counters=cnt, cvt_asm=cvt_asm))
-        tb = timer(lambda wd=wd, x=x, groups=groups: baseline(x, wd, groups))
+        tb = timer(lambda wd=wd, x=x, groups=groups: grouped_linear(x, wd, groups))
         nb, nbb = _bytes(w.nbytes, m, rows, k, groups), _bytes(2 * rows * k, m, rows, k, groups)
         fl = 2.0 * m * rows * k
         launch = fp8_linear_launch(m, rows, k, num_sms=meta["sms"])
@@ -135,7 +127,7 @@ def run_model(model: str, m: int, timer, meta: dict, cvt_asm: bool | None = None
 
     def all_base():
         for name, (_, wd, x) in cases.items():
-            baseline(x, wd, shapes[name][2])
+            grouped_linear(x, wd, shapes[name][2])
 
     nb = sum(r["bytes"] for r in rows_out)
     nbb = sum(r["baseline_bytes"] for r in rows_out)
@@ -214,13 +206,8 @@ def main() -> None:
     ap.add_argument("--cvt-asm", default="default", choices=["default", "0", "1"], help="weight conversion (CVT_ASM)")
     args = ap.parse_args()
     cuda = torch.cuda.is_available()
-    meta = {
-        "gpu": torch.cuda.get_device_name() if cuda else "cpu (triton interpreter)",
-        "sms": torch.cuda.get_device_properties(0).multi_processor_count if cuda else 132,
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-    }
+    dev = torch.device("cuda" if cuda else "cpu")
+    meta = {**env_info(dev), "sms": num_sms(dev)}
     if args.smoke:
         rows = smoke(meta)
         ok = all(r["correct"] for r in rows)
