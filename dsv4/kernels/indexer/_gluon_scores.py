@@ -66,13 +66,13 @@ producers): B = 1 / 4 / 8 / 64 at 1M 15.5 / 42.2 / 79.5 / 572 us against the exa
 (``scores.GLUON_AUTO_FOLD``).
 
 ``hsum=True`` (with fold; session 22, not yet timed): the weighted head sum on the tensor core
-(``_consume_fold_pairs_hsum``).  A consumer's fp32 logits [64 entries, 64 heads] become bf16 with the ReLU in the same
-instruction (``F2FP.RELU.BF16.F32.PACK_AB``, one a pair) and, as an m64 accumulator's registers are the A fragment
-of the next wgmma, feed an m64 n8 k64 bf16 wgmma against the head weights' bf16 high and low parts (columns 0 and 1
-of an [8, 64] tile in shared memory), replacing the ReLU, multiply and tree sum on the CUDA cores.  Static SASS of
-the pair loop (triton 3.6): 98 / 90 instructions a consumer warp a tile (consumers 0 / 1) against 125 / 122.  The
-logits are rounded to bf16 first (as the official reference's bf16 einsum rounds them), so each term is within
-2**-9 of exact: 2**-9 · Σ_h |w_h| ReLU(logit_h) an entry on top of fold's error.
+(``_consume_fold_pairs`` with ``HSUM``).  A consumer's fp32 logits [64 entries, 64 heads] become bf16 with the ReLU
+in the same instruction (``F2FP.RELU.BF16.F32.PACK_AB``, one a pair) and, as an m64 accumulator's registers are the
+A fragment of the next wgmma, feed an m64 n8 k64 bf16 wgmma against the head weights' bf16 high and low parts
+(columns 0 and 1 of an [8, 64] tile in shared memory), replacing the ReLU, multiply and tree sum on the CUDA cores.
+Static SASS of the pair loop (triton 3.6): 98 / 90 instructions a consumer warp a tile (consumers 0 / 1) against
+125 / 122.  The logits are rounded to bf16 first (as the official reference's bf16 einsum rounds them), so each term
+is within 2**-9 of exact: 2**-9 · Σ_h |w_h| ReLU(logit_h) an entry on top of fold's error.
 """
 
 from __future__ import annotations
@@ -450,12 +450,11 @@ if HAVE_GLUON:
         if FOLD:
             if general:  # four blocks from zero times the query's c_b (the keys carry their block scales)
                 _consume(W, k_s, q_s, f0, f1, f2, f3, f4, c_s, bars, wq, out_row, c, G, n_live, N, True, True)
-            elif HSUM:  # the head sum on the tensor core (bf16 logits)
-                hw = hw_s.index(W)
-                _head_weights_tile(wq, hw, hbars.index(W))
-                _consume_fold_pairs_hsum(W, k_s, q_s, f4, bars, hw, out_row, c, G, n_live, N)
             else:
-                _consume_fold_pairs(W, k_s, q_s, f4, bars, wq, out_row, c, G, n_live, N, abl_s.type.shape[0])
+                hw = hw_s.index(W if HSUM else 0)  # (one tile when not HSUM, never read)
+                if HSUM:  # the head sum on the tensor core (bf16 logits)
+                    _head_weights_tile(wq, hw, hbars.index(W))
+                _consume_fold_pairs(W, k_s, q_s, f4, bars, wq, hw, out_row, c, G, n_live, N, abl_s.type.shape[0], HSUM)
         elif general:  # a query that needs a scale a block (see _query_prep): one more multiply a value and block
             _consume(W, k_s, q_s, f0, f1, f2, f3, f4, c_s, bars, wq, out_row, c, G, n_live, N, True, False)
         else:
@@ -534,12 +533,15 @@ if HAVE_GLUON:
         return a, st, f4.index(st).slice(64 * W, 64).load(row_l)
 
     @gluon.jit
-    def _consume_fold_pairs(W: gl.constexpr, k_s, q_s, f4, bars, wq, out_row, c, G, n_live, N, ABL: gl.constexpr):
+    def _consume_fold_pairs(W: gl.constexpr, k_s, q_s, f4, bars, wq, hw, out_row, c, G, n_live, N,
+                            ABL: gl.constexpr, HSUM: gl.constexpr):  # fmt: skip
         """Consumer W's loop with fold and a one-scale query: one K = 128 wgmma chain a tile into one accumulator
         (the tensor core's FP8 accumulation: not exact, unlike the K = 32 blocks from zero), two tiles an
         iteration: each tile's MMA runs under the other accumulator's epilogue, and the two accumulators alternate
         without register copies (one accumulator carried across iterations costs a copy of its 32 registers a
-        tile).  ABL: 2**ablate (``ABLATE_EPILOGUE``, ``ABLATE_MMA``)."""
+        tile).  ABL: 2**ablate (``ABLATE_EPILOGUE``, ``ABLATE_MMA``).  HSUM: the epilogue's head sum on the tensor
+        core (``_hsum``, issued and waited for before the next tile's chain, since wgmma groups retire in order;
+        its column sum and store under that chain), ``hw`` its weights; else ``_write_scores`` with ``wq``."""
         STAGES: gl.constexpr = k_s.type.shape[0]
         FREE: gl.constexpr = STAGES
         NO_EPI: gl.constexpr = (ABL & 0xCC) != 0  # ablate & ABLATE_EPILOGUE
@@ -552,23 +554,47 @@ if HAVE_GLUON:
         fk_b = gl.zeros([64], gl.float32, row_l)
         for p in range(n_live // 2):
             i = 2 * p
+            r_b = _epi_issue(acc_b, hw, HSUM)
             a, st, fk_a = _fold_mma(k_s, q_s, f4, bars, i, W, zero, NO_MMA)
-            _write_scores(acc_b, fk_b, wq, out_row, (c + (i - 1) * G) * _TILE_N + rows, N, i > 0, NO_EPI)
+            _epi_store(r_b, fk_b, wq, out_row, (c + (i - 1) * G) * _TILE_N, rows, N, i > 0, W, HSUM, NO_EPI)
             acc_a = _mma_done(a, NO_MMA)
             mbarrier.arrive(bars.index(FREE + st))
+            r_a = _epi_issue(acc_a, hw, HSUM)
             b, st, fk_b = _fold_mma(k_s, q_s, f4, bars, i + 1, W, zero, NO_MMA)
-            _write_scores(acc_a, fk_a, wq, out_row, (c + i * G) * _TILE_N + rows, N, True, NO_EPI)
+            _epi_store(r_a, fk_a, wq, out_row, (c + i * G) * _TILE_N, rows, N, True, W, HSUM, NO_EPI)
             acc_b = _mma_done(b, NO_MMA)
             mbarrier.arrive(bars.index(FREE + st))
         i = n_live - 1  # the last tile (its predecessor's epilogue still pending when n_live is odd)
         if n_live % 2 == 1:
+            r_b = _epi_issue(acc_b, hw, HSUM)
             a, st, fk_a = _fold_mma(k_s, q_s, f4, bars, i, W, zero, NO_MMA)
-            _write_scores(acc_b, fk_b, wq, out_row, (c + (i - 1) * G) * _TILE_N + rows, N, i > 0, NO_EPI)
+            _epi_store(r_b, fk_b, wq, out_row, (c + (i - 1) * G) * _TILE_N, rows, N, i > 0, W, HSUM, NO_EPI)
             acc_a = _mma_done(a, NO_MMA)
             mbarrier.arrive(bars.index(FREE + st))
-            _write_scores(acc_a, fk_a, wq, out_row, (c + i * G) * _TILE_N + rows, N, True, NO_EPI)
+            r_a = _epi_issue(acc_a, hw, HSUM)
+            _epi_store(r_a, fk_a, wq, out_row, (c + i * G) * _TILE_N, rows, N, True, W, HSUM, NO_EPI)
         else:
-            _write_scores(acc_b, fk_b, wq, out_row, (c + i * G) * _TILE_N + rows, N, n_live > 0, NO_EPI)
+            r_b = _epi_issue(acc_b, hw, HSUM)
+            _epi_store(r_b, fk_b, wq, out_row, (c + i * G) * _TILE_N, rows, N, n_live > 0, W, HSUM, NO_EPI)
+
+    @gluon.jit
+    def _epi_issue(acc, hw, HSUM: gl.constexpr):
+        """The epilogue's part before the next MMA is issued: with HSUM the head-sum MMA (``_hsum``), else nothing
+        (``acc`` itself)."""
+        if HSUM:
+            return _hsum(acc, hw)
+        else:
+            return acc
+
+    @gluon.jit
+    def _epi_store(r, fk, wq, out_row, first, rows, N, live, W: gl.constexpr, HSUM: gl.constexpr,
+                   NO_EPI: gl.constexpr):  # fmt: skip
+        """The epilogue's rest, under the next MMA: the scores of tile entries ``first + rows`` from ``r``
+        (``_epi_issue``'s): ``_hsum_store`` with HSUM, else ``_write_scores`` on the logits."""
+        if HSUM:
+            _hsum_store(r, fk, out_row, first + 64 * W, N, live)
+        else:
+            _write_scores(r, fk, wq, out_row, first + rows, N, live, NO_EPI)
 
     @gluon.jit
     def _relu_bf16(x):
@@ -627,43 +653,6 @@ if HAVE_GLUON:
         fkh = gl.convert_layout(fk, row_h)
         offs = first + gl.arange(0, 64, layout=row_h)
         gl.store(out_row + offs, gl.where(fkh > 0.0, s * fkh, float("-inf")), mask=(offs < N) & live)
-
-    @gluon.jit
-    def _consume_fold_pairs_hsum(W: gl.constexpr, k_s, q_s, f4, bars, hw, out_row, c, G, n_live, N):
-        """``_consume_fold_pairs`` with the head sum on the tensor core (``hsum``): a tile's epilogue is ReLU +
-        bf16 conversion (``_relu_bf16``, one instruction a pair), one small wgmma (``_hsum``: issued and waited for
-        before the next tile's K = 128 chain, since wgmma groups retire in order), then the column sum, key factor
-        and store under that chain.  ~40 instructions a consumer thread a tile against ~100 (static estimate)."""
-        STAGES: gl.constexpr = k_s.type.shape[0]
-        FREE: gl.constexpr = STAGES
-        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 32])
-        row_l: gl.constexpr = gl.SliceLayout(1, mma)
-        zero = gl.zeros([64, _HEADS], gl.float32, mma)
-        base = 64 * W
-        acc_b = zero
-        fk_b = gl.zeros([64], gl.float32, row_l)
-        for p in range(n_live // 2):
-            i = 2 * p
-            r_b = _hsum(acc_b, hw)
-            a, st, fk_a = _fold_mma(k_s, q_s, f4, bars, i, W, zero, False)
-            _hsum_store(r_b, fk_b, out_row, (c + (i - 1) * G) * _TILE_N + base, N, i > 0)
-            acc_a = _mma_done(a, False)
-            mbarrier.arrive(bars.index(FREE + st))
-            r_a = _hsum(acc_a, hw)
-            b, st, fk_b = _fold_mma(k_s, q_s, f4, bars, i + 1, W, zero, False)
-            _hsum_store(r_a, fk_a, out_row, (c + i * G) * _TILE_N + base, N, True)
-            acc_b = _mma_done(b, False)
-            mbarrier.arrive(bars.index(FREE + st))
-        i = n_live - 1  # the last tile (its predecessor's epilogue still pending when n_live is odd)
-        if n_live % 2 == 1:
-            r_b = _hsum(acc_b, hw)
-            a, st, fk_a = _fold_mma(k_s, q_s, f4, bars, i, W, zero, False)
-            _hsum_store(r_b, fk_b, out_row, (c + (i - 1) * G) * _TILE_N + base, N, i > 0)
-            acc_a = _mma_done(a, False)
-            mbarrier.arrive(bars.index(FREE + st))
-            _hsum_store(_hsum(acc_a, hw), fk_a, out_row, (c + i * G) * _TILE_N + base, N, True)
-        else:
-            _hsum_store(_hsum(acc_b, hw), fk_b, out_row, (c + i * G) * _TILE_N + base, N, n_live > 0)
 
     @gluon.jit
     def _write_scores(acc, fk, wq, out_row, offs, N, live, SKIP: gl.constexpr = False):
@@ -869,8 +858,8 @@ def launch_gluon_scores(
     zero).  ``producers``: producer warpgroups (1, or 2 taking alternate tiles; ``GLUON_PRODUCERS``), ``regs``:
     (consumer, producer) registers a thread (default by producers and fold), ``ablate``: bits of ``ABLATE_*`` (work
     left out, for timing studies; the scores are then wrong).  ``hsum`` (with ``fold``; the one-scale query path):
-    the weighted head sum on the tensor core (``_consume_fold_pairs_hsum``): the ReLU'd logits are rounded to bf16
-    first (as the official reference's bf16 logits are), the weights kept to ~16 bits, so each term is within
+    the weighted head sum on the tensor core (``_consume_fold_pairs`` with ``HSUM``): the ReLU'd logits are rounded
+    to bf16 first (as the official reference's bf16 logits are), the weights kept to ~16 bits, so each term is within
     2**-9 of its exact value: an error bound of 2**-9 · Σ_h |w_h| ReLU(logit_h) an entry on top of fold's."""
     from dsv4.kernels.dispatch import num_sms, pdl_launch
 
