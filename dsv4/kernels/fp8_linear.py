@@ -49,7 +49,7 @@ from dsv4.errors import check_tensor
 from dsv4.formats.fp8_weight import WEIGHT_BLOCK, FP8Weight
 from dsv4.kernels._triton_sync import pdl_enter
 from dsv4.kernels.dispatch import DEFAULT_NUM_SMS, interpreter_enabled, num_sms, pdl_launch, use_triton
-from dsv4.kernels.linear import _store_out, _store_tile, _sum_splits_kernel, linear_fp32_group
+from dsv4.kernels.linear import _store_out, _store_tile, _sum_splits_kernel, check_counters, linear_fp32_group
 
 __all__ = [
     "DECODE_MAX_M",
@@ -327,14 +327,9 @@ def fp8_linear(
     tiles_n = triton.cdiv(n, bn)
     grid = (groups * tiles_n, triton.cdiv(m, bm), split)
     fused = counters is not None and split > 1 and m <= FUSED_SUM_MAX_M
-    if counters is not None:
-        check_tensor("counters", counters, dtype=torch.int32, ndim=1, device=x.device)
-        if not counters.is_contiguous():
-            raise ValueError("counters: expected a contiguous int32 tensor")
-        if fused and counters.shape[0] < grid[0] * grid[1]:
-            raise ValueError(
-                f"counters: expected >= {grid[0] * grid[1]} (output tiles), got shape {tuple(counters.shape)}"
-            )
+    check_counters(counters, x.device)
+    if fused and counters.shape[0] < grid[0] * grid[1]:
+        raise ValueError(f"counters: expected >= {grid[0] * grid[1]} (output tiles), got shape {tuple(counters.shape)}")
     part = torch.empty(split, m, rows, dtype=torch.float32, device=x.device) if split > 1 else out
     interp = interpreter_enabled()
     _fp8_linear_kernel[grid](

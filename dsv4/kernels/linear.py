@@ -528,10 +528,7 @@ def linear_fp32_group(
     bounds = [sum(tiles[: i + 1]) for i in range(MAX_GROUP - 1)]  # t1, t2, t3 (unused weights: no tiles)
     grid = (sum(tiles), triton.cdiv(m, bm), split)
     fused = counters is not None and split > 1 and m <= FUSED_SUM_MAX_M
-    if counters is not None:
-        check_tensor("counters", counters, dtype=torch.int32, ndim=1, device=x.device)
-        if not counters.is_contiguous():
-            raise ValueError("counters: expected a contiguous int32 tensor")
+    check_counters(counters, x.device)
     pad = MAX_GROUP - len(wl)
     wl, ns4 = wl + [wl[-1]] * pad, ns + [0] * pad
     if gemv is None:
@@ -560,6 +557,15 @@ def linear_fp32_group(
             part, out, numel, split, BLOCK=_SUM_BLOCK, num_warps=4, **pdl_launch(part.device)
         )
     return views
+
+
+def check_counters(counters: torch.Tensor | None, device: torch.device) -> None:
+    """ValueError unless ``counters`` is None or a contiguous int32 vector on ``device`` (a launch's tile counters,
+    ``linear_counters``; whether there are enough is the launch's own check, against its output tiles)."""
+    if counters is not None:
+        check_tensor("counters", counters, dtype=torch.int32, ndim=1, device=device)
+        if not counters.is_contiguous():
+            raise ValueError("counters: expected a contiguous int32 tensor")
 
 
 def bf16_exact(*ws: torch.Tensor) -> bool:
