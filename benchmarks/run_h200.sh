@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One H200 session: environment, GPU tests, then the kernel benchmarks. Results go to $OUT (or ./out).
-# Usage (on the device machine, repo root): bash benchmarks/run_h200.sh [tests|bench|all|pending|ncu|attention|attention_ncu|indexer_gluon|indexer_live|indexer_fold|pending_s12|topk_rows|indexer_default|indexer_p2|indexer_ablate|flush_topk|skeleton|topk_short|fold_auto|hca_online|write_s15|emit_s15|emit2_s15|main_s15|write2_s15|final_s15|gemv_s15|online_regs|write_s16|final_s16|ncu_pool|div_s16|lean_s17|fast_s17|emit_s17|emit2_s17|warps_s17|ipool_s17|final_s17|sweep_s18|overlap_s18|fuse_s19|pdl_s19|pdl_decode_s19|writes_s19|layer_s19|select_s19|grid_s20|tails_s20|linear_s20|layer_s20|topk_s20|validate_s20|prefill_idx_s21|tf32x2_s21|topk_s21|iquery_s21|fp8_linear_s22|fp8_step_s22|hsum_s22]
+# Usage (on the device machine, repo root): bash benchmarks/run_h200.sh [tests|bench|all|pending|ncu|attention|attention_ncu|indexer_gluon|indexer_live|indexer_fold|pending_s12|topk_rows|indexer_default|indexer_p2|indexer_ablate|flush_topk|skeleton|topk_short|fold_auto|hca_online|write_s15|emit_s15|emit2_s15|main_s15|write2_s15|final_s15|gemv_s15|online_regs|write_s16|final_s16|ncu_pool|div_s16|lean_s17|fast_s17|emit_s17|emit2_s17|warps_s17|ipool_s17|final_s17|sweep_s18|overlap_s18|fuse_s19|pdl_s19|pdl_decode_s19|writes_s19|layer_s19|select_s19|grid_s20|tails_s20|linear_s20|layer_s20|topk_s20|validate_s20|prefill_idx_s21|tf32x2_s21|topk_s21|iquery_s21|fp8_linear_s22|fp8_step_s22|hsum_s22|check_s23|step_s23]
 # "pending": the norm and top-k GPU tests (~4 min, most of it compiling the top-k kernels), launch D's rank
 # threshold on/off, top-k with both flush kinds, the decode step; about 8 minutes.  "ncu": Nsight Compute
 # sections of the indexer scores, dense attention and gather kernels (benchmarks/ncu_cases.py).  "attention": the
@@ -646,4 +646,32 @@ if [ "$what" = hsum_s22 ]; then  # left for session 23 (~3 min): the Gluon FP4 i
     2>&1 | tee "$OUT/${stamp}_h200_gpu_tests_hsum_s22.txt" | grep -E "hsum:|passed|failed" | tail -6
   timeout 240 python3 benchmarks/study_gluon_indexer.py --batches 4 64 --quick --fold --hsum --flush read \
     --out "$OUT/${stamp}_h200_study_gluon_hsum_s22.jsonl" 2>&1 | tee "$OUT/${stamp}_h200_study_gluon_hsum_s22.txt" | tail -12
+fi
+if [ "$what" = check_s23 ]; then  # session 23 (~6 min): GPU tests of what sessions 20-23 set or added without a GPU:
+  # fp8_linear (every projection width, every e4m3 code, graph, layer), the stacked FP8 projections
+  # (attention.STACK_PROJECTIONS), the compressor GEMM's tf32x2 (on by default: bit equality with tf32x3), session 20's
+  # top-k / GEMM defaults
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -s tests/kernels/test_fp8_linear.py -m gpu 2>&1 \
+    | tee "$OUT/${stamp}_h200_gpu_tests_fp8_linear_s22.txt" | grep -v "differ from" | tail -6
+  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/model/test_attention.py -k "fp8 or stacked" 2>&1 \
+    | tee -a "$OUT/${stamp}_h200_gpu_tests_fp8_linear_s22.txt" | tail -3
+  timeout 120 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_linear.py -k "gpu or cuda" 2>&1 \
+    | tee "$OUT/${stamp}_h200_gpu_tests_tf32x2_s21.txt" | tail -3
+  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_topk.py tests/kernels/test_indexer_select.py \
+    tests/model/test_attention.py -k "(cuda or gpu or bands_change_nothing) and not fp8" 2>&1 \
+    | tee "$OUT/${stamp}_h200_gpu_tests_validate_s20.txt" | tail -3
+fi
+if [ "$what" = step_s23 ]; then  # session 23 (~8 min): one CSA layer's decode step (128K, B = 1 / 64) with bf16
+  # weights, FP8 weights (fp8_linear), FP8 weights with the projections of one input stacked (STACK_PROJECTIONS);
+  # then fp8_linear alone against cuBLAS bf16 at every projection width (both weight conversions)
+  m=${MODELS:-v4-flash}
+  for f in "" "--fp8-weights" "--fp8-weights --stack-projections"; do
+    tag=$(echo "$f" | tr -d ' -' | cut -c1-24)
+    timeout 140 python3 -m dsv4.cli bench --models $m --kinds csa --contexts 131072 --batches 1,64 $f \
+      --out "$OUT/${stamp}_h200_decode_${m}_${tag:-bf16}_s23.jsonl" 2>&1 | grep -v -i warn | tail -5
+  done
+  for c in 1 0; do
+    timeout 100 python3 benchmarks/bench_fp8_linear.py --cvt-asm $c --out "$OUT/${stamp}_h200_fp8_linear_s23.jsonl" 2>&1 \
+      | tee -a "$OUT/${stamp}_h200_fp8_linear_s23.txt" | cut -c1-200
+  done
 fi

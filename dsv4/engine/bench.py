@@ -52,6 +52,7 @@ writes; small vectors ignored) and its matmul FLOPs; the step's roofline is the 
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import gc
 import json
@@ -106,6 +107,8 @@ class BenchSettings:
     # the layer's linear weights kept FP8 (``random_attention_weights(fp8=True)``: kernels.fp8_linear); the plain
     # PyTorch step gets them dequantised to bf16 once, as a user would load them
     fp8_weights: bool = False
+    # with fp8_weights: the layer's projections of one input as one launch (``model.attention.STACK_PROJECTIONS``)
+    stack_projections: bool = False
 
 
 SMOKE = BenchSettings(models=("tiny",), contexts=(256, 512), batches=(1, 3), graph=False, device="cpu", smoke=True)
@@ -522,6 +525,7 @@ def run_bench(s: BenchSettings, log: Callable[[str], None] = print) -> list[dict
                     r["shape"] = dict(model=model, kind=kind, context=context, batch=r.pop("_batch"))
                     if s.table_context:
                         r["shape"]["table_context"] = max(s.table_context, context)
+                    r["weights"] = ("fp8" + ("_stacked" if s.stack_projections else "")) if s.fp8_weights else "bf16"
                 rows += new
                 log(f"  {model} {kind} ctx {context}: {time.perf_counter() - t0:.1f}s")
                 if device.type == "cuda":
@@ -530,11 +534,25 @@ def run_bench(s: BenchSettings, log: Callable[[str], None] = print) -> list[dict
     return rows
 
 
+@contextlib.contextmanager
+def _stacked_projections(on: bool):
+    """``model.attention.STACK_PROJECTIONS`` set to ``on`` while a layer is built (the layer reads it then)."""
+    from dsv4.model import attention
+
+    before = attention.STACK_PROJECTIONS
+    attention.STACK_PROJECTIONS = on
+    try:
+        yield
+    finally:
+        attention.STACK_PROJECTIONS = before
+
+
 def _bench_context(cfg, kind, context, s: BenchSettings, device, graph: bool, b_max: int) -> list[dict]:
     gen = torch.Generator(device=device).manual_seed(s.seed)
     backend = "torch" if s.smoke and s.backend == "auto" else s.backend
     w = random_attention_weights(cfg, 0, seed=s.seed, device=device, fp8=s.fp8_weights)
-    blk = AttentionSubBlock(cfg, 0, w, backend=backend)
+    with _stacked_projections(s.stack_projections):
+        blk = AttentionSubBlock(cfg, 0, w, backend=backend)
     schema = CacheSchema(cfg)
     per_req = {m_: rc.pages_for_tokens(context) for m_, rc in schema.ratio_classes.items()}
     pages = {m_: (n + 1) * b_max + 4 for m_, n in per_req.items()}  # + slack: captures, a page a step

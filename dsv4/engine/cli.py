@@ -92,6 +92,11 @@ def add_bench_subcommand(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="keep the layer's linear weights FP8 as a checkpoint stores them (kernels.fp8_linear); plain: bf16",
     )
+    p.add_argument(
+        "--stack-projections",
+        action="store_true",
+        help="with --fp8-weights: the projections of one input as one launch (model.attention.STACK_PROJECTIONS)",
+    )
     p.add_argument("--smoke", action="store_true", help="tiny model, contexts 256/512, batches 1/3, CPU, torch backend")
     p.set_defaults(func=cmd_bench)
 
@@ -100,7 +105,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from dsv4.engine.bench import SMOKE, BenchSettings, format_table, run_bench, write_jsonl
 
     if args.smoke:
-        s = dataclasses.replace(SMOKE, fp8_weights=args.fp8_weights)
+        s = dataclasses.replace(SMOKE, fp8_weights=args.fp8_weights, stack_projections=args.stack_projections)
     else:
         s = BenchSettings(
             models=args.models,
@@ -114,9 +119,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
             seed=args.seed,
             table_context=args.table_context,
             fp8_weights=args.fp8_weights,
+            stack_projections=args.stack_projections,
         )
+    if s.stack_projections and not s.fp8_weights:
+        raise SystemExit("dsv4 bench: --stack-projections stacks FP8 weights: give --fp8-weights too")
     print(f"dsv4 bench: models {','.join(s.models)} kinds {','.join(s.kinds)} contexts {s.contexts} "
-          f"batches {s.batches} graph {s.graph}" + (" fp8-weights" if s.fp8_weights else ""), flush=True)  # fmt: skip
+          f"batches {s.batches} graph {s.graph}" + (" fp8-weights" if s.fp8_weights else "")
+          + (" stacked" if s.stack_projections else ""), flush=True)  # fmt: skip
     rows = run_bench(s, log=lambda line: print(line, flush=True))
     table = format_table(rows)
     print(table)

@@ -24,7 +24,7 @@ from dsv4.formats.ue8m0 import UE8M0_BIAS, ceil_log2_ratio
 WEIGHT_BLOCK = 128  # rows and columns of a weight block that share one scale
 E4M3_MAX = 448.0
 
-__all__ = ["E4M3_MAX", "WEIGHT_BLOCK", "FP8Weight", "expand_scale", "scale_shape", "scale_to_fp32"]
+__all__ = ["E4M3_MAX", "WEIGHT_BLOCK", "FP8Weight", "expand_scale", "scale_shape", "scale_to_fp32", "stack_rows"]
 
 
 def scale_shape(out_features: int, in_features: int, block: int = WEIGHT_BLOCK) -> tuple[int, int]:
@@ -140,3 +140,25 @@ class FP8Weight:
         """Every block scale is a power of two (then the dequantised values are exact in bf16).  Reads back."""
         m, _ = torch.frexp(self.scale)
         return bool((m == 0.5).all())
+
+
+def stack_rows(weights: list[FP8Weight]) -> tuple[FP8Weight, list[FP8Weight]] | None:
+    """Weights with the same input width, each of whole ``WEIGHT_BLOCK``-row scale blocks (but the last, which may
+    end on a partial one), stacked by rows into one ``FP8Weight`` (a single GEMM launch computes all their outputs
+    as consecutive column ranges), and each input's row view of it (same values; no second copy).  None if they do
+    not stack so (fewer than two, not all FP8Weight, different input widths or devices, a row count mid-list that is
+    not a multiple of 128)."""
+    if len(weights) < 2 or not all(isinstance(w, FP8Weight) for w in weights):
+        return None
+    k, dev = weights[0].shape[1], weights[0].device
+    if any(w.shape[1] != k or w.device != dev for w in weights):
+        return None
+    if any(w.shape[0] % WEIGHT_BLOCK for w in weights[:-1]):
+        return None
+    cat = FP8Weight(torch.cat([w.data for w in weights]), torch.cat([w.scale for w in weights]))
+    views, row = [], 0
+    for w in weights:
+        n = w.shape[0]
+        views.append(FP8Weight(cat.data[row : row + n], cat.scale[row // WEIGHT_BLOCK : -(-(row + n) // WEIGHT_BLOCK)]))
+        row += n
+    return cat, views

@@ -37,7 +37,7 @@ from dsv4.cache.plan import StepPlan, int32_to_device
 from dsv4.config import LayerKind, ModelConfig
 from dsv4.errors import check_tensor
 from dsv4.formats import EntryPages
-from dsv4.formats.fp8_weight import WEIGHT_BLOCK, FP8Weight
+from dsv4.formats.fp8_weight import WEIGHT_BLOCK, FP8Weight, stack_rows
 from dsv4.kernels.attention import sparse_attention
 from dsv4.kernels.cache.ring import ring_window_slots
 from dsv4.kernels.dispatch import use_triton
@@ -45,7 +45,7 @@ from dsv4.kernels.fp8_linear import fp8_linear
 from dsv4.kernels.indexer import indexer_topk, to_physical, visible_physical
 from dsv4.kernels.linear import bf16_exact, linear_counters, linear_fp32_group, linear_fp32_pair
 from dsv4.model import functional as F
-from dsv4.model.projections import dense, indexer_query, output_projection, query
+from dsv4.model.projections import dense, indexer_query, output_projection, query, query_heads, query_latent
 from dsv4.model.weights import AttentionWeights, CompressorWeights
 
 # An HCA prefill attends in row bands, each with an entry index as wide as its rows see (``visible_bands``), instead of
@@ -58,6 +58,11 @@ PREFILL_BANDS = False
 # +50 % of the compressor weights' memory) and the GEMM takes ``precision="bf16w"`` on a bf16 x, one bf16 MMA with
 # exact products instead of two tf32 ones.  Off until timed on the H200 (``run_h200.sh tf32x2_s21``).
 BF16_EXACT_COMPRESSOR = False
+# FP8 weights (``keep_fp8``) on the Triton path: the projections of one input run as one ``fp8_linear`` launch of the
+# weights stacked by rows (``ProjectionStack``): x's ``wq_a`` + ``wkv``, and qr's ``wq_b`` + (CSA) ``indexer.wq_b``
+# (computed every step, also one whose indexer does not run: a context within top-k).  Two launches fewer a layer
+# step, the small ``wkv`` GEMV no longer a launch of its own.  Off until timed on the H200 (``run_h200.sh stack_s23``).
+STACK_PROJECTIONS = False
 BAND_ALIGN = 64  # a band's index width is rounded up to this many entries (the attention kernels' key blocks)
 BAND_MIN_ROWS = 1024  # rows a band has at least (but the last): each band costs two launches
 
@@ -119,6 +124,8 @@ class AttentionSubBlock:
         self._linear_counters = linear_counters(w.device)
         # FP8 compressor weights: one buffer for all of the layer's (one fp8_linear launch projects them all)
         w, self._comp8, self._comp8_widths = _gather_fp8_compressors(w)
+        # FP8 projections of one input in one launch (STACK_PROJECTIONS; self.w holds views of the stacks)
+        w, self._x_stack, self._qr_stack = _stack_projections(w)
         self.cfg, self.layer_id, self.w, self.backend = cfg, layer_id, w, backend
         comp = w.compressors
         self._bf16w = (
@@ -145,9 +152,18 @@ class AttentionSubBlock:
             raise ValueError(f"handle: expected layer {self.layer_id}, got a handle of layer {handle.layer_id}")
         pos = plan.positions
         cnt = self._linear_counters
-        q, qr = query(cfg, w, x, pos[:, None], self.inv_freq, be, counters=cnt)
-
-        kv_raw = dense(x, w.wkv, be, counters=cnt)
+        q_idx_lin = None
+        if self._x_stack is not None and use_triton(be, x, self._x_stack.weight.data):
+            latent, kv_raw = self._x_stack.project(x, be, cnt)
+            qr = query_latent(cfg, w, latent, pos[:, None], be)
+            if self._qr_stack is not None:
+                q_lin, q_idx_lin = self._qr_stack.project(qr, be, cnt)
+            else:
+                q_lin = dense(qr, w.wq_b, be, counters=cnt)
+            q = query_heads(cfg, q_lin, pos[:, None], self.inv_freq, be)
+        else:
+            q, qr = query(cfg, w, x, pos[:, None], self.inv_freq, be, counters=cnt)
+            kv_raw = dense(x, w.wkv, be, counters=cnt)
         if plan.is_decode:
             handle.write_window(kv_raw, w.kv_norm, self.inv_freq, backend=be)
             window = (handle.read_swa_view().pages, self._ring_window_index(handle))
@@ -170,7 +186,7 @@ class AttentionSubBlock:
             rp = handle.ratio_plan
             if rp.max_entries > 0:
                 if self.kind is LayerKind.CSA and rp.max_entries > cfg.index_topk:
-                    logical = self._indexer_topk(x, qr, handle)
+                    logical = self._indexer_topk(x, qr, handle, q_idx_lin)
                     phys = to_physical(logical, rp.block_table, plan.request_ids, rp.entries_per_page, backend=be)
                 else:
                     # HCA; or CSA while no request has more entries than top-k: each row attends all it sees, in an
@@ -259,11 +275,16 @@ class AttentionSubBlock:
             return "tf32x3"
         return "bf16x3" if self.compressor_gemm == "bf16x3" else "bf16w" if self._bf16w else "tf32x3"
 
-    def _indexer_topk(self, x: torch.Tensor, qr: torch.Tensor, handle: LayerCacheHandle) -> torch.Tensor:
+    def _indexer_topk(
+        self, x: torch.Tensor, qr: torch.Tensor, handle: LayerCacheHandle, q_lin: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Logical top-k entry index [T, index_topk] of the step's rows (``q_lin``: ``indexer.wq_b``'s output if the
+        qr stack computed it)."""
         cfg, plan, rp = self.cfg, handle.plan, handle.ratio_plan
         q_idx, wts = indexer_query(
-            cfg, self.w, x, qr, plan.positions[:, None], self.inv_freq, self.backend, counters=self._linear_counters
-        )
+            cfg, self.w, x, qr, plan.positions[:, None], self.inv_freq, self.backend, counters=self._linear_counters,
+            q_lin=q_lin,
+        )  # fmt: skip
         iv = handle.read_indexer_view()
         # a prefill scores and selects in row chunks of bounded memory, each only as wide as its rows can see;
         # a decode step (maybe graph-captured: its host fields go stale) uses static widths only
@@ -322,15 +343,10 @@ def _gather_fp8_compressors(w: AttentionWeights) -> tuple[AttentionWeights, FP8W
     ``fp8_linear`` launch projects them all), and ``w`` with its compressor weights replaced by row views of it (no
     second copy is kept).  Else (w, None, [])."""
     ws = [t for c in w.compressors for t in (c.wkv, c.wgate)]
-    if not ws or not all(isinstance(t, FP8Weight) and t.shape[0] % WEIGHT_BLOCK == 0 for t in ws):
+    stacked = stack_rows(ws) if all(isinstance(t, FP8Weight) and t.shape[0] % WEIGHT_BLOCK == 0 for t in ws) else None
+    if stacked is None:
         return w, None, []
-    cat = FP8Weight(torch.cat([t.data for t in ws]), torch.cat([t.scale for t in ws]))
-    widths = [t.shape[0] for t in ws]
-    rows = np.cumsum([0] + widths).tolist()
-    views = [
-        FP8Weight(cat.data[a:b], cat.scale[a // WEIGHT_BLOCK : b // WEIGHT_BLOCK])
-        for a, b in zip(rows[:-1], rows[1:], strict=True)
-    ]
+    cat, views = stacked
 
     def comp(c: CompressorWeights, i: int) -> CompressorWeights:
         return dataclasses.replace(c, wkv=views[2 * i], wgate=views[2 * i + 1])
@@ -338,7 +354,38 @@ def _gather_fp8_compressors(w: AttentionWeights) -> tuple[AttentionWeights, FP8W
     new = dataclasses.replace(w, compressor=comp(w.compressor, 0))
     if w.indexer is not None:
         new = dataclasses.replace(new, indexer=dataclasses.replace(w.indexer, compressor=comp(w.indexer.compressor, 1)))
-    return new, cat, widths
+    return new, cat, [t.shape[0] for t in ws]
+
+
+class ProjectionStack(NamedTuple):
+    """Linear weights of one input stacked by rows (``formats.fp8_weight.stack_rows``): one ``fp8_linear`` launch
+    gives all their outputs, ``widths`` consecutive column ranges of it (row-strided views)."""
+
+    weight: FP8Weight
+    widths: list[int]
+
+    def project(self, x: torch.Tensor, backend: str, counters: torch.Tensor | None) -> list[torch.Tensor]:
+        """x [T, in] bf16 -> one view [T, width] bf16 a stacked weight (row stride the stack's rows)."""
+        return list(torch.split(fp8_linear(x, self.weight, backend, counters=counters), self.widths, dim=1))
+
+
+def _stack_projections(w: AttentionWeights) -> tuple[AttentionWeights, ProjectionStack | None, ProjectionStack | None]:
+    """``STACK_PROJECTIONS`` and FP8 weights: (w with the stacked weights replaced by views of the stacks, the x
+    stack ``wq_a`` + ``wkv``, the qr stack ``wq_b`` + (CSA) ``indexer.wq_b``); a stack is None where its weights do
+    not stack (``stack_rows``)."""
+    if not STACK_PROJECTIONS:
+        return w, None, None
+    xs = stack_rows([w.wq_a, w.wkv])
+    if xs is not None:
+        w = dataclasses.replace(w, wq_a=xs[1][0], wkv=xs[1][1])
+    qs = stack_rows([w.wq_b, w.indexer.wq_b]) if w.indexer is not None else None
+    if qs is not None:
+        w = dataclasses.replace(w, wq_b=qs[1][0], indexer=dataclasses.replace(w.indexer, wq_b=qs[1][1]))
+    return (
+        w,
+        None if xs is None else ProjectionStack(xs[0], [t.shape[0] for t in xs[1]]),
+        None if qs is None else ProjectionStack(qs[0], [t.shape[0] for t in qs[1]]),
+    )
 
 
 def window_workspace_index(plan: StepPlan, ring: int) -> WindowWorkspaceIndex:

@@ -53,16 +53,31 @@ def query(
     runs the latent's RMSNorm as one launch (``kernels.norm.rms_norm``) and the per-head norm and RoPE as
     another (``kernels.rope.q_norm_rope``; x [T, dim] and ``head_positions`` [T, 1] there).  FP8 weights: ``dense``
     (``counters`` its)."""
-    pos = _token_positions(x.shape[:-1], head_positions, backend)
     latent = dense(x, w.wq_a, backend, counters=counters)
-    if pos is None:
-        qr = F.rms_norm(latent, w.q_norm, cfg.norm_eps)
-    else:
-        qr = rms_norm(latent, w.q_norm, cfg.norm_eps, backend=backend)
-    q = dense(qr, w.wq_b, backend, counters=counters).unflatten(-1, (cfg.n_heads, cfg.head_dim))
+    qr = query_latent(cfg, w, latent, head_positions, backend)
+    return query_heads(cfg, dense(qr, w.wq_b, backend, counters=counters), head_positions, inv_freq, backend), qr
+
+
+def query_latent(
+    cfg: ModelConfig, w: AttentionWeights, latent: torch.Tensor, head_positions: torch.Tensor, backend: str = "torch"
+) -> torch.Tensor:
+    """``query``'s latent norm: latent [..., q_lora_rank] bf16 (``wq_a``'s output; any row stride on the one-launch
+    path) -> qr, RMSNorm with ``q_norm`` ([..., q_lora_rank] bf16, new)."""
+    if _token_positions(latent.shape[:-1], head_positions, backend) is None:
+        return F.rms_norm(latent, w.q_norm, cfg.norm_eps)
+    return rms_norm(latent, w.q_norm, cfg.norm_eps, backend=backend)
+
+
+def query_heads(
+    cfg: ModelConfig, q_lin: torch.Tensor, head_positions: torch.Tensor, inv_freq: torch.Tensor, backend: str = "torch"
+) -> torch.Tensor:
+    """``query``'s heads: q_lin [..., H·D] bf16 (``wq_b``'s output; any row stride on the one-launch path) -> q
+    [..., H, D] bf16, per-head RMSNorm then RoPE(t) on the rope dims (one launch: ``kernels.rope.q_norm_rope``)."""
+    q = q_lin.unflatten(-1, (cfg.n_heads, cfg.head_dim))
+    pos = _token_positions(q_lin.shape[:-1], head_positions, backend)
     if pos is not None:
-        return q_norm_rope(q, pos, inv_freq, cfg.norm_eps, backend=backend), qr
-    return F.apply_rope(F.head_rms_norm(q, cfg.norm_eps), head_positions, inv_freq), qr
+        return q_norm_rope(q, pos, inv_freq, cfg.norm_eps, backend=backend)
+    return F.apply_rope(F.head_rms_norm(q, cfg.norm_eps), head_positions, inv_freq)
 
 
 def _token_positions(tokens: torch.Size, head_positions: torch.Tensor, backend: str) -> torch.Tensor | None:
@@ -83,16 +98,19 @@ def indexer_query(
     backend: str = "torch",
     *,
     counters: torch.Tensor | None = None,
+    q_lin: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Spec §4 query side.  Returns (q_idx [..., Hi, Di] bf16 after RoPE, Hadamard and MXFP4 — exact
     e2m1 x 2^k values; w [..., Hi] head weights already scaled by Di^-1/2 * Hi^-1/2: bf16 values).
 
     ``backend`` "torch" (default; the dense reference) composes the model's functions; "auto" / "triton"
     runs the two GEMMs and then ``kernels.indexer.indexer_query_tail`` (one launch; x, qr [T, ...] and
-    ``head_positions`` [T, 1] there), whose head weights come back as fp32 holding the same bf16 values."""
+    ``head_positions`` [T, 1] there), whose head weights come back as fp32 holding the same bf16 values.
+    ``q_lin``: ``indexer.wq_b``'s output [..., Hi·Di] if already computed (else projected here from qr)."""
     iw = w.indexer
     hi, di = cfg.index_n_heads, cfg.index_head_dim
-    q_lin = dense(qr, iw.wq_b, backend, counters=counters)
+    if q_lin is None:
+        q_lin = dense(qr, iw.wq_b, backend, counters=counters)
     pos = _token_positions(x.shape[:-1], head_positions, backend)
     if pos is not None:
         w_lin = dense(x, iw.weights_proj, backend, counters=counters)

@@ -3,7 +3,15 @@
 import pytest
 import torch
 
-from dsv4.formats.fp8_weight import E4M3_MAX, WEIGHT_BLOCK, FP8Weight, expand_scale, scale_shape, scale_to_fp32
+from dsv4.formats.fp8_weight import (
+    E4M3_MAX,
+    WEIGHT_BLOCK,
+    FP8Weight,
+    expand_scale,
+    scale_shape,
+    scale_to_fp32,
+    stack_rows,
+)
 from dsv4.model.weights import dequantize_fp8_weight
 
 
@@ -84,3 +92,30 @@ def test_constructor_refuses_non_contiguous_and_wrong_types():
         FP8Weight(d, None)
     with pytest.raises(ValueError, match="2-D floating"):
         FP8Weight.quantize(torch.zeros(3, 3, dtype=torch.int32))
+
+
+def test_stack_rows_views_and_values():
+    """``stack_rows``: one weight of the inputs' rows in order (the last may end on a partial scale block), each
+    input's view of it holds its values and points into the stack (no copy)."""
+    g = torch.Generator().manual_seed(3)
+    ws = [FP8Weight.quantize(torch.randn(n, 200, generator=g)) for n in (256, 128, 64)]
+    cat, views = stack_rows(ws)
+    assert cat.shape == (448, 200) and cat.scale.shape == scale_shape(448, 200)
+    assert torch.equal(cat.dequantize(), torch.cat([w.dequantize() for w in ws]))
+    row = 0
+    for w, v in zip(ws, views, strict=True):
+        assert torch.equal(v.dequantize(), w.dequantize())
+        assert v.data.data_ptr() == cat.data.data_ptr() + row * 200
+        row += w.shape[0]
+
+
+def test_stack_rows_refuses_what_does_not_stack():
+    """None (the caller keeps the weights apart): one weight, a tensor among them, different input widths, a row count
+    mid-list off the 128-row scale blocks."""
+    g = torch.Generator().manual_seed(4)
+    a, b = FP8Weight.quantize(torch.randn(128, 64, generator=g)), FP8Weight.quantize(torch.randn(64, 64, generator=g))
+    assert stack_rows([a]) is None
+    assert stack_rows([a, torch.randn(128, 64)]) is None
+    assert stack_rows([a, FP8Weight.quantize(torch.randn(128, 32, generator=g))]) is None
+    assert stack_rows([b, a]) is None
+    assert stack_rows([a, b]) is not None
