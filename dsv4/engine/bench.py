@@ -75,7 +75,7 @@ from dsv4.kernels.cache.store import store_fp8_entries, store_mxfp4_keys
 from dsv4.kernels.indexer import indexer_scores, to_physical, topk_indices, visible_physical
 from dsv4.model import functional as F
 from dsv4.model.attention import AttentionSubBlock
-from dsv4.model.projections import dense, indexer_query, output_projection, query
+from dsv4.model.projections import indexer_query, output_projection, query
 from dsv4.model.weights import AttentionWeights, random_attention_weights
 
 __all__ = ["BenchSettings", "plain_decode_step", "run_bench", "format_table"]
@@ -392,8 +392,7 @@ def _parts(blk: AttentionSubBlock, handle, x: torch.Tensor) -> dict[str, Callabl
     plan, rp = handle.plan, handle.ratio_plan
     hp = plan.positions[:, None]
     cnt = blk._linear_counters  # noqa: SLF001 - the layer's own (its projections take them)
-    q, qr = query(cfg, w, x, hp, inv, be, counters=cnt)
-    kv_raw = dense(x, w.wkv, be, counters=cnt)
+    q, qr, kv_raw, q_idx_lin = blk.input_projections(x, plan.positions)
     out: dict[str, Callable[[], object]] = {}
 
     out["window_store"] = lambda: handle.write_window(kv_raw, w.kv_norm, inv, backend=be)
@@ -411,7 +410,7 @@ def _parts(blk: AttentionSubBlock, handle, x: torch.Tensor) -> dict[str, Callabl
         iv = handle.read_indexer_view()
 
         def index():
-            q_idx, wts = indexer_query(cfg, w, x, qr, hp, inv, be, counters=cnt)
+            q_idx, wts = indexer_query(cfg, w, x, qr, hp, inv, be, counters=cnt, q_lin=q_idx_lin)
             return indexer_scores(q_idx, wts.float(), iv.pages, rp.block_table, plan.request_ids, rp.n_visible,
                                   rp.max_entries, backend=be)  # fmt: skip
 
@@ -429,8 +428,7 @@ def _parts(blk: AttentionSubBlock, handle, x: torch.Tensor) -> dict[str, Callabl
     o = out["attention"]()[0]
 
     def projections():
-        query(cfg, w, x, hp, inv, be, counters=cnt)
-        dense(x, w.wkv, be, counters=cnt)
+        blk.input_projections(x, plan.positions)  # (with the FP8 stacks: the indexer's wq_b too)
         # as the layer runs it (o rotated in place: each timed call rotates it again; the time does not depend on it)
         return output_projection(cfg, w, o, hp, inv, be, consume_o=True, counters=cnt)
 
@@ -447,8 +445,10 @@ def _part_cost(part: str, blk: AttentionSubBlock, m: KVCacheManager, bsz: int, c
     d = cfg.head_dim
     ratio = blk.ratio
     n_vis = context // ratio if ratio else 0
+    # the FP8 qr stack computes the indexer's wq_b with wq_b: in the projections part, not the indexer's
+    stacked_idx = blk._qr_stack is not None  # noqa: SLF001
     if part == "projections":
-        ws = [w.wq_a, w.wq_b, w.wkv, w.wo_a, w.wo_b]
+        ws = [w.wq_a, w.wq_b, w.wkv, w.wo_a, w.wo_b] + ([w.indexer.wq_b] if stacked_idx else [])
         return _nbytes(*ws) + bsz * cfg.dim * 2 * 2, 2.0 * bsz * sum(t.numel() for t in ws)
     if part == "window_store":
         return bsz * (2 * d * 2 + entry_b), 0.0
@@ -466,8 +466,9 @@ def _part_cost(part: str, blk: AttentionSubBlock, m: KVCacheManager, bsz: int, c
     if part == "indexer":
         iw = w.indexer
         hi, di = cfg.index_n_heads, cfg.index_head_dim
-        nb = _nbytes(iw.wq_b, iw.weights_proj) + bsz * n_vis * (key_b + 4)
-        return nb, 2.0 * (iw.wq_b.numel() + iw.weights_proj.numel()) * bsz + 2.0 * bsz * n_vis * hi * di
+        iws = [iw.weights_proj] + ([] if stacked_idx else [iw.wq_b])
+        nb = _nbytes(*iws) + bsz * n_vis * (key_b + 4)
+        return nb, 2.0 * sum(t.numel() for t in iws) * bsz + 2.0 * bsz * n_vis * hi * di
     if part == "topk":
         return bsz * (n_vis * 4 + cfg.index_topk * 4), 0.0
     if part == "attention":

@@ -152,18 +152,7 @@ class AttentionSubBlock:
             raise ValueError(f"handle: expected layer {self.layer_id}, got a handle of layer {handle.layer_id}")
         pos = plan.positions
         cnt = self._linear_counters
-        q_idx_lin = None
-        if self._x_stack is not None and use_triton(be, x, self._x_stack.weight.data):
-            latent, kv_raw = self._x_stack.project(x, be, cnt)
-            qr = query_latent(cfg, w, latent, pos[:, None], be)
-            if self._qr_stack is not None:
-                q_lin, q_idx_lin = self._qr_stack.project(qr, be, cnt)
-            else:
-                q_lin = dense(qr, w.wq_b, be, counters=cnt)
-            q = query_heads(cfg, q_lin, pos[:, None], self.inv_freq, be)
-        else:
-            q, qr = query(cfg, w, x, pos[:, None], self.inv_freq, be, counters=cnt)
-            kv_raw = dense(x, w.wkv, be, counters=cnt)
+        q, qr, kv_raw, q_idx_lin = self.input_projections(x, pos)
         if plan.is_decode:
             handle.write_window(kv_raw, w.kv_norm, self.inv_freq, backend=be)
             window = (handle.read_swa_view().pages, self._ring_window_index(handle))
@@ -229,6 +218,27 @@ class AttentionSubBlock:
         return o
 
     # ------------------------------------------------------------------ pieces
+    def input_projections(
+        self, x: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The projections of the step's input: x [T, dim] bf16, positions [T] -> (q [T, H, D] bf16 normed and
+        RoPE'd, qr [T, q_lora_rank] bf16, kv_raw [T, head_dim] bf16 (``wkv``'s output), the indexer's ``wq_b``
+        output [T, Hi·Di] bf16 where the qr stack computed it, else None).  With the FP8 stacks (``STACK_PROJECTIONS``)
+        on the Triton path two ``fp8_linear`` launches give all four GEMMs' outputs (row-strided views)."""
+        cfg, w, be, cnt = self.cfg, self.w, self.backend, self._linear_counters
+        hp = positions[:, None]
+        if self._x_stack is None or not use_triton(be, x, self._x_stack.weight.data):
+            q, qr = query(cfg, w, x, hp, self.inv_freq, be, counters=cnt)
+            return q, qr, dense(x, w.wkv, be, counters=cnt), None
+        latent, kv_raw = self._x_stack.project(x, be, cnt)
+        qr = query_latent(cfg, w, latent, hp, be)
+        q_idx_lin = None
+        if self._qr_stack is not None:
+            q_lin, q_idx_lin = self._qr_stack.project(qr, be, cnt)
+        else:
+            q_lin = dense(qr, w.wq_b, be, counters=cnt)
+        return query_heads(cfg, q_lin, hp, self.inv_freq, be), qr, kv_raw, q_idx_lin
+
     def compressor_projections_all(
         self, x: torch.Tensor, cws: list, positions: torch.Tensor
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
