@@ -446,7 +446,7 @@ def _part_cost(part: str, blk: AttentionSubBlock, m: KVCacheManager, bsz: int, c
     ratio = blk.ratio
     n_vis = context // ratio if ratio else 0
     # the FP8 qr stack computes the indexer's wq_b with wq_b: in the projections part, not the indexer's
-    stacked_idx = blk._qr_stack is not None  # noqa: SLF001
+    stacked_idx = blk.index_query_stacked
     if part == "projections":
         ws = [w.wq_a, w.wq_b, w.wkv, w.wo_a, w.wo_b] + ([w.indexer.wq_b] if stacked_idx else [])
         return _nbytes(*ws) + bsz * cfg.dim * 2 * 2, 2.0 * bsz * sum(t.numel() for t in ws)

@@ -217,6 +217,11 @@ class AttentionSubBlock:
             sparse_attention(q[a:b], caches, self.w.attn_sink, self.scale, backend=self.backend, out=o[a:b])
         return o
 
+    @property
+    def index_query_stacked(self) -> bool:
+        """The indexer's ``wq_b`` projects with ``wq_b`` in one launch (the FP8 qr stack, ``STACK_PROJECTIONS``)."""
+        return self._qr_stack is not None
+
     # ------------------------------------------------------------------ pieces
     def input_projections(
         self, x: torch.Tensor, positions: torch.Tensor
