@@ -107,7 +107,7 @@ class BenchSettings:
     # the layer's linear weights kept FP8 (``random_attention_weights(fp8=True)``: kernels.fp8_linear); the plain
     # PyTorch step gets them dequantised to bf16 once, as a user would load them
     fp8_weights: bool = False
-    # with fp8_weights: the layer's projections of one input as one launch (``model.attention.STACK_PROJECTIONS``)
+    # the layer's projections of one input as one GEMM launch (``model.attention.STACK_PROJECTIONS``)
     stack_projections: bool = False
 
 
@@ -526,7 +526,7 @@ def run_bench(s: BenchSettings, log: Callable[[str], None] = print) -> list[dict
                     r["shape"] = dict(model=model, kind=kind, context=context, batch=r.pop("_batch"))
                     if s.table_context:
                         r["shape"]["table_context"] = max(s.table_context, context)
-                    r["weights"] = ("fp8" + ("_stacked" if s.stack_projections else "")) if s.fp8_weights else "bf16"
+                    r["weights"] = ("fp8" if s.fp8_weights else "bf16") + ("_stacked" if s.stack_projections else "")
                 rows += new
                 log(f"  {model} {kind} ctx {context}: {time.perf_counter() - t0:.1f}s")
                 if device.type == "cuda":

@@ -41,7 +41,7 @@ from dsv4.formats.fp8_weight import WEIGHT_BLOCK, FP8Weight, stack_rows
 from dsv4.kernels.attention import sparse_attention
 from dsv4.kernels.cache.ring import ring_window_slots
 from dsv4.kernels.dispatch import use_triton
-from dsv4.kernels.fp8_linear import fp8_linear
+from dsv4.kernels.fp8_linear import fp8_linear, grouped_linear
 from dsv4.kernels.indexer import indexer_topk, to_physical, visible_physical
 from dsv4.kernels.linear import bf16_exact, linear_counters, linear_fp32_group, linear_fp32_pair
 from dsv4.model import functional as F
@@ -58,10 +58,11 @@ PREFILL_BANDS = False
 # +50 % of the compressor weights' memory) and the GEMM takes ``precision="bf16w"`` on a bf16 x, one bf16 MMA with
 # exact products instead of two tf32 ones.  Off until timed on the H200 (``run_h200.sh tf32x2_s21``).
 BF16_EXACT_COMPRESSOR = False
-# FP8 weights (``keep_fp8``) on the Triton path: the projections of one input run as one ``fp8_linear`` launch of the
-# weights stacked by rows (``ProjectionStack``): x's ``wq_a`` + ``wkv``, and qr's ``wq_b`` + (CSA) ``indexer.wq_b``
-# (computed every step, also one whose indexer does not run: a context within top-k).  Two launches fewer a layer
-# step, the small ``wkv`` GEMV no longer a launch of its own.  Off until timed on the H200 (``run_h200.sh stack_s23``).
+# On the Triton path the projections of one input run as one GEMM launch of the weights stacked by rows
+# (``ProjectionStack``; ``fp8_linear`` for FP8 weights, cuBLAS for bf16): x's ``wq_a`` + ``wkv``, and qr's ``wq_b`` +
+# (CSA) ``indexer.wq_b`` (computed every step, also one whose indexer does not run: a context within top-k).  Two
+# launches fewer a layer step, the small ``wkv`` GEMV no longer a launch of its own.  Off until timed on the H200
+# (``run_h200.sh step_s23``).
 STACK_PROJECTIONS = False
 BAND_ALIGN = 64  # a band's index width is rounded up to this many entries (the attention kernels' key blocks)
 BAND_MIN_ROWS = 1024  # rows a band has at least (but the last): each band costs two launches
@@ -124,7 +125,7 @@ class AttentionSubBlock:
         self._linear_counters = linear_counters(w.device)
         # FP8 compressor weights: one buffer for all of the layer's (one fp8_linear launch projects them all)
         w, self._comp8, self._comp8_widths = _gather_fp8_compressors(w)
-        # FP8 projections of one input in one launch (STACK_PROJECTIONS; self.w holds views of the stacks)
+        # the projections of one input in one launch (STACK_PROJECTIONS; self.w holds views of the stacks)
         w, self._x_stack, self._qr_stack = _stack_projections(w)
         self.cfg, self.layer_id, self.w, self.backend = cfg, layer_id, w, backend
         comp = w.compressors
@@ -219,7 +220,7 @@ class AttentionSubBlock:
 
     @property
     def index_query_stacked(self) -> bool:
-        """The indexer's ``wq_b`` projects with ``wq_b`` in one launch (the FP8 qr stack, ``STACK_PROJECTIONS``)."""
+        """The indexer's ``wq_b`` projects with ``wq_b`` in one launch (the qr stack, ``STACK_PROJECTIONS``)."""
         return self._qr_stack is not None
 
     # ------------------------------------------------------------------ pieces
@@ -228,11 +229,11 @@ class AttentionSubBlock:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The projections of the step's input: x [T, dim] bf16, positions [T] -> (q [T, H, D] bf16 normed and
         RoPE'd, qr [T, q_lora_rank] bf16, kv_raw [T, head_dim] bf16 (``wkv``'s output), the indexer's ``wq_b``
-        output [T, Hi·Di] bf16 where the qr stack computed it, else None).  With the FP8 stacks (``STACK_PROJECTIONS``)
-        on the Triton path two ``fp8_linear`` launches give all four GEMMs' outputs (row-strided views)."""
+        output [T, Hi·Di] bf16 where the qr stack computed it, else None).  With the stacks (``STACK_PROJECTIONS``) on
+        the Triton path two GEMM launches give all four GEMMs' outputs (row-strided views)."""
         cfg, w, be, cnt = self.cfg, self.w, self.backend, self._linear_counters
         hp = positions[:, None]
-        if self._x_stack is None or not use_triton(be, x, self._x_stack.weight.data):
+        if self._x_stack is None or not use_triton(be, x, self._x_stack.tensor):
             q, qr = query(cfg, w, x, hp, self.inv_freq, be, counters=cnt)
             return q, qr, dense(x, w.wkv, be, counters=cnt), None
         latent, kv_raw = self._x_stack.project(x, be, cnt)
@@ -373,27 +374,51 @@ def _gather_fp8_compressors(w: AttentionWeights) -> tuple[AttentionWeights, FP8W
 
 
 class ProjectionStack(NamedTuple):
-    """Linear weights of one input stacked by rows (``formats.fp8_weight.stack_rows``): one ``fp8_linear`` launch
-    gives all their outputs, ``widths`` consecutive column ranges of it (row-strided views)."""
+    """Linear weights of one input stacked by rows (``stack_weights``): one GEMM launch gives all their outputs,
+    ``widths`` consecutive column ranges of it (row-strided views)."""
 
-    weight: FP8Weight
+    weight: torch.Tensor | FP8Weight
     widths: list[int]
 
+    @property
+    def tensor(self) -> torch.Tensor:
+        """The stacked weight's (FP8: data) tensor, for dispatch checks."""
+        return self.weight.data if isinstance(self.weight, FP8Weight) else self.weight
+
     def project(self, x: torch.Tensor, backend: str, counters: torch.Tensor | None) -> list[torch.Tensor]:
-        """x [T, in] bf16 -> one view [T, width] bf16 a stacked weight (row stride the stack's rows)."""
-        return list(torch.split(fp8_linear(x, self.weight, backend, counters=counters), self.widths, dim=1))
+        """x [T, in] bf16 -> one view [T, width] bf16 a stacked weight (row stride the stack's rows): ``fp8_linear``
+        (``counters`` its) for FP8 weights, ``grouped_linear`` (cuBLAS) for bf16 ones."""
+        w = self.weight
+        y = fp8_linear(x, w, backend, counters=counters) if isinstance(w, FP8Weight) else grouped_linear(x, w)
+        return list(torch.split(y, self.widths, dim=1))
+
+
+def stack_weights(weights: list) -> tuple[torch.Tensor | FP8Weight, list] | None:
+    """Linear weights [out_i, in] of one input stacked by rows, and each one's row view of the stack (same values, no
+    second copy): ``FP8Weight``s by ``stack_rows``; plain 2-D tensors of one dtype, device and input width by
+    concatenation.  None where they do not stack (a mix, other widths, FP8 rows off the scale blocks)."""
+    if all(isinstance(t, FP8Weight) for t in weights):
+        return stack_rows(weights)
+    if len(weights) < 2 or not all(isinstance(t, torch.Tensor) and t.dim() == 2 for t in weights):
+        return None
+    t0 = weights[0]
+    if any(t.dtype != t0.dtype or t.device != t0.device or t.shape[1] != t0.shape[1] for t in weights):
+        return None
+    cat = torch.cat(weights)
+    rows = np.cumsum([0] + [t.shape[0] for t in weights]).tolist()
+    return cat, [cat[a:b] for a, b in zip(rows[:-1], rows[1:], strict=True)]
 
 
 def _stack_projections(w: AttentionWeights) -> tuple[AttentionWeights, ProjectionStack | None, ProjectionStack | None]:
-    """``STACK_PROJECTIONS`` and FP8 weights: (w with the stacked weights replaced by views of the stacks, the x
-    stack ``wq_a`` + ``wkv``, the qr stack ``wq_b`` + (CSA) ``indexer.wq_b``); a stack is None where its weights do
-    not stack (``stack_rows``)."""
+    """``STACK_PROJECTIONS``: (w with the stacked weights replaced by views of the stacks, the x stack ``wq_a`` +
+    ``wkv``, the qr stack ``wq_b`` + (CSA) ``indexer.wq_b``); a stack is None where its weights do not stack
+    (``stack_weights``)."""
     if not STACK_PROJECTIONS:
         return w, None, None
-    xs = stack_rows([w.wq_a, w.wkv])
+    xs = stack_weights([w.wq_a, w.wkv])
     if xs is not None:
         w = dataclasses.replace(w, wq_a=xs[1][0], wkv=xs[1][1])
-    qs = stack_rows([w.wq_b, w.indexer.wq_b]) if w.indexer is not None else None
+    qs = stack_weights([w.wq_b, w.indexer.wq_b]) if w.indexer is not None else None
     if qs is not None:
         w = dataclasses.replace(w, wq_b=qs[1][0], indexer=dataclasses.replace(w.indexer, wq_b=qs[1][1]))
     return (

@@ -283,14 +283,14 @@ def test_fp8_weights_layer_matches_dense(monkeypatch, backend):
         assert torch.equal(out, run_cached(layer, w.dequantized(), x, sched, backend=backend, device=dev))
 
 
-@pytest.mark.parametrize("kind", ["csa", "hca"])
-def test_stacked_fp8_projections(monkeypatch, kind):
-    """``STACK_PROJECTIONS``: x's ``wq_a`` + ``wkv`` as one ``fp8_linear`` launch and qr's ``wq_b`` + the indexer's
-    ``wq_b`` (CSA) as another, the layer's weights views of the stacks (no copy); same outputs as the dense reference
-    and, within the tolerance of a different K split (the launch geometry follows the stacked rows), as the unstacked
-    layer.  Kernel backend: the interpreter on the CPU, the GPU where there is one."""
+@pytest.mark.parametrize(("kind", "fp8"), [("csa", True), ("hca", True), ("csa", False)])
+def test_stacked_projections(monkeypatch, kind, fp8):
+    """``STACK_PROJECTIONS``: x's ``wq_a`` + ``wkv`` as one GEMM launch (FP8: ``fp8_linear``, bf16: cuBLAS) and qr's
+    ``wq_b`` + the indexer's ``wq_b`` (CSA) as another, the layer's weights views of the stacks (no copy); same
+    outputs as the dense reference and, within the tolerance of a different K split (the launch geometry follows the
+    stacked rows), as the unstacked layer.  Kernel backend: the interpreter on the CPU, the GPU where there is one."""
     layer, dev = LAYERS[kind], _backend_device("triton")
-    w = random_attention_weights(TINY, layer, seed=13, device=dev, fp8=True)
+    w = random_attention_weights(TINY, layer, seed=13, device=dev, fp8=fp8)
     # CSA, 72 tokens: 18 entries, past top-k (16): the indexer runs on the stack's q_lin
     n, sched = (72, [[40, 1, 1, 30], [None, 67, 1, 1, 1]]) if kind == "csa" else (24, [[9, 1, 1, 13], [None, 22, 1, 1]])
     x = torch.randn(2, n, TINY.dim, generator=torch.Generator().manual_seed(13)).to(torch.bfloat16).to(dev)
@@ -299,18 +299,18 @@ def test_stacked_fp8_projections(monkeypatch, kind):
     blk = AttentionSubBlock(TINY, layer, w, backend="triton")
     xs, qs = blk._x_stack, blk._qr_stack
     assert xs.widths == [TINY.q_lora_rank, TINY.head_dim]
-    assert blk.w.wkv.data.data_ptr() == xs.weight.data.data_ptr() + TINY.q_lora_rank * TINY.dim
+    isz = 1 if fp8 else 2  # bytes a weight
+    assert blk.w.wkv.data.data_ptr() == xs.tensor.data_ptr() + TINY.q_lora_rank * TINY.dim * isz
     if kind == "csa":
         assert qs.widths == [TINY.n_heads * TINY.head_dim, TINY.index_n_heads * TINY.index_head_dim]
-        assert blk.w.indexer.wq_b.data.data_ptr() == qs.weight.data.data_ptr() + qs.widths[0] * TINY.q_lora_rank
+        assert blk.w.indexer.wq_b.data.data_ptr() == qs.tensor.data_ptr() + qs.widths[0] * TINY.q_lora_rank * isz
     else:
         assert qs is None
-    shapes, single = [], []
+    shapes, single = [], []  # the weights' shapes of the layer's GEMM launches, of ``dense``'s
     for mod, seen in ((attention_mod, shapes), (P, single)):
-        real = mod.fp8_linear
-        monkeypatch.setattr(
-            mod, "fp8_linear", lambda *a, real=real, seen=seen, **k: seen.append(a[1].shape) or real(*a, **k)
-        )
+        for fn in ("fp8_linear", "grouped_linear"):
+            real = getattr(mod, fn)
+            monkeypatch.setattr(mod, fn, lambda *a, real=real, seen=seen, **k: seen.append(a[1].shape) or real(*a, **k))
     out = run_cached(layer, w, x, sched, backend="triton", device=dev)
     assert (TINY.q_lora_rank + TINY.head_dim, TINY.dim) in shapes
     # the stacked weights are never projected on their own (``dense``); wo_a and wo_b are
