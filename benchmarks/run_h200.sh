@@ -662,16 +662,14 @@ if [ "$what" = check_s23 ]; then  # session 23 (~6 min): GPU tests of what sessi
     | tee "$OUT/${stamp}_h200_gpu_tests_validate_s20.txt" | tail -3
 fi
 if [ "$what" = step_s23 ]; then  # session 23 (~8 min): one CSA layer's decode step (128K, B = 1 / 64) with bf16
-  # weights, FP8 weights (fp8_linear), FP8 weights with the projections of one input stacked (STACK_PROJECTIONS);
-  # then fp8_linear alone against cuBLAS bf16 at every projection width (both weight conversions)
+  # weights, then stacked (STACK_PROJECTIONS: x's wq_a + wkv and qr's wq_b + indexer wq_b, one GEMM each), FP8 weights
+  # (fp8_linear), FP8 stacked; then fp8_linear alone against cuBLAS bf16 at every projection width
   m=${MODELS:-v4-flash}
-  for f in "" "--fp8-weights" "--fp8-weights --stack-projections"; do
-    tag=$(echo "$f" | tr -d ' -' | cut -c1-24)
-    timeout 140 python3 -m dsv4.cli bench --models $m --kinds csa --contexts 131072 --batches 1,64 $f \
-      --out "$OUT/${stamp}_h200_decode_${m}_${tag:-bf16}_s23.jsonl" 2>&1 | grep -v -i warn | tail -5
+  for f in "" "--stack-projections" "--fp8-weights" "--fp8-weights --stack-projections"; do
+    tag=$(echo "$f" | sed 's/--//g; s/ /_/g; s/-projections//; s/-weights//')
+    timeout 110 python3 -m dsv4.cli bench --models $m --kinds csa --contexts 131072 --batches 1,64 $f \
+      --out "$OUT/${stamp}_h200_decode_${m}_${tag:-bf16}_s23.jsonl" 2>&1 | grep -v -i warn | tail -4
   done
-  for c in 1 0; do
-    timeout 100 python3 benchmarks/bench_fp8_linear.py --cvt-asm $c --out "$OUT/${stamp}_h200_fp8_linear_s23.jsonl" 2>&1 \
-      | tee -a "$OUT/${stamp}_h200_fp8_linear_s23.txt" | cut -c1-200
-  done
+  timeout 90 python3 benchmarks/bench_fp8_linear.py --cvt-asm ${CVT:-1} --out "$OUT/${stamp}_h200_fp8_linear_s23.jsonl" \
+    2>&1 | tee -a "$OUT/${stamp}_h200_fp8_linear_s23.txt" | cut -c1-200
 fi
