@@ -392,7 +392,8 @@ def _parts(blk: AttentionSubBlock, handle, x: torch.Tensor) -> dict[str, Callabl
     plan, rp = handle.plan, handle.ratio_plan
     hp = plan.positions[:, None]
     cnt = blk._linear_counters  # noqa: SLF001 - the layer's own (its projections take them)
-    q, qr, kv_raw, q_idx_lin = blk.input_projections(x, plan.positions)
+    ip = blk.input_projections(x, plan.positions)
+    q, qr, kv_raw = ip.q, ip.qr, ip.kv_raw
     out: dict[str, Callable[[], object]] = {}
 
     out["window_store"] = lambda: handle.write_window(kv_raw, w.kv_norm, inv, backend=be)
@@ -410,7 +411,7 @@ def _parts(blk: AttentionSubBlock, handle, x: torch.Tensor) -> dict[str, Callabl
         iv = handle.read_indexer_view()
 
         def index():
-            q_idx, wts = indexer_query(cfg, w, x, qr, hp, inv, be, counters=cnt, q_lin=q_idx_lin)
+            q_idx, wts = indexer_query(cfg, w, x, qr, hp, inv, be, counters=cnt, q_lin=ip.index_q, w_lin=ip.index_w)
             return indexer_scores(q_idx, wts.float(), iv.pages, rp.block_table, plan.request_ids, rp.n_visible,
                                   rp.max_entries, backend=be)  # fmt: skip
 
@@ -445,10 +446,10 @@ def _part_cost(part: str, blk: AttentionSubBlock, m: KVCacheManager, bsz: int, c
     d = cfg.head_dim
     ratio = blk.ratio
     n_vis = context // ratio if ratio else 0
-    # the FP8 qr stack computes the indexer's wq_b with wq_b: in the projections part, not the indexer's
-    stacked_idx = blk.index_query_stacked
+    # the indexer's weights that the stacks project with the layer's own: in the projections part, not the indexer's
+    stacked = blk.stacked_indexer_weights
     if part == "projections":
-        ws = [w.wq_a, w.wq_b, w.wkv, w.wo_a, w.wo_b] + ([w.indexer.wq_b] if stacked_idx else [])
+        ws = [w.wq_a, w.wq_b, w.wkv, w.wo_a, w.wo_b] + stacked
         return _nbytes(*ws) + bsz * cfg.dim * 2 * 2, 2.0 * bsz * sum(t.numel() for t in ws)
     if part == "window_store":
         return bsz * (2 * d * 2 + entry_b), 0.0
@@ -466,7 +467,7 @@ def _part_cost(part: str, blk: AttentionSubBlock, m: KVCacheManager, bsz: int, c
     if part == "indexer":
         iw = w.indexer
         hi, di = cfg.index_n_heads, cfg.index_head_dim
-        iws = [iw.weights_proj] + ([] if stacked_idx else [iw.wq_b])
+        iws = [t for t in (iw.wq_b, iw.weights_proj) if not any(t is u for u in stacked)]
         nb = _nbytes(*iws) + bsz * n_vis * (key_b + 4)
         return nb, 2.0 * sum(t.numel() for t in iws) * bsz + 2.0 * bsz * n_vis * hi * di
     if part == "topk":

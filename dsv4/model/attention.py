@@ -153,7 +153,8 @@ class AttentionSubBlock:
             raise ValueError(f"handle: expected layer {self.layer_id}, got a handle of layer {handle.layer_id}")
         pos = plan.positions
         cnt = self._linear_counters
-        q, qr, kv_raw, q_idx_lin = self.input_projections(x, pos)
+        ip = self.input_projections(x, pos)
+        q, qr, kv_raw = ip.q, ip.qr, ip.kv_raw
         if plan.is_decode:
             handle.write_window(kv_raw, w.kv_norm, self.inv_freq, backend=be)
             window = (handle.read_swa_view().pages, self._ring_window_index(handle))
@@ -176,7 +177,7 @@ class AttentionSubBlock:
             rp = handle.ratio_plan
             if rp.max_entries > 0:
                 if self.kind is LayerKind.CSA and rp.max_entries > cfg.index_topk:
-                    logical = self._indexer_topk(x, qr, handle, q_idx_lin)
+                    logical = self._indexer_topk(x, qr, handle, ip)
                     phys = to_physical(logical, rp.block_table, plan.request_ids, rp.entries_per_page, backend=be)
                 else:
                     # HCA; or CSA while no request has more entries than top-k: each row attends all it sees, in an
@@ -219,31 +220,34 @@ class AttentionSubBlock:
         return o
 
     @property
-    def index_query_stacked(self) -> bool:
-        """The indexer's ``wq_b`` projects with ``wq_b`` in one launch (the qr stack, ``STACK_PROJECTIONS``)."""
-        return self._qr_stack is not None
+    def stacked_indexer_weights(self) -> list:
+        """The indexer's weights that the stacks project with the layer's own (``STACK_PROJECTIONS``): ``wq_b`` with
+        ``wq_b`` (the qr stack), ``weights_proj`` with ``wq_a`` + ``wkv`` (the x stack, where it joined)."""
+        out = []
+        if self._qr_stack is not None:
+            out.append(self.w.indexer.wq_b)
+        if self._x_stack is not None and len(self._x_stack.widths) == 3:
+            out.append(self.w.indexer.weights_proj)
+        return out
 
     # ------------------------------------------------------------------ pieces
-    def input_projections(
-        self, x: torch.Tensor, positions: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """The projections of the step's input: x [T, dim] bf16, positions [T] -> (q [T, H, D] bf16 normed and
-        RoPE'd, qr [T, q_lora_rank] bf16, kv_raw [T, head_dim] bf16 (``wkv``'s output), the indexer's ``wq_b``
-        output [T, Hi·Di] bf16 where the qr stack computed it, else None).  With the stacks (``STACK_PROJECTIONS``) on
-        the Triton path two GEMM launches give all four GEMMs' outputs (row-strided views)."""
+    def input_projections(self, x: torch.Tensor, positions: torch.Tensor) -> InputProjections:
+        """The projections of the step's input x [T, dim] bf16 at positions [T] (``InputProjections``).  With the
+        stacks (``STACK_PROJECTIONS``) on the Triton path two GEMM launches give all of them (row-strided views)."""
         cfg, w, be, cnt = self.cfg, self.w, self.backend, self._linear_counters
         hp = positions[:, None]
         if self._x_stack is None or not use_triton(be, x, self._x_stack.tensor):
             q, qr = query(cfg, w, x, hp, self.inv_freq, be, counters=cnt)
-            return q, qr, dense(x, w.wkv, be, counters=cnt), None
-        latent, kv_raw = self._x_stack.project(x, be, cnt)
+            return InputProjections(q, qr, dense(x, w.wkv, be, counters=cnt))
+        latent, kv_raw, *index_w = self._x_stack.project(x, be, cnt)
         qr = query_latent(cfg, w, latent, hp, be)
-        q_idx_lin = None
+        index_q = None
         if self._qr_stack is not None:
-            q_lin, q_idx_lin = self._qr_stack.project(qr, be, cnt)
+            q_lin, index_q = self._qr_stack.project(qr, be, cnt)
         else:
             q_lin = dense(qr, w.wq_b, be, counters=cnt)
-        return query_heads(cfg, q_lin, hp, self.inv_freq, be), qr, kv_raw, q_idx_lin
+        q = query_heads(cfg, q_lin, hp, self.inv_freq, be)
+        return InputProjections(q, qr, kv_raw, index_q, index_w[0] if index_w else None)
 
     def compressor_projections_all(
         self, x: torch.Tensor, cws: list, positions: torch.Tensor
@@ -292,14 +296,14 @@ class AttentionSubBlock:
         return "bf16x3" if self.compressor_gemm == "bf16x3" else "bf16w" if self._bf16w else "tf32x3"
 
     def _indexer_topk(
-        self, x: torch.Tensor, qr: torch.Tensor, handle: LayerCacheHandle, q_lin: torch.Tensor | None = None
+        self, x: torch.Tensor, qr: torch.Tensor, handle: LayerCacheHandle, ip: InputProjections | None = None
     ) -> torch.Tensor:
-        """Logical top-k entry index [T, index_topk] of the step's rows (``q_lin``: ``indexer.wq_b``'s output if the
-        qr stack computed it)."""
+        """Logical top-k entry index [T, index_topk] of the step's rows (``ip``: the indexer's GEMM outputs the stacks
+        computed, if any)."""
         cfg, plan, rp = self.cfg, handle.plan, handle.ratio_plan
         q_idx, wts = indexer_query(
             cfg, self.w, x, qr, plan.positions[:, None], self.inv_freq, self.backend, counters=self._linear_counters,
-            q_lin=q_lin,
+            q_lin=None if ip is None else ip.index_q, w_lin=None if ip is None else ip.index_w,
         )  # fmt: skip
         iv = handle.read_indexer_view()
         # a prefill scores and selects in row chunks of bounded memory, each only as wide as its rows can see;
@@ -373,6 +377,16 @@ def _gather_fp8_compressors(w: AttentionWeights) -> tuple[AttentionWeights, FP8W
     return new, cat, [t.shape[0] for t in ws]
 
 
+class InputProjections(NamedTuple):
+    """``AttentionSubBlock.input_projections``: what the layer computes from its input x [T, dim] before the caches."""
+
+    q: torch.Tensor  # [T, H, D] bf16, per-head normed and RoPE'd
+    qr: torch.Tensor  # [T, q_lora_rank] bf16, the normed query latent
+    kv_raw: torch.Tensor  # [T, head_dim] bf16, ``wkv``'s output
+    index_q: torch.Tensor | None = None  # [T, Hi·Di] bf16, ``indexer.wq_b``'s output where the qr stack computed it
+    index_w: torch.Tensor | None = None  # [T, Hi] bf16, ``indexer.weights_proj``'s where the x stack computed it
+
+
 class ProjectionStack(NamedTuple):
     """Linear weights of one input stacked by rows (``stack_weights``): one GEMM launch gives all their outputs,
     ``widths`` consecutive column ranges of it (row-strided views)."""
@@ -411,11 +425,16 @@ def stack_weights(weights: list) -> tuple[torch.Tensor | FP8Weight, list] | None
 
 def _stack_projections(w: AttentionWeights) -> tuple[AttentionWeights, ProjectionStack | None, ProjectionStack | None]:
     """``STACK_PROJECTIONS``: (w with the stacked weights replaced by views of the stacks, the x stack ``wq_a`` +
-    ``wkv``, the qr stack ``wq_b`` + (CSA) ``indexer.wq_b``); a stack is None where its weights do not stack
-    (``stack_weights``)."""
+    ``wkv`` (+ the indexer's ``weights_proj`` where it stacks with them), the qr stack ``wq_b`` + (CSA)
+    ``indexer.wq_b``); a stack is None where its weights do not stack (``stack_weights``)."""
     if not STACK_PROJECTIONS:
         return w, None, None
-    xs = stack_weights([w.wq_a, w.wkv])
+    # (the indexer's weights_proj, 64 rows, last: bf16 in V4's checkpoints, so it joins bf16 stacks only)
+    xs = stack_weights([w.wq_a, w.wkv, w.indexer.weights_proj]) if w.indexer is not None else None
+    if xs is not None:
+        w = dataclasses.replace(w, indexer=dataclasses.replace(w.indexer, weights_proj=xs[1][2]))
+    else:
+        xs = stack_weights([w.wq_a, w.wkv])
     if xs is not None:
         w = dataclasses.replace(w, wq_a=xs[1][0], wkv=xs[1][1])
     qs = stack_weights([w.wq_b, w.indexer.wq_b]) if w.indexer is not None else None

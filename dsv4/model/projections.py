@@ -99,6 +99,7 @@ def indexer_query(
     *,
     counters: torch.Tensor | None = None,
     q_lin: torch.Tensor | None = None,
+    w_lin: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Spec §4 query side.  Returns (q_idx [..., Hi, Di] bf16 after RoPE, Hadamard and MXFP4 — exact
     e2m1 x 2^k values; w [..., Hi] head weights already scaled by Di^-1/2 * Hi^-1/2: bf16 values).
@@ -106,14 +107,16 @@ def indexer_query(
     ``backend`` "torch" (default; the dense reference) composes the model's functions; "auto" / "triton"
     runs the two GEMMs and then ``kernels.indexer.indexer_query_tail`` (one launch; x, qr [T, ...] and
     ``head_positions`` [T, 1] there), whose head weights come back as fp32 holding the same bf16 values.
-    ``q_lin``: ``indexer.wq_b``'s output [..., Hi·Di] if already computed (else projected here from qr)."""
+    ``q_lin``: ``indexer.wq_b``'s output [..., Hi·Di] if already computed (else projected here from qr); ``w_lin``:
+    likewise ``weights_proj``'s [T, Hi] (the one-launch path only; the composition projects x itself)."""
     iw = w.indexer
     hi, di = cfg.index_n_heads, cfg.index_head_dim
     if q_lin is None:
         q_lin = dense(qr, iw.wq_b, backend, counters=counters)
     pos = _token_positions(x.shape[:-1], head_positions, backend)
     if pos is not None:
-        w_lin = dense(x, iw.weights_proj, backend, counters=counters)
+        if w_lin is None:
+            w_lin = dense(x, iw.weights_proj, backend, counters=counters)
         return indexer_query_tail(q_lin, w_lin, pos, inv_freq, F.key_format(cfg), backend=backend)
     q_idx = q_lin.unflatten(-1, (hi, di))
     q_idx = F.mxfp4_simulate(F.hadamard(F.apply_rope(q_idx, head_positions, inv_freq)), F.key_format(cfg))

@@ -136,7 +136,7 @@ def test_roofline_costs_and_bad_settings():
 
     b = _Blk()
     b.cfg, b.w, b.ratio = cfg, random_attention_weights(cfg, 0, device="meta"), 4
-    b.kind, b.index_query_stacked = cfg.layer_kind(0), False
+    b.kind, b.stacked_indexer_weights = cfg.layer_kind(0), []
     m = KVCacheManager(cfg, max_requests=1, num_pages=1, device="meta")
     nb, fl = _part_cost("attention", b, m, 64, 131072)
     assert nb == 64 * (128 + 512) * 583 + 64 * 2 * 64 * 512 * 2  # window + top-512 entries; q and out

@@ -298,7 +298,11 @@ def test_stacked_projections(monkeypatch, kind, fp8):
     monkeypatch.setattr(attention_mod, "STACK_PROJECTIONS", True)
     blk = AttentionSubBlock(TINY, layer, w, backend="triton")
     xs, qs = blk._x_stack, blk._qr_stack
-    assert xs.widths == [TINY.q_lora_rank, TINY.head_dim]
+    # CSA: the indexer's weights_proj joins the x stack (random fp8 weights quantise it too; a V4 checkpoint's is bf16,
+    # and then it stays apart: test_stack_weights_mixed)
+    x_widths = [TINY.q_lora_rank, TINY.head_dim] + ([TINY.index_n_heads] if kind == "csa" else [])
+    assert xs.widths == x_widths
+    assert len(blk.stacked_indexer_weights) == (kind == "csa") + len(x_widths) // 3
     isz = 1 if fp8 else 2  # bytes a weight
     assert blk.w.wkv.data.data_ptr() == xs.tensor.data_ptr() + TINY.q_lora_rank * TINY.dim * isz
     if kind == "csa":
@@ -312,15 +316,31 @@ def test_stacked_projections(monkeypatch, kind, fp8):
             real = getattr(mod, fn)
             monkeypatch.setattr(mod, fn, lambda *a, real=real, seen=seen, **k: seen.append(a[1].shape) or real(*a, **k))
     out = run_cached(layer, w, x, sched, backend="triton", device=dev)
-    assert (TINY.q_lora_rank + TINY.head_dim, TINY.dim) in shapes
+    assert (sum(x_widths), TINY.dim) in shapes
     # the stacked weights are never projected on their own (``dense``); wo_a and wo_b are
     stacked = {tuple(w.wq_a.shape), tuple(w.wkv.shape)}
     if kind == "csa":
         assert (sum(qs.widths), TINY.q_lora_rank) in shapes
         stacked |= {tuple(w.wq_b.shape), tuple(w.indexer.wq_b.shape)}
+        if len(x_widths) == 3:
+            stacked.add(tuple(w.indexer.weights_proj.shape))
     assert single and not stacked & {tuple(s) for s in single}
     assert_close(out, dense_attention(TINY, layer, w, x))
     assert_close(out, plain)
+
+
+def test_stack_weights_mixed(monkeypatch):
+    """FP8 ``wq_a`` / ``wkv`` with a bf16 ``weights_proj`` (as V4's checkpoints hold them, loaded ``keep_fp8``): the x
+    stack is the two FP8 weights and weights_proj stays its own bf16 GEMM; bf16 and FP8 never share a stack."""
+    layer = LAYERS["csa"]
+    w = random_attention_weights(TINY, layer, seed=14, fp8=True)
+    wp16 = w.indexer.weights_proj.dequantize(torch.bfloat16)
+    w = dataclasses.replace(w, indexer=dataclasses.replace(w.indexer, weights_proj=wp16))
+    assert attention_mod.stack_weights([w.wq_a, wp16]) is None
+    monkeypatch.setattr(attention_mod, "STACK_PROJECTIONS", True)
+    blk = AttentionSubBlock(TINY, layer, w, backend="triton")
+    assert blk._x_stack.widths == [TINY.q_lora_rank, TINY.head_dim]
+    assert blk.stacked_indexer_weights == [blk.w.indexer.wq_b] and blk.w.indexer.weights_proj is wp16
 
 
 @pytest.mark.gpu
