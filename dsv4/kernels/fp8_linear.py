@@ -272,7 +272,15 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, groups: int = 1) -> torch.T
     if groups == 1:
         return torch.nn.functional.linear(x, w)
     k = w.shape[1]
-    return torch.einsum("...gk,gnk->...gn", x.unflatten(-1, (groups, k)), w.view(groups, -1, k)).flatten(-2)
+    n = w.shape[0] // groups
+    if x.dim() != 2 or x.stride(1) != 1:
+        return torch.einsum("...gk,gnk->...gn", x.unflatten(-1, (groups, k)), w.view(groups, n, k)).flatten(-2)
+    # one batched GEMM over the groups reading x and writing y in place as [G, T, K] / [G, T, N] views (row stride G·K /
+    # G·N): no copy of either (einsum would make x's groups contiguous first: a launch and T·G·K elements more)
+    y = torch.empty(x.shape[0], groups * n, dtype=x.dtype, device=x.device)
+    xg = x.unflatten(1, (groups, k)).transpose(0, 1)
+    torch.bmm(xg, w.view(groups, n, k).transpose(1, 2), out=y.view(-1, groups, n).transpose(0, 1))
+    return y
 
 
 def fp8_linear(

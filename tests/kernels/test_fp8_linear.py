@@ -17,7 +17,14 @@ import torch
 from dsv4.engine.graphs import capture_graph
 from dsv4.formats.fp8_weight import FP8Weight
 from dsv4.kernels import fp8_linear as fl
-from dsv4.kernels.fp8_linear import DECODE_MAX_M, dequantize, fp8_linear, fp8_linear_launch, fp8_linear_reference
+from dsv4.kernels.fp8_linear import (
+    DECODE_MAX_M,
+    dequantize,
+    fp8_linear,
+    fp8_linear_launch,
+    fp8_linear_reference,
+    grouped_linear,
+)
 
 U = 2.0**-24
 
@@ -258,3 +265,20 @@ def test_fp8_linear_every_e4m3_code_on_gpu(cvt_asm):
     x = torch.eye(128, device="cuda").bfloat16()
     y = fp8_linear(x, w, cvt_asm=cvt_asm)
     assert torch.equal(y, w.dequantize(torch.bfloat16).T.contiguous())
+
+
+@pytest.mark.parametrize("groups", [1, 4])
+def test_grouped_linear_matches_einsum(device, groups):
+    """``grouped_linear`` on bf16 weights (the layer's wo_a when not FP8): a 2-D x, contiguous or a column slice of a
+    wider tensor (row-strided), runs one batched GEMM into its output (no copy of x); a 3-D x the einsum.  Same
+    values as the einsum of each group's block (fp64 reference, bf16 rounding: within one bf16 ulp)."""
+    g = torch.Generator().manual_seed(groups)
+    t, k, n = 5, 64, 48
+    wide = torch.randn(t, groups * k + 16, generator=g).to(torch.bfloat16).to(device)
+    w = torch.randn(groups * n, k, generator=g).to(torch.bfloat16).to(device)
+    want = torch.einsum("tgk,gnk->tgn", wide[:, 16:].double().unflatten(1, (groups, k)), w.double().view(groups, n, k))
+    want = want.flatten(1)
+    for x in (wide[:, 16:].contiguous(), wide[:, 16:], wide[:, 16:].unsqueeze(0)):
+        y = grouped_linear(x, w, groups).reshape(t, groups * n)
+        assert y.dtype == torch.bfloat16 and y.is_contiguous()
+        assert ((y.double() - want).abs() <= 2**-8 * want.abs() + 1e-6).all()
