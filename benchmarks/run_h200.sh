@@ -653,8 +653,16 @@ if [ "$what" = check_s23 ]; then  # session 23 (~6 min): GPU tests of what sessi
   # top-k / GEMM defaults
   timeout 200 python3 -m pytest -q -p no:cacheprovider -s tests/kernels/test_fp8_linear.py -m gpu 2>&1 \
     | tee "$OUT/${stamp}_h200_gpu_tests_fp8_linear_s22.txt" | grep -v "differ from" | tail -6
-  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/model/test_attention.py -k "fp8 or stacked" 2>&1 \
-    | tee -a "$OUT/${stamp}_h200_gpu_tests_fp8_linear_s22.txt" | tail -3
+  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/model/test_attention.py tests/kernels/test_fp8_linear.py \
+    -k "fp8_weights or stacked or gpu_triton or (grouped and cuda)" 2>&1 | tee -a "$OUT/${stamp}_h200_gpu_tests_fp8_linear_s22.txt" | tail -3
+  # grouped_linear's bf16 path (V4-Flash wo_a: 8 groups of 4,096 -> 1,024, B = 64): kernels a call (one GEMM, no copy)
+  python3 -c "
+import torch; from torch.profiler import profile, ProfilerActivity; from dsv4.kernels.fp8_linear import grouped_linear
+x = torch.randn(64, 8 * 4096, device='cuda').bfloat16(); w = torch.randn(8 * 1024, 4096, device='cuda').bfloat16()
+grouped_linear(x, w, 8); torch.cuda.synchronize()
+with profile(activities=[ProfilerActivity.CUDA]) as p: grouped_linear(x, w, 8); torch.cuda.synchronize()
+print('grouped_linear kernels:', [e.name[:60] for e in p.events() if e.device_type == torch.autograd.DeviceType.CUDA])
+" 2>&1 | tail -1 | tee -a "$OUT/${stamp}_h200_gpu_tests_fp8_linear_s22.txt"
   timeout 120 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_linear.py -k "gpu or cuda" 2>&1 \
     | tee "$OUT/${stamp}_h200_gpu_tests_tf32x2_s21.txt" | tail -3
   timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_topk.py tests/kernels/test_indexer_select.py \
