@@ -230,26 +230,33 @@ def case_store_window(fmt, mode, n, device, gen, tune=None):
             ws_pages = -(-t // bs)
             ws_flat = torch.zeros(fmt.page_bytes(bs) * ws_pages, dtype=torch.uint8, device=device)
             ws = (ws_slots, fmt.entry_pages(ws_flat, ws_pages, bs), ws_flat)
-        return flat, fmt.entry_pages(flat, pages_n, bs), out, ws
+        # the ring's position and head tables, which the layer's window write also sets in its launch
+        tables = (
+            torch.zeros(pages_n * bs + 1, dtype=torch.int32, device=device),
+            torch.zeros(pages_n + 1, dtype=torch.int32, device=device),
+        )
+        return flat, fmt.entry_pages(flat, pages_n, bs), out, ws, tables
 
-    (fk, pk, ok_, wk), (fr, pr, or_, wr) = make(), make()
+    (fk, pk, ok_, wk, tk), (fr, pr, or_, wr, tr) = make(), make()
 
-    def run(backend, pages, out, ws):
+    def run(backend, pages, out, ws, tables):
         kw = kw_t if backend == "triton" else {}
         cp = (ws[0], ws[1]) if ws is not None else None
         return lambda: store_window(
-            kv, w, 1e-6, pos, inv, slots, pages, fmt, out=out, backend=backend, copy_to=cp, **kw
-        )
+            kv, w, 1e-6, pos, inv, slots, pages, fmt, out=out, backend=backend, copy_to=cp, ring_positions=tables[0],
+            ring_head=tables[1], **kw,
+        )  # fmt: skip
 
-    run("triton", pk, ok_, wk)()
-    run("torch", pr, or_, wr)()
+    run("triton", pk, ok_, wk, tk)()
+    run("torch", pr, or_, wr, tr)()
     same = (fk == fr).float().mean().item()
     if copy:
         same = min(same, (wk[2] == wr[2]).float().mean().item())
-    ok = same > 0.999
+    ok = same > 0.999 and all(torch.equal(a[:-1], b[:-1]) for a, b in zip(tk, tr, strict=True))
     out_b = fmt.head_dim * 2 if with_out else fp8_written_bytes(fmt) if copy else 0
-    nbytes = t * (fmt.head_dim * 2 + 4 + 4 + fp8_written_bytes(fmt) + out_b)
-    return run("triton", pk, ok_, wk), run("torch", pr, or_, wr), ok, f"bytes equal {same:.6f}", nbytes
+    # per row: kv in, position and slot in, entry out, its ring position out (+ the heads: 4 B a request)
+    nbytes = t * (fmt.head_dim * 2 + 4 + 4 + fp8_written_bytes(fmt) + out_b + 4)
+    return run("triton", pk, ok_, wk, tk), run("torch", pr, or_, wr, tr), ok, f"bytes equal {same:.6f}", nbytes
 
 
 def _fused_prefill(fuse_emit, online: bool, rows: int, d: int) -> bool:

@@ -196,7 +196,8 @@ class LayerCacheHandle:
 
         Returns the normed + RoPE'd bf16 rows [T, head_dim] (pre-FP8): the chunk's own window keys
         (``rows=False``: None, not written).  ``copy_to`` = (slots [T], EntryPages of the entry format): every
-        token's entry is also stored there in the same launch (a prefill chunk's attention workspace).
+        token's entry is also stored there in the same launch (a prefill chunk's attention workspace).  The ring
+        positions and heads are updated in the same launch.
         """
         from dsv4.kernels.cache.append_swa import append_window
 
@@ -217,8 +218,8 @@ class LayerCacheHandle:
             backend=backend,
             copy_to=copy_to,
             rows=rows,
+            ring_head_flat=self.state.ring_head_flat,  # (the ring heads in the same launch)
         )
-        self._advance_ring_head(backend)
         return kv
 
     def update_compressor(

@@ -53,6 +53,10 @@ class EntryPages(NamedTuple):
         return self.nope.shape[1]
 
     @property
+    def num_pages(self) -> int:
+        return self.nope.shape[0]
+
+    @property
     def num_slots(self) -> int:
         """Total physical slots (pages * bs)."""
         return self.nope.shape[0] * self.nope.shape[1]

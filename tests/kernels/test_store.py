@@ -249,6 +249,49 @@ def test_store_window_records_ring_positions(device, geometry):
         store_window(kv, w, 1e-6, pos, inv_freq, slots, pages, FMT, ring_positions=table0[:-1])
 
 
+@pytest.mark.parametrize("geometry", [{}, {"block_t": 4, "num_warps": 2, "iters": 2}])
+def test_store_window_sets_ring_heads(device, geometry):
+    """``ring_head``: each request's last row of the step sets its ring page's head to (position + 1) mod ring in
+    the store launch: the table ``advance_ring_head`` makes from the step's sequence lengths (its one launch, which
+    the layer no longer makes).  Requests of 1 token (decode), of 3, and of ring + 2 (its first two rows -1: older
+    than the ring, as a plan gives them), a padded row (-1) in between and at the end; pages not in the step keep
+    their heads."""
+    from dsv4.kernels.cache.ring import advance_ring_head_reference, record_ring_heads_reference
+
+    reqs = [(3, 40, 1), (0, 17, 3), (4, 9, BS + 2), (1, 0, 1)]  # (request slot = ring page, first position, tokens)
+    slots, pos, seq_lens = [], [], []
+    for i, (page, p0, n) in enumerate(reqs):
+        for p in range(p0, p0 + n):
+            slots.append(page * BS + p % BS if p >= p0 + n - BS else -1)
+            pos.append(p)
+        seq_lens.append(p0 + n)
+        if i == 1:
+            slots.append(-1)  # a padded row
+            pos.append(0)
+    slots, pos = slots + [-1], pos + [0]
+    slots = torch.tensor(slots, dtype=torch.int32, device=device)
+    pos = torch.tensor(pos, dtype=torch.int32, device=device)
+    t = slots.numel()
+    kv, w, _, inv_freq = _rope_inputs(t, device)
+    head0 = torch.arange(PAGES + 1, dtype=torch.int32, device=device) + 100
+    want = head0.clone()
+    advance_ring_head_reference(
+        torch.tensor(seq_lens, device=device), torch.tensor([r[0] for r in reqs], device=device), want, BS
+    )
+    assert want[2] == head0[2] and not torch.equal(want, head0)
+    ref = head0.clone()
+    record_ring_heads_reference(slots, pos, ref, BS)
+    assert torch.equal(ref, want)
+    for backend in ("torch", "triton"):
+        head = head0.clone()
+        _, pages = _fp8_buffer(device)
+        kw = geometry if backend == "triton" else {}
+        store_window(kv, w, 1e-6, pos, inv_freq, slots, pages, FMT, backend=backend, ring_head=head, **kw)
+        assert torch.equal(head, want), backend
+    with pytest.raises(ValueError, match="ring_head"):
+        store_window(kv, w, 1e-6, pos, inv_freq, slots, pages, FMT, ring_head=head0[:-1])
+
+
 @pytest.mark.parametrize(
     "geometry",
     [

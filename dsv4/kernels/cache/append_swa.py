@@ -53,13 +53,15 @@ def append_window(
     *,
     copy_to: tuple[torch.Tensor, EntryPages] | None = None,
     rows: bool = True,
+    ring_head_flat: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """Fused window write from the raw ``wkv`` output: kv_norm -> RoPE(t) -> FP8 -> ring, positions recorded.
 
     ``kv_raw`` [T, head_dim] bf16 (pre-norm).  Returns the normed + RoPE'd bf16 rows [T, head_dim] (before
     FP8), which a prefill chunk's attention needs as its own keys (``rows=False``: None, and they are not
-    written).  ``copy_to`` = (slots, pages): the entries also there (a chunk's attention workspace).  See
-    ``store_window``.
+    written).  ``copy_to`` = (slots, pages): the entries also there (a chunk's attention workspace).
+    ``ring_head_flat`` (int32 [ring pages + 1]): each request's ring head set from its last row, in the same launch.
+    See ``store_window``.
     """
     t = kv_raw.shape[0]
     check_tensor("swa_slots", swa_slots, dtype=(torch.int32, torch.int64), shape=(t,))
@@ -67,6 +69,6 @@ def append_window(
     out = torch.empty_like(kv_raw) if rows else None
     store_window(
         kv_raw, norm_weight, eps, positions, inv_freq, swa_slots, ring, fmt, out=out, backend=backend,
-        ring_positions=ring_positions_flat, copy_to=copy_to,
+        ring_positions=ring_positions_flat, copy_to=copy_to, ring_head=ring_head_flat,
     )  # fmt: skip
     return out

@@ -24,6 +24,7 @@ from dsv4.kernels.dispatch import pdl_launch, use_triton
 __all__ = [
     "advance_ring_head",
     "advance_ring_head_reference",
+    "record_ring_heads_reference",
     "record_ring_positions",
     "record_ring_positions_reference",
     "ring_window_slots",
@@ -139,6 +140,21 @@ def record_ring_positions(
         record_ring_positions_reference(swa_slots, positions, ring_positions_flat)
         return
     _scatter_to_table(swa_slots, positions, ring_positions_flat)
+
+
+def record_ring_heads_reference(
+    slots: torch.Tensor, positions: torch.Tensor, ring_head_flat: torch.Tensor, ring: int
+) -> None:
+    """The ring heads a step's window rows set (``store_window(ring_head=)``): for rows [T] of the ring slots
+    ``slots`` (page = request slot, ``ring`` rows a page; -1 / out of range: none) at ``positions``, requests' rows
+    consecutive, each request's last row sets ``ring_head_flat[page] = (position + 1) mod ring``.  The same table as
+    ``advance_ring_head`` of the step's sequence lengths (a request's last row is at seq_len - 1)."""
+    n_slots = (ring_head_flat.numel() - 1) * ring
+    ok = (slots >= 0) & (slots < n_slots)
+    page = torch.where(ok, slots.long(), 0) // ring
+    last = ok.clone()
+    last[:-1] &= ~(ok[1:] & (page[1:] == page[:-1]))
+    ring_head_flat[page[last]] = ((positions[last].long() + 1) % ring).to(torch.int32)
 
 
 def advance_ring_head_reference(

@@ -56,7 +56,7 @@ from dsv4.kernels.cache._triton_quant import (
     qmax_split,
     rope_cos_sin_pos,
 )
-from dsv4.kernels.cache.ring import record_ring_positions_reference
+from dsv4.kernels.cache.ring import record_ring_heads_reference, record_ring_positions_reference
 from dsv4.kernels.dispatch import interpreter_enabled, pdl_launch, use_triton
 from dsv4.model.functional import apply_rope, rms_norm
 
@@ -333,10 +333,15 @@ def _norm_rope_rows(
     scale2_sp=0,
     scale2_sr=0,
     HAS_DST2: tl.constexpr = False,
+    n_rows=0,
+    head_ptr=None,
+    HAS_HEAD: tl.constexpr = False,
 ):
     """RMSNorm -> RoPE -> [out] -> FP8 entry of one block of loaded rows (see ``_norm_rope_fp8_kernel``);
     ``HAS_RPOS``: also ``rpos_ptr[slot] = position`` for every stored row (the window ring's positions);
-    ``HAS_DST2``: the same entry bytes also at ``slot2_ptr[row]`` of a second pool (``*2`` page views)."""
+    ``HAS_DST2``: the same entry bytes also at ``slot2_ptr[row]`` of a second pool (``*2`` page views);
+    ``HAS_HEAD``: a stored row that is its request's last of the step (the next of the ``n_rows`` rows is not in its
+    ring page) sets ``head_ptr[page] = (position + 1) mod bs`` (the window ring's head)."""
     slot = tl.load(slot_ptr + ii, mask=go, other=-1)
     ok = go & (slot >= 0) & (slot < num_slots)
     # page / row in int32 (a pool has < 2**31 slots; an int64 division is a ~100-instruction call), the byte
@@ -386,6 +391,10 @@ def _norm_rope_rows(
     )  # fmt: skip
     if HAS_RPOS:
         tl.store(rpos_ptr + s32, p.to(tl.int32), mask=ok)
+    if HAS_HEAD:  # a request's rows are consecutive: its last one is the row whose next row is in another page
+        nxt = tl.load(slot_ptr + ii + 1, mask=go & (ii + 1 < n_rows), other=-1)
+        same = (nxt >= 0) & (nxt < num_slots) & (tl.where(nxt >= 0, nxt, 0).to(tl.int32) // bs == s32 // bs)
+        tl.store(head_ptr + page, ((p.to(tl.int64) + 1) % bs).to(tl.int32), mask=ok & ~same)
     if HAS_DST2:  # the same bytes at a second slot (another entry pool, e.g. a prefill's window workspace)
         slot2 = tl.load(slot2_ptr + ii, mask=go, other=-1)
         ok2 = go & (slot2 >= 0) & (slot2 < num_slots2)
@@ -504,6 +513,8 @@ def _norm_rope_fp8_kernel(
     scale2_sp=0,
     scale2_sr=0,
     HAS_DST2: tl.constexpr = False,
+    head_ptr=None,
+    HAS_HEAD: tl.constexpr = False,
     PDL: tl.constexpr = False,
     PDL_LATE: tl.constexpr = False,
 ):
@@ -517,7 +528,8 @@ def _norm_rope_fp8_kernel(
     the compute).  With ``HAS_DST2`` every row's entry bytes are also stored at ``slot2_ptr[row]`` of a second
     pool (``*2``: its slot count, page size and page views).  With ``HAS_RPOS`` every stored row also records its
     position at ``rpos_ptr[slot]`` (the
-    window ring's position table).  With ``HAS_EMIT`` only rows with ``emits`` != 0 are read and stored; a block without
+    window ring's position table), and with ``HAS_HEAD`` each request's last row its ring head at ``head_ptr[page]``.
+    With ``HAS_EMIT`` only rows with ``emits`` != 0 are read and stored; a block without
     any is skipped after one vector load of its flags.  bf16 and e4m3 rounding: the hardware's
     round-to-nearest-even conversions on a GPU, the bit-exact integer emulation under the interpreter
     (``INTERP``); both give the reference's bytes.
@@ -544,7 +556,8 @@ def _norm_rope_fp8_kernel(
                 nope_ptr, nope_sp, nope_sr, rope_ptr, rope_sp, rope_sr, scale_ptr, scale_sp, scale_sr,
                 noff, tin, roff, RATIO, HAS_OUT, INTERP, BLOCK_T, HEAD_DIM, NOPE, NT, NT_PAD, TILE, HR,
                 FLOOR, QMAX, Q_EXP, Q_MANT, rpos_ptr, HAS_RPOS, slot2_ptr, num_slots2, bs2, nope2_ptr, nope2_sp,
-                nope2_sr, rope2_ptr, rope2_sp, rope2_sr, scale2_ptr, scale2_sp, scale2_sr, HAS_DST2,
+                nope2_sr, rope2_ptr, rope2_sp, rope2_sr, scale2_ptr, scale2_sp, scale2_sr, HAS_DST2, n_rows, head_ptr,
+                HAS_HEAD,
             )  # fmt: skip
             pdl_end(PDL, PDL_LATE)
             k = tl.min(tl.where(fl & (kk > k), kk, SCAN), axis=0)
@@ -568,7 +581,8 @@ def _norm_rope_fp8_kernel(
                     nope_ptr, nope_sp, nope_sr, rope_ptr, rope_sp, rope_sr, scale_ptr, scale_sp, scale_sr,
                     noff, tin, roff, RATIO, HAS_OUT, INTERP, BLOCK_T, HEAD_DIM, NOPE, NT, NT_PAD, TILE, HR,
                     FLOOR, QMAX, Q_EXP, Q_MANT, rpos_ptr, HAS_RPOS, slot2_ptr, num_slots2, bs2, nope2_ptr, nope2_sp,
-                    nope2_sr, rope2_ptr, rope2_sp, rope2_sr, scale2_ptr, scale2_sp, scale2_sr, HAS_DST2,
+                    nope2_sr, rope2_ptr, rope2_sp, rope2_sr, scale2_ptr, scale2_sp, scale2_sr, HAS_DST2, n_rows,
+                    head_ptr, HAS_HEAD,
                 )  # fmt: skip
             if ITERS > 1:
                 ii, go, xn, xr = ii_n, go_n, xn_n, xr_n
@@ -720,6 +734,7 @@ def _launch_norm_rope_fp8(
     ring_positions: torch.Tensor | None = None,
     pdl_late: bool = False,
     copy_to: tuple[torch.Tensor, EntryPages] | None = None,
+    ring_head: torch.Tensor | None = None,
 ) -> None:
     """One launch, shared by ``store_window`` (ratio 1) and the main compressor's ``emit_entries``:
     RoPE at ``ratio * (positions // ratio)``, computed in the kernel (no cos/sin tensors).
@@ -730,7 +745,8 @@ def _launch_norm_rope_fp8(
     power of two <= max(1, n / _EMIT_SCAN_MIN_PROGRAMS)); 1 = the row-block path above, which ``block_t`` /
     ``iters`` then select).  ``pdl_late``: with PDL on, the kernel runs whole before it waits for the previous launch
     (``_triton_sync``; the caller vouches that this is safe).  ``copy_to`` (slots [n], pages): every row's entry
-    also at those slots of those pages (same format)."""
+    also at those slots of those pages (same format).  ``ring_head`` (int32 [pages + 1]): each request's last row
+    sets its page's ring head (``store_window``)."""
     n = x.shape[0]
     if n == 0:
         return
@@ -762,7 +778,8 @@ def _launch_norm_rope_fp8(
         RATIO=ratio, HAS_EMIT=emits is not None, HAS_OUT=out is not None, INTERP=interpreter_enabled(), BLOCK_T=bt,
         ITERS=it, HEAD_DIM=fmt.head_dim, NOPE=fmt.nope_dim, VEC_RUNS=fmt.tile % _VEC_ELEMS == 0, SCAN=sc,
         rpos_ptr=ring_positions if ring_positions is not None else slots, HAS_RPOS=ring_positions is not None,
-        num_warps=nw, **kw, **pdl_launch(x.device), PDL_LATE=pdl_late, **_dst2_args(copy_to, fmt),
+        head_ptr=ring_head if ring_head is not None else slots, HAS_HEAD=ring_head is not None, num_warps=nw, **kw,
+        **pdl_launch(x.device), PDL_LATE=pdl_late, **_dst2_args(copy_to, fmt),
     )  # fmt: skip
 
 
@@ -856,6 +873,7 @@ def store_window(
     *,
     ring_positions: torch.Tensor | None = None,
     copy_to: tuple[torch.Tensor, EntryPages] | None = None,
+    ring_head: torch.Tensor | None = None,
     block_t: int | None = None,
     num_warps: int | None = None,
     iters: int | None = None,
@@ -873,7 +891,10 @@ def store_window(
     there (``ring_positions[slot] = position``, as ``record_ring_positions``; in the same launch).  ``copy_to`` =
     (slots2 [T] int32/int64, pages2 EntryPages of ``fmt``): every row's entry bytes are also stored at ``slots2``
     (-1 / out of range: not stored) in the same launch, as ``store_fp8_entries`` of the rows would (a prefill
-    chunk's own keys into its attention workspace, without the bf16 rows through memory).
+    chunk's own keys into its attention workspace, without the bf16 rows through memory).  ``ring_head`` (int32
+    [pages.num_pages + 1], the ring's head table; rows of a request consecutive, as a plan orders them): each
+    request's last stored row sets its page's head to ``(position + 1) mod entries_per_page``, as
+    ``advance_ring_head`` of the step's sequence lengths (``record_ring_heads_reference``; in the same launch).
     Triton vs reference: the bf16 rows agree up to the fp32 sum order of RMSNorm (rarely one bf16
     ulp); the stored bytes always equal ``fmt.quantize`` of the kernel's own bf16 rows.
     Tuning (Triton path only; results do not depend on them): ``block_t`` rows per block (a power of
@@ -895,6 +916,10 @@ def store_window(
         check_tensor("ring_positions", ring_positions, dtype=torch.int32, shape=[pages.num_slots + 1], device=dev)
         if not ring_positions.is_contiguous():
             raise ValueError("ring_positions: expected a contiguous tensor")
+    if ring_head is not None:
+        check_tensor("ring_head", ring_head, dtype=torch.int32, shape=[pages.num_pages + 1], device=dev)
+        if not ring_head.is_contiguous():
+            raise ValueError("ring_head: expected a contiguous tensor")
     if copy_to is not None:
         if not (isinstance(copy_to, tuple) and len(copy_to) == 2):
             raise ValueError(f"copy_to: expected (slots, EntryPages), got {type(copy_to).__name__}")
@@ -906,6 +931,8 @@ def store_window(
         store_window_reference(kv, norm_weight, eps, positions, inv_freq, slots, pages, fmt, out, copy_to)
         if ring_positions is not None:
             record_ring_positions_reference(slots, positions, ring_positions)
+        if ring_head is not None:
+            record_ring_heads_reference(slots, positions, ring_head, pages.entries_per_page)
         return
     slots, positions = slots.contiguous(), positions.contiguous()
     if not norm_weight.is_contiguous() or not inv_freq.is_contiguous():
@@ -915,5 +942,5 @@ def store_window(
         copy_to = (copy_to[0].contiguous(), copy_to[1])
     _launch_norm_rope_fp8(
         kv, norm_weight, eps, positions, 1, inv_freq, slots, pages, fmt, out, None, block_t, num_warps, iters,
-        ring_positions=ring_positions, copy_to=copy_to,
+        ring_positions=ring_positions, copy_to=copy_to, ring_head=ring_head,
     )  # fmt: skip
