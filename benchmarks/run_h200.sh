@@ -665,6 +665,9 @@ print('grouped_linear kernels:', [e.name[:60] for e in p.events() if e.device_ty
 " 2>&1 | tail -1 | tee -a "$OUT/${stamp}_h200_gpu_tests_fp8_linear_s22.txt"
   timeout 120 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_linear.py -k "gpu or cuda" 2>&1 \
     | tee "$OUT/${stamp}_h200_gpu_tests_tf32x2_s21.txt" | tail -3
+  # the window store setting the ring heads in its launch (session 23)
+  timeout 90 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_store.py -k "cuda and window" 2>&1 \
+    | tee "$OUT/${stamp}_h200_gpu_tests_ring_heads_s23.txt" | tail -2
   timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_topk.py tests/kernels/test_indexer_select.py \
     tests/model/test_attention.py -k "(cuda or gpu or bands_change_nothing) and not fp8" 2>&1 \
     | tee "$OUT/${stamp}_h200_gpu_tests_validate_s20.txt" | tail -3
