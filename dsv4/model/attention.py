@@ -61,8 +61,9 @@ BF16_EXACT_COMPRESSOR = False
 # On the Triton path the projections of one input run as one GEMM launch of the weights stacked by rows
 # (``ProjectionStack``; ``fp8_linear`` for FP8 weights, cuBLAS for bf16): x's ``wq_a`` + ``wkv``, and qr's ``wq_b`` +
 # (CSA) ``indexer.wq_b`` (computed every step, also one whose indexer does not run: a context within top-k).  Two
-# launches fewer a layer step, the small ``wkv`` GEMV no longer a launch of its own.  Off until timed on the H200
-# (``run_h200.sh step_s23``).
+# launches fewer a layer step, the small ``wkv`` GEMV no longer a launch of its own.  The layer holds views of the
+# stacks, not the weights it was given: a caller that keeps its own ``AttentionWeights`` keeps a second copy of those
+# weights.  Off until timed on the H200 (``run_h200.sh step_s23``).
 STACK_PROJECTIONS = False
 BAND_ALIGN = 64  # a band's index width is rounded up to this many entries (the attention kernels' key blocks)
 BAND_MIN_ROWS = 1024  # rows a band has at least (but the last): each band costs two launches
