@@ -52,7 +52,6 @@ writes; small vectors ignored) and its matmul FLOPs; the step's roofline is the 
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import gc
 import json
@@ -107,7 +106,7 @@ class BenchSettings:
     # the layer's linear weights kept FP8 (``random_attention_weights(fp8=True)``: kernels.fp8_linear); the plain
     # PyTorch step gets them dequantised to bf16 once, as a user would load them
     fp8_weights: bool = False
-    # the layer's projections of one input as one GEMM launch (``model.attention.STACK_PROJECTIONS``)
+    # the layer's projections of one input as one GEMM launch (``AttentionSubBlock(stack_projections=)``)
     stack_projections: bool = False
 
 
@@ -536,25 +535,11 @@ def run_bench(s: BenchSettings, log: Callable[[str], None] = print) -> list[dict
     return rows
 
 
-@contextlib.contextmanager
-def _stacked_projections(on: bool):
-    """``model.attention.STACK_PROJECTIONS`` set to ``on`` while a layer is built (the layer reads it then)."""
-    from dsv4.model import attention
-
-    before = attention.STACK_PROJECTIONS
-    attention.STACK_PROJECTIONS = on
-    try:
-        yield
-    finally:
-        attention.STACK_PROJECTIONS = before
-
-
 def _bench_context(cfg, kind, context, s: BenchSettings, device, graph: bool, b_max: int) -> list[dict]:
     gen = torch.Generator(device=device).manual_seed(s.seed)
     backend = "torch" if s.smoke and s.backend == "auto" else s.backend
     w = random_attention_weights(cfg, 0, seed=s.seed, device=device, fp8=s.fp8_weights)
-    with _stacked_projections(s.stack_projections):
-        blk = AttentionSubBlock(cfg, 0, w, backend=backend)
+    blk = AttentionSubBlock(cfg, 0, w, backend=backend, stack_projections=s.stack_projections)
     schema = CacheSchema(cfg)
     per_req = {m_: rc.pages_for_tokens(context) for m_, rc in schema.ratio_classes.items()}
     pages = {m_: (n + 1) * b_max + 4 for m_, n in per_req.items()}  # + slack: captures, a page a step

@@ -95,7 +95,7 @@ def add_bench_subcommand(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--stack-projections",
         action="store_true",
-        help="the projections of one input as one GEMM launch (model.attention.STACK_PROJECTIONS)",
+        help="the projections of one input as one GEMM launch (AttentionSubBlock(stack_projections=True))",
     )
     p.add_argument("--smoke", action="store_true", help="tiny model, contexts 256/512, batches 1/3, CPU, torch backend")
     p.set_defaults(func=cmd_bench)

@@ -156,9 +156,7 @@ def stack_rows(weights: list[FP8Weight]) -> tuple[FP8Weight, list[FP8Weight]] | 
     if any(w.shape[0] % WEIGHT_BLOCK for w in weights[:-1]):
         return None
     cat = FP8Weight(torch.cat([w.data for w in weights]), torch.cat([w.scale for w in weights]))
-    views, row = [], 0
-    for w in weights:
-        n = w.shape[0]
-        views.append(FP8Weight(cat.data[row : row + n], cat.scale[row // WEIGHT_BLOCK : -(-(row + n) // WEIGHT_BLOCK)]))
-        row += n
-    return cat, views
+    # (every weight but the last is whole scale blocks, so each one's scale rows are its own block rows of the stack)
+    data = torch.split(cat.data, [w.shape[0] for w in weights])
+    scale = torch.split(cat.scale, [w.scale.shape[0] for w in weights])
+    return cat, [FP8Weight(d, sc) for d, sc in zip(data, scale, strict=True)]

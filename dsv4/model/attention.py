@@ -41,7 +41,7 @@ from dsv4.formats.fp8_weight import WEIGHT_BLOCK, FP8Weight, stack_rows
 from dsv4.kernels.attention import sparse_attention
 from dsv4.kernels.cache.ring import ring_window_slots
 from dsv4.kernels.dispatch import use_triton
-from dsv4.kernels.fp8_linear import fp8_linear, grouped_linear
+from dsv4.kernels.fp8_linear import fp8_linear
 from dsv4.kernels.indexer import indexer_topk, to_physical, visible_physical
 from dsv4.kernels.linear import bf16_exact, linear_counters, linear_fp32_group, linear_fp32_pair
 from dsv4.model import functional as F
@@ -61,9 +61,10 @@ BF16_EXACT_COMPRESSOR = False
 # On the Triton path the projections of one input run as one GEMM launch of the weights stacked by rows
 # (``ProjectionStack``; ``fp8_linear`` for FP8 weights, cuBLAS for bf16): x's ``wq_a`` + ``wkv``, and qr's ``wq_b`` +
 # (CSA) ``indexer.wq_b`` (computed every step, also one whose indexer does not run: a context within top-k).  Two
-# launches fewer a layer step, the small ``wkv`` GEMV no longer a launch of its own.  The layer holds views of the
-# stacks, not the weights it was given: a caller that keeps its own ``AttentionWeights`` keeps a second copy of those
-# weights.  Off until timed on the H200 (``run_h200.sh step_s23``).
+# launches fewer a layer step, the small ``wkv`` GEMV no longer a launch of its own.  The default of
+# ``AttentionSubBlock(stack_projections=)``.  The layer holds views of the stacks, not the weights it was given: a
+# caller that keeps its own ``AttentionWeights`` keeps a second copy of those weights.  Off until timed on the H200
+# (``run_h200.sh step_s23``).
 STACK_PROJECTIONS = False
 BAND_ALIGN = 64  # a band's index width is rounded up to this many entries (the attention kernels' key blocks)
 BAND_MIN_ROWS = 1024  # rows a band has at least (but the last): each band costs two launches
@@ -108,6 +109,8 @@ class AttentionSubBlock:
             error <= ~1e-5 of sum |x||w|, see its docstring), "bf16x3" (the same GEMM on bf16 MMAs with the weights
             split exactly into three bf16 pieces: exact products; for a bf16 x, else tf32x3) or "fp32"
             (``F.compressor_project``: cuBLAS fp32).
+        stack_projections: the projections of one input as one GEMM launch of their stacked weights (the module's
+            ``STACK_PROJECTIONS`` where None).
     """
 
     def __init__(
@@ -117,6 +120,7 @@ class AttentionSubBlock:
         w: AttentionWeights,
         backend: str = "auto",
         compressor_gemm: str = "tf32x3",
+        stack_projections: bool | None = None,
     ) -> None:
         w.check(cfg, layer_id)
         if compressor_gemm not in ("tf32x3", "bf16x3", "fp32"):
@@ -126,8 +130,9 @@ class AttentionSubBlock:
         self._linear_counters = linear_counters(w.device)
         # FP8 compressor weights: one buffer for all of the layer's (one fp8_linear launch projects them all)
         w, self._comp8, self._comp8_widths = _gather_fp8_compressors(w)
-        # the projections of one input in one launch (STACK_PROJECTIONS; self.w holds views of the stacks)
-        w, self._x_stack, self._qr_stack = _stack_projections(w)
+        # the projections of one input in one launch (self.w then holds views of the stacks)
+        on = STACK_PROJECTIONS if stack_projections is None else bool(stack_projections)
+        w, self._x_stack, self._qr_stack = _stack_projections(w) if on else (w, None, None)
         self.cfg, self.layer_id, self.w, self.backend = cfg, layer_id, w, backend
         comp = w.compressors
         self._bf16w = (
@@ -401,11 +406,9 @@ class ProjectionStack(NamedTuple):
         return self.weight.data if isinstance(self.weight, FP8Weight) else self.weight
 
     def project(self, x: torch.Tensor, backend: str, counters: torch.Tensor | None) -> list[torch.Tensor]:
-        """x [T, in] bf16 -> one view [T, width] bf16 a stacked weight (row stride the stack's rows): ``fp8_linear``
-        (``counters`` its) for FP8 weights, ``grouped_linear`` (cuBLAS) for bf16 ones."""
-        w = self.weight
-        y = fp8_linear(x, w, backend, counters=counters) if isinstance(w, FP8Weight) else grouped_linear(x, w)
-        return list(torch.split(y, self.widths, dim=1))
+        """x [T, in] bf16 -> one view [T, width] bf16 a stacked weight (row stride the stack's rows), by ``dense``
+        (``fp8_linear`` for FP8 weights, cuBLAS for bf16 ones)."""
+        return list(torch.split(dense(x, self.weight, backend, counters=counters), self.widths, dim=1))
 
 
 def stack_weights(weights: list) -> tuple[torch.Tensor | FP8Weight, list] | None:
@@ -420,16 +423,13 @@ def stack_weights(weights: list) -> tuple[torch.Tensor | FP8Weight, list] | None
     if any(t.dtype != t0.dtype or t.device != t0.device or t.shape[1] != t0.shape[1] for t in weights):
         return None
     cat = torch.cat(weights)
-    rows = np.cumsum([0] + [t.shape[0] for t in weights]).tolist()
-    return cat, [cat[a:b] for a, b in zip(rows[:-1], rows[1:], strict=True)]
+    return cat, list(torch.split(cat, [t.shape[0] for t in weights]))
 
 
 def _stack_projections(w: AttentionWeights) -> tuple[AttentionWeights, ProjectionStack | None, ProjectionStack | None]:
-    """``STACK_PROJECTIONS``: (w with the stacked weights replaced by views of the stacks, the x stack ``wq_a`` +
-    ``wkv`` (+ the indexer's ``weights_proj`` where it stacks with them), the qr stack ``wq_b`` + (CSA)
-    ``indexer.wq_b``); a stack is None where its weights do not stack (``stack_weights``)."""
-    if not STACK_PROJECTIONS:
-        return w, None, None
+    """(w with the stacked weights replaced by views of the stacks, the x stack ``wq_a`` + ``wkv`` (+ the indexer's
+    ``weights_proj`` where it stacks with them), the qr stack ``wq_b`` + (CSA) ``indexer.wq_b``); a stack is None
+    where its weights do not stack (``stack_weights``)."""
     # (the indexer's weights_proj, 64 rows, last: bf16 in V4's checkpoints, so it joins bf16 stacks only)
     xs = stack_weights([w.wq_a, w.wkv, w.indexer.weights_proj]) if w.indexer is not None else None
     if xs is not None:

@@ -310,21 +310,20 @@ def test_stacked_projections(monkeypatch, kind, fp8):
         assert blk.w.indexer.wq_b.data.data_ptr() == qs.tensor.data_ptr() + qs.widths[0] * TINY.q_lora_rank * isz
     else:
         assert qs is None
-    shapes, single = [], []  # the weights' shapes of the layer's GEMM launches, of ``dense``'s
-    for mod, seen in ((attention_mod, shapes), (P, single)):
-        for fn in ("fp8_linear", "grouped_linear"):
-            real = getattr(mod, fn)
-            monkeypatch.setattr(mod, fn, lambda *a, real=real, seen=seen, **k: seen.append(a[1].shape) or real(*a, **k))
+    shapes = []  # the weights' shapes of ``dense``'s GEMM launches (the stacks' and the single projections')
+    for fn in ("fp8_linear", "grouped_linear"):
+        real = getattr(P, fn)
+        monkeypatch.setattr(P, fn, lambda *a, real=real, **k: shapes.append(tuple(a[1].shape)) or real(*a, **k))
     out = run_cached(layer, w, x, sched, backend="triton", device=dev)
     assert (sum(x_widths), TINY.dim) in shapes
-    # the stacked weights are never projected on their own (``dense``); wo_a and wo_b are
+    # the stacked weights are never projected on their own; wo_a and wo_b are
     stacked = {tuple(w.wq_a.shape), tuple(w.wkv.shape)}
     if kind == "csa":
         assert (sum(qs.widths), TINY.q_lora_rank) in shapes
         stacked |= {tuple(w.wq_b.shape), tuple(w.indexer.wq_b.shape)}
         if len(x_widths) == 3:
             stacked.add(tuple(w.indexer.weights_proj.shape))
-    assert single and not stacked & {tuple(s) for s in single}
+    assert {tuple(w.wo_a.shape), tuple(w.wo_b.shape)} <= set(shapes) and not stacked & set(shapes)
     assert_close(out, dense_attention(TINY, layer, w, x))
     assert_close(out, plain)
 
