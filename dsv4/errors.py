@@ -22,10 +22,12 @@ def check_tensor(
     shape: Sequence[int | None] | None = None,
     ndim: int | None = None,
     device: torch.device | str | None = None,
+    contiguous: bool = False,
 ) -> torch.Tensor:
     """Check a tensor argument's metadata and raise ``ValueError`` naming expected vs got.
 
-    ``shape`` entries of ``None`` match any size.  Returns the tensor for chaining.
+    ``shape`` entries of ``None`` match any size; ``contiguous``: the tensor must be contiguous (a kernel's flat
+    table or state).  Returns the tensor for chaining.
     """
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
@@ -45,6 +47,8 @@ def check_tensor(
             raise ValueError(f"{name}: expected shape {want}, got {list(t.shape)}")
     if device is not None and t.device != torch.device(device):
         raise ValueError(f"{name}: expected device {torch.device(device)}, got {t.device}")
+    if contiguous and not t.is_contiguous():
+        raise ValueError(f"{name}: expected a contiguous tensor")
     return t
 
 

@@ -1214,9 +1214,7 @@ def _check_step(kv, score, positions, token_slot, kv_state, score_state, ratio, 
         check_tensor("kv_state", kv_state, dtype=torch.float32, shape=[None, 3, cd], device=dev)
         n = kv_state.shape[0]
         check_tensor("score_state", score_state, dtype=torch.float32, shape=[n, 2, cd], device=dev)
-        check_tensor("state_pos", state_pos, dtype=torch.int32, shape=[n], device=dev)
-        if not state_pos.is_contiguous():
-            raise ValueError("state_pos: expected a contiguous tensor")
+        check_tensor("state_pos", state_pos, dtype=torch.int32, shape=[n], device=dev, contiguous=True)
     else:
         check_tensor("kv_state", kv_state, dtype=torch.float32, shape=[None, cm, cd], device=dev)
         check_tensor("score_state", score_state, dtype=torch.float32, shape=list(kv_state.shape), device=dev)
@@ -1231,9 +1229,7 @@ def _check_ape(ape: torch.Tensor | None, ratio: int, cd: int, device: torch.devi
     """ValueError unless ``ape`` is None or the compressor's positional bias as the kernels read it: contiguous fp32
     [ratio, c*d] on ``device``."""
     if ape is not None:
-        check_tensor("ape", ape, dtype=torch.float32, shape=[ratio, cd], device=device)
-        if not ape.is_contiguous():
-            raise ValueError("ape: expected a contiguous tensor")
+        check_tensor("ape", ape, dtype=torch.float32, shape=[ratio, cd], device=device, contiguous=True)
 
 
 def _ape_kw(ape: torch.Tensor | None, placeholder: torch.Tensor) -> dict:
@@ -1350,9 +1346,7 @@ def compressor_step(
     if write_stream is not None and not (positions.is_contiguous() and token_slot.is_contiguous()):
         raise ValueError("positions / token_slot: expected contiguous tensors with write_stream")
     if counters is not None:
-        check_tensor("counters", counters, dtype=torch.int32, shape=[kv_state.shape[0]], device=dev)
-        if not counters.is_contiguous():
-            raise ValueError("counters: expected a contiguous tensor")
+        check_tensor("counters", counters, dtype=torch.int32, shape=[kv_state.shape[0]], device=dev, contiguous=True)
     positions, token_slot = positions.contiguous(), token_slot.contiguous()  # indexed as ptr + i
     pooled = torch.empty(t, d, dtype=torch.float32, device=dev)
     emits = torch.empty(t, dtype=torch.bool, device=dev)

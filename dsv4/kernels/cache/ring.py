@@ -181,10 +181,8 @@ def advance_ring_head(
     b = seq_lens.shape[0]
     dev = seq_lens.device
     check_tensor("request_slots", request_slots, dtype=_INT, shape=[b], device=dev)
-    check_tensor("ring_head_flat", ring_head_flat, dtype=torch.int32, ndim=1, device=dev)
+    check_tensor("ring_head_flat", ring_head_flat, dtype=torch.int32, ndim=1, device=dev, contiguous=True)
     _check_ring(ring)
-    if not ring_head_flat.is_contiguous():
-        raise ValueError("ring_head_flat: expected a contiguous tensor")
     if not use_triton(backend, seq_lens, request_slots, ring_head_flat):
         advance_ring_head_reference(seq_lens, request_slots, ring_head_flat, ring)
         return

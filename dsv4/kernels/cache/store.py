@@ -913,13 +913,11 @@ def store_window(
         if out.stride(1) != 1:
             raise ValueError(f"out: expected unit inner stride, got strides {out.stride()}")
     if ring_positions is not None:
-        check_tensor("ring_positions", ring_positions, dtype=torch.int32, shape=[pages.num_slots + 1], device=dev)
-        if not ring_positions.is_contiguous():
-            raise ValueError("ring_positions: expected a contiguous tensor")
+        shape = [pages.num_slots + 1]
+        check_tensor("ring_positions", ring_positions, dtype=torch.int32, shape=shape, device=dev, contiguous=True)
     if ring_head is not None:
-        check_tensor("ring_head", ring_head, dtype=torch.int32, shape=[pages.num_pages + 1], device=dev)
-        if not ring_head.is_contiguous():
-            raise ValueError("ring_head: expected a contiguous tensor")
+        shape = [pages.num_pages + 1]
+        check_tensor("ring_head", ring_head, dtype=torch.int32, shape=shape, device=dev, contiguous=True)
     if copy_to is not None:
         if not (isinstance(copy_to, tuple) and len(copy_to) == 2):
             raise ValueError(f"copy_to: expected (slots, EntryPages), got {type(copy_to).__name__}")
