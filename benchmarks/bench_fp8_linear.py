@@ -23,7 +23,6 @@ Bytes: the weights (dsv4: 1 byte an element + fp32 block scales; baseline: 2), x
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -37,6 +36,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from benchmarks.bench_indexer import env_info  # noqa: E402
 from dsv4.config import get_preset  # noqa: E402
+from dsv4.engine.bench import write_jsonl  # noqa: E402
 from dsv4.formats.fp8_weight import FP8Weight  # noqa: E402
 from dsv4.kernels import fp8_linear as fp8_mod  # noqa: E402
 from dsv4.kernels.dispatch import num_sms  # noqa: E402
@@ -225,9 +225,7 @@ def main() -> None:
                 torch.cuda.empty_cache()
         ok = all(r.get("max_err_bound", 0.0) <= 1.0 for r in rows)
     if args.out:
-        with open(args.out, "a") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
+        write_jsonl(rows, args.out, append=True)
     if not ok:
         sys.exit(1)
 

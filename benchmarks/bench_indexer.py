@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import sys
 import time
@@ -57,6 +56,7 @@ import triton  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from dsv4.engine.bench import write_jsonl  # noqa: E402
 from dsv4.formats import FP8_DTYPE, MXFP4KeyFormat  # noqa: E402
 from dsv4.kernels.dispatch import pdl_launch  # noqa: E402
 from dsv4.kernels.indexer import (  # noqa: E402
@@ -409,9 +409,7 @@ def main(argv=None):
     if args.only in (None, "prefill"):
         bench_prefill_select(args, dev, info, rows, gen)
     if args.out:
-        with open(args.out, "a") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
+        write_jsonl(rows, args.out, append=True)
     print_table(rows)
 
 

@@ -40,7 +40,6 @@ import argparse
 import datetime
 import functools
 import itertools
-import json
 import os
 import sys
 
@@ -54,6 +53,7 @@ import triton  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from benchmarks.sweep_indexer import GraphTimer, bench_time  # noqa: E402
+from dsv4.engine.bench import write_jsonl  # noqa: E402
 from dsv4.kernels.linear import (  # noqa: E402
     GEMV_MAX_M,
     linear_counters,
@@ -287,9 +287,7 @@ def main() -> None:
                 torch.cuda.empty_cache()
         ok = all(r["max_rel_err_fp64"] <= MAX_REL_ERR for r in rows)
     if args.out:
-        with open(args.out, "a") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
+        write_jsonl(rows, args.out, append=True)
     if not ok:
         sys.exit(1)
 

@@ -45,6 +45,7 @@ import triton  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from dsv4.engine.bench import write_jsonl  # noqa: E402
 from dsv4.formats import MXFP4KeyFormat  # noqa: E402
 from dsv4.kernels.indexer import indexer_scores, indexer_topk  # noqa: E402
 from dsv4.kernels.indexer import prefill as ps  # noqa: E402
@@ -214,9 +215,7 @@ def main() -> None:
     for P in args.select if cuda else []:
         run_select(P, dev, emit)
     if args.out:
-        with open(args.out, "a") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
+        write_jsonl(rows, args.out, append=True)
     if not ok_all:
         sys.exit(1)
 

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import sys
 
@@ -44,6 +43,7 @@ import triton  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from dsv4.engine.bench import write_jsonl  # noqa: E402
 from dsv4.engine.graphs import capture_graph  # noqa: E402
 from dsv4.formats import MXFP4KeyFormat  # noqa: E402
 from dsv4.kernels.indexer.query import indexer_query_tail, indexer_query_tail_reference  # noqa: E402
@@ -210,9 +210,7 @@ def main() -> None:
                 flush=True,
             )
     if args.out:
-        with open(args.out, "a") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
+        write_jsonl(rows, args.out, append=True)
     if not all(r["correct"] for r in rows):
         sys.exit(1)
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
-import json
 import os
 import sys
 import time
@@ -37,6 +36,7 @@ from dsv4.cache import manager as manager_mod  # noqa: E402
 from dsv4.cache.manager import KVCacheManager  # noqa: E402
 from dsv4.cache.plan import StepPlan, int32_to_device  # noqa: E402
 from dsv4.config import LayerKind, get_preset  # noqa: E402
+from dsv4.engine.bench import write_jsonl  # noqa: E402
 from dsv4.model import attention as attention_mod  # noqa: E402
 from dsv4.model.attention import AttentionSubBlock  # noqa: E402
 from dsv4.model.weights import random_attention_weights  # noqa: E402
@@ -136,9 +136,7 @@ def main(argv=None) -> None:
                      "device_time_s": floor})  # fmt: skip
         print(f"{mode:7s} {t * 1e3:9.2f} ms  ({', '.join(f'{x * 1e3:.2f}' for x in times[mode])})")
     if args.out:
-        with open(args.out, "a") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
+        write_jsonl(rows, args.out, append=True)
 
 
 if __name__ == "__main__":

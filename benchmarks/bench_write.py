@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import statistics
 import sys
@@ -70,6 +69,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import dsv4.kernels.cache.compressor_prefill as compressor_prefill  # noqa: E402
 from dsv4.config import get_preset  # noqa: E402
+from dsv4.engine.bench import write_jsonl  # noqa: E402
 from dsv4.engine.graphs import capture_graph  # noqa: E402
 from dsv4.formats import FP8EntryFormat, MXFP4KeyFormat  # noqa: E402
 from dsv4.kernels.cache.compressor import (  # noqa: E402
@@ -497,9 +497,7 @@ def main() -> None:
                         flush=True,
                     )
     if args.out:
-        with open(args.out, "a") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
+        write_jsonl(rows, args.out, append=True)
     if not all(r["correct"] for r in rows):
         sys.exit(1)
 

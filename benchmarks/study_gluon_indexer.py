@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import itertools
-import json
 import os
 import sys
 from functools import partial
@@ -32,6 +31,7 @@ import triton  # noqa: E402
 
 from benchmarks.bench_indexer import HBM_BYTES_PER_S, make_problem  # noqa: E402
 from benchmarks.sweep_indexer import GraphTimer  # noqa: E402
+from dsv4.engine.bench import write_jsonl  # noqa: E402
 from dsv4.kernels.indexer import indexer_scores  # noqa: E402
 from dsv4.kernels.indexer._gluon_scores import GLUON_PRODUCERS, indexer_scores_gluon  # noqa: E402
 
@@ -185,9 +185,7 @@ def main() -> None:
                 rows.append(row)
                 print(f"  {cfg}: {t * 1e6:7.1f} us  (max |diff| / max |fp8mma| {err:.1e})")
     if args.out:
-        with open(args.out, "w") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
+        write_jsonl(rows, args.out)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,6 @@ computation on purpose.  Time = CUDA-graph GPU time per call after an L2 flush (
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from functools import partial
@@ -44,6 +43,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from benchmarks.bench_indexer import env_info, make_problem  # noqa: E402
 from benchmarks.sweep_indexer import GraphTimer  # noqa: E402
+from dsv4.engine.bench import write_jsonl  # noqa: E402
 from dsv4.formats import MXFP4KeyFormat  # noqa: E402
 from dsv4.kernels.indexer import indexer_scores_reference  # noqa: E402
 from dsv4.kernels.indexer import scores as S  # noqa: E402
@@ -268,9 +268,7 @@ def main() -> None:
             la = f"{cfg.block_n},{cfg.num_warps},{cfg.num_stages},{cfg.tiles}"
             print(f"B={B} {la:12s} {name:18s} {'-' if t is None else f'{t * 1e6:8.1f} us'}", flush=True)
     if args.out:
-        with open(args.out, "a") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
+        write_jsonl(rows, args.out, append=True)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import sys
 
@@ -30,6 +29,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+from dsv4.engine.bench import write_jsonl  # noqa: E402
 from dsv4.kernels._triton_sync import pdl_end, pdl_start  # noqa: E402
 
 BLOCK = 1024
@@ -121,9 +121,7 @@ def main() -> None:
                 ts = f"{t * 1e6:8.2f} us" if t is not None else "     n/a"
                 print(f"{rec['name']:28s} n={n:8d}  {ts} a kernel  {'ok' if ok else 'WRONG'}", flush=True)
     if args.out:
-        with open(args.out, "a") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
+        write_jsonl(rows, args.out, append=True)
 
 
 if __name__ == "__main__":

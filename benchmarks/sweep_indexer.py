@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import itertools
-import json
 import multiprocessing as mp
 import os
 import statistics
@@ -52,6 +51,7 @@ import triton  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from benchmarks.bench_indexer import FMT, FP8_KEY_BYTES, HBM_BYTES_PER_S, make_problem  # noqa: E402
+from dsv4.engine.bench import write_jsonl  # noqa: E402
 from dsv4.kernels.indexer import (  # noqa: E402
     fp8_key_pages_from_mxfp4,
     indexer_scores,
@@ -416,9 +416,7 @@ def main(argv=None):
         sweep_shape(args, dev, info, B, configs, compile_errors, timer, rows, notes)
         print(f"B={B} done at {time.perf_counter() - t_start:.1f} s")
     if args.out:
-        with open(args.out, "a") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
+        write_jsonl(rows, args.out, append=True)
     print_table(rows, args.top)
     for k, e in sorted(compile_errors.items()):
         print(f"skipped {k[0]} block_n={k[1]} warps={k[2]} stages={k[3]} maxnreg={k[4]}: {e}")

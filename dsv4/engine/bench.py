@@ -709,8 +709,10 @@ def format_table(rows: Sequence[dict]) -> str:
     return "\n".join(lines)
 
 
-def write_jsonl(rows: Sequence[dict], path: str) -> None:
+def write_jsonl(rows: Sequence[dict], path: str, append: bool = False) -> None:
+    """One JSON object a line at ``path`` (its folder made if missing); ``append``: after what the file holds (the
+    benchmark scripts' ``--out``, which several runs add to)."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
+    with open(path, "a" if append else "w") as f:
         for r in rows:
             f.write(json.dumps(r) + "\n")
