@@ -393,8 +393,10 @@ def _norm_rope_rows(
         tl.store(rpos_ptr + s32, p.to(tl.int32), mask=ok)
     if HAS_HEAD:  # a request's rows are consecutive: its last one is the row whose next row is in another page
         nxt = tl.load(slot_ptr + ii + 1, mask=go & (ii + 1 < n_rows), other=-1)
-        same = (nxt >= 0) & (nxt < num_slots) & (tl.where(nxt >= 0, nxt, 0).to(tl.int32) // bs == s32 // bs)
-        tl.store(head_ptr + page, ((p.to(tl.int64) + 1) % bs).to(tl.int32), mask=ok & ~same)
+        lo = page.to(tl.int32) * bs  # the page's first slot: the next row is in it if lo <= next < lo + bs
+        same = (nxt >= lo) & (nxt < lo + bs)
+        # (int32 like the ring positions above: an int64 modulo is a ~100-instruction call)
+        tl.store(head_ptr + page, (p.to(tl.int32) + 1) % bs, mask=ok & ~same)
     if HAS_DST2:  # the same bytes at a second slot (another entry pool, e.g. a prefill's window workspace)
         slot2 = tl.load(slot2_ptr + ii, mask=go, other=-1)
         ok2 = go & (slot2 >= 0) & (slot2 < num_slots2)
