@@ -190,6 +190,7 @@ class LayerCacheHandle:
         *,
         copy_to: tuple[torch.Tensor, EntryPages] | None = None,
         rows: bool = True,
+        window_index: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
         """Fused window write from the raw ``wkv`` output ``kv_raw`` [T, head_dim] bf16: kv_norm (weight
         ``norm_weight``, the config's eps) -> RoPE(t) with ``inv_freq`` -> FP8 -> ring rows of the plan.
@@ -197,7 +198,9 @@ class LayerCacheHandle:
         Returns the normed + RoPE'd bf16 rows [T, head_dim] (pre-FP8): the chunk's own window keys
         (``rows=False``: None, not written).  ``copy_to`` = (slots [T], EntryPages of the entry format): every
         token's entry is also stored there in the same launch (a prefill chunk's attention workspace).  The ring
-        positions and heads are updated in the same launch.
+        positions and heads are updated in the same launch.  ``window_index`` (int32 [T, ring_size]): every token's
+        decode window (the ring slots of its position and the ring_size - 1 before it, -1 before position 0 and for
+        a padded token) written in the same launch: the attention's window index of a decode step.
         """
         from dsv4.kernels.cache.append_swa import append_window
 
@@ -219,6 +222,7 @@ class LayerCacheHandle:
             copy_to=copy_to,
             rows=rows,
             ring_head_flat=self.state.ring_head_flat,  # (the ring heads in the same launch)
+            window_index=window_index,
         )
         return kv
 

@@ -395,7 +395,9 @@ def _parts(blk: AttentionSubBlock, handle, x: torch.Tensor) -> dict[str, Callabl
     q, qr, kv_raw = ip.q, ip.qr, ip.kv_raw
     out: dict[str, Callable[[], object]] = {}
 
-    out["window_store"] = lambda: handle.write_window(kv_raw, w.kv_norm, inv, backend=be)
+    win = blk.decode_window_index(handle)  # (the layer's decode step: the store writes the window index)
+    out["window_store"] = lambda: handle.write_window(kv_raw, w.kv_norm, inv, backend=be, window_index=win)
+    out["window_store"]()
 
     def compress():
         comps = [(w.compressor, "main")] + ([(w.indexer.compressor, "indexer")] if blk.kind.value == "csa" else [])
@@ -403,7 +405,7 @@ def _parts(blk: AttentionSubBlock, handle, x: torch.Tensor) -> dict[str, Callabl
         for (cw, which), (kv, gate) in zip(comps, projections, strict=True):
             handle.compress(kv, gate, cw.norm, inv, which, backend=be, ape=cw.ape)
 
-    caches = [(handle.read_swa_view().pages, blk._ring_window_index(handle))]
+    caches = [(handle.read_swa_view().pages, win)]
     if blk.ratio:
         out["compressor"] = compress
     if blk.ratio and blk.kind.value == "csa":
@@ -450,8 +452,8 @@ def _part_cost(part: str, blk: AttentionSubBlock, m: KVCacheManager, bsz: int, c
     if part == "projections":
         ws = [w.wq_a, w.wq_b, w.wkv, w.wo_a, w.wo_b] + stacked
         return _nbytes(*ws) + bsz * cfg.dim * 2 * 2, 2.0 * bsz * sum(t.numel() for t in ws)
-    if part == "window_store":
-        return bsz * (2 * d * 2 + entry_b), 0.0
+    if part == "window_store":  # (+ the queries' window index: ring_size int32 slots a row)
+        return bsz * (2 * d * 2 + entry_b + schema.ring_size * 4), 0.0
     if part == "compressor":
         nb, fl = 0.0, 0.0
         comps = [(w.compressor, d, entry_b)]

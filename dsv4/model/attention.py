@@ -6,6 +6,7 @@ Order of one step (per layer)::
     q path (wq_a -> q_norm -> wq_b -> per-head norm -> RoPE)            projections.query
     [prefill] gather the ring's history rows into a workspace        <- before the ring is written
     window KV: wkv -> kv_norm -> RoPE -> FP8 -> ring                    handle.write_window
+      [decode] and the queries' window index (ring slots), in the same launch
     [prefill] the chunk's own KV -> FP8 into the workspace
     CSA/HCA: compressor projections -> state -> pooled -> entries       handle.compress
     CSA: indexer compressor -> MXFP4 keys; indexer query; scores + top-k   kernels.indexer (row chunks)
@@ -39,7 +40,6 @@ from dsv4.errors import check_tensor
 from dsv4.formats import EntryPages
 from dsv4.formats.fp8_weight import WEIGHT_BLOCK, FP8Weight, stack_rows
 from dsv4.kernels.attention import sparse_attention
-from dsv4.kernels.cache.ring import ring_window_slots
 from dsv4.kernels.dispatch import use_triton
 from dsv4.kernels.fp8_linear import fp8_linear
 from dsv4.kernels.indexer import indexer_topk, to_physical, visible_physical
@@ -161,9 +161,10 @@ class AttentionSubBlock:
         cnt = self._linear_counters
         ip = self.input_projections(x, pos)
         q, qr, kv_raw = ip.q, ip.qr, ip.kv_raw
-        if plan.is_decode:
-            handle.write_window(kv_raw, w.kv_norm, self.inv_freq, backend=be)
-            window = (handle.read_swa_view().pages, self._ring_window_index(handle))
+        if plan.is_decode:  # (the window store writes the queries' window index in its launch)
+            win = self.decode_window_index(handle)
+            handle.write_window(kv_raw, w.kv_norm, self.inv_freq, backend=be, window_index=win)
+            window = (handle.read_swa_view().pages, win)
         else:
             ws, ws_index, chunk_slots = self._window_workspace(handle)
             # the chunk's own keys go to the ring and, in the same launch, to the workspace
@@ -323,12 +324,13 @@ class AttentionSubBlock:
             cfg.index_topk, self.backend, n_visible_host=nv_host, token_row_host=tr_host,
         )  # fmt: skip
 
-    def _ring_window_index(self, handle: LayerCacheHandle) -> torch.Tensor:
-        """Decode: physical ring slots [T, window] of positions t-window+1 .. t (-1 before position 0).
-
-        A padded row (token slot -1) gets negative slots, which the attention kernel skips."""
+    @staticmethod
+    def decode_window_index(handle: LayerCacheHandle) -> torch.Tensor:
+        """Decode: the buffer [T, ring_size] int32 of the queries' window index, which ``handle.write_window``
+        fills (``window_index=``) with the physical ring slots of positions t-ring_size+1 .. t (-1 before position 0
+        and on a padded row)."""
         plan = handle.plan
-        return ring_window_slots(plan.positions, plan.token_slots, handle.schema.ring_size, backend=self.backend)
+        return torch.empty(plan.num_tokens, handle.schema.ring_size, dtype=torch.int32, device=plan.device)
 
     def _window_workspace(self, handle: LayerCacheHandle) -> tuple[EntryPages, torch.Tensor, torch.Tensor]:
         """Prefill/mixed: an FP8 workspace holding each request's window history (copied from the ring

@@ -292,6 +292,39 @@ def test_store_window_sets_ring_heads(device, geometry):
         store_window(kv, w, 1e-6, pos, inv_freq, slots, pages, FMT, ring_head=head0[:-1])
 
 
+@pytest.mark.parametrize("geometry", [{}, {"block_t": 4, "num_warps": 2, "iters": 2}])
+def test_store_window_writes_the_decode_window_index(device, geometry):
+    """``window_index``: every row of the store launch writes its decode window, the ring slots of positions
+    p - ring + 1 .. p in its ring page (-1 before position 0): on a stored row the index ``ring_window_slots`` builds
+    from the step's positions and request slots (its one launch, which the layer's decode step no longer makes); the
+    whole row -1 on a padded row (slot -1) and on an out-of-range slot.  Every row is written whole (the buffer starts
+    as garbage); a wrong-shaped buffer is refused before anything is written."""
+    from dsv4.kernels.cache.ring import ring_window_from_slots_reference, ring_window_slots_reference
+
+    reqs = [(3, 40), (0, 2), (4, BS - 1), (1, 0), (2, 9)]  # (request slot = ring page, position): one token each
+    slots = [page * BS + p % BS for page, p in reqs] + [-1, PAGES * BS]  # a padded row, an out-of-range slot
+    pos = [p for _, p in reqs] + [0, 5]
+    slots = torch.tensor(slots, dtype=torch.int32, device=device)
+    pos = torch.tensor(pos, dtype=torch.int32, device=device)
+    t = slots.numel()
+    kv, w, _, inv_freq = _rope_inputs(t, device)
+    want = ring_window_from_slots_reference(slots, pos, BS, PAGES * BS)
+    pages_of = torch.tensor([page for page, _ in reqs], device=device)
+    n = len(reqs)
+    assert torch.equal(want[:n], ring_window_slots_reference(pos[:n], pages_of, BS))
+    assert (want[n:] == -1).all() and (want[:n] == -1).any() and (want[:n] >= 0).any()
+    for backend in ("torch", "triton"):
+        win = torch.full((t, BS), 12345, dtype=torch.int32, device=device)
+        flat, pages = _fp8_buffer(device)
+        kw = geometry if backend == "triton" else {}
+        store_window(kv, w, 1e-6, pos, inv_freq, slots, pages, FMT, backend=backend, window_index=win, **kw)
+        assert torch.equal(win, want), backend
+        flat0 = flat.clone()
+        with pytest.raises(ValueError, match="window_index"):
+            store_window(kv, w, 1e-6, pos, inv_freq, slots, pages, FMT, backend=backend, window_index=win[:-1])
+        assert torch.equal(flat, flat0)
+
+
 @pytest.mark.parametrize(
     "geometry",
     [

@@ -54,6 +54,7 @@ def append_window(
     copy_to: tuple[torch.Tensor, EntryPages] | None = None,
     rows: bool = True,
     ring_head_flat: torch.Tensor | None = None,
+    window_index: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """Fused window write from the raw ``wkv`` output: kv_norm -> RoPE(t) -> FP8 -> ring, positions recorded.
 
@@ -61,7 +62,7 @@ def append_window(
     FP8), which a prefill chunk's attention needs as its own keys (``rows=False``: None, and they are not
     written).  ``copy_to`` = (slots, pages): the entries also there (a chunk's attention workspace).
     ``ring_head_flat`` (int32 [ring pages + 1]): each request's ring head set from its last row, in the same launch.
-    See ``store_window``.
+    ``window_index`` (int32 [T, ring]): each row's decode window index, in the same launch.  See ``store_window``.
     """
     t = kv_raw.shape[0]
     check_tensor("swa_slots", swa_slots, dtype=(torch.int32, torch.int64), shape=(t,))
@@ -69,6 +70,6 @@ def append_window(
     out = torch.empty_like(kv_raw) if rows else None
     store_window(
         kv_raw, norm_weight, eps, positions, inv_freq, swa_slots, ring, fmt, out=out, backend=backend,
-        ring_positions=ring_positions_flat, copy_to=copy_to, ring_head=ring_head_flat,
+        ring_positions=ring_positions_flat, copy_to=copy_to, ring_head=ring_head_flat, window_index=window_index,
     )  # fmt: skip
     return out

@@ -5,7 +5,9 @@ plus the dependent-read latency), so the few lines of torch that build the windo
 head cost tens of microseconds per layer.  Each function here has its PyTorch reference beside it and
 one Triton launch on the GPU path:
 
-- ``ring_window_slots``: the physical ring slots a decode query reads (its own and its 127 predecessors).
+- ``ring_window_slots``: the physical ring slots a decode query reads (its own and its 127 predecessors); the
+  layer's decode step has the window store write them instead (``store_window(window_index=)``, defined by
+  ``ring_window_from_slots_reference``).
 - ``advance_ring_head``: ``ring_head[slot] = seq_len mod ring`` for the step's requests.
 - ``record_ring_positions``: ``ring_positions[slot] = position`` for the rows a step stored (``append_swa``;
   ``append_window`` does it inside its store launch).
@@ -27,6 +29,7 @@ __all__ = [
     "record_ring_heads_reference",
     "record_ring_positions",
     "record_ring_positions_reference",
+    "ring_window_from_slots_reference",
     "ring_window_slots",
     "ring_window_slots_reference",
 ]
@@ -46,6 +49,21 @@ def ring_window_slots_reference(positions: torch.Tensor, token_slots: torch.Tens
     kp = positions.long()[:, None] - (ring - 1) + torch.arange(ring, device=positions.device)
     slot = token_slots.long()[:, None] * ring + kp.remainder(ring)
     return torch.where(kp >= 0, slot, -1).to(torch.int32)
+
+
+def ring_window_from_slots_reference(
+    slots: torch.Tensor, positions: torch.Tensor, ring: int, num_slots: int
+) -> torch.Tensor:
+    """A decode step's window index from its window store's ring slots (``store_window(window_index=)``): [T, ring]
+    int32, row t the slots ``page * ring + (k mod ring)`` of positions k = p - ring + 1 .. p (oldest first) in the ring
+    page ``page = slots[t] // ring`` of its stored row, -1 for k < 0; the whole row -1 where ``slots[t]`` is outside
+    [0, num_slots) (a padded row: not stored, nothing to attend).  Equal to ``ring_window_slots`` of the step's
+    positions and request slots on every stored row (a plan's window slot is ``request_slot * ring + pos mod ring``)."""
+    ok = (slots >= 0) & (slots < num_slots)
+    page = torch.where(ok, slots.long(), 0) // ring
+    kp = positions.long()[:, None] - (ring - 1) + torch.arange(ring, device=positions.device)
+    out = torch.where((kp >= 0) & ok[:, None], page[:, None] * ring + kp.remainder(ring), -1)
+    return out.to(torch.int32)
 
 
 @triton.jit

@@ -56,7 +56,11 @@ from dsv4.kernels.cache._triton_quant import (
     qmax_split,
     rope_cos_sin_pos,
 )
-from dsv4.kernels.cache.ring import record_ring_heads_reference, record_ring_positions_reference
+from dsv4.kernels.cache.ring import (
+    record_ring_heads_reference,
+    record_ring_positions_reference,
+    ring_window_from_slots_reference,
+)
 from dsv4.kernels.dispatch import interpreter_enabled, pdl_launch, use_triton
 from dsv4.model.functional import apply_rope, rms_norm
 
@@ -336,12 +340,17 @@ def _norm_rope_rows(
     n_rows=0,
     head_ptr=None,
     HAS_HEAD: tl.constexpr = False,
+    win_ptr=None,
+    HAS_WIN: tl.constexpr = False,
+    WIN: tl.constexpr = 1,
 ):
     """RMSNorm -> RoPE -> [out] -> FP8 entry of one block of loaded rows (see ``_norm_rope_fp8_kernel``);
     ``HAS_RPOS``: also ``rpos_ptr[slot] = position`` for every stored row (the window ring's positions);
     ``HAS_DST2``: the same entry bytes also at ``slot2_ptr[row]`` of a second pool (``*2`` page views);
     ``HAS_HEAD``: a stored row that is its request's last of the step (the next of the ``n_rows`` rows is not in its
-    ring page) sets ``head_ptr[page] = (position + 1) mod bs`` (the window ring's head)."""
+    ring page) sets ``head_ptr[page] = (position + 1) mod bs`` (the window ring's head); ``HAS_WIN``: every row writes
+    its decode window index ``win_ptr[row, :WIN]`` (WIN = bs: the ring slots of positions p - WIN + 1 .. p in the row's
+    ring page, -1 before position 0 and for a row not stored)."""
     slot = tl.load(slot_ptr + ii, mask=go, other=-1)
     ok = go & (slot >= 0) & (slot < num_slots)
     # page / row in int32 (a pool has < 2**31 slots; an int64 division is a ~100-instruction call), the byte
@@ -397,6 +406,10 @@ def _norm_rope_rows(
         same = (nxt >= lo) & (nxt < lo + bs)
         # (int32 like the ring positions above: an int64 modulo is a ~100-instruction call)
         tl.store(head_ptr + page, (p.to(tl.int32) + 1) % bs, mask=ok & ~same)
+    if HAS_WIN:  # (int32; WIN a power of two: the ring row of a position >= 0 is its low bits)
+        kp = p.to(tl.int32)[:, None] - (WIN - 1) + tl.arange(0, WIN)[None, :]
+        wslot = tl.where(ok[:, None] & (kp >= 0), page.to(tl.int32)[:, None] * WIN + (kp & (WIN - 1)), -1)
+        tl.store(win_ptr + ii[:, None] * WIN + tl.arange(0, WIN)[None, :], wslot, mask=go[:, None])
     if HAS_DST2:  # the same bytes at a second slot (another entry pool, e.g. a prefill's window workspace)
         slot2 = tl.load(slot2_ptr + ii, mask=go, other=-1)
         ok2 = go & (slot2 >= 0) & (slot2 < num_slots2)
@@ -517,6 +530,9 @@ def _norm_rope_fp8_kernel(
     HAS_DST2: tl.constexpr = False,
     head_ptr=None,
     HAS_HEAD: tl.constexpr = False,
+    win_ptr=None,
+    HAS_WIN: tl.constexpr = False,
+    WIN: tl.constexpr = 1,
     PDL: tl.constexpr = False,
     PDL_LATE: tl.constexpr = False,
 ):
@@ -530,7 +546,8 @@ def _norm_rope_fp8_kernel(
     the compute).  With ``HAS_DST2`` every row's entry bytes are also stored at ``slot2_ptr[row]`` of a second
     pool (``*2``: its slot count, page size and page views).  With ``HAS_RPOS`` every stored row also records its
     position at ``rpos_ptr[slot]`` (the
-    window ring's position table), and with ``HAS_HEAD`` each request's last row its ring head at ``head_ptr[page]``.
+    window ring's position table), with ``HAS_HEAD`` each request's last row its ring head at ``head_ptr[page]``, and
+    with ``HAS_WIN`` every row its decode window index at ``win_ptr[row]`` (``store_window(window_index=)``).
     With ``HAS_EMIT`` only rows with ``emits`` != 0 are read and stored; a block without
     any is skipped after one vector load of its flags.  bf16 and e4m3 rounding: the hardware's
     round-to-nearest-even conversions on a GPU, the bit-exact integer emulation under the interpreter
@@ -559,7 +576,7 @@ def _norm_rope_fp8_kernel(
                 noff, tin, roff, RATIO, HAS_OUT, INTERP, BLOCK_T, HEAD_DIM, NOPE, NT, NT_PAD, TILE, HR,
                 FLOOR, QMAX, Q_EXP, Q_MANT, rpos_ptr, HAS_RPOS, slot2_ptr, num_slots2, bs2, nope2_ptr, nope2_sp,
                 nope2_sr, rope2_ptr, rope2_sp, rope2_sr, scale2_ptr, scale2_sp, scale2_sr, HAS_DST2, n_rows, head_ptr,
-                HAS_HEAD,
+                HAS_HEAD, win_ptr, HAS_WIN, WIN,
             )  # fmt: skip
             pdl_end(PDL, PDL_LATE)
             k = tl.min(tl.where(fl & (kk > k), kk, SCAN), axis=0)
@@ -584,7 +601,7 @@ def _norm_rope_fp8_kernel(
                     noff, tin, roff, RATIO, HAS_OUT, INTERP, BLOCK_T, HEAD_DIM, NOPE, NT, NT_PAD, TILE, HR,
                     FLOOR, QMAX, Q_EXP, Q_MANT, rpos_ptr, HAS_RPOS, slot2_ptr, num_slots2, bs2, nope2_ptr, nope2_sp,
                     nope2_sr, rope2_ptr, rope2_sp, rope2_sr, scale2_ptr, scale2_sp, scale2_sr, HAS_DST2, n_rows,
-                    head_ptr, HAS_HEAD,
+                    head_ptr, HAS_HEAD, win_ptr, HAS_WIN, WIN,
                 )  # fmt: skip
             if ITERS > 1:
                 ii, go, xn, xr = ii_n, go_n, xn_n, xr_n
@@ -737,6 +754,7 @@ def _launch_norm_rope_fp8(
     pdl_late: bool = False,
     copy_to: tuple[torch.Tensor, EntryPages] | None = None,
     ring_head: torch.Tensor | None = None,
+    window_index: torch.Tensor | None = None,
 ) -> None:
     """One launch, shared by ``store_window`` (ratio 1) and the main compressor's ``emit_entries``:
     RoPE at ``ratio * (positions // ratio)``, computed in the kernel (no cos/sin tensors).
@@ -748,7 +766,8 @@ def _launch_norm_rope_fp8(
     ``iters`` then select).  ``pdl_late``: with PDL on, the kernel runs whole before it waits for the previous launch
     (``_triton_sync``; the caller vouches that this is safe).  ``copy_to`` (slots [n], pages): every row's entry
     also at those slots of those pages (same format).  ``ring_head`` (int32 [pages + 1]): each request's last row
-    sets its page's ring head (``store_window``)."""
+    sets its page's ring head; ``window_index`` (int32 [n, entries_per_page]): every row's decode window index
+    (both ``store_window``)."""
     n = x.shape[0]
     if n == 0:
         return
@@ -780,7 +799,9 @@ def _launch_norm_rope_fp8(
         RATIO=ratio, HAS_EMIT=emits is not None, HAS_OUT=out is not None, INTERP=interpreter_enabled(), BLOCK_T=bt,
         ITERS=it, HEAD_DIM=fmt.head_dim, NOPE=fmt.nope_dim, VEC_RUNS=fmt.tile % _VEC_ELEMS == 0, SCAN=sc,
         rpos_ptr=ring_positions if ring_positions is not None else slots, HAS_RPOS=ring_positions is not None,
-        head_ptr=ring_head if ring_head is not None else slots, HAS_HEAD=ring_head is not None, num_warps=nw, **kw,
+        head_ptr=ring_head if ring_head is not None else slots, HAS_HEAD=ring_head is not None,
+        win_ptr=window_index if window_index is not None else slots, HAS_WIN=window_index is not None,
+        WIN=pages.entries_per_page if window_index is not None else 1, num_warps=nw, **kw,
         **pdl_launch(x.device), PDL_LATE=pdl_late, **_dst2_args(copy_to, fmt),
     )  # fmt: skip
 
@@ -876,6 +897,7 @@ def store_window(
     ring_positions: torch.Tensor | None = None,
     copy_to: tuple[torch.Tensor, EntryPages] | None = None,
     ring_head: torch.Tensor | None = None,
+    window_index: torch.Tensor | None = None,
     block_t: int | None = None,
     num_warps: int | None = None,
     iters: int | None = None,
@@ -897,6 +919,10 @@ def store_window(
     [pages.num_pages + 1], the ring's head table; rows of a request consecutive, as a plan orders them): each
     request's last stored row sets its page's head to ``(position + 1) mod entries_per_page``, as
     ``advance_ring_head`` of the step's sequence lengths (``record_ring_heads_reference``; in the same launch).
+    ``window_index`` (int32 [T, entries_per_page], written whole): each row's decode window, the ring slots of
+    positions p - ring + 1 .. p in the row's ring page (-1 before position 0, and the whole row -1 where the row is
+    not stored), as ``ring_window_from_slots_reference``: a decode step's window index without a launch of its own
+    (``entries_per_page`` a power of two on the Triton path).
     Triton vs reference: the bf16 rows agree up to the fp32 sum order of RMSNorm (rarely one bf16
     ulp); the stored bytes always equal ``fmt.quantize`` of the kernel's own bf16 rows.
     Tuning (Triton path only; results do not depend on them): ``block_t`` rows per block (a power of
@@ -920,6 +946,9 @@ def store_window(
     if ring_head is not None:
         shape = [pages.num_pages + 1]
         check_tensor("ring_head", ring_head, dtype=torch.int32, shape=shape, device=dev, contiguous=True)
+    if window_index is not None:
+        shape = [t, pages.entries_per_page]
+        check_tensor("window_index", window_index, dtype=torch.int32, shape=shape, device=dev, contiguous=True)
     if copy_to is not None:
         if not (isinstance(copy_to, tuple) and len(copy_to) == 2):
             raise ValueError(f"copy_to: expected (slots, EntryPages), got {type(copy_to).__name__}")
@@ -927,12 +956,16 @@ def store_window(
         check_tensor("copy_to[0] (slots)", copy_to[0], dtype=_SLOT_DTYPES, shape=[t], device=dev)
         if copy_to[1].nope.device != dev:
             raise ValueError(f"copy_to: expected pages on {dev}, got {copy_to[1].nope.device}")
-    if not use_triton(backend, kv, slots, pages.nope):
+    pow2_ring = pages.entries_per_page & (pages.entries_per_page - 1) == 0
+    if not use_triton(backend, kv, slots, pages.nope, has_kernel=window_index is None or pow2_ring):
         store_window_reference(kv, norm_weight, eps, positions, inv_freq, slots, pages, fmt, out, copy_to)
         if ring_positions is not None:
             record_ring_positions_reference(slots, positions, ring_positions)
         if ring_head is not None:
             record_ring_heads_reference(slots, positions, ring_head, pages.entries_per_page)
+        if window_index is not None:
+            bs = pages.entries_per_page
+            window_index.copy_(ring_window_from_slots_reference(slots, positions, bs, pages.num_slots))
         return
     slots, positions = slots.contiguous(), positions.contiguous()
     if not norm_weight.is_contiguous() or not inv_freq.is_contiguous():
@@ -942,5 +975,5 @@ def store_window(
         copy_to = (copy_to[0].contiguous(), copy_to[1])
     _launch_norm_rope_fp8(
         kv, norm_weight, eps, positions, 1, inv_freq, slots, pages, fmt, out, None, block_t, num_warps, iters,
-        ring_positions=ring_positions, copy_to=copy_to, ring_head=ring_head,
+        ring_positions=ring_positions, copy_to=copy_to, ring_head=ring_head, window_index=window_index,
     )  # fmt: skip
