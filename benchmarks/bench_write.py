@@ -230,11 +230,12 @@ def case_store_window(fmt, mode, n, device, gen, tune=None):
             ws_pages = -(-t // bs)
             ws_flat = torch.zeros(fmt.page_bytes(bs) * ws_pages, dtype=torch.uint8, device=device)
             ws = (ws_slots, fmt.entry_pages(ws_flat, ws_pages, bs), ws_flat)
-        # the ring's position and head tables, which the layer's window write also sets in its launch
+        # the ring's position and head tables, which the layer's window write also sets in its launch, and (decode)
+        # the queries' window index
         tables = (
             torch.zeros(pages_n * bs + 1, dtype=torch.int32, device=device),
             torch.zeros(pages_n + 1, dtype=torch.int32, device=device),
-        )
+        ) + ((torch.empty(t, ring, dtype=torch.int32, device=device),) if mode == "decode" else ())
         return flat, fmt.entry_pages(flat, pages_n, bs), out, ws, tables
 
     (fk, pk, ok_, wk, tk), (fr, pr, or_, wr, tr) = make(), make()
@@ -244,7 +245,7 @@ def case_store_window(fmt, mode, n, device, gen, tune=None):
         cp = (ws[0], ws[1]) if ws is not None else None
         return lambda: store_window(
             kv, w, 1e-6, pos, inv, slots, pages, fmt, out=out, backend=backend, copy_to=cp, ring_positions=tables[0],
-            ring_head=tables[1], **kw,
+            ring_head=tables[1], window_index=tables[2] if len(tables) > 2 else None, **kw,
         )  # fmt: skip
 
     run("triton", pk, ok_, wk, tk)()
@@ -253,9 +254,11 @@ def case_store_window(fmt, mode, n, device, gen, tune=None):
     if copy:
         same = min(same, (wk[2] == wr[2]).float().mean().item())
     ok = same > 0.999 and all(torch.equal(a[:-1], b[:-1]) for a, b in zip(tk, tr, strict=True))
+    ok = ok and all(torch.equal(a, b) for a, b in zip(tk[2:], tr[2:], strict=True))  # the window index, whole
     out_b = fmt.head_dim * 2 if with_out else fp8_written_bytes(fmt) if copy else 0
-    # per row: kv in, position and slot in, entry out, its ring position out (+ the heads: 4 B a request)
-    nbytes = t * (fmt.head_dim * 2 + 4 + 4 + fp8_written_bytes(fmt) + out_b + 4)
+    # per row: kv in, position and slot in, entry out, its ring position out (+ the heads: 4 B a request; decode: the
+    # window index, ring int32 slots a row)
+    nbytes = t * (fmt.head_dim * 2 + 4 + 4 + fp8_written_bytes(fmt) + out_b + 4 + (ring * 4 if mode == "decode" else 0))
     return run("triton", pk, ok_, wk, tk), run("torch", pr, or_, wr, tr), ok, f"bytes equal {same:.6f}", nbytes
 
 
