@@ -49,7 +49,7 @@ def _load_model(args: argparse.Namespace) -> ModelConfig:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from dsv4.cache.planner import _fmt_bytes, format_plan, plan_memory
+    from dsv4.cache.planner import format_bytes, format_plan, plan_memory
     from dsv4.model.weights import attention_weight_bytes
 
     cfg = _load_model(args)
@@ -71,7 +71,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         print(json.dumps({**plan.to_dict(), "attention_weight_bytes": weights}, indent=None if args.compact else 2))
     else:
         print(format_plan(plan))
-        bf16, fp8, fp8c = (_fmt_bytes(weights[k]) for k in ("bf16", "fp8", "fp8_with_compressors"))
+        bf16, fp8, fp8c = (format_bytes(weights[k]) for k in ("bf16", "fp8", "fp8_with_compressors"))
         print(f"attention weights, all layers, one copy (not in the budget): bf16 {bf16}, kept FP8 {fp8}, "
               f"FP8 compressors too {fp8c}")  # fmt: skip
     return 0

@@ -135,7 +135,8 @@ def plan_memory(
     )
 
 
-def _fmt_bytes(n: float) -> str:
+def format_bytes(n: float) -> str:
+    """``n`` bytes in binary units for reports: "512 B", "1.50 KiB", ... "2.00 TiB" (two decimals above bytes)."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
             return f"{n:,.2f} {unit}" if unit != "B" else f"{n:,.0f} B"
@@ -151,27 +152,27 @@ def format_plan(p: MemoryPlan) -> str:
         "",
         f"{'bytes per token (format minimum: FP8 + MXFP4)':52s} {p.bytes_per_token:>14,.4f}",
         f"{'bytes per token (paged, with page padding)':52s} {p.bytes_per_token_paged:>14,.4f}",
-        f"{'fixed bytes per request (rings, compressor state)':52s} {_fmt_bytes(p.per_request_fixed_bytes):>14s}",
+        f"{'fixed bytes per request (rings, compressor state)':52s} {format_bytes(p.per_request_fixed_bytes):>14s}",
         f"{'HCA compressor state':52s} {'online' if p.online_state else 'reference (128 rows)':>14s}",
-        f"{'bytes per request at this context':52s} {_fmt_bytes(p.per_request_bytes):>14s}",
+        f"{'bytes per request at this context':52s} {format_bytes(p.per_request_bytes):>14s}",
         "",
         "per request, by region:",
-        *(f"  {k:30s} {_fmt_bytes(v):>14s}" for k, v in p.per_request_by_region.items()),
+        *(f"  {k:30s} {format_bytes(v):>14s}" for k, v in p.per_request_by_region.items()),
         "per request, by layer kind:",
-        *(f"  {k:30s} {_fmt_bytes(v):>14s}" for k, v in p.per_request_by_layer_kind.items()),
+        *(f"  {k:30s} {format_bytes(v):>14s}" for k, v in p.per_request_by_layer_kind.items()),
         "",
         f"{'format':18s} {'B/token':>12s} {'per request':>14s}",
         *(
-            f"{k:18s} {p.comparison_bytes_per_token[k]:>12,.2f} {_fmt_bytes(v):>14s}"
+            f"{k:18s} {p.comparison_bytes_per_token[k]:>12,.2f} {format_bytes(v):>14s}"
             for k, v in p.comparison_per_request_bytes.items()
         ),
         "",
     ]
     if p.budget_bytes is not None:
         lines.append(
-            f"budget {_fmt_bytes(p.budget_bytes)}: {p.max_requests_in_budget} requests of this length fit "
-            f"({_fmt_bytes(p.total_bytes)} used)"
+            f"budget {format_bytes(p.budget_bytes)}: {p.max_requests_in_budget} requests of this length fit "
+            f"({format_bytes(p.total_bytes)} used)"
         )
     else:
-        lines.append(f"{p.concurrency} concurrent request(s): {_fmt_bytes(p.total_bytes)} in total")
+        lines.append(f"{p.concurrency} concurrent request(s): {format_bytes(p.total_bytes)} in total")
     return "\n".join(lines)
