@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One H200 session: environment, GPU tests, then the kernel benchmarks. Results go to $OUT (or ./out).
-# Usage (on the device machine, repo root): bash benchmarks/run_h200.sh [tests|bench|all|pending|ncu|attention|attention_ncu|indexer_gluon|indexer_live|indexer_fold|pending_s12|topk_rows|indexer_default|indexer_p2|indexer_ablate|flush_topk|skeleton|topk_short|fold_auto|hca_online|write_s15|emit_s15|emit2_s15|main_s15|write2_s15|final_s15|gemv_s15|online_regs|write_s16|final_s16|ncu_pool|div_s16|lean_s17|fast_s17|emit_s17|emit2_s17|warps_s17|ipool_s17|final_s17|sweep_s18|overlap_s18|fuse_s19|pdl_s19|pdl_decode_s19|writes_s19|layer_s19|select_s19|grid_s20|tails_s20|linear_s20|layer_s20|topk_s20|validate_s20|prefill_idx_s21|tf32x2_s21|topk_s21|iquery_s21|fp8_linear_s22|fp8_step_s22|hsum_s22|check_s23|step_s23]
+# Usage (on the device machine, repo root): bash benchmarks/run_h200.sh [tests|bench|all|pending|ncu|attention|attention_ncu|indexer_gluon|indexer_live|indexer_fold|pending_s12|topk_rows|indexer_default|indexer_p2|indexer_ablate|flush_topk|skeleton|topk_short|fold_auto|hca_online|write_s15|emit_s15|emit2_s15|main_s15|write2_s15|final_s15|gemv_s15|online_regs|write_s16|final_s16|ncu_pool|div_s16|lean_s17|fast_s17|emit_s17|emit2_s17|warps_s17|ipool_s17|final_s17|sweep_s18|overlap_s18|fuse_s19|pdl_s19|pdl_decode_s19|writes_s19|layer_s19|select_s19|grid_s20|tails_s20|linear_s20|layer_s20|topk_s20|validate_s20|prefill_idx_s21|tf32x2_s21|topk_s21|iquery_s21|fp8_linear_s22|fp8_step_s22|hsum_s22|check_s23|step_s23|fp8lin_s23]
 # "pending": the norm and top-k GPU tests (~4 min, most of it compiling the top-k kernels), launch D's rank
 # threshold on/off, top-k with both flush kinds, the decode step; about 8 minutes.  "ncu": Nsight Compute
 # sections of the indexer scores, dense attention and gather kernels (benchmarks/ncu_cases.py).  "attention": the
@@ -665,8 +665,10 @@ print('grouped_linear kernels:', [e.name[:60] for e in p.events() if e.device_ty
 " 2>&1 | tail -1 | tee -a "$OUT/${stamp}_h200_gpu_tests_fp8_linear_s22.txt"
   timeout 120 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_linear.py -k "gpu or cuda" 2>&1 \
     | tee "$OUT/${stamp}_h200_gpu_tests_tf32x2_s21.txt" | tail -3
-  # the window store setting the ring heads in its launch (session 23)
-  timeout 90 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_store.py -k "cuda and window" 2>&1 \
+  # the window store setting the ring heads (session 23) and the decode window index (session 24) in its launch;
+  # wo_a's fp8_linear de-rotating o in its load at q_norm_rope's (cos, sin) (session 24)
+  timeout 120 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_store.py tests/kernels/test_fp8_linear.py \
+    tests/kernels/test_rope.py -k "cuda and (window or derotate or cos_sin)" 2>&1 \
     | tee "$OUT/${stamp}_h200_gpu_tests_ring_heads_s23.txt" | tail -2
   timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_topk.py tests/kernels/test_indexer_select.py \
     tests/model/test_attention.py -k "(cuda or gpu or bands_change_nothing) and not fp8" 2>&1 \
@@ -674,13 +676,19 @@ print('grouped_linear kernels:', [e.name[:60] for e in p.events() if e.device_ty
 fi
 if [ "$what" = step_s23 ]; then  # session 23 (~8 min): one CSA layer's decode step (128K, B = 1 / 64) with bf16
   # weights, then stacked (STACK_PROJECTIONS: x's wq_a + wkv and qr's wq_b + indexer wq_b, one GEMM each), FP8 weights
-  # (fp8_linear), FP8 stacked; then fp8_linear alone against cuBLAS bf16 at every projection width
+  # (fp8_linear), FP8 stacked, FP8 with the inverse RoPE in its own launch (session 24); fp8_linear alone: fp8lin_s23
   m=${MODELS:-v4-flash}
   for f in "" "--stack-projections" "--fp8-weights" "--fp8-weights --stack-projections"; do
     tag=$(echo "$f" | sed 's/--//g; s/ /_/g; s/-projections//; s/-weights//')
     timeout 110 python3 -m dsv4.cli bench --models $m --kinds csa --contexts 131072 --batches 1,64 $f \
       --out "$OUT/${stamp}_h200_decode_${m}_${tag:-bf16}_s23.jsonl" 2>&1 | grep -v -i warn | tail -4
   done
+  # FP8 weights with the inverse RoPE as its own launch again (projections.FUSE_DEROTATE off; session 24)
+  timeout 110 python3 -c "import sys, dsv4.model.projections as p; p.FUSE_DEROTATE = False; from dsv4.cli import main; \
+sys.exit(main(sys.argv[1:]))" bench --models $m --kinds csa --contexts 131072 --batches 1,64 --fp8-weights \
+    --out "$OUT/${stamp}_h200_decode_${m}_fp8_nofuse_s24.jsonl" 2>&1 | grep -v -i warn | tail -4
+fi
+if [ "$what" = fp8lin_s23 ]; then  # fp8_linear alone against cuBLAS bf16 at every projection width (~2 min)
   timeout 90 python3 benchmarks/bench_fp8_linear.py --cvt-asm ${CVT:-1} --out "$OUT/${stamp}_h200_fp8_linear_s23.jsonl" \
     2>&1 | tee -a "$OUT/${stamp}_h200_fp8_linear_s23.txt" | cut -c1-200
 fi

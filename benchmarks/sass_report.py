@@ -235,7 +235,11 @@ def main() -> None:
 
                 def tri(cases=cases, kw=variant):
                     cnt = torch.zeros(4096, dtype=torch.int32)
+                    kw = dict(kw)
+                    rot = int(kw.pop("derotate", 0))  # derotate=1: x's heads de-rotated in the load (wo_a)
                     for (w, x), groups in cases:
+                        cs = torch.rand(x.shape[0], cfg.rope_head_dim // 2, 2)
+                        kw["derotate"] = (cs, cfg.head_dim) if rot else None
                         fp8_linear(x, w, "triton", groups=groups, counters=cnt, **kw)
             elif op in ("iquery", "rope_inv"):  # iquery:T:0 (indexer query tail), rope_inv:T:in_place
                 from bench_rope import make_ops

@@ -16,6 +16,10 @@ additions (and from there, rarely, in the last bit of the bf16 output).  A non-p
 Face conversion) is applied the same way: the exact ``x·e4m3·s`` up to fp32 rounding, where the dequantised bf16
 weight rounds ``e4m3·s`` to 8 bits first.
 
+``derotate``: ``wo_a``'s x is the attention output, whose heads' last 64 lanes still carry the query's RoPE; the
+kernel undoes it in the K block that ends each head as it loads it (at the (cos, sin) the query's RoPE launch wrote),
+so the layer's separate inverse-RoPE launch goes (the same bf16 values; ``projections.FUSE_DEROTATE``).
+
 ``out_dtype=torch.float32`` gives the fp32 sums themselves: the compressors' projections (fp32 in the reference) on
 FP8 compressor weights, a quarter of the bytes of their fp32 form, all of a layer's in one launch.
 
@@ -48,6 +52,7 @@ import triton.language as tl
 from dsv4.errors import check_tensor
 from dsv4.formats.fp8_weight import WEIGHT_BLOCK, FP8Weight
 from dsv4.kernels._triton_sync import pdl_enter
+from dsv4.kernels.cache._triton_quant import bf16_rne, mul_rn
 from dsv4.kernels.dispatch import DEFAULT_NUM_SMS, interpreter_enabled, num_sms, pdl_launch, use_triton
 from dsv4.kernels.linear import _store_out, _store_tile, _sum_splits_kernel, check_counters, linear_fp32_group
 
@@ -128,6 +133,25 @@ def fp8_linear_reference(x: torch.Tensor, w: FP8Weight, groups: int = 1) -> torc
     return y.flatten(-2).float().to(x.dtype)
 
 
+def _check_derotate(derotate, x: torch.Tensor, cols: int) -> tuple[torch.Tensor, int] | None:
+    """``fp8_linear``'s ``derotate`` checked: (cos_sin [M, rd/2, 2] fp32 contiguous, head_dim >= rd dividing x's
+    columns), or None."""
+    if derotate is None:
+        return None
+    if not (isinstance(derotate, tuple) and len(derotate) == 2):
+        raise ValueError(f"derotate: expected (cos_sin, head_dim), got {type(derotate).__name__}")
+    cs, hd = derotate
+    check_tensor("derotate cos_sin", cs, dtype=torch.float32, ndim=3, device=x.device)
+    if cs.shape[0] != x.shape[0] or cs.shape[2] != 2:
+        raise ValueError(f"derotate cos_sin: expected shape [{x.shape[0]}, rd/2, 2], got {list(cs.shape)}")
+    if not isinstance(hd, int) or hd < 2 * cs.shape[1] or cols % hd:
+        raise ValueError(
+            f"derotate head_dim: expected an int >= the rope dims ({2 * cs.shape[1]}) dividing x's {cols} columns, "
+            f"got {hd!r}"
+        )
+    return cs.contiguous(), hd
+
+
 def _check(x: torch.Tensor, w: FP8Weight, groups: int) -> tuple[int, int, int]:
     if not isinstance(w, FP8Weight):
         raise ValueError(f"w: expected an FP8Weight, got {type(w).__name__}")
@@ -173,12 +197,28 @@ def _e4m3_to_bf16(b):
 
 
 @triton.jit
+def _derotate_tile(a, cos, sin, lane, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, INTERP: tl.constexpr):
+    """a [BLOCK_M, BLOCK_K] bf16 x tile -> the same with its pairs (2j, 2j + 1) where ``lane[j]`` rotated by
+    (cos, sin) [BLOCK_M, BLOCK_K / 2] (sin already negated: the inverse), as ``rope_inverse`` rotates them: fp32
+    products each rounded (``mul_rn``), the sum rounded to bf16; the other pairs as they are."""
+    xe, xo = tl.split(tl.reshape(a, [BLOCK_M, BLOCK_K // 2, 2]))
+    xe = xe.to(tl.float32)
+    xo = xo.to(tl.float32)
+    ye = bf16_rne(mul_rn(xe, cos, INTERP) - mul_rn(xo, sin, INTERP), INTERP)
+    yo = bf16_rne(mul_rn(xe, sin, INTERP) + mul_rn(xo, cos, INTERP), INTERP)
+    ye = tl.where(lane[None, :], ye, xe)
+    yo = tl.where(lane[None, :], yo, xo)
+    return tl.reshape(tl.join(ye, yo), [BLOCK_M, BLOCK_K]).to(tl.bfloat16)
+
+
+@triton.jit
 def _fp8_linear_kernel(
     x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, cnt_ptr,
     M, N, K, NT, stride_xm, k_per_split, split, tiles_n, kblocks,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     PARTIAL: tl.constexpr, FUSED_SUM: tl.constexpr, SPLIT: tl.constexpr, INTERP: tl.constexpr,
-    CVT_ASM: tl.constexpr = True, BF16_RNE: tl.constexpr = False, PDL: tl.constexpr = False,
+    CVT_ASM: tl.constexpr = True, BF16_RNE: tl.constexpr = False, cs_ptr=None, HEAD_D: tl.constexpr = 0,
+    HR: tl.constexpr = 1, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """One [BLOCK_M, BLOCK_N] tile of group g's x_g·w_gᵀ over K range [pid_k·k_per_split, +k_per_split).
 
@@ -189,7 +229,10 @@ def _fp8_linear_kernel(
     the last of the tile's ``split`` programs (``last_arrival`` on ``cnt_ptr[pid_m·tiles + pid_n]``) adds the
     partials in split order and stores the tile.  INTERP (the interpreter): operands widened to fp32 (its bf16 dot
     multiplies raw bits).  CVT_ASM: the weight bytes to bf16 by ``_e4m3_to_bf16`` (else Triton's cast: the same
-    values).  BF16_RNE: ``linear._store_out``'s (a bf16 out under the interpreter)."""
+    values).  BF16_RNE: ``linear._store_out``'s (a bf16 out under the interpreter).  HEAD_D > 0 (``derotate``): x's
+    columns are heads of HEAD_D (a multiple of BLOCK_K), the last 2·HR of each (<= BLOCK_K) RoPE pairs; the K block
+    that ends a head is de-rotated as it is loaded (``_derotate_tile``) by its row's (cos, sin) (``cs_ptr`` [M, HR, 2]
+    fp32, read there: a few hundred bytes from L2)."""
     pdl_enter(PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -215,6 +258,14 @@ def _fp8_linear_kernel(
             in_k = (k + rk < K)[None, :]
             a = tl.load(x_ptrs, mask=in_k, other=0.0)
             b = tl.load(w_ptrs, mask=in_k, other=0.0)
+        if HEAD_D > 0:
+            if k % HEAD_D == HEAD_D - BLOCK_K:  # a head's last block: its last HR pairs by (cos, -sin), the rest (1, 0)
+                j = tl.arange(0, BLOCK_K // 2) - (BLOCK_K // 2 - HR)
+                lane = j >= 0
+                cso = cs_ptr + (rm % M).to(tl.int64)[:, None] * (2 * HR) + 2 * tl.maximum(j, 0)[None, :]
+                cos = tl.load(cso, mask=lane[None, :], other=1.0)
+                sin = -tl.load(cso + 1, mask=lane[None, :], other=0.0)
+                a = _derotate_tile(a, cos, sin, lane, BLOCK_M, BLOCK_K, INTERP)
         s = tl.load(s_ptrs)
         if INTERP:
             part = tl.dot(b.to(tl.float32), tl.trans(a.to(tl.float32)), input_precision="ieee")
@@ -296,6 +347,7 @@ def fp8_linear(
     split_k: int | None = None,
     cvt_asm: bool | None = None,
     out_dtype: torch.dtype = torch.bfloat16,
+    derotate: tuple[torch.Tensor, int] | None = None,
 ) -> torch.Tensor:
     """``y = x·wᵀ`` per group (module docstring): x [M, G·K] bf16 (any row stride, unit column stride), w an
     ``FP8Weight`` [G·N, K] -> y [M, G·N] bf16, new and contiguous.  M may be 0.  ``out_dtype`` torch.float32 (one
@@ -307,11 +359,26 @@ def fp8_linear(
     ``F.linear`` (cuBLAS).  ``counters``: int32 zeros (``linear.linear_counters``) of >= the output tiles; with a K
     split and M <= FUSED_SUM_MAX_M the split sum is done in the launch (left 0 again; launches sharing them must not
     overlap).  The launch keywords override ``fp8_linear_launch``'s choice; ``cvt_asm`` (default ``CVT_ASM``) picks the
-    weight conversion (``_e4m3_to_bf16`` or Triton's cast: same values)."""
+    weight conversion (``_e4m3_to_bf16`` or Triton's cast: same values).
+
+    ``derotate`` = (cos_sin [M, rd/2, 2] fp32, head_dim): x's columns are heads of ``head_dim`` and each head's last
+    rd columns carry RoPE at its row's angles, whose (cos, sin) ``cos_sin`` holds (``q_norm_rope(cos_sin_out=)``
+    writes them): the rotation is undone first, as ``rope_inverse`` does it (``model.functional.rotate_pairs``), and
+    the result is that of the de-rotated x (the attention output before ``wo_a``).  The kernel rotates a head's last
+    K block as it loads it (head_dim a multiple of 128, rd <= 128, heads within groups): no launch and no pass over x
+    of its own; elsewhere the reference rotation runs first (x is not changed)."""
     n, k, m = _check(x, w, groups)
+    rot = _check_derotate(derotate, x, groups * k)
     if out_dtype not in (torch.bfloat16, torch.float32) or (out_dtype == torch.float32 and groups != 1):
         raise ValueError(f"out_dtype: expected torch.bfloat16, or torch.float32 with one group, got {out_dtype}")
     out_fp32 = out_dtype == torch.float32
+    in_kernel = rot is not None and rot[1] % _BLOCK_K == 0 and 2 * rot[0].shape[1] <= _BLOCK_K and k % rot[1] == 0
+    if rot is not None and not (in_kernel and m <= DECODE_MAX_M and use_triton(backend, x, w.data, w.scale, counters)):
+        from dsv4.model.functional import rotate_pairs
+
+        cs, hd = rot
+        x = rotate_pairs(x.unflatten(1, (x.shape[1] // hd, hd)), cs[:, None, :, 0], -cs[:, None, :, 1]).flatten(1)
+        rot = None
     if not use_triton(backend, x, w.data, w.scale, counters):
         if out_fp32:
             return torch.nn.functional.linear(x.float(), w.dequantize())
@@ -345,7 +412,8 @@ def fp8_linear(
         tiles_n, w.scale.shape[1],
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=_BLOCK_K, EVEN_K=k % _BLOCK_K == 0, PARTIAL=split > 1, FUSED_SUM=fused,
         SPLIT=split if fused else 1, INTERP=interp, CVT_ASM=CVT_ASM if cvt_asm is None else bool(cvt_asm),
-        BF16_RNE=interp and not out_fp32, num_warps=warps, num_stages=stages, **pdl_launch(x.device),
+        BF16_RNE=interp and not out_fp32, cs_ptr=rot[0] if rot else None, HEAD_D=rot[1] if rot else 0,
+        HR=rot[0].shape[1] if rot else 1, num_warps=warps, num_stages=stages, **pdl_launch(x.device),
     )  # fmt: skip
     if split > 1 and not fused:
         numel = m * rows

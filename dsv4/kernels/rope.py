@@ -6,7 +6,9 @@ the definition of correct) and a Triton kernel:
 - ``q_norm_rope``: q [T, H, D] bf16 -> per-head RMSNorm (``head_rms_norm``) -> RoPE at each token's
   position (``apply_rope``): what ``projections.query`` does after ``wq_b``;
 - ``rope_inverse``: o [T, H, D] bf16 -> inverse RoPE at each token's position (``apply_rope(...,
-  inverse=True)``): what ``projections.output_projection`` does before ``wo_a``.
+  inverse=True)``): what ``projections.output_projection`` does before ``wo_a`` (an FP8 ``wo_a`` of a decode-sized
+  step does it in its own load instead, ``fp8_linear(derotate=)``, at the (cos, sin) ``q_norm_rope(cos_sin_out=)``
+  wrote: the same values).
 
 RoPE rotates the last ``rd = 2 * len(inv_freq)`` channels as interleaved pairs (2k, 2k+1); the other
 ``D - rd`` channels are copied (``q_norm_rope``: normed).  All heads of a token share its position.
@@ -121,6 +123,8 @@ def _rope_heads_kernel(
     NOPE_PAD: tl.constexpr,
     HR: tl.constexpr,
     ROPE_ONLY: tl.constexpr = False,
+    cs_ptr=None,
+    CS_OUT: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):
     """Token ``program_id(0)``, heads [program_id(1) * BLOCK_H, ...): x -> [per-head RMSNorm] -> RoPE -> out.
@@ -130,7 +134,8 @@ def _rope_heads_kernel(
     (not NORM; out may be x itself): only the rope lanes are read and written, the nope channels left as they are.
     The row is read as two tiles: the D - 2*HR nope channels [BLOCK_H, NOPE_PAD] (lanes >= D - 2*HR masked) and the rope
     pairs [BLOCK_H, HR, 2], split into their even / odd lanes in registers.  ``eps``: the norm's epsilon
-    as torch adds it on the tensor's device (``_eps_as_added``).
+    as torch adds it on the tensor's device (``_eps_as_added``).  ``CS_OUT``: the programs of head block 0 also write
+    their token's (cos, sin) [HR, 2] fp32 at ``cs_ptr + t * 2 * HR`` (the forward angles, before INVERSE negates sin).
     """
     pdl_enter(PDL)
     NOPE: tl.constexpr = D - 2 * HR
@@ -157,6 +162,10 @@ def _rope_heads_kernel(
         xo = bf16_rne(xo * r, INTERP)
     p = tl.load(pos_ptr + t * stride_pos + tl.arange(0, 1))  # [1]: the token's position
     cos, sin = rope_cos_sin_pos(p, 1, inv_ptr + j * stride_inv, INTERP)  # [1, HR], shared by the heads
+    if CS_OUT:
+        if tl.program_id(1) == 0:
+            cso = cs_ptr + t * (2 * HR) + 2 * j[None, :, None] + tl.arange(0, 2)[None, None, :]
+            tl.store(cso, tl.join(cos, sin))
     if INVERSE:
         sin = -sin
     ye = bf16_rne(mul_rn(xe, cos, INTERP) - mul_rn(xo, sin, INTERP), INTERP)
@@ -202,6 +211,7 @@ def _launch(
     block_h: int | None,
     num_warps: int | None,
     in_place: bool = False,
+    cos_sin_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     t, h, d = x.shape
     out = x if in_place else torch.empty((t, h, d), dtype=torch.bfloat16, device=x.device)
@@ -217,7 +227,7 @@ def _launch(
         x, x.stride(0), x.stride(1), o16, out.stride(0), out.stride(1), positions, positions.stride(0), inv_freq,
         inv_freq.stride(0), h, _eps_as_added(float(eps), x.device), NORM=norm, INVERSE=inverse,
         INTERP=interpreter_enabled(), BLOCK_H=bh, D=d, NOPE_PAD=triton.next_power_of_2(max(1, d - 2 * hr)), HR=hr,
-        ROPE_ONLY=in_place, num_warps=nw, **pdl_launch(x.device),
+        ROPE_ONLY=in_place, cs_ptr=cos_sin_out, CS_OUT=cos_sin_out is not None, num_warps=nw, **pdl_launch(x.device),
     )  # fmt: skip
     return out
 
@@ -260,6 +270,7 @@ def q_norm_rope(
     *,
     block_h: int | None = None,
     num_warps: int | None = None,
+    cos_sin_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per-head RMSNorm then RoPE of the query, in one launch: ``apply_rope(head_rms_norm(q, eps),
     positions[:, None], inv_freq)``.
@@ -272,14 +283,22 @@ def q_norm_rope(
     of the norm's mean, which can move a rare head row by <= 2 bf16 steps).  Bytes: reads 2*T*H*D + 4*T
     (int32 positions), writes 2*T*H*D.  The Triton kernel needs D and rd/2 to be powers of two
     (``backend="auto"`` falls back to torch otherwise).  Tuning (Triton only; results do not depend on it):
-    ``block_h`` heads per program (a power of two), ``num_warps``.
+    ``block_h`` heads per program (a power of two), ``num_warps``.  ``cos_sin_out`` (fp32 [T, rd/2, 2], contiguous):
+    receives each token's (cos, sin) of its rotation, as computed for it (the Triton path: in the same launch), for
+    an op that undoes it later at the same angles (``fp8_linear(derotate=)``).
     """
     _check_args("q", q, positions, inv_freq)
     if not isinstance(eps, (int, float)) or not eps >= 0:
         raise ValueError(f"eps: expected a non-negative float, got {eps!r}")
+    if cos_sin_out is not None:
+        shape = [q.shape[0], inv_freq.shape[0], 2]
+        check_tensor("cos_sin_out", cos_sin_out, dtype=torch.float32, shape=shape, device=q.device, contiguous=True)
     if not _triton_ok(backend, "q", q, positions, inv_freq, pow2_head_dim=True):
+        if cos_sin_out is not None:
+            ang = positions.to(torch.float32)[:, None] * inv_freq
+            cos_sin_out.copy_(torch.stack([torch.cos(ang), torch.sin(ang)], dim=-1))
         return q_norm_rope_reference(q, positions, inv_freq, eps)
-    return _launch(q, positions, inv_freq, eps, True, False, block_h, num_warps)
+    return _launch(q, positions, inv_freq, eps, True, False, block_h, num_warps, cos_sin_out=cos_sin_out)
 
 
 def rope_inverse(

@@ -45,7 +45,15 @@ from dsv4.kernels.fp8_linear import fp8_linear
 from dsv4.kernels.indexer import indexer_topk, to_physical, visible_physical
 from dsv4.kernels.linear import bf16_exact, linear_counters, linear_fp32_group, linear_fp32_pair
 from dsv4.model import functional as F
-from dsv4.model.projections import dense, indexer_query, output_projection, query, query_heads, query_latent
+from dsv4.model.projections import (
+    dense,
+    fuse_derotate,
+    indexer_query,
+    output_projection,
+    query,
+    query_heads,
+    query_latent,
+)
 from dsv4.model.weights import AttentionWeights, CompressorWeights
 
 # An HCA prefill attends in row bands, each with an entry index as wide as its rows see (``visible_bands``), instead of
@@ -193,8 +201,9 @@ class AttentionSubBlock:
                     if self.kind is LayerKind.HCA and not plan.is_decode and PREFILL_BANDS:
                         o = self._banded_hca_attention(q, window, comp, handle)
                         return output_projection(
-                            cfg, w, o, pos[:, None], self.inv_freq, be, consume_o=True, counters=cnt
-                        )
+                            cfg, w, o, pos[:, None], self.inv_freq, be, consume_o=True, counters=cnt,
+                            cos_sin=ip.cos_sin,
+                        )  # fmt: skip
                     width = cfg.index_topk if self.kind is LayerKind.CSA else rp.max_entries
                     phys = visible_physical(
                         rp.n_visible, width, rp.block_table, plan.request_ids, rp.entries_per_page, backend=be
@@ -202,7 +211,9 @@ class AttentionSubBlock:
                 caches.append((comp, phys))
 
         o, _ = sparse_attention(q, caches, w.attn_sink, self.scale, backend=be)
-        return output_projection(cfg, w, o, pos[:, None], self.inv_freq, be, consume_o=True, counters=cnt)
+        return output_projection(
+            cfg, w, o, pos[:, None], self.inv_freq, be, consume_o=True, counters=cnt, cos_sin=ip.cos_sin
+        )
 
     def _banded_hca_attention(
         self, q: torch.Tensor, window: tuple[EntryPages, torch.Tensor], comp: EntryPages, handle: LayerCacheHandle
@@ -243,9 +254,12 @@ class AttentionSubBlock:
         stacks (``STACK_PROJECTIONS``) on the Triton path two GEMM launches give all of them (row-strided views)."""
         cfg, w, be, cnt = self.cfg, self.w, self.backend, self._linear_counters
         hp = positions[:, None]
+        cs = None  # the query rotation's (cos, sin), where wo_a de-rotates o in its launch
+        if fuse_derotate(w, x.shape[0], be, x):
+            cs = torch.empty(x.shape[0], self.inv_freq.shape[0], 2, dtype=torch.float32, device=x.device)
         if self._x_stack is None or not use_triton(be, x, self._x_stack.tensor):
-            q, qr = query(cfg, w, x, hp, self.inv_freq, be, counters=cnt)
-            return InputProjections(q, qr, dense(x, w.wkv, be, counters=cnt))
+            q, qr = query(cfg, w, x, hp, self.inv_freq, be, counters=cnt, cos_sin_out=cs)
+            return InputProjections(q, qr, dense(x, w.wkv, be, counters=cnt), cos_sin=cs)
         latent, kv_raw, *index_w = self._x_stack.project(x, be, cnt)
         qr = query_latent(cfg, w, latent, hp, be)
         index_q = None
@@ -253,8 +267,8 @@ class AttentionSubBlock:
             q_lin, index_q = self._qr_stack.project(qr, be, cnt)
         else:
             q_lin = dense(qr, w.wq_b, be, counters=cnt)
-        q = query_heads(cfg, q_lin, hp, self.inv_freq, be)
-        return InputProjections(q, qr, kv_raw, index_q, index_w[0] if index_w else None)
+        q = query_heads(cfg, q_lin, hp, self.inv_freq, be, cos_sin_out=cs)
+        return InputProjections(q, qr, kv_raw, index_q, index_w[0] if index_w else None, cs)
 
     def compressor_projections_all(
         self, x: torch.Tensor, cws: list, positions: torch.Tensor
@@ -393,6 +407,7 @@ class InputProjections(NamedTuple):
     kv_raw: torch.Tensor  # [T, head_dim] bf16, ``wkv``'s output
     index_q: torch.Tensor | None = None  # [T, Hi·Di] bf16, ``indexer.wq_b``'s output where the qr stack computed it
     index_w: torch.Tensor | None = None  # [T, Hi] bf16, ``indexer.weights_proj``'s where the x stack computed it
+    cos_sin: torch.Tensor | None = None  # [T, rd/2, 2] fp32, q's rotation, where wo_a de-rotates (``fuse_derotate``)
 
 
 class ProjectionStack(NamedTuple):

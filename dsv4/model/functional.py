@@ -169,8 +169,15 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
         )
     ang = positions.to(torch.float32).unsqueeze(-1) * inv_freq.to(x.device)  # [*P, rd/2]
     cos, sin = torch.cos(ang), torch.sin(ang)
-    if inverse:
-        sin = -sin
+    return rotate_pairs(x, cos, -sin if inverse else sin)
+
+
+def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``apply_rope``'s rotation by given angles: x [..., C] with its last rd = 2·cos.shape[-1] channels, as pairs
+    (2k, 2k+1), rotated by (cos, sin) fp32 [..., rd/2] (broadcast against x's leading dims): ``a·cos - b·sin``,
+    ``a·sin + b·cos`` in fp32 (each product rounded on its own), in x's dtype; channels ``[0, C-rd)`` unchanged.  New
+    tensor."""
+    rd = 2 * cos.shape[-1]
     pairs = x[..., x.shape[-1] - rd :].float().unflatten(-1, (rd // 2, 2))
     a, b = pairs[..., 0], pairs[..., 1]
     rot = torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1).flatten(-2).to(x.dtype)

@@ -11,12 +11,28 @@ import torch
 
 from dsv4.config import ModelConfig
 from dsv4.formats.fp8_weight import FP8Weight
-from dsv4.kernels.fp8_linear import fp8_linear, grouped_linear
+from dsv4.kernels.dispatch import use_triton
+from dsv4.kernels.fp8_linear import DECODE_MAX_M, fp8_linear, grouped_linear
 from dsv4.kernels.indexer.query import indexer_query_tail
 from dsv4.kernels.norm import rms_norm
 from dsv4.kernels.rope import q_norm_rope, rope_inverse
 from dsv4.model import functional as F
 from dsv4.model.weights import AttentionWeights
+
+# FP8 ``wo_a`` on the kernel path (up to DECODE_MAX_M tokens): the inverse RoPE inside ``fp8_linear``'s load of o
+# (``derotate``, at the (cos, sin) the query's RoPE launch wrote: ``q_norm_rope(cos_sin_out=)``) instead of
+# ``rope_inverse``'s launch before it; the same bf16 values.  Not yet timed on the H200 (``run_h200.sh step_s24``:
+# the decode step with FP8 weights with and without).
+FUSE_DEROTATE = True
+
+
+def fuse_derotate(w: AttentionWeights, o_rows: int, backend: str, *tensors: torch.Tensor) -> bool:
+    """Whether ``output_projection`` of ``o_rows`` tokens de-rotates inside ``wo_a``'s launch (``FUSE_DEROTATE``, an
+    FP8 ``wo_a``, the kernel path of ``fp8_linear``): the layer then asks the query's RoPE for its (cos, sin)."""
+    return (
+        FUSE_DEROTATE and isinstance(w.wo_a, FP8Weight) and 0 < o_rows <= DECODE_MAX_M
+        and use_triton(backend, w.wo_a.data, *tensors)
+    )  # fmt: skip
 
 
 def dense(
@@ -45,6 +61,7 @@ def query(
     backend: str = "torch",
     *,
     counters: torch.Tensor | None = None,
+    cos_sin_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Spec §2 step 1.  x [..., dim] bf16 -> (q [..., H, D] bf16 after per-head norm and RoPE(t),
     qr [..., q_lora_rank] bf16: the normed latent the indexer's query also reads).
@@ -52,10 +69,11 @@ def query(
     ``backend`` "torch" (default; the dense reference) composes the model's functions; "auto" / "triton"
     runs the latent's RMSNorm as one launch (``kernels.norm.rms_norm``) and the per-head norm and RoPE as
     another (``kernels.rope.q_norm_rope``; x [T, dim] and ``head_positions`` [T, 1] there).  FP8 weights: ``dense``
-    (``counters`` its)."""
+    (``counters`` its).  ``cos_sin_out``: as ``query_heads``."""
     latent = dense(x, w.wq_a, backend, counters=counters)
     qr = query_latent(cfg, w, latent, head_positions, backend)
-    return query_heads(cfg, dense(qr, w.wq_b, backend, counters=counters), head_positions, inv_freq, backend), qr
+    q_lin = dense(qr, w.wq_b, backend, counters=counters)
+    return query_heads(cfg, q_lin, head_positions, inv_freq, backend, cos_sin_out=cos_sin_out), qr
 
 
 def query_latent(
@@ -69,14 +87,24 @@ def query_latent(
 
 
 def query_heads(
-    cfg: ModelConfig, q_lin: torch.Tensor, head_positions: torch.Tensor, inv_freq: torch.Tensor, backend: str = "torch"
+    cfg: ModelConfig,
+    q_lin: torch.Tensor,
+    head_positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    backend: str = "torch",
+    *,
+    cos_sin_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``query``'s heads: q_lin [..., H·D] bf16 (``wq_b``'s output; any row stride on the one-launch path) -> q
-    [..., H, D] bf16, per-head RMSNorm then RoPE(t) on the rope dims (one launch: ``kernels.rope.q_norm_rope``)."""
+    [..., H, D] bf16, per-head RMSNorm then RoPE(t) on the rope dims (one launch: ``kernels.rope.q_norm_rope``).
+    ``cos_sin_out`` (the one-launch path, fp32 [T, rd/2, 2]): each token's (cos, sin), written by the same launch
+    (``q_norm_rope(cos_sin_out=)``; for ``output_projection(cos_sin=)``)."""
     q = q_lin.unflatten(-1, (cfg.n_heads, cfg.head_dim))
     pos = _token_positions(q_lin.shape[:-1], head_positions, backend)
     if pos is not None:
-        return q_norm_rope(q, pos, inv_freq, cfg.norm_eps, backend=backend)
+        return q_norm_rope(q, pos, inv_freq, cfg.norm_eps, backend=backend, cos_sin_out=cos_sin_out)
+    if cos_sin_out is not None:
+        raise ValueError("cos_sin_out: expected the one-launch path ([T] tokens, backend 'auto' or 'triton')")
     return F.apply_rope(F.head_rms_norm(q, cfg.norm_eps), head_positions, inv_freq)
 
 
@@ -133,12 +161,20 @@ def output_projection(
     *,
     consume_o: bool = False,
     counters: torch.Tensor | None = None,
+    cos_sin: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Spec §2 steps 5–6.  o [..., H, D] bf16 attention output -> inverse RoPE(t) on the rope dims ->
     grouped ``wo_a`` (o_groups blocks of H/o_groups heads) -> ``wo_b`` -> y [..., dim] bf16.
     ``backend``: as ``query`` (the inverse RoPE in one launch, ``kernels.rope.rope_inverse``).  ``consume_o``: the
     caller has no further use for o, so the kernel may rotate its rope channels in place (``derotate``).  FP8
-    weights: ``dense`` (``counters`` its)."""
+    weights: ``dense`` (``counters`` its).  ``cos_sin`` (fp32 [T, rd/2, 2], the (cos, sin) of each token's query
+    rotation: ``query_heads(cos_sin_out=)``) where ``fuse_derotate`` holds: an FP8 ``wo_a`` de-rotates o as it loads
+    it (``fp8_linear(derotate=)``, no launch of its own; the same values)."""
+    if cos_sin is not None and o.dim() == 3 and fuse_derotate(w, o.shape[0], backend, o):
+        og = fp8_linear(
+            o.flatten(-2), w.wo_a, backend, groups=cfg.o_groups, counters=counters, derotate=(cos_sin, o.shape[-1])
+        )
+        return dense(og, w.wo_b, backend, counters=counters)
     o = derotate(o, head_positions, inv_freq, backend, in_place=consume_o)
     return project_groups(cfg, w, o, backend, counters=counters)
 

@@ -176,6 +176,61 @@ def test_e4m3_to_bf16_bit_trick_on_every_code():
     assert bool(((h & 0x7F) == 0).all())  # f16's low 7 mantissa bits are zero: the shift loses nothing
 
 
+@pytest.mark.parametrize(
+    "m, heads, hd, groups, launch",
+    [
+        (1, 4, 256, 2, {}),  # V4's layout in small: heads of 2 K blocks, rope in the second; 2 heads a group
+        (5, 4, 256, 2, {"split_k": 2}),  # each split one head: its rope block in each split
+        (3, 2, 384, 1, {"split_k": 3}),  # splits of one K block: only the last holds a rope block
+        (17, 2, 128, 2, {"block_n": 32}),  # a head = one K block; BLOCK_M 32 (rows wrap for the positions)
+    ],
+)
+def test_fp8_linear_derotate_equals_rope_inverse_first(device, monkeypatch, m, heads, hd, groups, launch):
+    """``derotate``: the kernel de-rotates each head's rope lanes as it loads x, at the (cos, sin) the query's RoPE
+    launch wrote (``q_norm_rope(cos_sin_out=)``), the result the bits of ``fp8_linear(rope_inverse(x))`` (the layer's
+    two launches) -- on the kernel path, on the torch path, and where the kernel cannot (head_dim off the 128-column
+    K blocks: the reference rotation first).  x is not changed."""
+    from dsv4.kernels.rope import q_norm_rope, rope_inverse
+
+    g = torch.Generator().manual_seed(m)
+    rd = 64
+    inv = (1.0 / (10000.0 ** (torch.arange(0, rd, 2, dtype=torch.float32) / rd))).to(device)
+    w = _weight(groups * 128, heads * hd // groups, seed=m, device=device)
+    x = torch.randn(m, heads * hd, generator=g).bfloat16().to(device)
+    pos = torch.randint(0, 70_000, (m,), generator=g, dtype=torch.int32).to(device)
+    x0 = x.clone()
+
+    def cos_sin(inv, backend):
+        cs = torch.empty(m, inv.shape[0], 2, device=device)
+        q_norm_rope(torch.ones(m, 1, 128, device=device).bfloat16(), pos, inv, 1e-6, backend, cos_sin_out=cs)
+        return cs
+
+    for backend in ("triton", "torch"):
+        kw = launch if backend == "triton" else {}
+        want = fp8_linear(
+            rope_inverse(x.unflatten(1, (heads, hd)), pos, inv, backend=backend).flatten(1), w, backend, groups=groups,
+            **kw,
+        )  # fmt: skip
+        cs = cos_sin(inv, backend)
+        with monkeypatch.context() as mp:
+            if backend == "triton":  # (the kernel's own rotation: no reference rotation runs)
+                mp.setattr("dsv4.model.functional.rotate_pairs", None)
+            got = fp8_linear(x, w, backend, groups=groups, derotate=(cs, hd), **kw)
+        assert torch.equal(got, want), backend
+        assert torch.equal(x, x0)
+    # the rotation matters: without it the result differs
+    assert not torch.equal(fp8_linear(x, w, "triton", groups=groups, **launch), want)
+    # head_dim 64 (rd 32: not on the kernel's K blocks): the reference rotation first, the same result
+    inv32 = inv[:16].contiguous()
+    want = fp8_linear(rope_inverse(x.unflatten(1, (-1, 64)), pos, inv32, backend="triton").flatten(1), w, "triton",
+                      groups=groups)  # fmt: skip
+    assert torch.equal(fp8_linear(x, w, "triton", groups=groups, derotate=(cos_sin(inv32, "triton"), 64)), want)
+    with pytest.raises(ValueError, match="derotate cos_sin"):
+        fp8_linear(x, w, "triton", groups=groups, derotate=(cs[:-1], hd))
+    with pytest.raises(ValueError, match="derotate head_dim"):
+        fp8_linear(x, w, "triton", groups=groups, derotate=(cs, hd + 1))
+
+
 def test_fp8_linear_launch_defaults_and_overrides():
     # V4-Flash decode, 1 token: wq_a (1,024 rows) splits, wq_b (32,768 rows) does not
     assert fp8_linear_launch(1, 1024, 4096, num_sms=132) == (16, 64, 4, 4, 16)

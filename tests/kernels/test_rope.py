@@ -161,6 +161,32 @@ def test_rope_inverse_in_place_equals_the_copy(device, backend):
         rope_inverse(o, pos, inv, backend=backend, in_place=1)
 
 
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_q_norm_rope_writes_its_cos_sin(device, backend):
+    """``cos_sin_out``: each token's (cos, sin) of its rotation, written by the same launch (from the programs of
+    its first head block: every token once, with several head blocks); q unchanged by it.  The values are those the
+    rotation used: rotating q's rope lanes back by them (``rotate_pairs`` with -sin) equals ``rope_inverse`` of q, bit
+    for bit; against torch's cos / sin within one fp32 ulp (numpy's under the interpreter).  A wrong shape is
+    refused."""
+    from dsv4.model.functional import rotate_pairs
+
+    if backend == "triton":
+        _need_triton(device)
+    t, h, d = 6, 4, 128
+    q = _heads(t, h, d, device, seed=5)
+    pos, inv = _positions(t, torch.int32, device, seed=5), _inv_freq(device)
+    cs = torch.full((t, RD // 2, 2), float("nan"), device=device)
+    y = q_norm_rope(q, pos, inv, EPS, backend, block_h=2 if backend == "triton" else None, cos_sin_out=cs)
+    assert torch.equal(y, q_norm_rope(q, pos, inv, EPS, backend))
+    ang = pos.double()[:, None] * inv.double()
+    ref = torch.stack([torch.cos(ang.float().double()), torch.sin(ang.float().double())], dim=-1)
+    assert torch.allclose(cs.double(), ref, rtol=0, atol=2.0**-23)
+    back = rotate_pairs(y, cs[:, None, :, 0], -cs[:, None, :, 1])
+    assert torch.equal(back, rope_inverse(y, pos, inv, backend=backend))
+    with pytest.raises(ValueError, match="cos_sin_out"):
+        q_norm_rope(q, pos, inv, EPS, backend, cos_sin_out=cs[:-1])
+
+
 def test_strided_inputs_and_launch_geometry(device):
     """Views (heads every other row of a wider tensor, positions a column of packed metadata, inv_freq with a
     stride) are read by element; heads not a multiple of the head block are masked; the result does not
