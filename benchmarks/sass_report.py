@@ -246,6 +246,28 @@ def main() -> None:
 
                 which = "indexer_query" if op == "iquery" else "rope_inverse" + ("_inplace" if int(n) else "")
                 tri, *_ = make_ops(which, int(mode), gen, torch.device("cpu"), dict(variant))
+            elif op == "csa_pair":  # csa_pair:decode:B (compress_decode_csa: a CSA layer's two compressors, one launch)
+                from dsv4.formats import MXFP4KeyFormat
+                from dsv4.kernels.cache.compressor import compress_decode_csa
+
+                b = int(n)
+                pos, slots = torch.arange(b, dtype=torch.int32) * 4 + 3, torch.arange(b, dtype=torch.int32)
+                pair = []
+                for fmt in (FP8EntryFormat(cfg.head_dim, cfg.rope_head_dim), MXFP4KeyFormat(cfg.index_head_dim)):
+                    main = isinstance(fmt, FP8EntryFormat)
+                    d = cfg.head_dim if main else cfg.index_head_dim
+                    flat = torch.zeros(fmt.page_bytes(64) * b, dtype=torch.uint8)
+                    pages = fmt.entry_pages(flat, b, 64) if main else fmt.key_pages(flat, b, 64)
+                    st = torch.zeros(b, 8, 2 * d)
+                    pair.append(dict(
+                        kv=torch.randn(b, 2 * d), score=torch.randn(b, 2 * d), positions=pos, token_slot=slots,
+                        kv_state=st, score_state=st.clone(), counters=torch.zeros(b, dtype=torch.int32), ratio=4,
+                        overlap=True, norm_weight=torch.ones(d), eps=1e-6, inv_freq=bw.inv_freq_of(cfg.rope_head_dim,
+                        "cpu"), slots=slots, pages=pages, fmt=fmt, ape=torch.zeros(4, 2 * d),
+                    ))  # fmt: skip
+
+                def tri(pair=pair):
+                    compress_decode_csa(*pair, backend="triton")
             elif op == "store_window":
                 fmt = FP8EntryFormat(cfg.head_dim, cfg.rope_head_dim)
                 tri, *_ = bw.case_store_window(fmt, mode, int(n), torch.device("cpu"), gen, variant)

@@ -305,6 +305,36 @@ class LayerCacheHandle:
             kind=which, backend=backend, ape=ape, state_pos=st.positions,
         )  # fmt: skip
 
+    def compress_all(
+        self,
+        steps: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, str, torch.Tensor | None]],
+        inv_freq: torch.Tensor,
+        backend: str = "auto",
+    ) -> None:
+        """``compress`` of each of the layer's compressors, ``steps`` = [(kv, score, norm_weight, which, ape), ...]
+        (main first): the same effect as one ``compress`` call each.  A decode step of a CSA layer (``main`` and
+        ``indexer``) runs both in ONE launch (``compress_decode_csa``), both checked before anything is written."""
+        if not (self.plan.is_decode and [st[3] for st in steps] == ["main", "indexer"]):
+            for kv, score, norm_weight, which, ape in steps:
+                self.compress(kv, score, norm_weight, inv_freq, which, backend=backend, ape=ape)
+            return
+        from dsv4.kernels.cache.compressor import compress_decode_csa
+
+        rp = self._need_ratio("compress")
+        calls = []
+        for kv, score, norm_weight, which, ape in steps:
+            st = self._compressor(which)
+            pages, fmt = self._emit_target(which)
+            calls.append(
+                dict(
+                    kv=kv, score=score, positions=self.plan.positions, token_slot=self.plan.token_slots,
+                    kv_state=st.kv, score_state=st.score, counters=st.counters, ratio=st.shape.ratio,
+                    overlap=st.shape.overlap, norm_weight=norm_weight, eps=self.schema.config.norm_eps,
+                    inv_freq=inv_freq, slots=rp.emit_slots, pages=pages, fmt=fmt, ape=ape, state_pos=st.positions,
+                )
+            )  # fmt: skip
+        compress_decode_csa(calls[0], calls[1], backend=backend)
+
     def _emit_target(self, which: str):
         """(pages, format) the ``which`` compressor's entries go to: FP8 entries (main) or MXFP4 keys."""
         if which == "main":

@@ -402,8 +402,8 @@ def _parts(blk: AttentionSubBlock, handle, x: torch.Tensor) -> dict[str, Callabl
     def compress():
         comps = [(w.compressor, "main")] + ([(w.indexer.compressor, "indexer")] if blk.kind.value == "csa" else [])
         projections = blk.compressor_projections_all(x, [cw for cw, _ in comps], plan.positions)  # as the layer
-        for (cw, which), (kv, gate) in zip(comps, projections, strict=True):
-            handle.compress(kv, gate, cw.norm, inv, which, backend=be, ape=cw.ape)
+        steps = [(kv, gate, cw.norm, which, cw.ape) for (cw, which), (kv, gate) in zip(comps, projections, strict=True)]
+        handle.compress_all(steps, inv, backend=be)
 
     caches = [(handle.read_swa_view().pages, win)]
     if blk.ratio:

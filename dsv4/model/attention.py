@@ -185,9 +185,9 @@ class AttentionSubBlock:
             if self.kind is LayerKind.CSA:
                 comps.append((w.indexer.compressor, "indexer"))
             projections = self.compressor_projections_all(x, [cw for cw, _ in comps], handle.positions)
-            for (cw, which), (kv, gate) in zip(comps, projections, strict=True):
-                # (ape is added inside handle.compress: in the fused kernel on a decode step)
-                handle.compress(kv, gate, cw.norm, self.inv_freq, which, backend=be, ape=cw.ape)
+            # (ape is added inside the compress kernels; a CSA decode step: both compressors in one launch)
+            steps = [(kv, g, cw.norm, which, cw.ape) for (cw, which), (kv, g) in zip(comps, projections, strict=True)]
+            handle.compress_all(steps, self.inv_freq, backend=be)
             comp = handle.paged.entries
             rp = handle.ratio_plan
             if rp.max_entries > 0:

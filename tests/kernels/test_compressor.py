@@ -282,6 +282,61 @@ def test_compress_decode_one_launch_equals_two_launches(device, kind, tuning, wi
     assert sorted(changed) == sorted(eslot[emitting].tolist()) and len(changed) == 2
 
 
+@pytest.mark.parametrize("with_ape", [False, True])
+@pytest.mark.parametrize("tuning", [{}, {"block_d": 16, "num_warps": 2}])
+def test_compress_decode_csa_one_launch_equals_two(device, monkeypatch, tuning, with_ape):
+    """compress_decode_csa (a CSA layer's main and indexer compressors: ONE launch on the Triton path, the grids side
+    by side) writes the same states, entry bytes and key bytes as the two compress_decode calls, and leaves both
+    counters at 0; on the torch backend it is the two references.  A bad indexer argument is refused before the main
+    compressor's state or pages change."""
+    from dsv4.kernels.cache import compressor as comp_mod
+
+    (kvm, scm, pos, tslot, stm, wm, inv, eslot, flatm), fmtm, ratio, overlap, _ = _decode_setup("csa_main", device)
+    (kvi, sci, _, _, sti, wi, _, _, flati), fmti, *_ = _decode_setup("csa_indexer", device)
+    g = torch.Generator().manual_seed(5)
+    apes = [torch.randn(ratio, t.shape[1], generator=g).to(device) if with_ape else None for t in (scm, sci)]
+    cm = torch.zeros(stm.shape[1], dtype=torch.int32, device=device)
+    ci = torch.zeros(sti.shape[1], dtype=torch.int32, device=device)
+
+    def calls(fm, fi, km, sm, ki, si, tune):
+        main = dict(kv=kvm, score=scm, positions=pos, token_slot=tslot, kv_state=km, score_state=sm, counters=cm,
+                    ratio=ratio, overlap=overlap, norm_weight=wm, eps=1e-6, inv_freq=inv, slots=eslot,
+                    pages=_pages(fmtm, "main", fm), fmt=fmtm, ape=apes[0], **tune)  # fmt: skip
+        idx = dict(main, kv=kvi, score=sci, kv_state=ki, score_state=si, counters=ci, norm_weight=wi,
+                   pages=_pages(fmti, "indexer", fi), fmt=fmti, ape=apes[1])  # fmt: skip
+        return main, idx
+
+    for backend in ("triton", "torch"):
+        tune = tuning if backend == "triton" else {}
+        want = [t.clone() for t in (flatm, flati, stm[0], stm[1], sti[0], sti[1])]
+        main, idx = calls(*want, tune)
+        compress_decode(**main, kind="main", backend=backend)
+        compress_decode(**idx, kind="indexer", backend=backend)
+        got = [t.clone() for t in (flatm, flati, stm[0], stm[1], sti[0], sti[1])]
+        main, idx = calls(*got, tune)
+        with monkeypatch.context() as mp:
+            if backend == "triton":  # (the one launch: neither single-compressor launch runs)
+                mp.setattr(comp_mod, "_run_decode", None)
+            for _ in range(2 if backend == "triton" else 1):  # twice: the counters must be back at 0 in between
+                comp_mod.compress_decode_csa(main, idx, backend=backend)
+        assert not cm.any() and not ci.any()
+        if backend == "triton":  # (the second call folded the step in again: compare with two more launches)
+            main, idx = calls(*want, tune)
+            compress_decode(**main, kind="main", backend=backend)
+            compress_decode(**idx, kind="indexer", backend=backend)
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(a, b), backend
+        assert not torch.equal(got[0], flatm) and not torch.equal(got[1], flati)
+    # a bad indexer format: refused, nothing written
+    before = [t.clone() for t in (flatm, stm)]
+    main, idx = calls(flatm, flati, stm[0], stm[1], sti[0], sti[1], {})
+    with pytest.raises(ValueError, match="fmt"):
+        comp_mod.compress_decode_csa(main, dict(idx, fmt=fmtm), backend="triton")
+    with pytest.raises(ValueError, match="unknown"):
+        comp_mod.compress_decode_csa(main, dict(idx, kind="indexer"), backend="triton")
+    assert torch.equal(flatm, before[0]) and torch.equal(stm, before[1])
+
+
 def test_compress_decode_validation(device):
     (kv, sc, pos, tslot, st, w, inv, eslot, flat), fmt, ratio, overlap, ekind = _decode_setup("csa_main", device)
     pages = _pages(fmt, ekind, flat)

@@ -49,7 +49,8 @@ does); ``compress_prefill`` runs them and the emit, the state write
 optionally on a side stream alongside the emit (both wait only for the pool).  ``emit_entries`` 1 (RMSNorm,
 RoPE at the entry position computed in the kernel, [Hadamard], quantise, store; a block of tokens per
 program, only the emitting ones read; the indexer's Hadamard factorised as H_NB (x) H_32).  A decode step is one
-launch a compressor (``compress_decode``: the last channel-block program of an emitting token emits it).  In a
+launch a compressor (``compress_decode``: the last channel-block program of an emitting token emits it), and one
+launch for both compressors of a CSA layer (``compress_decode_csa``: the two programs' grids side by side).  In a
 prefill, ``compressor_prefill.compress_prefill(fuse_emit=True)`` lets the pool program emit where it holds a token's
 whole pooled row (CSA's 8-row tiles); HCA's would be 128 x 512 values, so its channel blocks stay spread over many
 programs and its emit a launch of its own.
@@ -62,6 +63,8 @@ positions p0 - c*m .. p0 - 1 (those >= 0), p0 being its first position in the st
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import triton
@@ -105,6 +108,7 @@ __all__ = [
     "online_combine",
     "online_state",
     "compress_decode",
+    "compress_decode_csa",
     "compressor_step",
     "compressor_step_reference",
     "check_emit_arguments",
@@ -790,31 +794,28 @@ def _last_arrival(pooled, cnt_ptr, slot, N_POOL: tl.constexpr):
 
 
 @triton.jit
-def _compressor_decode_emit_main_kernel(
-    kv_ptr, sc_ptr, stride_kv, stride_sc, pos_ptr, tslot_ptr, kvs_ptr, scs_ptr, st_ss, st_sr, num_state_slots,
+def _decode_emit_main(
+    i, b, kv_ptr, sc_ptr, stride_kv, stride_sc, pos_ptr, tslot_ptr, kvs_ptr, scs_ptr, st_ss, st_sr, num_state_slots,
     pooled_ptr, emits_ptr, T, cnt_ptr, ape_ptr, spos_ptr, w_ptr, eps, inv_ptr, eslot_ptr, num_slots, bs, nope_ptr,
     nope_sp, nope_sr, rope_ptr, rope_sp, rope_sr, scale_ptr, scale_sp, scale_sr, M: tl.constexpr, CM: tl.constexpr,
     D: tl.constexpr, OVERLAP: tl.constexpr, C: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
     N_POOL: tl.constexpr, INTERP: tl.constexpr, NOPE: tl.constexpr, NT: tl.constexpr, NT_PAD: tl.constexpr,
     TILE: tl.constexpr, HR: tl.constexpr, FLOOR: tl.constexpr, QMAX: tl.constexpr, Q_EXP: tl.constexpr,
-    Q_MANT: tl.constexpr, VEC_RUNS: tl.constexpr, HAS_APE: tl.constexpr = False, ONLINE: tl.constexpr = False,
-    PDL: tl.constexpr = False,
+    Q_MANT: tl.constexpr, VEC_RUNS: tl.constexpr, HAS_APE: tl.constexpr, ONLINE: tl.constexpr,
 ):  # fmt: skip
-    """Decode step of a main compressor in one launch: ``_decode_pool_write`` (``ONLINE``: ``_decode_online``),
-    then the last channel-block program of each emitting token (``_last_arrival``) reads the token's pooled row
-    back and emits its FP8 entry (``_norm_rope_rows``: RMSNorm -> RoPE at the entry position -> quantise ->
-    store)."""
-    pdl_enter(PDL)
-    i = tl.program_id(0).to(tl.int64)
+    """Program (token i, channel block b) of a main compressor's decode step: ``_decode_pool_write`` (``ONLINE``:
+    ``_decode_online``), then the last channel-block program of each emitting token (``_last_arrival``) reads the
+    token's pooled row back and emits its FP8 entry (``_norm_rope_rows``: RMSNorm -> RoPE at the entry position ->
+    quantise -> store)."""
     if ONLINE:
         pooled, slot = _decode_online(
-            i, tl.program_id(1), kv_ptr, sc_ptr, stride_kv, stride_sc, pos_ptr, tslot_ptr, kvs_ptr, scs_ptr, st_ss,
-            st_sr, num_state_slots, spos_ptr, pooled_ptr, emits_ptr, M, D, BLOCK_D, ape_ptr, HAS_APE,
+            i, b, kv_ptr, sc_ptr, stride_kv, stride_sc, pos_ptr, tslot_ptr, kvs_ptr, scs_ptr, st_ss, st_sr,
+            num_state_slots, spos_ptr, pooled_ptr, emits_ptr, M, D, BLOCK_D, ape_ptr, HAS_APE,
         )  # fmt: skip
     else:
         pooled, slot = _decode_pool_write(
-            i, tl.program_id(1), kv_ptr, sc_ptr, stride_kv, stride_sc, pos_ptr, tslot_ptr, kvs_ptr, scs_ptr, st_ss,
-            st_sr, num_state_slots, pooled_ptr, emits_ptr, T, M, CM, D, OVERLAP, C, BLOCK_R, BLOCK_D, ape_ptr, HAS_APE,
+            i, b, kv_ptr, sc_ptr, stride_kv, stride_sc, pos_ptr, tslot_ptr, kvs_ptr, scs_ptr, st_ss, st_sr,
+            num_state_slots, pooled_ptr, emits_ptr, T, M, CM, D, OVERLAP, C, BLOCK_R, BLOCK_D, ape_ptr, HAS_APE,
         )  # fmt: skip
     if _last_arrival(pooled, cnt_ptr, slot, N_POOL):
         noff, tin, roff, rin = _fp8_row_offsets(D, NOPE, NT, NT_PAD, TILE, HR, VEC_RUNS)
@@ -831,6 +832,54 @@ def _compressor_decode_emit_main_kernel(
 
 
 @triton.jit
+def _compressor_decode_emit_main_kernel(
+    kv_ptr, sc_ptr, stride_kv, stride_sc, pos_ptr, tslot_ptr, kvs_ptr, scs_ptr, st_ss, st_sr, num_state_slots,
+    pooled_ptr, emits_ptr, T, cnt_ptr, ape_ptr, spos_ptr, w_ptr, eps, inv_ptr, eslot_ptr, num_slots, bs, nope_ptr,
+    nope_sp, nope_sr, rope_ptr, rope_sp, rope_sr, scale_ptr, scale_sp, scale_sr, M: tl.constexpr, CM: tl.constexpr,
+    D: tl.constexpr, OVERLAP: tl.constexpr, C: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+    N_POOL: tl.constexpr, INTERP: tl.constexpr, NOPE: tl.constexpr, NT: tl.constexpr, NT_PAD: tl.constexpr,
+    TILE: tl.constexpr, HR: tl.constexpr, FLOOR: tl.constexpr, QMAX: tl.constexpr, Q_EXP: tl.constexpr,
+    Q_MANT: tl.constexpr, VEC_RUNS: tl.constexpr, HAS_APE: tl.constexpr = False, ONLINE: tl.constexpr = False,
+    PDL: tl.constexpr = False,
+):  # fmt: skip
+    """Decode step of a main compressor in one launch, programs (token, channel block): ``_decode_emit_main``."""
+    pdl_enter(PDL)
+    _decode_emit_main(
+        tl.program_id(0).to(tl.int64), tl.program_id(1), kv_ptr, sc_ptr, stride_kv, stride_sc, pos_ptr, tslot_ptr,
+        kvs_ptr, scs_ptr, st_ss, st_sr, num_state_slots, pooled_ptr, emits_ptr, T, cnt_ptr, ape_ptr, spos_ptr, w_ptr,
+        eps, inv_ptr, eslot_ptr, num_slots, bs, nope_ptr, nope_sp, nope_sr, rope_ptr, rope_sp, rope_sr, scale_ptr,
+        scale_sp, scale_sr, M, CM, D, OVERLAP, C, BLOCK_R, BLOCK_D, N_POOL, INTERP, NOPE, NT, NT_PAD, TILE, HR, FLOOR,
+        QMAX, Q_EXP, Q_MANT, VEC_RUNS, HAS_APE, ONLINE,
+    )  # fmt: skip
+
+
+@triton.jit
+def _decode_emit_indexer(
+    i, b, kv_ptr, sc_ptr, stride_kv, stride_sc, pos_ptr, tslot_ptr, kvs_ptr, scs_ptr, st_ss, st_sr, num_state_slots,
+    pooled_ptr, emits_ptr, T, cnt_ptr, ape_ptr, spos_ptr, w_ptr, eps, inv_ptr, eslot_ptr, num_slots, bs, data_ptr,
+    data_sp, data_sr, scale_ptr, scale_sp, scale_sr, M: tl.constexpr, CM: tl.constexpr, D: tl.constexpr,
+    OVERLAP: tl.constexpr, C: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, N_POOL: tl.constexpr,
+    INTERP: tl.constexpr, NOPE: tl.constexpr, HR: tl.constexpr, HAD_SCALE: tl.constexpr, KB: tl.constexpr,
+    NA: tl.constexpr, RA: tl.constexpr, NB: tl.constexpr, HB: tl.constexpr, FLOOR: tl.constexpr, Q_EXP: tl.constexpr,
+    Q_MANT: tl.constexpr, HAS_APE: tl.constexpr,
+):  # fmt: skip
+    """``_decode_emit_main`` for the CSA indexer's compressor: the emit is ``_emit_indexer_rows`` (RMSNorm -> RoPE ->
+    Hadamard -> MXFP4 key)."""
+    pooled, slot = _decode_pool_write(
+        i, b, kv_ptr, sc_ptr, stride_kv, stride_sc, pos_ptr, tslot_ptr, kvs_ptr, scs_ptr, st_ss, st_sr,
+        num_state_slots, pooled_ptr, emits_ptr, T, M, CM, D, OVERLAP, C, BLOCK_R, BLOCK_D, ape_ptr, HAS_APE,
+    )  # fmt: skip
+    if _last_arrival(pooled, cnt_ptr, slot, N_POOL):
+        ii = i + tl.arange(0, 1)
+        sl = tl.load(eslot_ptr + ii).to(tl.int64)
+        work = (sl >= 0) & (sl < num_slots)
+        _emit_indexer_rows(
+            pooled_ptr, D, ii, work, sl, w_ptr, eps, pos_ptr, inv_ptr, M, bs, data_ptr, data_sp, data_sr, scale_ptr,
+            scale_sp, scale_sr, INTERP, 1, D, NOPE, HR, HAD_SCALE, KB, NA, RA, NB, HB, FLOOR, Q_EXP, Q_MANT,
+        )  # fmt: skip
+
+
+@triton.jit
 def _compressor_decode_emit_indexer_kernel(
     kv_ptr, sc_ptr, stride_kv, stride_sc, pos_ptr, tslot_ptr, kvs_ptr, scs_ptr, st_ss, st_sr, num_state_slots,
     pooled_ptr, emits_ptr, T, cnt_ptr, ape_ptr, spos_ptr, w_ptr, eps, inv_ptr, eslot_ptr, num_slots, bs, data_ptr,
@@ -841,21 +890,57 @@ def _compressor_decode_emit_indexer_kernel(
     Q_MANT: tl.constexpr, HAS_APE: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):  # fmt: skip
-    """``_compressor_decode_emit_main_kernel`` for the CSA indexer's compressor: the emit is
-    ``_emit_indexer_rows`` (RMSNorm -> RoPE -> Hadamard -> MXFP4 key)."""
+    """Decode step of the CSA indexer's compressor in one launch: ``_decode_emit_indexer``."""
+    pdl_enter(PDL)
+    _decode_emit_indexer(
+        tl.program_id(0).to(tl.int64), tl.program_id(1), kv_ptr, sc_ptr, stride_kv, stride_sc, pos_ptr, tslot_ptr,
+        kvs_ptr, scs_ptr, st_ss, st_sr, num_state_slots, pooled_ptr, emits_ptr, T, cnt_ptr, ape_ptr, spos_ptr, w_ptr,
+        eps, inv_ptr, eslot_ptr, num_slots, bs, data_ptr, data_sp, data_sr, scale_ptr, scale_sp, scale_sr, M, CM, D,
+        OVERLAP, C, BLOCK_R, BLOCK_D, N_POOL, INTERP, NOPE, HR, HAD_SCALE, KB, NA, RA, NB, HB, FLOOR, Q_EXP, Q_MANT,
+        HAS_APE,
+    )  # fmt: skip
+
+
+@triton.jit
+def _compressor_decode_emit_csa_kernel(
+    kv_ptr, sc_ptr, stride_kv, stride_sc, pos_ptr, tslot_ptr, kvs_ptr, scs_ptr, st_ss, st_sr, num_state_slots,
+    pooled_ptr, emits_ptr, T, cnt_ptr, ape_ptr, spos_ptr, w_ptr, eps, inv_ptr, eslot_ptr, num_slots, bs, nope_ptr,
+    nope_sp, nope_sr, rope_ptr, rope_sp, rope_sr, scale_ptr, scale_sp, scale_sr,
+    i_kv_ptr, i_sc_ptr, i_stride_kv, i_stride_sc, i_pos_ptr, i_tslot_ptr, i_kvs_ptr, i_scs_ptr, i_st_ss, i_st_sr,
+    i_num_state_slots, i_pooled_ptr, i_emits_ptr, i_T, i_cnt_ptr, i_ape_ptr, i_spos_ptr, i_w_ptr, i_eps, i_inv_ptr,
+    i_eslot_ptr, i_num_slots, i_bs, data_ptr, data_sp, data_sr, i_scale_ptr, i_scale_sp, i_scale_sr,
+    NB_MAIN: tl.constexpr, M: tl.constexpr, CM: tl.constexpr, D: tl.constexpr, OVERLAP: tl.constexpr, C: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, N_POOL: tl.constexpr, INTERP: tl.constexpr, NOPE: tl.constexpr,
+    NT: tl.constexpr, NT_PAD: tl.constexpr, TILE: tl.constexpr, HR: tl.constexpr, FLOOR: tl.constexpr,
+    QMAX: tl.constexpr, Q_EXP: tl.constexpr, Q_MANT: tl.constexpr, VEC_RUNS: tl.constexpr, HAS_APE: tl.constexpr,
+    I_D: tl.constexpr, I_BLOCK_D: tl.constexpr, I_N_POOL: tl.constexpr, I_NOPE: tl.constexpr, I_HR: tl.constexpr,
+    HAD_SCALE: tl.constexpr, KB: tl.constexpr, NA: tl.constexpr, RA: tl.constexpr, NB: tl.constexpr, HB: tl.constexpr,
+    I_FLOOR: tl.constexpr, I_Q_EXP: tl.constexpr, I_Q_MANT: tl.constexpr, I_HAS_APE: tl.constexpr,
+    PDL: tl.constexpr = False,
+):  # fmt: skip
+    """A CSA layer's two compressors' decode steps in one launch (``compress_decode_csa``): programs (token, channel
+    block b), b < NB_MAIN the main compressor's ``_decode_emit_main`` (its args first), the others the indexer
+    compressor's ``_decode_emit_indexer`` at block b - NB_MAIN (its args ``i_*`` / ``I_*``; M, CM, OVERLAP, C,
+    BLOCK_R, INTERP shared: one ratio).  Each keeps its own counters, state and outputs: the same bytes as the two
+    launches."""
     pdl_enter(PDL)
     i = tl.program_id(0).to(tl.int64)
-    pooled, slot = _decode_pool_write(
-        i, tl.program_id(1), kv_ptr, sc_ptr, stride_kv, stride_sc, pos_ptr, tslot_ptr, kvs_ptr, scs_ptr, st_ss, st_sr,
-        num_state_slots, pooled_ptr, emits_ptr, T, M, CM, D, OVERLAP, C, BLOCK_R, BLOCK_D, ape_ptr, HAS_APE,
-    )  # fmt: skip
-    if _last_arrival(pooled, cnt_ptr, slot, N_POOL):
-        ii = i + tl.arange(0, 1)
-        sl = tl.load(eslot_ptr + ii).to(tl.int64)
-        work = (sl >= 0) & (sl < num_slots)
-        _emit_indexer_rows(
-            pooled_ptr, D, ii, work, sl, w_ptr, eps, pos_ptr, inv_ptr, M, bs, data_ptr, data_sp, data_sr, scale_ptr,
-            scale_sp, scale_sr, INTERP, 1, D, NOPE, HR, HAD_SCALE, KB, NA, RA, NB, HB, FLOOR, Q_EXP, Q_MANT,
+    b = tl.program_id(1)
+    if b < NB_MAIN:
+        _decode_emit_main(
+            i, b, kv_ptr, sc_ptr, stride_kv, stride_sc, pos_ptr, tslot_ptr, kvs_ptr, scs_ptr, st_ss, st_sr,
+            num_state_slots, pooled_ptr, emits_ptr, T, cnt_ptr, ape_ptr, spos_ptr, w_ptr, eps, inv_ptr, eslot_ptr,
+            num_slots, bs, nope_ptr, nope_sp, nope_sr, rope_ptr, rope_sp, rope_sr, scale_ptr, scale_sp, scale_sr, M, CM,
+            D, OVERLAP, C, BLOCK_R, BLOCK_D, N_POOL, INTERP, NOPE, NT, NT_PAD, TILE, HR, FLOOR, QMAX, Q_EXP, Q_MANT,
+            VEC_RUNS, HAS_APE, False,
+        )  # fmt: skip
+    else:
+        _decode_emit_indexer(
+            i, b - NB_MAIN, i_kv_ptr, i_sc_ptr, i_stride_kv, i_stride_sc, i_pos_ptr, i_tslot_ptr, i_kvs_ptr, i_scs_ptr,
+            i_st_ss, i_st_sr, i_num_state_slots, i_pooled_ptr, i_emits_ptr, i_T, i_cnt_ptr, i_ape_ptr, i_spos_ptr,
+            i_w_ptr, i_eps, i_inv_ptr, i_eslot_ptr, i_num_slots, i_bs, data_ptr, data_sp, data_sr, i_scale_ptr,
+            i_scale_sp, i_scale_sr, M, CM, I_D, OVERLAP, C, BLOCK_R, I_BLOCK_D, I_N_POOL, INTERP, I_NOPE, I_HR,
+            HAD_SCALE, KB, NA, RA, NB, HB, I_FLOOR, I_Q_EXP, I_Q_MANT, I_HAS_APE,
         )  # fmt: skip
 
 
@@ -2008,6 +2093,53 @@ def compress_decode(
     Tuning (Triton path only): ``block_d``, ``num_warps`` as ``compressor_step``'s decode kernel.
     The torch backend runs ``compressor_step_reference`` + ``emit_entries_reference``.
     """
+    _run_decode(
+        _prepare_decode(
+            kv,
+            score,
+            positions,
+            token_slot,
+            kv_state,
+            score_state,
+            counters,
+            ratio,
+            overlap,
+            norm_weight,
+            eps,
+            inv_freq,
+            slots,
+            pages,
+            fmt,
+            kind,
+            backend,
+            ape,
+            state_pos,
+            block_d,
+            num_warps,
+        )
+    )
+
+
+class _DecodeLaunch(NamedTuple):
+    """One compressor's checked decode step (``_prepare_decode``): the reference to run (torch path), or the Triton
+    kernel's grid (t, nb) and arguments (positional, in ``_decode_emit_main`` / ``_decode_emit_indexer``'s order, and
+    constexprs); nothing has run yet."""
+
+    reference: Callable[[], None] | None
+    kind: str
+    t: int
+    nb: int
+    args: tuple
+    geo: dict
+    num_warps: int
+    device: torch.device
+
+
+def _prepare_decode(
+    kv, score, positions, token_slot, kv_state, score_state, counters, ratio, overlap, norm_weight, eps, inv_freq,
+    slots, pages, fmt, kind, backend, ape, state_pos, block_d, num_warps,
+) -> _DecodeLaunch:  # fmt: skip
+    """``compress_decode``'s checks and launch arguments (module docstring); raises before anything is written."""
     c, cm, t, cd, d = _check_step(kv, score, positions, token_slot, kv_state, score_state, ratio, overlap, state_pos)
     online = state_pos is not None
     if online and kind != "main":
@@ -2021,47 +2153,104 @@ def compress_decode(
     if ape is not None:
         check_tensor("ape", ape, dtype=torch.float32, shape=[ratio, cd], device=dev)
     if not use_triton(backend, kv, score, positions, token_slot, kv_state, score_state, counters, slots):
-        if ape is not None:
-            score = score + ape_rows(ape, positions, ratio)
-        pooled, emits = compressor_step_reference(
-            kv, score, positions, token_slot, kv_state, score_state, ratio, overlap, state_pos
-        )
-        emits = emits & (token_slot >= 0) & (token_slot < kv_state.shape[0])  # nothing pooled: no entry
-        emit_entries_reference(pooled, emits, positions, norm_weight, eps, inv_freq, slots, pages, fmt, ratio, kind)
-        return
+
+        def reference() -> None:
+            sc = score if ape is None else score + ape_rows(ape, positions, ratio)
+            pooled, emits = compressor_step_reference(
+                kv, sc, positions, token_slot, kv_state, score_state, ratio, overlap, state_pos
+            )
+            emits = emits & (token_slot >= 0) & (token_slot < kv_state.shape[0])  # nothing pooled: no entry
+            emit_entries_reference(pooled, emits, positions, norm_weight, eps, inv_freq, slots, pages, fmt, ratio, kind)
+
+        return _DecodeLaunch(reference, kind, t, 0, (), {}, 0, dev)
     if t == 0:
-        return
+        return _DecodeLaunch(None, kind, 0, 0, (), {}, 0, dev)
     if not counters.is_contiguous() or not norm_weight.is_contiguous() or not inv_freq.is_contiguous():
         raise ValueError("counters, norm_weight, inv_freq: expected contiguous tensors")
     if ape is not None and not ape.is_contiguous():
         raise ValueError("ape: expected a contiguous tensor")
-    positions, token_slot, slots = positions.contiguous(), token_slot.contiguous(), slots.contiguous()
-    pooled = torch.empty(t, d, dtype=torch.float32, device=dev)
-    emits = torch.empty(t, dtype=torch.uint8, device=dev)
     block_r = triton.next_power_of_2(cm)
     bd = bd_online or block_d or max(16, min(triton.next_power_of_2(cd), _DECODE_TILE // block_r))
     _check_pow2("block_d", bd)
+    positions, token_slot, slots = positions.contiguous(), token_slot.contiguous(), slots.contiguous()
+    pooled = torch.empty(t, d, dtype=torch.float32, device=dev)
+    emits = torch.empty(t, dtype=torch.uint8, device=dev)
     head = _kernel_head(kv, score, positions, token_slot, kv_state, score_state)
     head = head + (pooled, emits, t, counters, ape if ape is not None else kv)
     head = head + (state_pos if online else counters,)
     geo = dict(M=ratio, CM=cm, D=d, OVERLAP=overlap, C=c, BLOCK_R=block_r, BLOCK_D=bd, N_POOL=triton.cdiv(d, bd))
-    geo["HAS_APE"] = ape is not None
+    geo.update(HAS_APE=ape is not None, INTERP=interpreter_enabled())
     if online:
         geo["ONLINE"] = True
     emit = (norm_weight, float(eps), inv_freq, slots)
-    grid = (t, triton.cdiv(cd, bd))
-    interp = interpreter_enabled()
-    nw = num_warps or _DECODE_WARPS
     if kind == "main":
         pargs, kw = _fp8_args(pages, fmt)
-        _compressor_decode_emit_main_kernel[grid](
-            *head, *emit, pages.num_slots, pages.entries_per_page, *pargs, **geo, INTERP=interp, NOPE=fmt.nope_dim,
-            VEC_RUNS=fmt.tile % _VEC_ELEMS == 0, num_warps=nw, **kw, **pdl_launch(dev),
-        )  # fmt: skip
+        args = (*head, *emit, pages.num_slots, pages.entries_per_page, *pargs)
+        geo.update(NOPE=fmt.nope_dim, VEC_RUNS=fmt.tile % _VEC_ELEMS == 0, **kw)
     else:
         pargs, kw = _mxfp4_args(pages, fmt)
         bs = pages.entries_per_page
-        _compressor_decode_emit_indexer_kernel[grid](
-            *head, *emit, pages.data.shape[0] * bs, bs, *pargs, **geo, INTERP=interp,
-            **_indexer_emit_geometry(fmt, d, rd), num_warps=nw, **kw, **pdl_launch(dev),
-        )  # fmt: skip
+        args = (*head, *emit, pages.data.shape[0] * bs, bs, *pargs)
+        geo.update(**_indexer_emit_geometry(fmt, d, rd), **kw)
+    return _DecodeLaunch(None, kind, t, triton.cdiv(cd, bd), args, geo, num_warps or _DECODE_WARPS, dev)
+
+
+def _run_decode(launch: _DecodeLaunch) -> None:
+    """Run one prepared compressor decode step: its reference, or its one launch."""
+    if launch.reference is not None:
+        launch.reference()
+    elif launch.t:
+        main = launch.kind == "main"
+        kernel = _compressor_decode_emit_main_kernel if main else _compressor_decode_emit_indexer_kernel
+        kernel[(launch.t, launch.nb)](
+            *launch.args, **launch.geo, num_warps=launch.num_warps, **pdl_launch(launch.device)
+        )
+
+
+# the CSA kernel's shared constexprs (one ratio) and the indexer's renamed ones (``_compressor_decode_emit_csa_kernel``)
+_CSA_SHARED = ("M", "CM", "OVERLAP", "C", "BLOCK_R", "INTERP")
+_CSA_INDEXER = {"D": "I_D", "BLOCK_D": "I_BLOCK_D", "N_POOL": "I_N_POOL", "NOPE": "I_NOPE", "HR": "I_HR",
+                "FLOOR": "I_FLOOR", "Q_EXP": "I_Q_EXP", "Q_MANT": "I_Q_MANT", "HAS_APE": "I_HAS_APE"}  # fmt: skip
+
+
+def compress_decode_csa(main: dict, indexer: dict, backend: str = "auto") -> None:
+    """A CSA layer's decode step of both compressors: ``compress_decode(**main, kind="main")`` and
+    ``compress_decode(**indexer, kind="indexer")`` (each dict: ``compress_decode``'s arguments but ``kind`` and
+    ``backend``), in ONE launch on the Triton path where they share the step (the same tokens, ratio and warps; a
+    non-online main state): programs (token, channel block) over both compressors' channel blocks
+    (``_compressor_decode_emit_csa_kernel``), the same bytes as the two launches.  Both are checked before anything
+    is written."""
+    lm = _prepare_decode(**_decode_kwargs(main, "main", backend))
+    li = _prepare_decode(**_decode_kwargs(indexer, "indexer", backend))
+    together = (
+        lm.reference is None and li.reference is None and lm.t == li.t and lm.t > 0 and "ONLINE" not in lm.geo
+        and lm.num_warps == li.num_warps and all(lm.geo[k] == li.geo[k] for k in _CSA_SHARED)
+    )  # fmt: skip
+    if not together:
+        _run_decode(lm)
+        _run_decode(li)
+        return
+    geo = dict(lm.geo)
+    for k, v in li.geo.items():
+        if k not in _CSA_SHARED:
+            geo[_CSA_INDEXER.get(k, k)] = v
+    _compressor_decode_emit_csa_kernel[(lm.t, lm.nb + li.nb)](
+        *lm.args, *li.args, NB_MAIN=lm.nb, **geo, num_warps=lm.num_warps, **pdl_launch(lm.device)
+    )
+
+
+_DECODE_PARAMS = (
+    "kv", "score", "positions", "token_slot", "kv_state", "score_state", "counters", "ratio", "overlap", "norm_weight",
+    "eps", "inv_freq", "slots", "pages", "fmt",
+)  # fmt: skip
+_DECODE_OPTIONS = {"ape": None, "state_pos": None, "block_d": None, "num_warps": None}
+
+
+def _decode_kwargs(call: dict, kind: str, backend: str) -> dict:
+    """``_prepare_decode``'s keywords from one ``compress_decode_csa`` call dict (ValueError on a missing or unknown
+    name)."""
+    missing = [k for k in _DECODE_PARAMS if k not in call]
+    unknown = [k for k in call if k not in _DECODE_PARAMS and k not in _DECODE_OPTIONS]
+    if missing or unknown:
+        raise ValueError(f"{kind}: expected compress_decode's arguments, missing {missing}, unknown {unknown}")
+    return {**_DECODE_OPTIONS, **call, "kind": kind, "backend": backend}
