@@ -667,9 +667,10 @@ print('grouped_linear kernels:', [e.name[:60] for e in p.events() if e.device_ty
     | tee "$OUT/${stamp}_h200_gpu_tests_tf32x2_s21.txt" | tail -3
   # the window store setting the ring heads (session 23) and the decode window index (session 24) in its launch;
   # wo_a's fp8_linear de-rotating o in its load at q_norm_rope's (cos, sin) (session 24)
-  # and (session 24) a CSA layer's two compressors' decode step in one launch
+  # and (session 24) a CSA layer's two compressors' decode step in one launch, top-k's launches A + B as one
   timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_store.py tests/kernels/test_fp8_linear.py \
-    tests/kernels/test_rope.py tests/kernels/test_compressor.py -k "cuda and (window or derotate or cos_sin or csa_one)" \
+    tests/kernels/test_rope.py tests/kernels/test_compressor.py tests/kernels/test_topk.py \
+    -k "(cuda and (window or derotate or cos_sin or csa_one)) or gpu_real_shape" \
     2>&1 \
     | tee "$OUT/${stamp}_h200_gpu_tests_ring_heads_s23.txt" | tail -2
   timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_topk.py tests/kernels/test_indexer_select.py \

@@ -214,8 +214,10 @@ def main() -> None:
                 sc = torch.randn(int(mode), int(n), generator=gen)
                 nvk = torch.full((int(mode),), int(n), dtype=torch.int32)
 
-                def tri(sc=sc, nvk=nvk, k=512 if op == "topk512" else 1024):
-                    topk_indices(sc, k, nvk, "triton")
+                def tri(sc=sc, nvk=nvk, k=512 if op == "topk512" else 1024, kw=variant):
+                    kw = dict(kw)  # counters=1: launches A and B as one (the layer's call)
+                    cnt = torch.zeros(sc.shape[0], dtype=torch.int32) if int(kw.pop("counters", 0)) else None
+                    topk_indices(sc, k, nvk, "triton", counters=cnt, **kw)
             elif op == "linear":  # linear:M:gemv (a CSA layer's four compressor weights, K = 4096, bf16 x, counters)
                 from dsv4.kernels.linear import linear_counters, linear_fp32_group
 

@@ -418,7 +418,7 @@ def _parts(blk: AttentionSubBlock, handle, x: torch.Tensor) -> dict[str, Callabl
 
         scores = index()
         out["indexer"] = index
-        out["topk"] = lambda: topk_indices(scores, cfg.index_topk, rp.n_visible, backend=be)
+        out["topk"] = lambda: topk_indices(scores, cfg.index_topk, rp.n_visible, backend=be, counters=cnt)
         logical = out["topk"]()
         phys = to_physical(logical, rp.block_table, plan.request_ids, rp.entries_per_page, backend=be)
         caches.append((handle.paged.entries, phys))

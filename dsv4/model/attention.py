@@ -134,7 +134,8 @@ class AttentionSubBlock:
         if compressor_gemm not in ("tf32x3", "bf16x3", "fp32"):
             raise ValueError(f"compressor_gemm: expected 'tf32x3', 'bf16x3' or 'fp32', got {compressor_gemm!r}")
         self.compressor_gemm = compressor_gemm
-        # tile counters of the compressor GEMM's in-launch split sum (its calls on one stream, one after another)
+        # zeroed int32 counters (left zero) of the in-launch split sums of the GEMMs and of top-k's A + B launch (their
+        # calls on one stream, one after another)
         self._linear_counters = linear_counters(w.device)
         # FP8 compressor weights: one buffer for all of the layer's (one fp8_linear launch projects them all)
         w, self._comp8, self._comp8_widths = _gather_fp8_compressors(w)
@@ -336,6 +337,7 @@ class AttentionSubBlock:
         return indexer_topk(
             q_idx, wts.float(), iv.pages, rp.block_table, plan.request_ids, rp.n_visible, rp.max_entries,
             cfg.index_topk, self.backend, n_visible_host=nv_host, token_row_host=tr_host,
+            counters=self._linear_counters,
         )  # fmt: skip
 
     @staticmethod

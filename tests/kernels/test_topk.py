@@ -326,14 +326,18 @@ def test_to_physical_random_and_visible_physical(device, backend):
 @pytest.mark.parametrize("k", [512, 1024])
 @pytest.mark.parametrize("rows", [1, 4, 8])
 def test_gpu_real_shape_random_rows(rows, k):
-    """The benchmark shape: rows x 262,144 normal scores, auto splits, shared workspace, twice in a row."""
+    """The benchmark shape: rows x 262,144 normal scores, auto splits, shared workspace, twice in a row; and with
+    counters (launches A and B as one: the last program of a row runs B; a race would show here, not under the
+    interpreter), the counters left zero."""
     g = torch.Generator().manual_seed(rows * k)
     s = torch.randn(rows, 262144, generator=g).cuda()
     want = topk_indices_reference(s, k)
     ws = topk_workspace(rows, 262144, s.device)
+    cnt = torch.zeros(rows, dtype=torch.int32, device=s.device)
     for _ in range(2):
         assert torch.equal(topk_indices(s, k, backend="triton", workspace=ws), want)
-    assert (ws[:, :256] == 0).all()
+        assert torch.equal(topk_indices(s, k, backend="triton", workspace=ws, counters=cnt), want)
+    assert (ws[:, :256] == 0).all() and not cnt.any()
 
 
 @gpu
@@ -436,6 +440,29 @@ def test_filter_one_split_with_and_without_the_copy(monkeypatch):
         monkeypatch.setattr(topk_mod, "_ONE_REGION", one)
         outs.append(topk_indices(s, 24, nv, backend="triton", splits=1, method="filter"))
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], topk_indices_reference(s, 24, nv))
+
+
+@pytest.mark.parametrize("splits", [1, 3, 8])
+def test_filter_launches_a_and_b_as_one_with_counters(splits, monkeypatch):
+    """``counters``: launches A and B as one (each row's last A program runs B's program for the row): the same
+    indices as the four launches, and the counters left zero for the next call (run twice); with fewer counters than
+    rows, the four launches.  Ties, rows cut by n_visible, an empty row."""
+    g = torch.Generator().manual_seed(31)
+    s = torch.randn(5, 1500, generator=g)
+    s[1, 200:900:2] = 3.0
+    nv = torch.tensor([1500, 1400, 40, 0, 777], dtype=torch.int32)
+    want = topk_indices(s, 24, nv, backend="triton", splits=splits, method="filter")
+    assert torch.equal(want, topk_indices_reference(s, 24, nv))
+    cnt = torch.zeros(8, dtype=torch.int32)
+    with monkeypatch.context() as mp:  # (the one launch: launches A and B on their own are not called)
+        mp.setattr(topk_mod, "_filter_max", None)
+        mp.setattr(topk_mod, "_filter_level", None)
+        for _ in range(2):
+            got = topk_indices(s, 24, nv, backend="triton", splits=splits, method="filter", counters=cnt)
+            assert torch.equal(got, want) and not cnt.any()
+    assert torch.equal(topk_indices(s, 24, nv, backend="triton", splits=splits, counters=cnt[:4]), want)
+    with pytest.raises(ValueError, match="counters"):
+        topk_indices(s, 24, nv, backend="triton", splits=splits, counters=cnt.long())
 
 
 @pytest.mark.parametrize("split_d", [False, True])

@@ -135,6 +135,7 @@ def indexer_topk(
     token_row_host: Sequence[int] | np.ndarray | None = None,
     shared_keys: bool | None = None,
     max_bytes: int | None = None,
+    counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``topk_indices(indexer_scores(...), k, n_visible)`` of every query row, computed over ``row_chunks``.
 
@@ -155,6 +156,7 @@ def indexer_topk(
         shared_keys: use ``token_row_host`` so (None: ``PREFILL_SHARED_KEYS``).
         max_bytes: bound on one chunk's scores + top-k workspace (``chunk_row_bytes``; None:
             ``MAX_SCRATCH_BYTES``); a single row above it still runs, as a chunk of one.
+        counters: ``topk_indices``'s (its launches A and B as one where they hold a chunk's rows).
 
     Returns:
         [T, k] int32 logical entry indices, ascending, -1 padded (as ``topk_indices``).  One difference, on invalid
@@ -175,7 +177,7 @@ def indexer_topk(
             runs = _shared_runs(tr, chunks)  # (prefill_scores holds up to 256 heads a program)
     if len(chunks) == 1 and chunks[0][2] == max_entries and not runs:  # the plain two calls (decode steps)
         scores = indexer_scores(q, weights, keys, block_table, token_row, n_visible, max_entries, backend)
-        return topk_indices(scores, k, n_visible, backend)
+        return topk_indices(scores, k, n_visible, backend, counters=counters)
     if len(chunks) == 1 and chunks[0][2] is None:  # every row sees at most k entries
         return visible_logical(n_visible.clamp(max=min(k, max_entries)), k)
     folded: dict[int, FoldedKeys] = {}  # table row -> its folded keys, from its first chunk to its last
@@ -202,7 +204,7 @@ def indexer_topk(
                     folded[row] = fold_keys(keys, block_table, row, n_fold, backend)
                 sl = slice(a + r0, a + r1)
                 prefill_scores(q[sl], weights[sl], folded[row], nv[r0:r1], cols, backend, out=scores[r0:r1])
-        out[a:b] = topk_indices(scores, k, nv, backend)
+        out[a:b] = topk_indices(scores, k, nv, backend, counters=counters)
         del scores  # free before the next chunk allocates its own
         for row in [r for r, at in last.items() if at == a]:
             folded.pop(row, None)  # (a batch of long prefills holds one request's folded keys at a time)

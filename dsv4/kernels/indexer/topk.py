@@ -39,6 +39,11 @@ C. ``_filter_cand``, grid (T, S): re-reads only the groups of the chunk whose ma
    starts at the chunk's first column (it cannot overflow), in index order (a cumsum over the tile, no
    atomics), and their count in C[t, s].  For i.i.d. scores there are about 1.3-1.5 kk candidates
    (k = 1,024, N = 262,144: ~1,500).
+   With ``counters`` (a zeroed int32 vector of >= T, left zero; not for >= 256 rows at k <= 512, where B runs on 4
+   warps), A and B are one launch (``_filter_max_level``):
+   the last of a row's S programs of A to finish (``last_arrival`` on the row's counter: it then sees the others'
+   stores) runs B's program for the row.  Three launches instead of four; C and D stay apart (D's ~215 registers
+   would halve C's programs an SM).
 D. ``_filter_write``, grid (T,): if the total count fits SB2 register slots (SB1 = next_pow2(2 k), or
    SB2 = min(8,192, 4 SB1) when more), the regions are copied into one dense list in region order,
    which is index order ([64, CPB] tiles of (region, position)), loaded into registers, the exact
@@ -121,7 +126,7 @@ import triton
 import triton.language as tl
 
 from dsv4.errors import check_tensor
-from dsv4.kernels._triton_sync import pdl_enter
+from dsv4.kernels._triton_sync import last_arrival, pdl_enter
 from dsv4.kernels.dispatch import interpreter_enabled, pdl_launch, use_triton
 
 __all__ = [
@@ -647,8 +652,18 @@ def _filter_max(
     chunk's visible entries (selectable entries only; INT32_MIN for a group without any) into GM[t, g], the
     chunk's selectable count into W[t, s] (own slots)."""
     pdl_enter(PDL)
-    r = tl.program_id(0).to(tl.int64)
-    sp = tl.program_id(1)
+    _filter_max_chunk(
+        tl.program_id(0).to(tl.int64), tl.program_id(1), s_ptr, nv_ptr, ws_ptr, stride_s, stride_w, N, NG, S, GM_OFF,
+        HAS_NV, G, NGB, ALIGN, LEVELS,
+    )  # fmt: skip
+
+
+@triton.jit
+def _filter_max_chunk(
+    r, sp, s_ptr, nv_ptr, ws_ptr, stride_s, stride_w, N, NG, S, GM_OFF,
+    HAS_NV: tl.constexpr, G: tl.constexpr, NGB: tl.constexpr, ALIGN: tl.constexpr, LEVELS: tl.constexpr,
+):  # fmt: skip
+    """Launch A's program (row r, split sp)."""
     row = s_ptr + r * stride_s
     ws_row = ws_ptr + r * stride_w
     lo, hi, lv = _row_chunk(nv_ptr, r, sp, N, S, NG, HAS_NV, G, ALIGN, LEVELS)
@@ -657,6 +672,25 @@ def _filter_max(
         if lv == i:
             n_ok = _group_max_chunk(row, ws_row + GM_OFF, lo, hi, G >> i, NGB << i)
     tl.store(ws_row + _W + sp, n_ok)
+
+
+@triton.jit
+def _filter_max_level(
+    s_ptr, nv_ptr, ws_ptr, cnt_ptr, stride_s, stride_w, N, K, NG, S, GM_OFF,
+    HAS_NV: tl.constexpr, G: tl.constexpr, NGB: tl.constexpr, ALIGN: tl.constexpr, LEVELS: tl.constexpr,
+    NGP: tl.constexpr, SP: tl.constexpr, BITS: tl.constexpr = 32, R: tl.constexpr = 2, PDL: tl.constexpr = False,
+):  # fmt: skip
+    """A then B in one launch, grid (T, S) (``topk_indices(counters=)``): each program is launch A's; the last of a
+    row's S programs to finish (``last_arrival`` on ``cnt_ptr[t]``, 0 on entry and left 0) sees every group max and
+    count of the row and runs launch B's program for it."""
+    pdl_enter(PDL)
+    r = tl.program_id(0).to(tl.int64)
+    _filter_max_chunk(
+        r, tl.program_id(1), s_ptr, nv_ptr, ws_ptr, stride_s, stride_w, N, NG, S, GM_OFF, HAS_NV, G, NGB, ALIGN,
+        LEVELS,
+    )  # fmt: skip
+    if last_arrival(cnt_ptr + r, S):
+        _filter_level_row(r, nv_ptr, ws_ptr, stride_w, N, K, NG, S, GM_OFF, HAS_NV, G, ALIGN, LEVELS, NGP, SP, BITS, R)
 
 
 @triton.jit
@@ -686,7 +720,19 @@ def _filter_level(
     entry) into META.  At least kk selectable entries have key >= L (one per such group), so every chosen
     entry has key >= L."""
     pdl_enter(PDL)
-    r = tl.program_id(0).to(tl.int64)
+    _filter_level_row(
+        tl.program_id(0).to(tl.int64), nv_ptr, ws_ptr, stride_w, N, K, NG, S, GM_OFF, HAS_NV, G, ALIGN, LEVELS, NGP, SP,
+        BITS, R,
+    )  # fmt: skip
+
+
+@triton.jit
+def _filter_level_row(
+    r, nv_ptr, ws_ptr, stride_w, N, K, NG, S, GM_OFF,
+    HAS_NV: tl.constexpr, G: tl.constexpr, ALIGN: tl.constexpr, LEVELS: tl.constexpr, NGP: tl.constexpr,
+    SP: tl.constexpr, BITS: tl.constexpr, R: tl.constexpr,
+):  # fmt: skip
+    """Launch B's program for row r."""
     ws_row = ws_ptr + r * stride_w
     sidx = tl.arange(0, SP)
     kk = tl.minimum(tl.sum(tl.load(ws_row + _W + sidx, mask=sidx < S, other=0), axis=0), K)
@@ -963,6 +1009,7 @@ def topk_indices(
     workspace: torch.Tensor | None = None,
     splits: int | None = None,
     method: str = "auto",
+    counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Logical indices of the top-``min(k, #selectable)`` scores of each row, ascending, -1 padded.
 
@@ -985,6 +1032,10 @@ def topk_indices(
             kernel when splits == 1 or (splits is None, N <= 4096 and T < 256), else "filter" (measured faster than
             the radix split path at every shape of ``benchmarks/bench_indexer.py``, and than the single-program
             kernel on a prefill chunk's many rows).
+        counters: optional zeroed int32 vector (e.g. ``linear.linear_counters``; left zero): with at least T of them
+            the filter path runs its launches A and B as one (``_filter_max_level``: each row's last A program runs
+            B), three launches instead of four, the same result (except from 256 rows at k <= 512, where B runs on
+            4 warps: the four launches there).  Calls sharing them must not overlap (one stream).
 
     Returns:
         [T, k] int32: the chosen indices in ascending order (chosen = the top kk = min(k, #selectable)
@@ -1012,6 +1063,8 @@ def topk_indices(
             raise ValueError(
                 f"workspace: expected a row-contiguous [>= {T}, >= {cols}] tensor, got {list(workspace.shape)}"
             )
+    if counters is not None:
+        check_tensor("counters", counters, dtype=torch.int32, ndim=1, device=scores.device, contiguous=True)
     if not use_triton(backend, scores, n_visible):
         return topk_indices_reference(scores, k, n_visible)
     if n_visible is not None:
@@ -1038,7 +1091,7 @@ def topk_indices(
         )  # fmt: skip
         return out
     if method == "filter" and N > 0:  # (N == 0: the single-program kernel pads the rows)
-        _launch_filter(scores, nv, out, workspace, k, splits, has_nv, interp)
+        _launch_filter(scores, nv, out, workspace, k, splits, has_nv, interp, counters)
         return out
     S = splits
     ch = triton.cdiv(triton.cdiv(N, S), 16) * 16  # chunk start offsets stay 16-aligned (vector loads)
@@ -1090,7 +1143,7 @@ def _split_d(T: int) -> bool:
     return _SPLIT_D and T >= _SPLIT_D_MIN_ROWS
 
 
-def _launch_filter(scores, nv, out, ws, k, splits, has_nv, interp):
+def _launch_filter(scores, nv, out, ws, k, splits, has_nv, interp, counters=None):
     T, N = scores.shape
     ss, so, sw = scores.stride(0), out.stride(0), ws.stride(0)
     p = _filter_plan(N, k, splits, interp, T)
@@ -1100,11 +1153,17 @@ def _launch_filter(scores, nv, out, ws, k, splits, has_nv, interp):
     row = dict(HAS_NV=has_nv, G=p["G"], ALIGN=p["ALIGN"], LEVELS=p["LEVELS"], num_warps=bd_warps)
     row.update(pdl_launch(scores.device))
     ac = {**row, "num_warps": _FILTER_WARPS_AC}
-    _filter_max[grid](scores, nv, ws, ss, sw, N, p["NG"], splits, p["GM"], NGB=p["NGB"], **ac)
     sp = triton.next_power_of_2(splits)  # the per-split counts' vector (was always _MAX_SPLITS wide)
-    _filter_level[(T,)](
-        nv, ws, sw, N, k, p["NG"], splits, p["GM"], NGP=p["NGP"], SP=sp, BITS=_LEVEL_BITS, R=_RADIX_STEP_BITS, **row,
-    )  # fmt: skip
+    level = dict(NGP=p["NGP"], SP=sp, BITS=_LEVEL_BITS, R=_RADIX_STEP_BITS)
+    # A and B in one launch (B by each row's last A program); from _FILTER_MANY_ROWS rows B runs on bd_warps (4), which
+    # one launch with A's warps would not: the four launches there (not measured merged)
+    if counters is not None and counters.shape[0] >= T and not many:
+        _filter_max_level[grid](
+            scores, nv, ws, counters, ss, sw, N, k, p["NG"], splits, p["GM"], NGB=p["NGB"], **level, **ac
+        )
+    else:
+        _filter_max[grid](scores, nv, ws, ss, sw, N, p["NG"], splits, p["GM"], NGB=p["NGB"], **ac)
+        _filter_level[(T,)](nv, ws, sw, N, k, p["NG"], splits, p["GM"], **level, **row)
     _filter_cand[grid](scores, nv, ws, ss, sw, N, p["NG"], splits, p["GM"], p["RIDX"], p["RKEY"], NGB=p["NGB"], **ac)
     parts = (1, 2) if _split_d(T) else (0,)
     for part in parts:
