@@ -430,9 +430,10 @@ def _parts(blk: AttentionSubBlock, handle, x: torch.Tensor) -> dict[str, Callabl
     o = out["attention"]()[0]
 
     def projections():
-        blk.input_projections(x, plan.positions)  # (with the FP8 stacks: the indexer's wq_b too)
-        # as the layer runs it (o rotated in place: each timed call rotates it again; the time does not depend on it)
-        return output_projection(cfg, w, o, hp, inv, be, consume_o=True, counters=cnt)
+        ipp = blk.input_projections(x, plan.positions)  # (with the FP8 stacks: the indexer's wq_b too)
+        # as the layer runs it (o rotated in place, or in wo_a's load at the query's (cos, sin) where that applies: each
+        # timed call rotates it again; the time does not depend on it)
+        return output_projection(cfg, w, o, hp, inv, be, consume_o=True, counters=cnt, cos_sin=ipp.cos_sin)
 
     out["projections"] = projections
     return out
