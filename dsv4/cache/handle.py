@@ -296,14 +296,7 @@ class LayerCacheHandle:
             return
         from dsv4.kernels.cache.compressor import compress_decode
 
-        rp = self._need_ratio("compress")
-        st = self._compressor(which)
-        pages, fmt = self._emit_target(which)
-        compress_decode(
-            kv, score, self.plan.positions, self.plan.token_slots, st.kv, st.score, st.counters, st.shape.ratio,
-            st.shape.overlap, norm_weight, self.schema.config.norm_eps, inv_freq, rp.emit_slots, pages, fmt,
-            kind=which, backend=backend, ape=ape, state_pos=st.positions,
-        )  # fmt: skip
+        compress_decode(**self._decode_call(kv, score, norm_weight, inv_freq, which, ape), kind=which, backend=backend)
 
     def compress_all(
         self,
@@ -320,20 +313,28 @@ class LayerCacheHandle:
             return
         from dsv4.kernels.cache.compressor import compress_decode_csa
 
+        main, indexer = (self._decode_call(kv, sc, nw, inv_freq, which, ape) for kv, sc, nw, which, ape in steps)
+        compress_decode_csa(main, indexer, backend=backend)
+
+    def _decode_call(
+        self,
+        kv: torch.Tensor,
+        score: torch.Tensor,
+        norm_weight: torch.Tensor,
+        inv_freq: torch.Tensor,
+        which: str,
+        ape: torch.Tensor | None,
+    ) -> dict:
+        """``compress_decode``'s arguments (but ``kind`` and ``backend``) for the ``which`` compressor's decode step."""
         rp = self._need_ratio("compress")
-        calls = []
-        for kv, score, norm_weight, which, ape in steps:
-            st = self._compressor(which)
-            pages, fmt = self._emit_target(which)
-            calls.append(
-                dict(
-                    kv=kv, score=score, positions=self.plan.positions, token_slot=self.plan.token_slots,
-                    kv_state=st.kv, score_state=st.score, counters=st.counters, ratio=st.shape.ratio,
-                    overlap=st.shape.overlap, norm_weight=norm_weight, eps=self.schema.config.norm_eps,
-                    inv_freq=inv_freq, slots=rp.emit_slots, pages=pages, fmt=fmt, ape=ape, state_pos=st.positions,
-                )
-            )  # fmt: skip
-        compress_decode_csa(calls[0], calls[1], backend=backend)
+        st = self._compressor(which)
+        pages, fmt = self._emit_target(which)
+        return dict(
+            kv=kv, score=score, positions=self.plan.positions, token_slot=self.plan.token_slots, kv_state=st.kv,
+            score_state=st.score, counters=st.counters, ratio=st.shape.ratio, overlap=st.shape.overlap,
+            norm_weight=norm_weight, eps=self.schema.config.norm_eps, inv_freq=inv_freq, slots=rp.emit_slots,
+            pages=pages, fmt=fmt, ape=ape, state_pos=st.positions,
+        )  # fmt: skip
 
     def _emit_target(self, which: str):
         """(pages, format) the ``which`` compressor's entries go to: FP8 entries (main) or MXFP4 keys."""

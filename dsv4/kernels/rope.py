@@ -68,6 +68,7 @@ from triton.language.extra import libdevice
 from dsv4.errors import check_tensor
 from dsv4.kernels._triton_sync import pdl_enter
 from dsv4.kernels.cache._triton_quant import bf16_bits, bf16_rne, mul_rn, rope_cos_sin_pos
+from dsv4.kernels.cache.store import rope_cos_sin
 from dsv4.kernels.dispatch import interpreter_enabled, pdl_launch, use_triton
 from dsv4.model import functional as F
 
@@ -295,8 +296,7 @@ def q_norm_rope(
         check_tensor("cos_sin_out", cos_sin_out, dtype=torch.float32, shape=shape, device=q.device, contiguous=True)
     if not _triton_ok(backend, "q", q, positions, inv_freq, pow2_head_dim=True):
         if cos_sin_out is not None:
-            ang = positions.to(torch.float32)[:, None] * inv_freq
-            cos_sin_out.copy_(torch.stack([torch.cos(ang), torch.sin(ang)], dim=-1))
+            cos_sin_out.copy_(torch.stack(rope_cos_sin(positions, inv_freq), dim=-1))
         return q_norm_rope_reference(q, positions, inv_freq, eps)
     return _launch(q, positions, inv_freq, eps, True, False, block_h, num_warps, cos_sin_out=cos_sin_out)
 

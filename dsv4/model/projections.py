@@ -21,7 +21,7 @@ from dsv4.model.weights import AttentionWeights
 
 # FP8 ``wo_a`` on the kernel path (up to DECODE_MAX_M tokens): the inverse RoPE inside ``fp8_linear``'s load of o
 # (``derotate``, at the (cos, sin) the query's RoPE launch wrote: ``q_norm_rope(cos_sin_out=)``) instead of
-# ``rope_inverse``'s launch before it; the same bf16 values.  Not yet timed on the H200 (``run_h200.sh step_s24``:
+# ``rope_inverse``'s launch before it; the same bf16 values.  Not yet timed on the H200 (``run_h200.sh step_s23``:
 # the decode step with FP8 weights with and without).
 FUSE_DEROTATE = True
 

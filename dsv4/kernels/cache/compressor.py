@@ -2095,29 +2095,10 @@ def compress_decode(
     """
     _run_decode(
         _prepare_decode(
-            kv,
-            score,
-            positions,
-            token_slot,
-            kv_state,
-            score_state,
-            counters,
-            ratio,
-            overlap,
-            norm_weight,
-            eps,
-            inv_freq,
-            slots,
-            pages,
-            fmt,
-            kind,
-            backend,
-            ape,
-            state_pos,
-            block_d,
-            num_warps,
+            kv, score, positions, token_slot, kv_state, score_state, counters, ratio, overlap, norm_weight, eps,
+            inv_freq, slots, pages, fmt, kind, backend, ape, state_pos, block_d, num_warps,
         )
-    )
+    )  # fmt: skip
 
 
 class _DecodeLaunch(NamedTuple):

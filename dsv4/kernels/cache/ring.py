@@ -61,9 +61,7 @@ def ring_window_from_slots_reference(
     positions and request slots on every stored row (a plan's window slot is ``request_slot * ring + pos mod ring``)."""
     ok = (slots >= 0) & (slots < num_slots)
     page = torch.where(ok, slots.long(), 0) // ring
-    kp = positions.long()[:, None] - (ring - 1) + torch.arange(ring, device=positions.device)
-    out = torch.where((kp >= 0) & ok[:, None], page[:, None] * ring + kp.remainder(ring), -1)
-    return out.to(torch.int32)
+    return torch.where(ok[:, None], ring_window_slots_reference(positions, page, ring), -1).to(torch.int32)
 
 
 @triton.jit
