@@ -80,6 +80,9 @@ class RatioPlan:
     # max_blocks * entries_per_page when the plan was built with a fixed block-table width
 
 
+_PASS = object()  # StepPlan._forward's key while a pass is open (begin_forward)
+
+
 @dataclass(frozen=True)
 class StepPlan:
     """One step's cache plan (see module docstring).  Build it with ``KVCacheManager.plan``.
@@ -114,6 +117,7 @@ class StepPlan:
     ratios: dict[int, RatioPlan]
     num_padded: int = 0
     _memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    _forward: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # _PASS: a pass is open
 
     def memo(self, key: Hashable, make: Callable[[], Any]) -> Any:
         """``make()``, computed once per plan and ``key``: what every layer of the step derives alike from the plan
@@ -124,6 +128,26 @@ class StepPlan:
         if key not in self._memo:
             self._memo[key] = make()
         return self._memo[key]
+
+    def begin_forward(self) -> None:
+        """Start a pass of the layers over this plan's step: from here until the next ``begin_forward``, a device value
+        that every layer derives alike (``forward_memo``) is computed by the first layer that asks and shared by the
+        rest.  Call it once at the start of each pass; a graph-captured pass calls it inside the capture (then the
+        first layer's kernel is in the graph and every replay recomputes it; without it the capture would reuse an
+        earlier pass's tensor and never record the kernel that makes it).  ``decode_stack`` and
+        ``EngineRunner.forward`` call it."""
+        self._forward.clear()
+        self._forward[_PASS] = True
+
+    def forward_memo(self, key: Hashable, make: Callable[[], Any]) -> Any:
+        """``make()``, computed once per pass opened by ``begin_forward`` and ``key`` (e.g. the HCA layers' visible
+        entry index: one launch a step instead of one a layer).  Without ``begin_forward`` every call runs ``make``.
+        The value is shared: its users must not write to it."""
+        if _PASS not in self._forward:
+            return make()
+        if key not in self._forward:
+            self._forward[key] = make()
+        return self._forward[key]
 
     @property
     def batch_size(self) -> int:

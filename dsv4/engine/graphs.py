@@ -73,6 +73,8 @@ def decode_stack(
 
     x [T, dim] bf16 (plan order) -> final hidden [T, dim] fp32.  ``handles[i]`` is layer i's handle.
     """
+    if handles:
+        handles[0].plan.begin_forward()  # what the layers share is computed once in this pass (in the graph)
     h = x.float()
     for blk, handle in zip(layers, handles, strict=True):
         a = F.rms_norm(h, None, blk.cfg.norm_eps).to(torch.bfloat16)

@@ -503,6 +503,7 @@ class EngineRunner:
     def forward(self, x: torch.Tensor, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The stack over one step's tokens: x [T, dim] bf16 (plan order) -> (final hidden [T, dim] fp32,
         layer inputs [T, n_layers, dim] bf16, layer outputs [T, n_layers, dim] bf16)."""
+        plan.begin_forward()  # what the layers share is computed once in this pass
         h = x.float()
         ins, outs = [], []
         for i in self.layers:

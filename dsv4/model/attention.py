@@ -205,9 +205,13 @@ class AttentionSubBlock:
                             cfg, w, o, pos[:, None], self.inv_freq, be, consume_o=True, counters=cnt,
                             cos_sin=ip.cos_sin,
                         )  # fmt: skip
+                    # (the same index in every layer of this ratio and width: one launch a pass, plan.forward_memo)
                     width = cfg.index_topk if self.kind is LayerKind.CSA else rp.max_entries
-                    phys = visible_physical(
-                        rp.n_visible, width, rp.block_table, plan.request_ids, rp.entries_per_page, backend=be
+                    phys = plan.forward_memo(
+                        ("visible_physical", self.ratio, width, be),
+                        lambda: visible_physical(
+                            rp.n_visible, width, rp.block_table, plan.request_ids, rp.entries_per_page, backend=be
+                        ),
                     )
                 caches.append((comp, phys))
 
@@ -230,9 +234,12 @@ class AttentionSubBlock:
         for a, b, width in bands:
             caches = [(ws, ws_index[a:b])]
             if width:
-                phys = visible_physical(
-                    rp.n_visible[a:b], width, rp.block_table, plan.request_ids[a:b], rp.entries_per_page,
-                    backend=self.backend,
+                phys = plan.forward_memo(
+                    ("visible_physical", self.ratio, width, self.backend, a, b),
+                    lambda a=a, b=b, width=width: visible_physical(
+                        rp.n_visible[a:b], width, rp.block_table, plan.request_ids[a:b], rp.entries_per_page,
+                        backend=self.backend,
+                    ),
                 )  # fmt: skip
                 caches.append((comp, phys))
             sparse_attention(q[a:b], caches, self.w.attn_sink, self.scale, backend=self.backend, out=o[a:b])

@@ -75,3 +75,46 @@ def test_memo_once_per_plan_and_key(monkeypatch):
     with pytest.raises(ZeroDivisionError):
         plan.memo("bad", lambda: 1 / 0)
     assert plan.memo("bad", lambda: 3) == 3  # a failed make stores nothing
+
+
+def test_forward_memo_once_per_pass(monkeypatch):
+    """Layers of one ratio share their visible-entry index within a pass opened by ``begin_forward`` (one launch a
+    step, not one a layer), compute it again in the next pass, and compute it every time where no pass is open; the
+    outputs are the same bit for bit either way."""
+    from dsv4.engine.graphs import decode_stack
+
+    layers = (1, 2, 3)  # CSA, HCA, CSA: at 21 tokens the CSA layers see fewer entries than top-k (16) and attend
+    blocks = [  # all they see through visible_physical; the HCA layer sees none yet
+        AttentionSubBlock(TINY, i, random_attention_weights(TINY, i, seed=i), backend="torch") for i in layers
+    ]
+    calls = []
+    real = attention_mod.visible_physical
+    monkeypatch.setattr(attention_mod, "visible_physical", lambda *a, **k: calls.append(a[1]) or real(*a, **k))
+    x = torch.randn(22, TINY.dim, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    outs = {}
+    for shared in (True, False):
+        m = KVCacheManager(TINY, max_requests=1, num_pages=8, block_tokens=256)
+        m.add("a")
+        plan = m.plan({"a": 21})
+        decode_stack(blocks, [m.acquire(i, plan) for i in layers], x[:21])
+        m.commit(plan)
+        plan = m.plan({"a": 1})
+        calls.clear()
+        with monkeypatch.context() as mp:
+            if not shared:
+                mp.setattr(type(plan), "begin_forward", lambda self: None)
+            outs[shared] = [decode_stack(blocks, [m.acquire(i, plan) for i in layers], x[21:]) for _ in range(2)]
+        assert calls == ([TINY.index_topk] * (2 if shared else 4)), calls  # once a pass / once a CSA layer
+        m.commit(plan)
+    assert all(torch.equal(a, b) for a, b in zip(outs[True], outs[False], strict=True))
+
+    plan = m.plan({"a": 1})
+    assert plan.forward_memo("k", lambda: 1) == 1 and plan.forward_memo("k", lambda: 2) == 2  # no pass: no memo
+    plan.begin_forward()
+    assert plan.forward_memo("k", lambda: 1) == 1 and plan.forward_memo("k", lambda: 2) == 1
+    with pytest.raises(ZeroDivisionError):
+        plan.forward_memo("bad", lambda: 1 / 0)
+    assert plan.forward_memo("bad", lambda: 3) == 3  # a failed make stores nothing
+    plan.begin_forward()
+    assert plan.forward_memo("k", lambda: 4) == 4  # a new pass computes again
+    m.cancel(plan)

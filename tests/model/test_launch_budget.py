@@ -119,3 +119,33 @@ def test_decode_step_launches(monkeypatch, kind, weights, stacked):
     assert "_local_scalar_dense" not in seen.ops, "a host read in the decode step"
     want_triton, want_ops = EXPECTED[(kind, weights, stacked)]
     assert (sum(seen.triton.values()), dict(seen.ops)) == (want_triton, want_ops), dict(seen.triton)
+
+
+@pytest.mark.skipif(not interpreter_enabled(), reason="counts the Triton interpreter's launches (CPU)")
+def test_layers_of_a_pass_share_the_visible_index():
+    """In a pass opened by ``plan.begin_forward`` (``decode_stack``, the engine's forward) the second layer of a ratio
+    that attends every visible entry (here CSA with fewer entries than top-k; HCA alike) reuses the first one's
+    index: one launch fewer, the same output as the layer run alone."""
+    layers = (1, 3)
+    blocks = [AttentionSubBlock(TINY, i, random_attention_weights(TINY, i, seed=i), backend="triton") for i in layers]
+    m = KVCacheManager(TINY, max_requests=2, num_pages=16, block_tokens=256)
+    n = 20  # 5 entries a request, fewer than top-k (16)
+    x = torch.randn(2, n + 1, TINY.dim, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    for r in range(2):
+        m.add(r)
+    plan = m.plan({0: n, 1: n})
+    for blk, i in zip(blocks, layers, strict=True):  # (the prefill on the torch backend, as above)
+        AttentionSubBlock(TINY, i, blk.w, backend="torch")(x[:, :n].reshape(2 * n, TINY.dim), m.acquire(i, plan))
+    m.commit(plan)
+    plan = m.plan({0: 1, 1: 1})
+    xd = x[:, n].contiguous()
+    alone = blocks[1](xd, m.acquire(3, plan))  # no pass open: computes its own index
+    plan.begin_forward()
+    counts = []
+    for blk, i in zip(blocks, layers, strict=True):
+        with _Launches() as seen:
+            y = blk(xd, m.acquire(i, plan))
+        counts.append(sum(seen.triton.values()))
+    m.cancel(plan)
+    assert counts[1] == counts[0] - 1, counts
+    assert torch.equal(y, alone)
