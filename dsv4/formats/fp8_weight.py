@@ -131,6 +131,17 @@ class FP8Weight:
         """A copy on ``device``."""
         return FP8Weight(self.data.to(device), self.scale.to(device))
 
+    def rows(self, start: int, stop: int) -> FP8Weight:
+        """Rows [start, stop) as a view (no copy): ``start`` on a scale block (a multiple of ``WEIGHT_BLOCK``) and
+        ``stop`` on one too or at the last row, so the view's scale rows are its own blocks of ``scale``."""
+        n = self.data.shape[0]
+        if not (0 <= start < stop <= n and start % WEIGHT_BLOCK == 0 and (stop % WEIGHT_BLOCK == 0 or stop == n)):
+            raise ValueError(
+                f"rows: expected 0 <= start < stop <= {n}, start a multiple of {WEIGHT_BLOCK} and stop one or {n}, "
+                f"got [{start}, {stop})"
+            )
+        return FP8Weight(self.data[start:stop], self.scale[start // WEIGHT_BLOCK : -(-stop // WEIGHT_BLOCK)])
+
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """``fp32(data) · scale`` per block, in ``dtype`` (exact in bf16 for power-of-two scales)."""
         o, i = self.data.shape

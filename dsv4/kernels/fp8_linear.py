@@ -61,6 +61,7 @@ __all__ = [
     "FP8LinearLaunch",
     "fp8_linear",
     "fp8_linear_launch",
+    "fp8_linear_mixed",
     "fp8_linear_reference",
     "grouped_linear",
 ]
@@ -99,8 +100,11 @@ def fp8_linear_launch(
 ) -> FP8LinearLaunch:
     """The launch for x [m, G·k] and a weight of ``rows`` = G·N rows: BLOCK_M the next power of two >= m (>= 16,
     ``tl.dot``'s minimum), BLOCK_N 64, 4 warps (8 at BLOCK_M 128), 4 stages; ``split_k`` (unless given) doubled while
-    the grid has fewer than ~2 programs per SM while the doubled split keeps >= 2 K blocks a split and its partials
-    (2·4·split·m·rows bytes) within 1/4 of the weight bytes (rows·k).  Given values override (checked)."""
+    the grid has fewer than ~2 programs per SM while the doubled split keeps >= 2 K blocks a split and its partials'
+    traffic (written and read again: 2·4·split·m·rows bytes) within the weight bytes (rows·k).  Given values override
+    (checked).  The partials' bound was 1/4 of the weight bytes until the H200 sweep of 2026-12-05
+    (``bench_fp8_linear.py --sweep``): at 64 tokens it kept ``wq_a`` / ``wkv`` / ``weights_proj`` (K = 4,096) at 2
+    splits, 14.5 / 14.9 / 14.1 µs, where 8 splits took 9.4 / 8.8 / ~7 µs."""
     if not isinstance(m, int) or not 1 <= m <= DECODE_MAX_M:
         raise ValueError(f"m: expected tokens in [1, {DECODE_MAX_M}], got {m!r}")
     bm = max(16, triton.next_power_of_2(m))
@@ -116,7 +120,7 @@ def fp8_linear_launch(
     if split_k is None:
         tiles = triton.cdiv(rows, bn)
         split_k = 1
-        while tiles * split_k < 1.9 * num_sms and k >= 2 * (2 * split_k) * _BLOCK_K and 32 * (2 * split_k) * m <= k:
+        while tiles * split_k < 1.9 * num_sms and k >= 2 * (2 * split_k) * _BLOCK_K and 8 * (2 * split_k) * m <= k:
             split_k *= 2
     elif not isinstance(split_k, int) or split_k < 1:
         raise ValueError(f"split_k: expected an int >= 1, got {split_k!r}")
@@ -218,7 +222,7 @@ def _fp8_linear_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     PARTIAL: tl.constexpr, FUSED_SUM: tl.constexpr, SPLIT: tl.constexpr, INTERP: tl.constexpr,
     CVT_ASM: tl.constexpr = True, BF16_RNE: tl.constexpr = False, cs_ptr=None, HEAD_D: tl.constexpr = 0,
-    HR: tl.constexpr = 1, PDL: tl.constexpr = False,
+    HR: tl.constexpr = 1, PDL: tl.constexpr = False, out32_ptr=None, N32=0, MIXED: tl.constexpr = False,
 ):  # fmt: skip
     """One [BLOCK_M, BLOCK_N] tile of group g's x_g·w_gᵀ over K range [pid_k·k_per_split, +k_per_split).
 
@@ -232,7 +236,8 @@ def _fp8_linear_kernel(
     values).  BF16_RNE: ``linear._store_out``'s (a bf16 out under the interpreter).  HEAD_D > 0 (``derotate``): x's
     columns are heads of HEAD_D (a multiple of BLOCK_K), the last 2·HR of each (<= BLOCK_K) RoPE pairs; the K block
     that ends a head is de-rotated as it is loaded (``_derotate_tile``) by its row's (cos, sin) (``cs_ptr`` [M, HR, 2]
-    fp32, read there: a few hundred bytes from L2)."""
+    fp32, read there: a few hundred bytes from L2).  MIXED (one group): the tiles of columns below N32 (a multiple of
+    BLOCK_N) go to ``out32_ptr`` ([M, NT] fp32) unrounded, the others to out (bf16)."""
     pdl_enter(PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -279,10 +284,13 @@ def _fp8_linear_kernel(
         s_ptrs += 1
     mask = (rm < M)[:, None] & (rn < N)[None, :]
     offs = rm.to(tl.int64)[:, None] * NT + (g * N + rn)[None, :]
-    _store_tile(
-        tl.trans(acc), out_ptr, part_ptr, cnt_ptr + pid_m * tl.num_programs(0) + pid_n, offs, mask, pid_k * M * NT,
-        M * NT, split, PARTIAL, FUSED_SUM, SPLIT, BF16_RNE,
-    )  # fmt: skip
+    cnt = cnt_ptr + pid_m * tl.num_programs(0) + pid_n
+    if MIXED and tn * BLOCK_N < N32:  # (tile-uniform: N32 is whole tiles)
+        _store_tile(tl.trans(acc), out32_ptr, part_ptr, cnt, offs, mask, pid_k * M * NT, M * NT, split, PARTIAL,
+                    FUSED_SUM, SPLIT, False)  # fmt: skip
+    else:
+        _store_tile(tl.trans(acc), out_ptr, part_ptr, cnt, offs, mask, pid_k * M * NT, M * NT, split, PARTIAL,
+                    FUSED_SUM, SPLIT, BF16_RNE)  # fmt: skip
 
 
 @triton.jit
@@ -389,15 +397,68 @@ def fp8_linear(
             return linear_fp32_group(x, [dequantize(w, backend)], backend, precision="bf16w")[0]
         return grouped_linear(x, dequantize(w, backend), groups)
     out = torch.empty(m, rows, dtype=out_dtype, device=x.device)
+    launch = dict(block_n=block_n, num_warps=num_warps, num_stages=num_stages, split_k=split_k, cvt_asm=cvt_asm)
+    _run(x, w, groups, out, None, 0, rot, counters, launch)
+    return out
+
+
+def fp8_linear_mixed(
+    x: torch.Tensor,
+    w: FP8Weight,
+    fp32_rows: int,
+    backend: str = "auto",
+    *,
+    counters: torch.Tensor | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    split_k: int | None = None,
+    cvt_asm: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x·wᵀ`` (one group) in one launch with the outputs of w's first ``fp32_rows`` rows in fp32 and the rest's in
+    bf16: (y32 [M, fp32_rows] fp32, y16 [M, rows - fp32_rows] bf16), row-strided views.  The values of
+    ``fp8_linear(x, w.rows(0, fp32_rows), out_dtype=torch.float32)`` and ``fp8_linear(x, w.rows(fp32_rows, rows))``
+    (the layer's compressor projections and the x stack's, ``STACK_PROJECTIONS``), up to the order of the fp32 sums
+    where the launch's K split differs from theirs.  ``fp32_rows``: a multiple of 128, below the weight's rows.  Paths
+    and keywords as ``fp8_linear``'s: the torch path and, above DECODE_MAX_M tokens, the two parts computed apart."""
+    n, k, m = _check(x, w, 1)
+    if not isinstance(fp32_rows, int) or not 0 < fp32_rows < n or fp32_rows % _BLOCK_K:
+        raise ValueError(f"fp32_rows: expected a multiple of {_BLOCK_K} in (0, {n}), got {fp32_rows!r}")
+    top, rest = w.rows(0, fp32_rows), w.rows(fp32_rows, n)
+    if not use_triton(backend, x, w.data, w.scale, counters) or m > DECODE_MAX_M:
+        kw = dict(counters=counters, block_n=block_n, num_warps=num_warps, num_stages=num_stages, split_k=split_k)
+        return (
+            fp8_linear(x, top, backend, out_dtype=torch.float32, cvt_asm=cvt_asm, **kw),
+            fp8_linear(x, rest, backend, cvt_asm=cvt_asm, **kw),
+        )
+    out32 = torch.empty(m, n, dtype=torch.float32, device=x.device)  # (full rows: the tiles keep one row stride)
+    out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
+    launch = dict(block_n=block_n, num_warps=num_warps, num_stages=num_stages, split_k=split_k, cvt_asm=cvt_asm)
+    _run(x, w, 1, out, out32, fp32_rows, None, counters, launch)
+    return out32[:, :fp32_rows], out[:, fp32_rows:]
+
+
+def _run(
+    x: torch.Tensor, w: FP8Weight, groups: int, out: torch.Tensor, out32: torch.Tensor | None, n32: int,
+    rot: tuple[torch.Tensor, int] | None, counters: torch.Tensor | None, kw: dict,
+) -> None:  # fmt: skip
+    """The kernel launch (and, for an unfused K split, the sum's) of ``fp8_linear`` / ``fp8_linear_mixed`` into
+    ``out`` [M, G·N] (and, ``out32`` given, its first ``n32`` columns into ``out32`` [M, G·N] fp32)."""
+    m, rows, k = x.shape[0], out.shape[1], w.shape[1]
+    n = rows // groups
+    out_fp32 = out.dtype == torch.float32
     if m == 0 or rows == 0:
-        return out
+        return
     if k and x.stride(1) != 1:
         x = x.contiguous()
     launch = fp8_linear_launch(
-        m, rows, k, num_sms=num_sms(x.device), block_n=block_n, num_warps=num_warps, num_stages=num_stages,
-        split_k=split_k,
+        m, rows, k, num_sms=num_sms(x.device), block_n=kw["block_n"], num_warps=kw["num_warps"],
+        num_stages=kw["num_stages"], split_k=kw["split_k"],
     )  # fmt: skip
     bm, bn, warps, stages, split = launch
+    cvt_asm = kw["cvt_asm"]
+    if out32 is not None and n32 % bn:
+        raise ValueError(f"block_n: expected a divisor of the fp32 rows ({n32}), got {bn}")
     k_per_split = triton.cdiv(triton.cdiv(k, split), _BLOCK_K) * _BLOCK_K  # whole K blocks per split
     tiles_n = triton.cdiv(n, bn)
     grid = (groups * tiles_n, triton.cdiv(m, bm), split)
@@ -413,12 +474,12 @@ def fp8_linear(
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=_BLOCK_K, EVEN_K=k % _BLOCK_K == 0, PARTIAL=split > 1, FUSED_SUM=fused,
         SPLIT=split if fused else 1, INTERP=interp, CVT_ASM=CVT_ASM if cvt_asm is None else bool(cvt_asm),
         BF16_RNE=interp and not out_fp32, cs_ptr=rot[0] if rot else None, HEAD_D=rot[1] if rot else 0,
-        HR=rot[0].shape[1] if rot else 1, num_warps=warps, num_stages=stages, **pdl_launch(x.device),
+        HR=rot[0].shape[1] if rot else 1, num_warps=warps, num_stages=stages, out32_ptr=out32, N32=n32,
+        MIXED=out32 is not None, **pdl_launch(x.device),
     )  # fmt: skip
     if split > 1 and not fused:
         numel = m * rows
         _sum_splits_kernel[(triton.cdiv(numel, _SUM_BLOCK),)](
-            part, out, numel, split, BLOCK=_SUM_BLOCK, BF16_RNE=interp and not out_fp32, num_warps=4,
-            **pdl_launch(x.device),
+            part, out, numel, split, BLOCK=_SUM_BLOCK, BF16_RNE=interp and not out_fp32, out32_ptr=out32, NT=rows,
+            N32=n32, MIXED=out32 is not None, num_warps=4, **pdl_launch(x.device),
         )  # fmt: skip
-    return out

@@ -435,10 +435,11 @@ def _linear_gemv_kernel(
 
 @triton.jit
 def _sum_splits_kernel(
-    part_ptr, out_ptr, numel, split, BLOCK: tl.constexpr, PDL: tl.constexpr = False, BF16_RNE: tl.constexpr = False
-):
+    part_ptr, out_ptr, numel, split, BLOCK: tl.constexpr, PDL: tl.constexpr = False, BF16_RNE: tl.constexpr = False,
+    out32_ptr=None, NT=1, N32=0, MIXED: tl.constexpr = False,
+):  # fmt: skip
     """out = Σ_s part[s] in the order s = 0, 1, ... (part [split, M, NT] fp32, out [M, NT] fp32 or bf16 (BF16_RNE:
-    ``_store_out``'s), numel = M·NT)."""
+    ``_store_out``'s), numel = M·NT).  MIXED: columns below N32 go to ``out32_ptr`` ([M, NT] fp32) instead."""
     pdl_enter(PDL)
     e = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = e < numel
@@ -447,7 +448,12 @@ def _sum_splits_kernel(
     for _ in range(1, split):
         ptrs += numel
         acc += tl.load(ptrs, mask=ok, other=0.0)
-    _store_out(acc, out_ptr + e, ok, BF16_RNE)
+    if MIXED:
+        col = e % NT
+        _store_out(acc, out32_ptr + e, ok & (col < N32), False)
+        _store_out(acc, out_ptr + e, ok & (col >= N32), BF16_RNE)
+    else:
+        _store_out(acc, out_ptr + e, ok, BF16_RNE)
 
 
 def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:

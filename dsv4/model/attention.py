@@ -41,7 +41,7 @@ from dsv4.formats import EntryPages
 from dsv4.formats.fp8_weight import WEIGHT_BLOCK, FP8Weight, stack_rows
 from dsv4.kernels.attention import sparse_attention
 from dsv4.kernels.dispatch import use_triton
-from dsv4.kernels.fp8_linear import fp8_linear
+from dsv4.kernels.fp8_linear import fp8_linear, fp8_linear_mixed
 from dsv4.kernels.indexer import indexer_topk, to_physical, visible_physical
 from dsv4.kernels.linear import bf16_exact, linear_counters, linear_fp32_group, linear_fp32_pair
 from dsv4.model import functional as F
@@ -74,6 +74,11 @@ BF16_EXACT_COMPRESSOR = False
 # caller that keeps its own ``AttentionWeights`` keeps a second copy of those weights.  Off until timed on the H200
 # (``run_h200.sh step_s23``).
 STACK_PROJECTIONS = False
+# With STACK_PROJECTIONS and FP8 weights throughout (``keep_fp8``), the layer's FP8 compressor weights (wkv, wgate of
+# the main and, CSA, the indexer's compressor) join the x stack too, first: ``fp8_linear_mixed`` gives their fp32
+# projections and the stack's bf16 ones in one launch (one launch fewer a compressed layer's step).  The A/B:
+# ``run_h200.sh step_s23``.
+STACK_COMPRESSORS = True
 BAND_ALIGN = 64  # a band's index width is rounded up to this many entries (the attention kernels' key blocks)
 BAND_MIN_ROWS = 1024  # rows a band has at least (but the last): each band costs two launches
 
@@ -137,11 +142,16 @@ class AttentionSubBlock:
         # zeroed int32 counters (left zero) of the in-launch split sums of the GEMMs and of top-k's A + B launch (their
         # calls on one stream, one after another)
         self._linear_counters = linear_counters(w.device)
-        # FP8 compressor weights: one buffer for all of the layer's (one fp8_linear launch projects them all)
-        w, self._comp8, self._comp8_widths = _gather_fp8_compressors(w)
         # the projections of one input in one launch (self.w then holds views of the stacks)
         on = STACK_PROJECTIONS if stack_projections is None else bool(stack_projections)
-        w, self._x_stack, self._qr_stack = _stack_projections(w) if on else (w, None, None)
+        w, self._x_stack, self._qr_stack = _stack_projections(w, STACK_COMPRESSORS) if on else (w, None, None)
+        # FP8 compressor weights: one buffer for all of the layer's (one fp8_linear launch projects them all), or the
+        # x stack's first rows where they joined it
+        xs = self._x_stack
+        if xs is not None and xs.n_fp32:
+            self._comp8, self._comp8_widths = xs.weight.rows(0, sum(xs.widths[: xs.n_fp32])), xs.widths[: xs.n_fp32]
+        else:
+            w, self._comp8, self._comp8_widths = _gather_fp8_compressors(w)
         self.cfg, self.layer_id, self.w, self.backend = cfg, layer_id, w, backend
         comp = w.compressors
         self._bf16w = (
@@ -185,7 +195,7 @@ class AttentionSubBlock:
             comps = [(w.compressor, "main")]
             if self.kind is LayerKind.CSA:
                 comps.append((w.indexer.compressor, "indexer"))
-            projections = self.compressor_projections_all(x, [cw for cw, _ in comps], handle.positions)
+            projections = self.compressor_projections_all(x, [cw for cw, _ in comps], handle.positions, ip)
             # (ape is added inside the compress kernels; a CSA decode step: both compressors in one launch)
             steps = [(kv, g, cw.norm, which, cw.ape) for (cw, which), (kv, g) in zip(comps, projections, strict=True)]
             handle.compress_all(steps, self.inv_freq, backend=be)
@@ -252,7 +262,7 @@ class AttentionSubBlock:
         out = []
         if self._qr_stack is not None:
             out.append(self.w.indexer.wq_b)
-        if self._x_stack is not None and len(self._x_stack.widths) == 3:
+        if self._x_stack is not None and len(self._x_stack.widths) - self._x_stack.n_fp32 == 3:
             out.append(self.w.indexer.weights_proj)
         return out
 
@@ -268,7 +278,10 @@ class AttentionSubBlock:
         if self._x_stack is None or not use_triton(be, x, self._x_stack.tensor):
             q, qr = query(cfg, w, x, hp, self.inv_freq, be, counters=cnt, cos_sin_out=cs)
             return InputProjections(q, qr, dense(x, w.wkv, be, counters=cnt), cos_sin=cs)
-        latent, kv_raw, *index_w = self._x_stack.project(x, be, cnt)
+        outs = self._x_stack.project(x, be, cnt)
+        nc = self._x_stack.n_fp32  # (the compressors' projections first, where they joined the stack)
+        comp = [(outs[i], outs[i + 1]) for i in range(0, nc, 2)] if nc else None
+        latent, kv_raw, *index_w = outs[nc:]
         qr = query_latent(cfg, w, latent, hp, be)
         index_q = None
         if self._qr_stack is not None:
@@ -276,14 +289,17 @@ class AttentionSubBlock:
         else:
             q_lin = dense(qr, w.wq_b, be, counters=cnt)
         q = query_heads(cfg, q_lin, hp, self.inv_freq, be, cos_sin_out=cs)
-        return InputProjections(q, qr, kv_raw, index_q, index_w[0] if index_w else None, cs)
+        return InputProjections(q, qr, kv_raw, index_q, index_w[0] if index_w else None, cs, comp)
 
     def compressor_projections_all(
-        self, x: torch.Tensor, cws: list, positions: torch.Tensor
+        self, x: torch.Tensor, cws: list, positions: torch.Tensor, ip: InputProjections | None = None
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """``compressor_projections`` of several compressors (a CSA layer's main and indexer ones) for one x: on the
         Triton tf32x3 path one GEMM launch for all their weights (``linear_fp32_group``); FP8 weights (all of the
-        layer's compressors, ``self._comp8``) one ``fp8_linear`` launch with fp32 outputs."""
+        layer's compressors, ``self._comp8``) one ``fp8_linear`` launch with fp32 outputs, or none where the x stack
+        computed them (``STACK_COMPRESSORS``: ``ip.comp``, x's ``input_projections``)."""
+        if ip is not None and ip.comp is not None and [id(c) for c in cws] == [id(c) for c in self.w.compressors]:
+            return ip.comp
         comp8 = self._comp8
         if comp8 is not None and self.compressor_gemm != "fp32" and use_triton(self.backend, x, comp8.data):
             if [id(c) for c in cws] == [id(c) for c in self.w.compressors]:
@@ -398,14 +414,7 @@ def _gather_fp8_compressors(w: AttentionWeights) -> tuple[AttentionWeights, FP8W
     if stacked is None:
         return w, None, []
     cat, views = stacked
-
-    def comp(c: CompressorWeights, i: int) -> CompressorWeights:
-        return dataclasses.replace(c, wkv=views[2 * i], wgate=views[2 * i + 1])
-
-    new = dataclasses.replace(w, compressor=comp(w.compressor, 0))
-    if w.indexer is not None:
-        new = dataclasses.replace(new, indexer=dataclasses.replace(w.indexer, compressor=comp(w.indexer.compressor, 1)))
-    return new, cat, [t.shape[0] for t in ws]
+    return _with_compressor_views(w, iter(views)), cat, [t.shape[0] for t in ws]
 
 
 class InputProjections(NamedTuple):
@@ -417,14 +426,17 @@ class InputProjections(NamedTuple):
     index_q: torch.Tensor | None = None  # [T, Hi·Di] bf16, ``indexer.wq_b``'s output where the qr stack computed it
     index_w: torch.Tensor | None = None  # [T, Hi] bf16, ``indexer.weights_proj``'s where the x stack computed it
     cos_sin: torch.Tensor | None = None  # [T, rd/2, 2] fp32, q's rotation, where wo_a de-rotates (``fuse_derotate``)
+    comp: list | None = None  # (kv, score) fp32 [T, c·d] a compressor (w.compressors' order), where x's stack gave them
 
 
 class ProjectionStack(NamedTuple):
     """Linear weights of one input stacked by rows (``stack_weights``): one GEMM launch gives all their outputs,
-    ``widths`` consecutive column ranges of it (row-strided views)."""
+    ``widths`` consecutive column ranges of it (row-strided views); the first ``n_fp32`` of them (FP8 compressor
+    weights, ``STACK_COMPRESSORS``) in fp32, by ``fp8_linear_mixed``."""
 
     weight: torch.Tensor | FP8Weight
     widths: list[int]
+    n_fp32: int = 0
 
     @property
     def tensor(self) -> torch.Tensor:
@@ -433,8 +445,12 @@ class ProjectionStack(NamedTuple):
 
     def project(self, x: torch.Tensor, backend: str, counters: torch.Tensor | None) -> list[torch.Tensor]:
         """x [T, in] bf16 -> one view [T, width] bf16 a stacked weight (row stride the stack's rows), by ``dense``
-        (``fp8_linear`` for FP8 weights, cuBLAS for bf16 ones)."""
-        return list(torch.split(dense(x, self.weight, backend, counters=counters), self.widths, dim=1))
+        (``fp8_linear`` for FP8 weights, cuBLAS for bf16 ones); the first ``n_fp32`` fp32 (``fp8_linear_mixed``)."""
+        if not self.n_fp32:
+            return list(torch.split(dense(x, self.weight, backend, counters=counters), self.widths, dim=1))
+        lo = self.widths[: self.n_fp32]
+        y32, y16 = fp8_linear_mixed(x, self.weight, sum(lo), backend, counters=counters)
+        return [*torch.split(y32, lo, dim=1), *torch.split(y16, self.widths[self.n_fp32 :], dim=1)]
 
 
 def stack_weights(weights: list) -> tuple[torch.Tensor | FP8Weight, list] | None:
@@ -452,26 +468,48 @@ def stack_weights(weights: list) -> tuple[torch.Tensor | FP8Weight, list] | None
     return cat, list(torch.split(cat, [t.shape[0] for t in weights]))
 
 
-def _stack_projections(w: AttentionWeights) -> tuple[AttentionWeights, ProjectionStack | None, ProjectionStack | None]:
+def _stack_projections(
+    w: AttentionWeights, compressors: bool = False
+) -> tuple[AttentionWeights, ProjectionStack | None, ProjectionStack | None]:
     """(w with the stacked weights replaced by views of the stacks, the x stack ``wq_a`` + ``wkv`` (+ the indexer's
-    ``weights_proj`` where it stacks with them), the qr stack ``wq_b`` + (CSA) ``indexer.wq_b``); a stack is None
+    ``weights_proj`` where it stacks with them; ``compressors``: after the compressors' wkv, wgate, where they are FP8
+    of whole scale blocks and stack with them), the qr stack ``wq_b`` + (CSA) ``indexer.wq_b``); a stack is None
     where its weights do not stack (``stack_weights``)."""
+    cws = [t for c in w.compressors for t in (c.wkv, c.wgate)]
+    if not (compressors and cws and all(isinstance(t, FP8Weight) and t.shape[0] % WEIGHT_BLOCK == 0 for t in cws)):
+        cws = []
     # (the indexer's weights_proj, 64 rows, last: bf16 in V4's checkpoints, so it joins bf16 stacks only)
-    xs = stack_weights([w.wq_a, w.wkv, w.indexer.weights_proj]) if w.indexer is not None else None
+    tails = ([[w.wq_a, w.wkv, w.indexer.weights_proj]] if w.indexer is not None else []) + [[w.wq_a, w.wkv]]
+    heads = [cws, []] if cws else [[]]  # (with the compressors where they stack, else without)
+    tried = ((stack_weights(h + t), len(h)) for h in heads for t in tails)
+    xs, nc = next(((st, n) for st, n in tried if st is not None), (None, 0))
+    if nc:
+        w = _with_compressor_views(w, iter(xs[1]))
+    if xs is not None and len(xs[1]) - nc == 3:
+        w = dataclasses.replace(w, indexer=dataclasses.replace(w.indexer, weights_proj=xs[1][nc + 2]))
     if xs is not None:
-        w = dataclasses.replace(w, indexer=dataclasses.replace(w.indexer, weights_proj=xs[1][2]))
-    else:
-        xs = stack_weights([w.wq_a, w.wkv])
-    if xs is not None:
-        w = dataclasses.replace(w, wq_a=xs[1][0], wkv=xs[1][1])
+        w = dataclasses.replace(w, wq_a=xs[1][nc], wkv=xs[1][nc + 1])
     qs = stack_weights([w.wq_b, w.indexer.wq_b]) if w.indexer is not None else None
     if qs is not None:
         w = dataclasses.replace(w, wq_b=qs[1][0], indexer=dataclasses.replace(w.indexer, wq_b=qs[1][1]))
     return (
         w,
-        None if xs is None else ProjectionStack(xs[0], [t.shape[0] for t in xs[1]]),
+        None if xs is None else ProjectionStack(xs[0], [t.shape[0] for t in xs[1]], nc),
         None if qs is None else ProjectionStack(qs[0], [t.shape[0] for t in qs[1]]),
     )
+
+
+def _with_compressor_views(w: AttentionWeights, views) -> AttentionWeights:
+    """``w`` with the wkv and wgate of its compressors (main, then the indexer's) the next of ``views`` (an iterator
+    over a stack's row views, in that order)."""
+
+    def comp(c: CompressorWeights) -> CompressorWeights:
+        return dataclasses.replace(c, wkv=next(views), wgate=next(views))
+
+    w = dataclasses.replace(w, compressor=comp(w.compressor))
+    if w.indexer is not None:
+        w = dataclasses.replace(w, indexer=dataclasses.replace(w.indexer, compressor=comp(w.indexer.compressor)))
+    return w
 
 
 def window_workspace_index(plan: StepPlan, ring: int) -> WindowWorkspaceIndex:

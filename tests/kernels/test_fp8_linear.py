@@ -22,6 +22,7 @@ from dsv4.kernels.fp8_linear import (
     dequantize,
     fp8_linear,
     fp8_linear_launch,
+    fp8_linear_mixed,
     fp8_linear_reference,
     grouped_linear,
 )
@@ -111,6 +112,44 @@ def test_fp8_linear_fp32_out_is_the_fp32_sum(device, m, launch):
     assert torch.equal(fp8_linear(x.cpu(), w.to("cpu"), "torch", out_dtype=torch.float32), want)
     with pytest.raises(ValueError, match="out_dtype"):
         fp8_linear(x, w, "triton", out_dtype=torch.float16)
+
+
+@pytest.mark.parametrize(
+    "m, launch",
+    [(1, {}), (3, {"split_k": 2}), (7, {"split_k": 3, "block_n": 128}), (20, {"split_k": 2}), (DECODE_MAX_M + 2, {})],
+)
+def test_fp8_linear_mixed_equals_the_two_calls(device, m, launch):
+    """``fp8_linear_mixed`` (the compressors' fp32 projections and the x stack's bf16 ones, one launch): bit-equal to
+    ``fp8_linear`` on the two row ranges at the same launch (fp32 / bf16 outputs), with the split sum in the launch
+    (counters, <= FUSED_SUM_MAX_M tokens) or by the second launch; on the torch path and above DECODE_MAX_M tokens
+    the two calls themselves.  The last rows end on a partial scale block (a 64-row weight last in the stack)."""
+    w = _weight(256 + 192, 384, seed=31 + m, device=device)
+    x = torch.randn(m, 384, device=device).bfloat16()
+    top, rest = w.rows(0, 256), w.rows(256, 448)
+    cnt = torch.zeros(64, dtype=torch.int32, device=device)
+    y32, y16 = fp8_linear_mixed(x, w, 256, "triton", counters=cnt, **launch)
+    assert (y32.dtype, y32.shape, y16.dtype, y16.shape) == (torch.float32, (m, 256), torch.bfloat16, (m, 192))
+    want32 = fp8_linear(x, top, "triton", out_dtype=torch.float32, **launch)
+    want16 = fp8_linear(x, rest, "triton", **launch)
+    assert torch.equal(y32, want32) and torch.equal(y16, want16)
+    assert int(cnt.abs().sum()) == 0
+    for bad in (0, 100, 448, 512):
+        with pytest.raises(ValueError, match="fp32_rows"):
+            fp8_linear_mixed(x, w, bad, "triton")
+    xc, wc = x.cpu(), w.to("cpu")
+    t32, t16 = fp8_linear_mixed(xc, wc, 256, "torch")
+    assert torch.equal(t32, fp8_linear(xc, wc.rows(0, 256), "torch", out_dtype=torch.float32))
+    assert torch.equal(t16, fp8_linear(xc, wc.rows(256, 448), "torch"))
+
+
+def test_fp8_weight_rows_are_views():
+    w = _weight(300, 256, seed=2)
+    v = w.rows(128, 300)
+    assert v.data.data_ptr() == w.data[128:].data_ptr() and v.scale.data_ptr() == w.scale[1:].data_ptr()
+    assert torch.equal(v.dequantize(), w.dequantize()[128:])
+    for a, b in ((0, 0), (64, 128), (0, 200), (128, 301), (-128, 128)):
+        with pytest.raises(ValueError, match="rows"):
+            w.rows(a, b)
 
 
 def test_fp8_linear_non_pow2_scales_are_the_exact_product(device):
@@ -235,7 +274,10 @@ def test_fp8_linear_launch_defaults_and_overrides():
     # V4-Flash decode, 1 token: wq_a (1,024 rows) splits, wq_b (32,768 rows) does not
     assert fp8_linear_launch(1, 1024, 4096, num_sms=132) == (16, 64, 4, 4, 16)
     assert fp8_linear_launch(1, 32768, 1024, num_sms=132).split_k == 1
-    assert fp8_linear_launch(64, 1024, 4096, num_sms=132) == (64, 64, 4, 4, 2)
+    # 64 tokens: split while the partials' traffic stays within the weight's bytes (8 splits: 2 MB of partials each
+    # way for wq_a's 4 MB); a wide weight (wq_b) fills the GPU without a split
+    assert fp8_linear_launch(64, 1024, 4096, num_sms=132) == (64, 64, 4, 4, 8)
+    assert fp8_linear_launch(64, 32768, 1024, num_sms=132).split_k == 1
     assert fp8_linear_launch(128, 4096, 8192, num_sms=132).block_m == 128
     assert fp8_linear_launch(128, 4096, 8192, num_sms=132).num_warps == 8
     assert fp8_linear_launch(3, 64, 4096, num_sms=132, split_k=5, block_n=32, num_stages=2) == (16, 32, 4, 2, 5)
@@ -284,7 +326,7 @@ def test_fp8_linear_real_widths_on_gpu(model, m):
     for name, (rows, k, groups) in shapes.items():
         w = _weight(rows, k, seed=rows + m, device="cuda")
         x = torch.randn(m, groups * k, device="cuda").bfloat16()
-        y = fp8_linear(x, w, counters=cnt)
+        y = fp8_linear(x, w, groups=groups, counters=cnt)
         _assert_within(y, x, w, groups)
         cub = fp8_linear(x, w, "torch", groups=groups)
         ulp = (y.float() - cub.float()).abs() / torch.finfo(torch.bfloat16).eps / cub.float().abs().clamp_min(1e-30)

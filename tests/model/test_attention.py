@@ -283,12 +283,16 @@ def test_fp8_weights_layer_matches_dense(monkeypatch, backend):
         assert torch.equal(out, run_cached(layer, w.dequantized(), x, sched, backend=backend, device=dev))
 
 
-@pytest.mark.parametrize(("kind", "fp8"), [("csa", True), ("hca", True), ("csa", False)])
-def test_stacked_projections(monkeypatch, kind, fp8):
+@pytest.mark.parametrize(
+    ("kind", "fp8", "comp"), [("csa", True, True), ("hca", True, True), ("csa", True, False), ("csa", False, True)]
+)
+def test_stacked_projections(monkeypatch, kind, fp8, comp):
     """``STACK_PROJECTIONS``: x's ``wq_a`` + ``wkv`` as one GEMM launch (FP8: ``fp8_linear``, bf16: cuBLAS) and qr's
-    ``wq_b`` + the indexer's ``wq_b`` (CSA) as another, the layer's weights views of the stacks (no copy); same
-    outputs as the dense reference and, within the tolerance of a different K split (the launch geometry follows the
-    stacked rows), as the unstacked layer.  Kernel backend: the interpreter on the CPU, the GPU where there is one."""
+    ``wq_b`` + the indexer's ``wq_b`` (CSA) as another, the layer's weights views of the stacks (no copy); with FP8
+    weights and ``STACK_COMPRESSORS`` (``comp``) the compressors' weights first in the x stack (``fp8_linear_mixed``:
+    their fp32 projections in the same launch, never a launch of their own).  Same outputs as the dense reference
+    and, within the tolerance of a different K split (the launch geometry follows the stacked rows), as the unstacked
+    layer.  Kernel backend: the interpreter on the CPU, the GPU where there is one."""
     layer, dev = LAYERS[kind], _backend_device("triton")
     w = random_attention_weights(TINY, layer, seed=13, device=dev, fp8=fp8)
     # CSA, 72 tokens: 18 entries, past top-k (16): the indexer runs on the stack's q_lin
@@ -296,26 +300,37 @@ def test_stacked_projections(monkeypatch, kind, fp8):
     x = torch.randn(2, n, TINY.dim, generator=torch.Generator().manual_seed(13)).to(torch.bfloat16).to(dev)
     plain = run_cached(layer, w, x, sched, backend="triton", device=dev)
     monkeypatch.setattr(attention_mod, "STACK_PROJECTIONS", True)
+    monkeypatch.setattr(attention_mod, "STACK_COMPRESSORS", comp)
     blk = AttentionSubBlock(TINY, layer, w, backend="triton")
     xs, qs = blk._x_stack, blk._qr_stack
     # CSA: the indexer's weights_proj joins the x stack (random fp8 weights quantise it too; a V4 checkpoint's is bf16,
     # and then it stays apart: test_stack_weights_mixed)
     x_widths = [TINY.q_lora_rank, TINY.head_dim] + ([TINY.index_n_heads] if kind == "csa" else [])
-    assert xs.widths == x_widths
+    comp_ws = [t for c in w.compressors for t in (c.wkv, c.wgate)] if fp8 and comp else []
+    c_widths = [t.shape[0] for t in comp_ws]
+    assert xs.widths == c_widths + x_widths and xs.n_fp32 == len(c_widths)
     assert len(blk.stacked_indexer_weights) == (kind == "csa") + len(x_widths) // 3
     isz = 1 if fp8 else 2  # bytes a weight
-    assert blk.w.wkv.data.data_ptr() == xs.tensor.data_ptr() + TINY.q_lora_rank * TINY.dim * isz
+    c_bytes = sum(c_widths) * TINY.dim
+    assert blk.w.wkv.data.data_ptr() == xs.tensor.data_ptr() + c_bytes + TINY.q_lora_rank * TINY.dim * isz
+    if comp_ws:  # the layer's compressor weights are views of the stack's first rows, as its _comp8
+        assert blk.w.compressor.wkv.data.data_ptr() == xs.tensor.data_ptr() == blk._comp8.data.data_ptr()
+        assert blk._comp8_widths == c_widths
     if kind == "csa":
         assert qs.widths == [TINY.n_heads * TINY.head_dim, TINY.index_n_heads * TINY.index_head_dim]
         assert blk.w.indexer.wq_b.data.data_ptr() == qs.tensor.data_ptr() + qs.widths[0] * TINY.q_lora_rank * isz
     else:
         assert qs is None
     shapes = []  # the weights' shapes of ``dense``'s GEMM launches (the stacks' and the single projections')
-    for fn in ("fp8_linear", "grouped_linear"):
-        real = getattr(P, fn)
-        monkeypatch.setattr(P, fn, lambda *a, real=real, **k: shapes.append(tuple(a[1].shape)) or real(*a, **k))
+    for mod, fn in ((P, "fp8_linear"), (P, "grouped_linear"), (attention_mod, "fp8_linear_mixed")):
+        real = getattr(mod, fn)
+        monkeypatch.setattr(mod, fn, lambda *a, real=real, **k: shapes.append(tuple(a[1].shape)) or real(*a, **k))
+    comp_calls = []  # the compressors' own GEMM (FP8: the layer's _comp8 launch)
+    real_c = attention_mod.fp8_linear
+    monkeypatch.setattr(attention_mod, "fp8_linear", lambda *a, **k: comp_calls.append(1) or real_c(*a, **k))
     out = run_cached(layer, w, x, sched, backend="triton", device=dev)
-    assert (sum(x_widths), TINY.dim) in shapes
+    assert (sum(c_widths + x_widths), TINY.dim) in shapes
+    assert bool(comp_calls) == (fp8 and not comp)
     # the stacked weights are never projected on their own; wo_a and wo_b are
     stacked = {tuple(w.wq_a.shape), tuple(w.wkv.shape)}
     if kind == "csa":
@@ -338,7 +353,8 @@ def test_stack_weights_mixed(monkeypatch):
     assert attention_mod.stack_weights([w.wq_a, wp16]) is None
     monkeypatch.setattr(attention_mod, "STACK_PROJECTIONS", True)
     blk = AttentionSubBlock(TINY, layer, w, backend="triton")
-    assert blk._x_stack.widths == [TINY.q_lora_rank, TINY.head_dim]
+    xs = blk._x_stack  # (the FP8 compressors first: STACK_COMPRESSORS)
+    assert xs.widths[xs.n_fp32 :] == [TINY.q_lora_rank, TINY.head_dim]
     assert blk.stacked_indexer_weights == [blk.w.indexer.wq_b] and blk.w.indexer.weights_proj is wp16
 
 
