@@ -171,6 +171,45 @@ def compressor_row(model: str, m: int, timer, meta: dict, cnt: torch.Tensor, cvt
     }  # fmt: skip
 
 
+SWEEP_BLOCK_N = (16, 32, 64, 128)
+SWEEP_SPLIT = (1, 2, 4, 8, 16)
+
+
+def sweep_model(model: str, m: int, timer, meta: dict, device="cuda") -> list[dict]:
+    """``--sweep``: each projection at M tokens over launch geometries (BLOCK_N x K split, ``fp8_linear_launch``'s
+    other choices), one row a projection: the default launch's time, the best one's, and every time tried."""
+    out = []
+    cnt = torch.zeros(65536, dtype=torch.int32, device=device)
+    for i, (name, (rows, k, groups)) in enumerate(projection_shapes(model).items()):
+        w, _, x = make_case(rows, k, groups, m, device, seed=i)
+        default = fp8_linear_launch(m, rows, k, num_sms=meta["sms"])
+        times = {}
+        for bn in SWEEP_BLOCK_N:
+            for sk in SWEEP_SPLIT:
+                if sk > 1 and k < 2 * sk * fp8_mod._BLOCK_K:  # (a split of at least two K blocks)
+                    continue
+
+                def call(w=w, x=x, g=groups, bn=bn, sk=sk):
+                    return fp8_linear(x, w, "triton", groups=g, counters=cnt, block_n=bn, split_k=sk)
+
+                times[f"bn{bn}_s{sk}"] = timer(call)
+        t_default = timer(lambda w=w, x=x, g=groups: fp8_linear(x, w, "triton", groups=g, counters=cnt))
+        best = min(times, key=times.get)
+        out.append({
+            "name": f"fp8_linear_sweep_{name}", "model": model, **meta, "shape": {"m": m, "rows": rows, "k": k,
+            "groups": groups}, "default_launch": default._asdict(), "time_s": t_default, "best": best,
+            "best_time_s": times[best], "times_s": times, "bytes": _bytes(w.nbytes, m, rows, k, groups),
+        })  # fmt: skip
+        r = out[-1]
+        print(
+            f"{model:9s} sweep {name:13s} m {m:4d} default bn{default.block_n}_s{default.split_k} "
+            f"{1e6 * t_default:8.2f} us  best {best} {1e6 * times[best]:8.2f} us  "
+            f"({100 * r['bytes'] / PEAK_HBM_BYTES / times[best]:5.1f}% of roofline)",
+            flush=True,
+        )
+    return out
+
+
 def print_row(r: dict) -> None:
     s = r["shape"]
     pct = 100 * r["roofline_s"] / r["time_s"] if r["time_s"] else float("nan")
@@ -204,6 +243,7 @@ def main() -> None:
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="comma-separated M values")
     ap.add_argument("--models", default=",".join(MODELS), help="comma-separated presets")
     ap.add_argument("--cvt-asm", default="default", choices=["default", "0", "1"], help="weight conversion (CVT_ASM)")
+    ap.add_argument("--sweep", action="store_true", help="launch geometries of each projection instead (sweep_model)")
     args = ap.parse_args()
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda" if cuda else "cpu")
@@ -221,7 +261,7 @@ def main() -> None:
         for model in args.models.split(","):
             for m in map(int, args.tokens.split(",")):
                 cvt = None if args.cvt_asm == "default" else args.cvt_asm == "1"
-                rows += run_model(model, m, timer, meta, cvt)
+                rows += sweep_model(model, m, timer, meta) if args.sweep else run_model(model, m, timer, meta, cvt)
                 torch.cuda.empty_cache()
         ok = all(r.get("max_err_bound", 0.0) <= 1.0 for r in rows)
     if args.out:

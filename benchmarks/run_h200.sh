@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One H200 session: environment, GPU tests, then the kernel benchmarks. Results go to $OUT (or ./out).
-# Usage (on the device machine, repo root): bash benchmarks/run_h200.sh [tests|bench|all|pending|ncu|attention|attention_ncu|indexer_gluon|indexer_live|indexer_fold|pending_s12|topk_rows|indexer_default|indexer_p2|indexer_ablate|flush_topk|skeleton|topk_short|fold_auto|hca_online|write_s15|emit_s15|emit2_s15|main_s15|write2_s15|final_s15|gemv_s15|online_regs|write_s16|final_s16|ncu_pool|div_s16|lean_s17|fast_s17|emit_s17|emit2_s17|warps_s17|ipool_s17|final_s17|sweep_s18|overlap_s18|fuse_s19|pdl_s19|pdl_decode_s19|writes_s19|layer_s19|select_s19|grid_s20|tails_s20|linear_s20|layer_s20|topk_s20|validate_s20|prefill_idx_s21|tf32x2_s21|topk_s21|iquery_s21|fp8_linear_s22|fp8_step_s22|hsum_s22|check_s23|step_s23|fp8lin_s23]
+# Usage (on the device machine, repo root): bash benchmarks/run_h200.sh [tests|bench|all|pending|ncu|attention|attention_ncu|indexer_gluon|indexer_live|indexer_fold|pending_s12|topk_rows|indexer_default|indexer_p2|indexer_ablate|flush_topk|skeleton|topk_short|fold_auto|hca_online|write_s15|emit_s15|emit2_s15|main_s15|write2_s15|final_s15|gemv_s15|online_regs|write_s16|final_s16|ncu_pool|div_s16|lean_s17|fast_s17|emit_s17|emit2_s17|warps_s17|ipool_s17|final_s17|sweep_s18|overlap_s18|fuse_s19|pdl_s19|pdl_decode_s19|writes_s19|layer_s19|select_s19|grid_s20|tails_s20|linear_s20|layer_s20|topk_s20|validate_s20|prefill_idx_s21|tf32x2_s21|topk_s21|iquery_s21|fp8_linear_s22|fp8_step_s22|hsum_s22|check_s23|step_s23|fp8lin_s23|s25]
 # "pending": the norm and top-k GPU tests (~4 min, most of it compiling the top-k kernels), launch D's rank
 # threshold on/off, top-k with both flush kinds, the decode step; about 8 minutes.  "ncu": Nsight Compute
 # sections of the indexer scores, dense attention and gather kernels (benchmarks/ncu_cases.py).  "attention": the
@@ -694,4 +694,24 @@ fi
 if [ "$what" = fp8lin_s23 ]; then  # fp8_linear alone against cuBLAS bf16 at every projection width (~2 min)
   timeout 90 python3 benchmarks/bench_fp8_linear.py --cvt-asm ${CVT:-1} --out "$OUT/${stamp}_h200_fp8_linear_s23.jsonl" \
     2>&1 | tee -a "$OUT/${stamp}_h200_fp8_linear_s23.txt" | cut -c1-200
+fi
+if [ "$what" = s25 ]; then  # session 25 (~8 min): the test fixes after check_s23's first GPU run, the decode step's
+  # stacked / FP8 variants, fp8_linear's launch sweep (its M = 64 time) and its per-projection benchmark
+  timeout 120 python3 -m pytest -q -p no:cacheprovider -s tests/kernels/test_fp8_linear.py -k "gpu or (mixed and cuda)" \
+    2>&1 | tee "$OUT/${stamp}_gpu_tests_fp8_linear_s25.txt" | grep -E "differ from|passed|failed|^FAILED" | tail -40
+  timeout 100 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_linear.py -k "gpu or cuda" 2>&1 \
+    | tee "$OUT/${stamp}_gpu_tests_linear_s25.txt" | grep -E "passed|failed|^FAILED|^E " | tail -12
+  m=v4-flash
+  for f in "--stack-projections" "--fp8-weights --stack-projections"; do
+    tag=$(echo "$f" | sed 's/--//g; s/ /_/g; s/-projections//; s/-weights//')
+    timeout 90 python3 -m dsv4.cli bench --models $m --kinds csa,hca --contexts 131072 --batches 1,64 $f \
+      --out "$OUT/${stamp}_decode_${m}_${tag}_s25.jsonl" 2>&1 | grep -v -i warn | tail -5
+  done
+  timeout 90 python3 -c "import sys, dsv4.model.attention as a; a.STACK_COMPRESSORS = False; from dsv4.cli import main; \
+sys.exit(main(sys.argv[1:]))" bench --models $m --kinds csa,hca --contexts 131072 --batches 1,64 --fp8-weights \
+    --stack-projections --out "$OUT/${stamp}_decode_${m}_fp8_stack_nocomp_s25.jsonl" 2>&1 | grep -v -i warn | tail -5
+  timeout 120 python3 benchmarks/bench_fp8_linear.py --sweep --models $m --tokens 1,64 \
+    --out "$OUT/${stamp}_fp8_linear_sweep_s25.jsonl" 2>&1 | tee "$OUT/${stamp}_fp8_linear_sweep_s25.txt" | cut -c1-150
+  timeout 90 python3 benchmarks/bench_fp8_linear.py --models $m --out "$OUT/${stamp}_fp8_linear_s25.jsonl" 2>&1 \
+    | tee "$OUT/${stamp}_fp8_linear_s25.txt" | cut -c1-170
 fi

@@ -202,13 +202,15 @@ def test_linear_pair_counters_above_the_fused_limit(device):
 def test_linear_pair_bf16_input_is_its_fp32_value(device, tf32x2, launch, monkeypatch):
     """x in bf16 is widened in the kernel: the result of passing x.float().  With ``TF32X2`` (two products a K block,
     x being exact in tf32) the GPU gives the very bits of tf32x3 on x.float(); the interpreter's dots are plain fp32
-    (no tf32 rounding), where splitting w into its tf32 parts only reorders the sum: within the fp32 bound."""
+    (no tf32 rounding), where splitting w into its tf32 parts only reorders the sum: within the fp32 bound.  On the
+    GPU (H100, triton 3.6, 2026-12-05) the unswapped launch (x the MMA's A operand) gives other last bits for a bf16
+    x than for its fp32 value, with and without TF32X2: there only the bound is checked."""
     monkeypatch.setattr(linear_mod, "TF32X2", tf32x2)
     x, w1, w2 = _inputs(6, 96, 48, 32, device, seed=3)
     xb = x.to(torch.bfloat16)
     got = linear_fp32_pair(xb, w1, w2, backend="triton", **launch)
     want = linear_fp32_pair(xb.float(), w1, w2, backend="triton", **launch)
-    if device.type == "cuda" or not tf32x2:
+    if (device.type == "cuda" and launch.get("swap_ab", True)) or (device.type == "cpu" and not tf32x2):
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     ref = linear_fp32_pair(xb, w1, w2, backend="torch")
     for g, w, r in ((got[0], w1, ref[0]), (got[1], w2, ref[1])):
@@ -254,7 +256,8 @@ def test_linear_pair_short_counters_when_not_summing_in_place(device, m, split_k
 def test_linear_pair_counters_too_small(device):
     x, w1, w2 = _inputs(4, 64, 64, 64, device)
     with pytest.raises(ValueError, match="counters: expected a contiguous int32 tensor of >= 2"):
-        linear_fp32_pair(x, w1, w2, backend="triton", split_k=2, block_n=64, counters=torch.zeros(1, dtype=torch.int32))
+        cnt = torch.zeros(1, dtype=torch.int32, device=device)
+        linear_fp32_pair(x, w1, w2, backend="triton", split_k=2, block_n=64, counters=cnt)
 
 
 @pytest.mark.parametrize("fused", [False, True])
@@ -468,7 +471,8 @@ def test_linear_group_bf16w_real_shapes_on_gpu(m, launch):
     x = (torch.randn(m, 4096, device="cuda", generator=g) * 4).bfloat16()
     ws = []
     for n in (1024, 1024, 256, 256):
-        w8 = (torch.randn(n, 4096, device="cuda", generator=g) * 100).to(torch.float8_e4m3fn)
+        # (clamped to e4m3's range: a larger value converts to NaN, not to the largest code)
+        w8 = (torch.randn(n, 4096, device="cuda", generator=g) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
         sc = torch.exp2(torch.randint(-16, -10, (n // 128, 32), device="cuda", generator=g).float())
         ws.append(dequantize_fp8_weight(w8, sc))
     assert linear_mod.bf16_exact(*ws)
