@@ -124,6 +124,36 @@ def test_plain_step_index_qr_feeds_the_indexer_only():
     assert not torch.equal(y2, y)
 
 
+def test_plain_step_index_sel_attends_the_given_selection():
+    """``index_sel`` (the third check of a failing CSA row): the plain step's own selection gives its output bit for
+    bit, another one (half of it dropped) another output; the layer's own selection (``_layer_selection``) ranks
+    within the plain scores' top-k (same layer, same numerics here: the same set)."""
+    from dsv4.cache.manager import KVCacheManager
+    from dsv4.engine.bench import _layer_selection
+    from dsv4.model.attention import AttentionSubBlock
+    from dsv4.model.weights import random_attention_weights
+
+    cfg = bench_config("tiny", "csa", 512)
+    gen = torch.Generator().manual_seed(3)
+    blk = AttentionSubBlock(cfg, 0, random_attention_weights(cfg, 0, seed=3), backend="torch")
+    m = KVCacheManager(cfg, max_requests=2, num_pages=8)
+    fill_cache(m, 1, 512, gen, "torch")
+    x = torch.randn(1, cfg.dim, generator=gen).to(torch.bfloat16)
+    slots, pos = torch.tensor([m.slot_of(0)]), torch.tensor([511])
+    bt = torch.tensor([m.block_ids(0, 4)])
+    aux: dict = {}
+    y = plain_decode_step(blk, m, slots, pos, bt, x, aux=aux)
+    assert torch.equal(plain_decode_step(blk, m, slots, pos, bt, x, index_sel=aux["topk"].int()), y)
+    half = aux["topk"].int().clone()
+    half[:, ::2] = -1
+    assert not torch.equal(plain_decode_step(blk, m, slots, pos, bt, x, index_sel=half), y)
+    plan = m.plan({0: 1}, max_blocks={4: bt.shape[1]})
+    sel = _layer_selection(blk, m.acquire(0, plan), x)
+    m.cancel(plan)
+    assert sel.shape == aux["topk"].shape
+    assert set(sel[0].tolist()) == set(aux["topk"][0].tolist())
+
+
 def test_roofline_costs_and_bad_settings():
     cfg = bench_config("v4-flash", "csa", 1 << 20)
     assert cfg.max_seq_len == 1 << 20 and cfg.n_layers == 1 and cfg.compress_ratios == (4,)
