@@ -60,6 +60,12 @@ def main() -> None:
     print(f"{tag}: {sum(per.values()):.1f} us of kernels a step (o's clone included)")
     for name, t in sorted(per.items(), key=lambda kv: -kv[1]):
         print(f"  {t:8.2f} us  {name}")
+    # one step's kernels in launch order (which call is which: input projections first, then wo_a, wo_b)
+    evs = sorted(
+        (e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA), key=lambda e: e.time_range.start
+    )
+    n = len(evs) // a.iters
+    print("  one step in order: " + ", ".join(f"{e.name[:18]} {e.device_time_total:.1f}" for e in evs[-n:]))
 
 
 if __name__ == "__main__":
