@@ -21,9 +21,11 @@ from dsv4.model.weights import AttentionWeights
 
 # FP8 ``wo_a`` on the kernel path (up to DECODE_MAX_M tokens): the inverse RoPE inside ``fp8_linear``'s load of o
 # (``derotate``, at the (cos, sin) the query's RoPE launch wrote: ``q_norm_rope(cos_sin_out=)``) instead of
-# ``rope_inverse``'s launch before it; the same bf16 values.  Not yet timed on the H200 (``run_h200.sh step_s23``:
-# the decode step with FP8 weights with and without).
-FUSE_DEROTATE = True
+# ``rope_inverse``'s launch before it; the same bf16 values.  Off: it loses.  H100, 2026-12-05
+# (``benchmarks/profile_projections.py``, V4-Flash, FP8 stacked): wo_a with the rotation in its load 26.6 µs at 1 token
+# and 120.4 µs at 64, against 16.6 + 1.5 (the rope launch) and 23.3 + 2.5 without; the decode step (CSA, 128K)
+# 164.9 -> 163.6 µs at B = 1 and 375.7 -> 277.9 µs at B = 64.
+FUSE_DEROTATE = False
 
 
 def fuse_derotate(w: AttentionWeights, o_rows: int, backend: str, *tensors: torch.Tensor) -> bool:

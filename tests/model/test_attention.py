@@ -343,6 +343,28 @@ def test_stacked_projections(monkeypatch, kind, fp8, comp):
     assert_close(out, plain)
 
 
+def test_fused_derotate_equals_the_rope_inverse_launch(monkeypatch):
+    """``projections.FUSE_DEROTATE`` (off by default: slower on the H100): FP8 ``wo_a`` de-rotating o in its load at
+    the (cos, sin) that the query's RoPE launch wrote gives the layer's output projection bit for bit."""
+    from dsv4.model import projections as proj
+
+    layer, dev = LAYERS["swa"], _backend_device("triton")
+    w = random_attention_weights(TINY, layer, seed=15, device=dev, fp8=True)
+    blk = AttentionSubBlock(TINY, layer, w, backend="triton")
+    g = torch.Generator().manual_seed(15)
+    x = torch.randn(3, TINY.dim, generator=g).to(torch.bfloat16).to(dev)
+    o = torch.randn(3, TINY.n_heads, TINY.head_dim, generator=g).to(torch.bfloat16).to(dev)
+    pos = torch.tensor([5, 77, 1000], device=dev)
+    outs = []
+    for fuse in (True, False):
+        monkeypatch.setattr(proj, "FUSE_DEROTATE", fuse)
+        cs = blk.input_projections(x, pos).cos_sin
+        assert (cs is not None) == fuse
+        kw = dict(consume_o=True, cos_sin=cs)
+        outs.append(proj.output_projection(TINY, blk.w, o.clone(), pos[:, None], blk.inv_freq, "triton", **kw))
+    assert torch.equal(outs[0], outs[1])
+
+
 def test_stack_weights_mixed(monkeypatch):
     """FP8 ``wq_a`` / ``wkv`` with a bf16 ``weights_proj`` (as V4's checkpoints hold them, loaded ``keep_fp8``): the x
     stack is the two FP8 weights and weights_proj stays its own bf16 GEMM; bf16 and FP8 never share a stack."""
