@@ -111,8 +111,16 @@ class BenchSettings:
     # the layer's linear weights kept FP8 (``random_attention_weights(fp8=True)``: kernels.fp8_linear); the plain
     # PyTorch step gets them dequantised to bf16 once, as a user would load them
     fp8_weights: bool = False
-    # the layer's projections of one input as one GEMM launch (``AttentionSubBlock(stack_projections=)``)
-    stack_projections: bool = False
+    # the layer's projections of one input as one GEMM launch (``AttentionSubBlock(stack_projections=)``; None: the
+    # layer's default, ``attention.STACK_PROJECTIONS``)
+    stack_projections: bool | None = None
+
+    @property
+    def stacked(self) -> bool:
+        """Whether the benchmarked layer stacks its projections (``stack_projections`` or the layer's default)."""
+        from dsv4.model import attention
+
+        return attention.STACK_PROJECTIONS if self.stack_projections is None else bool(self.stack_projections)
 
 
 SMOKE = BenchSettings(models=("tiny",), contexts=(256, 512), batches=(1, 3), graph=False, device="cpu", smoke=True)
@@ -411,7 +419,9 @@ def _parts(blk: AttentionSubBlock, handle, x: torch.Tensor) -> dict[str, Callabl
 
     def compress():
         comps = [(w.compressor, "main")] + ([(w.indexer.compressor, "indexer")] if blk.kind.value == "csa" else [])
-        projections = blk.compressor_projections_all(x, [cw for cw, _ in comps], plan.positions)  # as the layer
+        # as the layer: where the x stack computes the compressors' projections (STACK_COMPRESSORS), they are part of
+        # "projections" and this part is the compress launch alone
+        projections = blk.compressor_projections_all(x, [cw for cw, _ in comps], plan.positions, ip)
         steps = [(kv, gate, cw.norm, which, cw.ape) for (cw, which), (kv, gate) in zip(comps, projections, strict=True)]
         handle.compress_all(steps, inv, backend=be)
 
@@ -539,7 +549,7 @@ def run_bench(s: BenchSettings, log: Callable[[str], None] = print) -> list[dict
                     r["shape"] = dict(model=model, kind=kind, context=context, batch=r.pop("_batch"))
                     if s.table_context:
                         r["shape"]["table_context"] = max(s.table_context, context)
-                    r["weights"] = ("fp8" if s.fp8_weights else "bf16") + ("_stacked" if s.stack_projections else "")
+                    r["weights"] = ("fp8" if s.fp8_weights else "bf16") + ("_stacked" if s.stacked else "")
                 rows += new
                 log(f"  {model} {kind} ctx {context}: {time.perf_counter() - t0:.1f}s")
                 if device.type == "cuda":

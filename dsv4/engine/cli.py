@@ -94,8 +94,10 @@ def add_bench_subcommand(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--stack-projections",
-        action="store_true",
-        help="the projections of one input as one GEMM launch (AttentionSubBlock(stack_projections=True))",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the projections of one input as one GEMM launch (AttentionSubBlock(stack_projections=); default: the "
+        "layer's, attention.STACK_PROJECTIONS)",
     )
     p.add_argument("--smoke", action="store_true", help="tiny model, contexts 256/512, batches 1/3, CPU, torch backend")
     p.set_defaults(func=cmd_bench)
@@ -123,7 +125,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         )
     print(f"dsv4 bench: models {','.join(s.models)} kinds {','.join(s.kinds)} contexts {s.contexts} "
           f"batches {s.batches} graph {s.graph}" + (" fp8-weights" if s.fp8_weights else "")
-          + (" stacked" if s.stack_projections else ""), flush=True)  # fmt: skip
+          + (" stacked" if s.stacked else " unstacked"), flush=True)  # fmt: skip
     rows = run_bench(s, log=lambda line: print(line, flush=True))
     table = format_table(rows)
     print(table)

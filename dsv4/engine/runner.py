@@ -342,6 +342,8 @@ class EngineRunner:
             for i in self.layers
         }
         self.blocks = {i: AttentionSubBlock(cfg, i, self.weights[i], backend=backend) for i in self.layers}
+        # the layers' own weights (views of their stacks, STACK_PROJECTIONS: the same values, no second copy)
+        self.weights = {i: blk.w for i, blk in self.blocks.items()}
 
         self.step_no = 0
         self.result = RunResult()

@@ -71,9 +71,12 @@ BF16_EXACT_COMPRESSOR = False
 # (CSA) ``indexer.wq_b`` (computed every step, also one whose indexer does not run: a context within top-k).  Two
 # launches fewer a layer step, the small ``wkv`` GEMV no longer a launch of its own.  The default of
 # ``AttentionSubBlock(stack_projections=)``.  The layer holds views of the stacks, not the weights it was given: a
-# caller that keeps its own ``AttentionWeights`` keeps a second copy of those weights.  Off until timed on the H200
-# (``run_h200.sh step_s23``).
-STACK_PROJECTIONS = False
+# caller that keeps its own ``AttentionWeights`` keeps a second copy of those weights (use the layer's ``w`` instead,
+# as ``EngineRunner`` does).  On: it wins in every case timed.  H100, 2026-12-05, V4-Flash at 128K, decode step graph
+# time, B = 1 / 64 (``benchmarks/results/2026-12-05_h100_decode_*_s25b.jsonl``): CSA bf16 220.5 / 344.2 -> 205.3 /
+# 327.2 µs, HCA bf16 158.4 / 202.3 -> 152.1 / 196.7, CSA FP8 182.6 / 403.7 -> 164.9 / 375.7, HCA FP8 129.0 / 268.8
+# -> 121.5 / 258.8 (FP8 with the rotation fused then; STACK_COMPRESSORS on).
+STACK_PROJECTIONS = True
 # With STACK_PROJECTIONS and FP8 weights throughout (``keep_fp8``), the layer's FP8 compressor weights (wkv, wgate of
 # the main and, CSA, the indexer's compressor) join the x stack too, first: ``fp8_linear_mixed`` gives their fp32
 # projections and the stack's bf16 ones in one launch (one launch fewer a compressed layer's step).  The A/B:

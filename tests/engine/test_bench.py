@@ -98,21 +98,26 @@ def test_plain_baseline_detects_a_wrong_cache():
     assert (y2.float() - ref.float()).abs().mean() > 2 * MATCH_MEAN_ABS  # fails the bench's check, by a margin
 
 
-def test_plain_step_index_qr_feeds_the_indexer_only():
-    """``index_qr`` (the second check of a failing CSA row): the step's own latent gives the same output, and
-    another latent moves the indexer's selection while the attention query keeps its own."""
-    cfg = bench_config("tiny", "csa", 512)
-    gen = torch.Generator().manual_seed(2)
+def _csa_step(seed: int):
+    """A tiny CSA layer (torch backend) with one request of 511 cached tokens and its decode step's inputs: (cfg, the
+    layer, the manager, x [1, dim], slots, positions, the CSA block table)."""
     from dsv4.cache.manager import KVCacheManager
     from dsv4.model.attention import AttentionSubBlock
     from dsv4.model.weights import random_attention_weights
 
-    blk = AttentionSubBlock(cfg, 0, random_attention_weights(cfg, 0, seed=2), backend="torch")
+    cfg = bench_config("tiny", "csa", 512)
+    gen = torch.Generator().manual_seed(seed)
+    blk = AttentionSubBlock(cfg, 0, random_attention_weights(cfg, 0, seed=seed), backend="torch")
     m = KVCacheManager(cfg, max_requests=2, num_pages=8)
     fill_cache(m, 1, 512, gen, "torch")
     x = torch.randn(1, cfg.dim, generator=gen).to(torch.bfloat16)
-    slots, pos = torch.tensor([m.slot_of(0)]), torch.tensor([511])
-    bt = torch.tensor([m.block_ids(0, 4)])
+    return cfg, blk, m, x, torch.tensor([m.slot_of(0)]), torch.tensor([511]), torch.tensor([m.block_ids(0, 4)])
+
+
+def test_plain_step_index_qr_feeds_the_indexer_only():
+    """``index_qr`` (the second check of a failing CSA row): the step's own latent gives the same output, and
+    another latent moves the indexer's selection while the attention query keeps its own."""
+    cfg, blk, m, x, slots, pos, bt = _csa_step(2)
     aux: dict = {}
     y = plain_decode_step(blk, m, slots, pos, bt, x, aux=aux)
     assert aux["qr"].shape == (1, cfg.q_lora_rank) and aux["topk"].shape == (1, min(cfg.index_topk, 128))
@@ -128,19 +133,9 @@ def test_plain_step_index_sel_attends_the_given_selection():
     """``index_sel`` (the third check of a failing CSA row): the plain step's own selection gives its output bit for
     bit, another one (half of it dropped) another output; the layer's own selection (``_layer_selection``) ranks
     within the plain scores' top-k (same layer, same numerics here: the same set)."""
-    from dsv4.cache.manager import KVCacheManager
     from dsv4.engine.bench import _layer_selection
-    from dsv4.model.attention import AttentionSubBlock
-    from dsv4.model.weights import random_attention_weights
 
-    cfg = bench_config("tiny", "csa", 512)
-    gen = torch.Generator().manual_seed(3)
-    blk = AttentionSubBlock(cfg, 0, random_attention_weights(cfg, 0, seed=3), backend="torch")
-    m = KVCacheManager(cfg, max_requests=2, num_pages=8)
-    fill_cache(m, 1, 512, gen, "torch")
-    x = torch.randn(1, cfg.dim, generator=gen).to(torch.bfloat16)
-    slots, pos = torch.tensor([m.slot_of(0)]), torch.tensor([511])
-    bt = torch.tensor([m.block_ids(0, 4)])
+    _, blk, m, x, slots, pos, bt = _csa_step(3)
     aux: dict = {}
     y = plain_decode_step(blk, m, slots, pos, bt, x, aux=aux)
     assert torch.equal(plain_decode_step(blk, m, slots, pos, bt, x, index_sel=aux["topk"].int()), y)

@@ -260,7 +260,9 @@ def test_fp8_weights_layer_matches_dense(monkeypatch, backend):
     """Linear weights kept FP8 (``random_attention_weights(fp8=True)``, compressors included): the layer runs
     ``kernels.fp8_linear`` for its projections (the compressors' as one launch with fp32 outputs) on a kernel backend
     (the interpreter on the CPU, the GPU where there is one) and matches the dense reference on the same weights; on
-    the torch backend it is the layer on the dequantised weights, bit for bit."""
+    the torch backend it is the layer on the dequantised weights, bit for bit.  Unstacked (the stacks' FP8 path:
+    ``test_stacked_projections``)."""
+    monkeypatch.setattr(attention_mod, "STACK_PROJECTIONS", False)
     layer, dev = LAYERS["csa"], _backend_device(backend)
     w = random_attention_weights(TINY, layer, seed=12, device=dev, fp8=True)
     assert w.has_fp8 and not w.dequantized().has_fp8
@@ -298,6 +300,7 @@ def test_stacked_projections(monkeypatch, kind, fp8, comp):
     # CSA, 72 tokens: 18 entries, past top-k (16): the indexer runs on the stack's q_lin
     n, sched = (72, [[40, 1, 1, 30], [None, 67, 1, 1, 1]]) if kind == "csa" else (24, [[9, 1, 1, 13], [None, 22, 1, 1]])
     x = torch.randn(2, n, TINY.dim, generator=torch.Generator().manual_seed(13)).to(torch.bfloat16).to(dev)
+    monkeypatch.setattr(attention_mod, "STACK_PROJECTIONS", False)
     plain = run_cached(layer, w, x, sched, backend="triton", device=dev)
     monkeypatch.setattr(attention_mod, "STACK_PROJECTIONS", True)
     monkeypatch.setattr(attention_mod, "STACK_COMPRESSORS", comp)
