@@ -77,6 +77,7 @@ from dsv4.formats.fp8_weight import FP8Weight
 from dsv4.kernels.attention import sparse_attention
 from dsv4.kernels.cache.store import store_fp8_entries, store_mxfp4_keys
 from dsv4.kernels.indexer import indexer_scores, to_physical, topk_indices, visible_physical
+from dsv4.model import attention as attention_mod
 from dsv4.model import functional as F
 from dsv4.model.attention import AttentionSubBlock
 from dsv4.model.projections import indexer_query, output_projection, query
@@ -118,9 +119,7 @@ class BenchSettings:
     @property
     def stacked(self) -> bool:
         """Whether the benchmarked layer stacks its projections (``stack_projections`` or the layer's default)."""
-        from dsv4.model import attention
-
-        return attention.STACK_PROJECTIONS if self.stack_projections is None else bool(self.stack_projections)
+        return attention_mod.STACK_PROJECTIONS if self.stack_projections is None else bool(self.stack_projections)
 
 
 SMOKE = BenchSettings(models=("tiny",), contexts=(256, 512), batches=(1, 3), graph=False, device="cpu", smoke=True)

@@ -397,8 +397,7 @@ def fp8_linear(
             return linear_fp32_group(x, [dequantize(w, backend)], backend, precision="bf16w")[0]
         return grouped_linear(x, dequantize(w, backend), groups)
     out = torch.empty(m, rows, dtype=out_dtype, device=x.device)
-    launch = dict(block_n=block_n, num_warps=num_warps, num_stages=num_stages, split_k=split_k, cvt_asm=cvt_asm)
-    _run(x, w, groups, out, None, 0, rot, counters, launch)
+    _run(x, w, groups, out, None, 0, rot, counters, block_n, num_warps, num_stages, split_k, cvt_asm)
     return out
 
 
@@ -424,26 +423,26 @@ def fp8_linear_mixed(
     n, k, m = _check(x, w, 1)
     if not isinstance(fp32_rows, int) or not 0 < fp32_rows < n or fp32_rows % _BLOCK_K:
         raise ValueError(f"fp32_rows: expected a multiple of {_BLOCK_K} in (0, {n}), got {fp32_rows!r}")
-    top, rest = w.rows(0, fp32_rows), w.rows(fp32_rows, n)
     if not use_triton(backend, x, w.data, w.scale, counters) or m > DECODE_MAX_M:
         kw = dict(counters=counters, block_n=block_n, num_warps=num_warps, num_stages=num_stages, split_k=split_k)
         return (
-            fp8_linear(x, top, backend, out_dtype=torch.float32, cvt_asm=cvt_asm, **kw),
-            fp8_linear(x, rest, backend, cvt_asm=cvt_asm, **kw),
+            fp8_linear(x, w.rows(0, fp32_rows), backend, out_dtype=torch.float32, cvt_asm=cvt_asm, **kw),
+            fp8_linear(x, w.rows(fp32_rows, n), backend, cvt_asm=cvt_asm, **kw),
         )
     out32 = torch.empty(m, n, dtype=torch.float32, device=x.device)  # (full rows: the tiles keep one row stride)
     out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
-    launch = dict(block_n=block_n, num_warps=num_warps, num_stages=num_stages, split_k=split_k, cvt_asm=cvt_asm)
-    _run(x, w, 1, out, out32, fp32_rows, None, counters, launch)
+    _run(x, w, 1, out, out32, fp32_rows, None, counters, block_n, num_warps, num_stages, split_k, cvt_asm)
     return out32[:, :fp32_rows], out[:, fp32_rows:]
 
 
 def _run(
     x: torch.Tensor, w: FP8Weight, groups: int, out: torch.Tensor, out32: torch.Tensor | None, n32: int,
-    rot: tuple[torch.Tensor, int] | None, counters: torch.Tensor | None, kw: dict,
+    rot: tuple[torch.Tensor, int] | None, counters: torch.Tensor | None, block_n: int | None, num_warps: int | None,
+    num_stages: int | None, split_k: int | None, cvt_asm: bool | None,
 ) -> None:  # fmt: skip
     """The kernel launch (and, for an unfused K split, the sum's) of ``fp8_linear`` / ``fp8_linear_mixed`` into
-    ``out`` [M, G·N] (and, ``out32`` given, its first ``n32`` columns into ``out32`` [M, G·N] fp32)."""
+    ``out`` [M, G·N] (and, ``out32`` given, its first ``n32`` columns into ``out32`` [M, G·N] fp32); the launch
+    keywords as ``fp8_linear``'s."""
     m, rows, k = x.shape[0], out.shape[1], w.shape[1]
     n = rows // groups
     out_fp32 = out.dtype == torch.float32
@@ -452,11 +451,10 @@ def _run(
     if k and x.stride(1) != 1:
         x = x.contiguous()
     launch = fp8_linear_launch(
-        m, rows, k, num_sms=num_sms(x.device), block_n=kw["block_n"], num_warps=kw["num_warps"],
-        num_stages=kw["num_stages"], split_k=kw["split_k"],
+        m, rows, k, num_sms=num_sms(x.device), block_n=block_n, num_warps=num_warps, num_stages=num_stages,
+        split_k=split_k,
     )  # fmt: skip
     bm, bn, warps, stages, split = launch
-    cvt_asm = kw["cvt_asm"]
     if out32 is not None and n32 % bn:
         raise ValueError(f"block_n: expected a divisor of the fp32 rows ({n32}), got {bn}")
     k_per_split = triton.cdiv(triton.cdiv(k, split), _BLOCK_K) * _BLOCK_K  # whole K blocks per split

@@ -407,13 +407,20 @@ class WindowWorkspaceIndex(NamedTuple):
     chunk_rows: torch.Tensor  # [T] int32 workspace row of each token of the step
 
 
+def _fp8_compressor_weights(w: AttentionWeights) -> list[FP8Weight]:
+    """The layer's compressor weights (wkv, wgate of the main, then of the indexer's compressor) where every one is an
+    ``FP8Weight`` of whole 128-row scale blocks (so they stack by rows, ``stack_rows``); else (or none) []."""
+    ws = [t for c in w.compressors for t in (c.wkv, c.wgate)]
+    return ws if all(isinstance(t, FP8Weight) and t.shape[0] % WEIGHT_BLOCK == 0 for t in ws) else []
+
+
 def _gather_fp8_compressors(w: AttentionWeights) -> tuple[AttentionWeights, FP8Weight | None, list[int]]:
     """Where every compressor weight of the layer (wkv, wgate of the main and, CSA, the indexer's compressor) is an
     ``FP8Weight`` whose rows are whole 128-row scale blocks: one FP8Weight of all of them stacked by rows (so one
     ``fp8_linear`` launch projects them all), and ``w`` with its compressor weights replaced by row views of it (no
     second copy is kept).  Else (w, None, [])."""
-    ws = [t for c in w.compressors for t in (c.wkv, c.wgate)]
-    stacked = stack_rows(ws) if all(isinstance(t, FP8Weight) and t.shape[0] % WEIGHT_BLOCK == 0 for t in ws) else None
+    ws = _fp8_compressor_weights(w)
+    stacked = stack_rows(ws)
     if stacked is None:
         return w, None, []
     cat, views = stacked
@@ -478,9 +485,7 @@ def _stack_projections(
     ``weights_proj`` where it stacks with them; ``compressors``: after the compressors' wkv, wgate, where they are FP8
     of whole scale blocks and stack with them), the qr stack ``wq_b`` + (CSA) ``indexer.wq_b``); a stack is None
     where its weights do not stack (``stack_weights``)."""
-    cws = [t for c in w.compressors for t in (c.wkv, c.wgate)]
-    if not (compressors and cws and all(isinstance(t, FP8Weight) and t.shape[0] % WEIGHT_BLOCK == 0 for t in cws)):
-        cws = []
+    cws = _fp8_compressor_weights(w) if compressors else []
     # (the indexer's weights_proj, 64 rows, last: bf16 in V4's checkpoints, so it joins bf16 stacks only)
     tails = ([[w.wq_a, w.wkv, w.indexer.weights_proj]] if w.indexer is not None else []) + [[w.wq_a, w.wkv]]
     heads = [cws, []] if cws else [[]]  # (with the compressors where they stack, else without)
