@@ -149,6 +149,20 @@ def test_plain_step_index_sel_attends_the_given_selection():
     assert set(sel[0].tolist()) == set(aux["topk"][0].tolist())
 
 
+def test_stack_projections_setting_follows_the_layer_default(monkeypatch):
+    """``BenchSettings.stack_projections`` None (``dsv4 bench`` without ``--[no-]stack-projections``) is the layer's
+    default, ``attention.STACK_PROJECTIONS``; True / False override it."""
+    import dataclasses
+
+    from dsv4.model import attention as attention_mod
+
+    for default in (True, False):
+        monkeypatch.setattr(attention_mod, "STACK_PROJECTIONS", default)
+        assert SMOKE.stack_projections is None and SMOKE.stacked is default
+        for v in (True, False):
+            assert dataclasses.replace(SMOKE, stack_projections=v).stacked is v
+
+
 def test_roofline_costs_and_bad_settings():
     cfg = bench_config("v4-flash", "csa", 1 << 20)
     assert cfg.max_seq_len == 1 << 20 and cfg.n_layers == 1 and cfg.compress_ratios == (4,)
