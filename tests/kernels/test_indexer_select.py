@@ -272,7 +272,7 @@ def test_shared_keys_random_batches(monkeypatch, seed):
     T = len(pos)
     q, w = make_query(T, 64, g)
     i32 = lambda a: torch.as_tensor(np.asarray(a), dtype=torch.int32)  # noqa: E731
-    tr, nv = i32(tr_host), i32(nv_host)
+    q, w, kp, bt, tr, nv = _on("triton", q, w, kp, bt, i32(tr_host), i32(nv_host))
     want = topk_indices(indexer_scores(q, w, kp, bt, tr, nv, N, "triton"), k, nv, "triton")
     folds = []
     real = select_mod.fold_keys

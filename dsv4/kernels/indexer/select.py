@@ -41,8 +41,10 @@ MAX_SCRATCH_BYTES = 512 << 20  # scores + top-k workspace of one row chunk
 COL_ALIGN = 256  # a chunk's column count is rounded up to this (fewer distinct kernel shapes)
 # Prefill rows of one request scored against that request's keys folded once (``prefill_scores``: fold_keys +
 # prefill_scores, gluon_fold's numerics) instead of by ``indexer_scores`` (which converts every key tile once a row).
-# Off until timed on the H200 (``run_h200.sh prefill_idx_s21``); ``indexer_topk(shared_keys=...)`` overrides it.
-PREFILL_SHARED_KEYS = False
+# H100, 2026-12-05 (2026-12-05_h100_prefill_idx_s21.txt): the scores of 2,048 rows at P = 8,192 123.6 us against
+# indexer_scores' 195.6, 4,096 rows at P = 65,536 1,196 against 2,335; a whole prefill's indexer_topk 1.16 ms against
+# 1.60 (8,192) and 22.8 against 31.4 (65,536), the same selections.  ``indexer_topk(shared_keys=...)`` overrides it.
+PREFILL_SHARED_KEYS = True
 SHARED_MIN_ROWS = 64  # a request's rows in a chunk below this count take indexer_scores
 
 

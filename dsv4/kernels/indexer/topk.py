@@ -210,9 +210,10 @@ _FILTER_TILE_INTERP = 512  # the same under the interpreter (more tiles per chun
 # candidates fit SB1 slots (nearly all) in a build without the SB2 list and the whole-row fallback, then the others.
 # sm_90 SASS (triton 3.6, ``sass_report.py topk512:2048:16384``, 4 warps): PART 1 168 registers, no stack, 2,344
 # static instructions (3 programs a SM) against 255 + 312 B of stack and 26,368 for the one launch (2 a SM); the
-# second launch's programs mostly return at once (~2-3 us), so not for the decode step's few rows.  Off until timed
-# (``run_h200.sh topk_s21``).
-_SPLIT_D = False
+# second launch's programs mostly return at once (~2-3 us), so not for the decode step's few rows.  H100, 2026-12-05
+# (2026-12-05_h100_profile_topk_split_d_s21.txt, k = 512, graph time, D on 4 warps): 2,048 rows x 16,384 280.3 ->
+# 270.6 us, 8,192 x 4,096 531.4 -> 482.1 (on 8 warps 332.7 -> 290.2, 734.2 -> 573.5).
+_SPLIT_D = True
 _SPLIT_D_MIN_ROWS = 256
 # Workspace layout of a row (int32 columns); the kernels see the offsets as constexpr globals.
 _WS_H2, _WS_CNT, _WS_META, _WS_W = _BINS, 2 * _BINS, 2 * _BINS + 1, 2 * _BINS + 8
