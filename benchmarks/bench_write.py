@@ -77,6 +77,7 @@ from dsv4.kernels.cache.compressor import (  # noqa: E402
     compressor_step,
     emit_entries,
     online_state,
+    state_unread_by_step,
 )
 from dsv4.kernels.cache.compressor_prefill import compress_prefill  # noqa: E402
 from dsv4.kernels.cache.store import store_window  # noqa: E402
@@ -269,6 +270,14 @@ def _fused_prefill(fuse_emit, online: bool, rows: int, d: int) -> bool:
     return fuse and not online and triton.next_power_of_2(rows) * d <= compressor_prefill._FUSE_TILE_MAX
 
 
+def _state_unread(pos: torch.Tensor, tslot: torch.Tensor, ratio: int, overlap: bool) -> bool:
+    """``state_unread_by_step`` of a batch given by its tokens (runs of one state slot = requests)."""
+    ph, sh = pos.cpu().long(), tslot.cpu().long()
+    cut = [0, *((sh[1:] != sh[:-1]).nonzero().flatten() + 1).tolist(), ph.numel()]
+    starts = [int(ph[a]) for a in cut[:-1]]
+    return state_unread_by_step(starts, [b - a for a, b in zip(cut, cut[1:], strict=False)], ratio, overlap)
+
+
 def case_compressor(kind, cfg, mode, n, device, gen, tune=None):
     fmt8, fmt4 = FP8EntryFormat(cfg.head_dim, cfg.rope_head_dim), MXFP4KeyFormat(cfg.index_head_dim)
     ratio, overlap = (4, True) if kind.startswith("csa") else (128, False)
@@ -326,6 +335,9 @@ def case_compressor(kind, cfg, mode, n, device, gen, tune=None):
     # get the same raw scores and ape, so the check compares the same sums)
     ape = (torch.randn(ratio, c * d, generator=gen) * 0.5).to(device) if int(tune.pop("ape", 0)) else None
     counters = torch.zeros(n_req, dtype=torch.int32, device=device)
+    # prefill: what the layer's handle promises for this batch (requests from position 0: the pool launch writes the
+    # state), unless state_unread=0 (the separate state-write launch)
+    unread = int(tune.pop("state_unread", 1)) and mode == "prefill" and _state_unread(pos, tslot, ratio, overlap)
 
     def run(backend, pages, ks, ss, spos):
         kw_s, kw_e = (tune, emit_kw) if backend == "triton" else ({}, {})
@@ -345,7 +357,7 @@ def case_compressor(kind, cfg, mode, n, device, gen, tune=None):
                     kv, sc, pos, tslot, ks, ss, ratio, overlap, w, 1e-6, inv, eslot, pages, fmt, ekind, backend,
                     state_pos=kw_s.get("state_pos"), counters=counters if online else None, ape=ape,
                     overlap_write=None if backend == "torch" else overlap_write,
-                    fuse_emit=None if backend == "torch" else fuse_emit,
+                    fuse_emit=None if backend == "torch" else fuse_emit, state_unread=bool(unread),
                     step_kw=sk, emit_kw=kw_e,
                 )  # fmt: skip
                 return

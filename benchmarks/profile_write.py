@@ -38,14 +38,15 @@ KERNELS = {
 }
 
 
-def kernel_bytes(op: str, cfg, mode: str, n: int, fused: bool = False) -> dict[str, int]:
+def kernel_bytes(op: str, cfg, mode: str, n: int, fused: bool = False, in_pool: bool = False) -> dict[str, int]:
     """Bytes each kernel of ``op`` must move (DRAM, minimum) for bench_write's case of ``n`` tokens.
 
     store_window: as bench_write.  Compressor prefill (one request from position 0, E = T // m entries):
     pool = read kv + score of every token once (CSA: each half of a row belongs to one entry) + positions +
     slots, write ``emits`` (1 B / token) + pooled (E x d fp32); state write = positions + slots (and the
     look-ahead re-read, from L2: not counted) + the last c*m rows (kv + score) written; emit = read
-    ``emits`` + E pooled rows + E positions / slots, write E entries.  Decode (B emitting tokens): the fused
+    ``emits`` + E pooled rows + E positions / slots, write E entries; ``in_pool``: the state write's bytes counted in
+    the pool's (``compress_prefill(state_unread=True)``).  Decode (B emitting tokens): the fused
     pool + own-row kernel reads the step's rows and the (c*m - 1) x d pooled state values (kv + score),
     writes the own rows, pooled, emits; emit as above with E = B.  ``fused`` (prefill: ``compress_prefill``'s fused
     emit): one pool + emit kernel reads kv + score, positions and slots, reads E entry slots and writes E entries
@@ -74,7 +75,10 @@ def kernel_bytes(op: str, cfg, mode: str, n: int, fused: bool = False) -> dict[s
         kind = "indexer" if op == "csa_indexer" else "main"
         fused_k = n * c * d * kvsc + n * 8 + e * (4 + entry_w)
         return {f"_pool_emit_{kind}_kernel": fused_k, "_compressor_write_kernel": write}
-    return {"_compressor_pool_kernel": pool, "_compressor_write_kernel": write, emit_k: n + e * (d * 4 + 8 + entry_w)}
+    emit = n + e * (d * 4 + 8 + entry_w)
+    if in_pool:  # (compress_prefill(state_unread=True): the pool launch writes the state)
+        return {"_compressor_pool_kernel": pool + write, emit_k: emit}
+    return {"_compressor_pool_kernel": pool, "_compressor_write_kernel": write, emit_k: emit}
 
 
 def device_times(fn, reps: int) -> dict[str, float]:
@@ -128,7 +132,9 @@ def main() -> None:
                 d = cfg.index_head_dim if op == "csa_indexer" else cfg.head_dim
                 rows = 8 if op.startswith("csa") else 128
                 fused = mode == "prefill" and bw._fused_prefill(variant.get("fuse_emit"), op == "hca_online", rows, d)
-                want = kernel_bytes(op, cfg, mode, n, fused)
+                # (bench_write's prefill is from position 0: the pool writes the state unless state_unread=0)
+                in_pool = mode == "prefill" and not fused and op != "hca_online" and int(variant.get("state_unread", 1))
+                want = kernel_bytes(op, cfg, mode, n, fused, bool(in_pool))
                 if gpu:
                     got = {}
                     for name, s in device_times(tri, args.reps).items():

@@ -291,12 +291,23 @@ class LayerCacheHandle:
                 kv, score, self.plan.positions, self.plan.token_slots, st.kv, st.score, st.shape.ratio,
                 st.shape.overlap, norm_weight, self.schema.config.norm_eps, inv_freq, rp.emit_slots, pages, fmt,
                 kind=which, backend=backend, state_pos=st.positions, counters=st.counters,
-                ape=None if ape is None else ape.float().contiguous(),
+                ape=None if ape is None else ape.float().contiguous(), state_unread=self._state_unread(st.shape),
             )  # fmt: skip
             return
         from dsv4.kernels.cache.compressor import compress_decode
 
         compress_decode(**self._decode_call(kv, score, norm_weight, inv_freq, which, ape), kind=which, backend=backend)
+
+    def _state_unread(self, shape) -> bool:
+        """``compress_prefill``'s ``state_unread`` for this plan and a compressor of ``shape``: from the plan's host
+        counts (``state_unread_by_step``); never while a CUDA graph is being captured (a replay may run another
+        step's plan, loaded into the same tensors, for which the promise would not hold) nor for a plan that
+        ``load_`` overwrote (its host counts are stale)."""
+        from dsv4.kernels.cache.compressor import state_unread_by_step
+
+        if self.plan.loaded or (self.plan.positions.is_cuda and torch.cuda.is_current_stream_capturing()):
+            return False
+        return state_unread_by_step(self.plan.context_lens, self.plan.num_new_tokens, shape.ratio, shape.overlap)
 
     def compress_all(
         self,

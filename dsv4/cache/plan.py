@@ -81,6 +81,7 @@ class RatioPlan:
 
 
 _PASS = object()  # StepPlan._forward's key while a pass is open (begin_forward)
+_LOADED = object()  # StepPlan._memo's key once load_ has run
 
 
 @dataclass(frozen=True)
@@ -187,6 +188,13 @@ class StepPlan:
                 )
         for k, t in mine.items():
             t.copy_(theirs[k], non_blocking=True)
+        self._memo[_LOADED] = True
+
+    @property
+    def loaded(self) -> bool:
+        """Whether ``load_`` has copied another plan's device tensors in (the host fields then describe the plan as
+        built, not the tensors)."""
+        return self._memo.get(_LOADED, False)
 
     def host_positions(self) -> np.ndarray:
         """int64 [T] position of every token, from the host fields (padded rows: 0); equal to ``positions``

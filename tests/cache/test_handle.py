@@ -229,6 +229,36 @@ def test_low_level_compressor_calls_equal_compress(backend, device, fuse, monkey
     assert results[0][3].any()
 
 
+def test_compress_promises_an_unread_state_only_where_the_plan_allows(monkeypatch):
+    """A prefill ``compress`` passes ``compress_prefill`` ``state_unread`` from the plan's host counts: True for
+    requests from position 0 (CSA) and for an HCA chunk from a multiple of 128, False for a CSA chunk continuing a
+    request (its first entry pools the previous chunk's rows from the state) and for a plan ``load_`` overwrote."""
+    seen = []
+    monkeypatch.setattr(prefill_module, "compress_prefill", lambda *a, **kw: seen.append(kw["state_unread"]))
+    m = _manager()
+    m.add("a")
+    m.add("b")
+    w, inv = torch.ones(TINY.head_dim), torch.ones(TINY.rope_head_dim // 2)
+    for sched, want in (({"a": 128, "b": 5}, {1: True, 2: True}), ({"a": 128, "b": 1}, {1: False, 2: True})):
+        plan = m.plan(sched)
+        for layer in (1, 2):  # CSA, HCA
+            h = m.acquire(layer, plan)
+            width = h.compressor_state().main.kv.shape[-1]
+            kv = torch.zeros(plan.num_tokens, width)
+            h.compress(kv, kv, w, inv)
+            assert seen.pop() is want[layer], (sched, layer)
+        m.commit(plan)
+    plan = m.plan({"a": 3})
+    assert not plan.loaded
+    plan.load_(plan)
+    assert plan.loaded
+    h = m.acquire(2, plan)
+    kv = torch.zeros(3, h.compressor_state().main.kv.shape[-1])
+    h.compress(kv, kv, w, inv)
+    assert seen.pop() is False
+    m.cancel(plan)
+
+
 def test_failed_compress_or_flush_changes_no_state_or_page_byte():
     """A prefill ``compress`` whose emit arguments are bad fails before the compressor state moves; a CSA
     ``flush_compression`` whose indexer keys are bad (strided, another device) fails before the entries are stored."""

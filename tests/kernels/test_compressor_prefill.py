@@ -14,9 +14,16 @@ import torch
 import triton
 import triton.language as tl
 
+import dsv4.kernels.cache.compressor as compressor_module
 import dsv4.kernels.cache.compressor_prefill as prefill_module
 from dsv4.formats import FP8EntryFormat, MXFP4KeyFormat
-from dsv4.kernels.cache.compressor import _check_step, compressor_step, emit_entries, online_state
+from dsv4.kernels.cache.compressor import (
+    _check_step,
+    compressor_step,
+    emit_entries,
+    online_state,
+    state_unread_by_step,
+)
 from dsv4.kernels.cache.compressor_prefill import _entry_row_split, _fusable, compress_prefill
 from dsv4.kernels.cache.store import _fp8_row_offsets
 from dsv4.kernels.dispatch import interpreter_enabled
@@ -284,3 +291,78 @@ def test_fused_emit_over_chunked_steps_equals_in_order(device, kind):
         (f1, _, k1, s1), (f2, _, k2, s2) = paths
         assert torch.equal(k2, k1) and torch.equal(s2, s1) and _equal_pages(f2, f1, device)
     assert paths[0][0].any()
+
+
+def _reads_state(s, n, ratio, overlap):
+    """Brute force of ``state_unread_by_step``'s negation for one request: some entry completed in positions
+    [s, s + n) pools a row of a position in [0, s) (which the pool takes from the state)."""
+    cm = (2 if overlap else 1) * ratio
+    return any((t + 1) % ratio == 0 and any(0 <= p < s for p in range(t - cm + 1, t + 1)) for t in range(s, s + n))
+
+
+def test_state_unread_by_step_matches_brute_force():
+    g = torch.Generator().manual_seed(8)
+    for ratio, overlap in ((4, True), (4, False), (128, False), (8, True)):
+        for _ in range(200):
+            b = int(torch.randint(1, 4, (1,), generator=g))
+            s = [int(x) for x in torch.randint(0, 3 * ratio, (b,), generator=g)]
+            s = [0 if int(torch.randint(0, 3, (1,), generator=g)) == 0 else x for x in s]
+            n = [int(x) for x in torch.randint(0, 3 * ratio, (b,), generator=g)]
+            want = not any(_reads_state(a, k, ratio, overlap) for a, k in zip(s, n, strict=True))
+            assert state_unread_by_step(s, n, ratio, overlap) == want, (ratio, overlap, s, n)
+    assert state_unread_by_step([0, 0], [9, 1], 4, True) and not state_unread_by_step([0, 4], [9, 4], 4, True)
+    assert state_unread_by_step([256, 5], [300, 2], 128, False) and not state_unread_by_step([250], [9], 128, False)
+    with pytest.raises(ValueError, match="equal lengths"):
+        state_unread_by_step([0], [1, 2], 4, True)
+
+
+def _unread_step(kind, device, g):
+    """A prefill batch whose poolings read no state row: request 0 from position 0, request 1 from 0 on another
+    slot, request 2 completing no entry (CSA: positions 5, 6) or, without overlap, starting at 2m; 3 padding tokens.
+    States hold random rows (rows no pooling may read, and rows that must survive where no token writes)."""
+    ratio, overlap, fmt, d, ekind = _geometry(kind)
+    c = 2 if overlap else 1
+    runs = [(0, 0, 45), (2, 0, 3), (1, 5, 2)] if ratio == 4 else [(0, 0, 300), (1, 2 * ratio, 140), (2, 0, 5)]
+    pos = torch.cat([torch.arange(p0, p0 + n) for _, p0, n in runs] + [torch.zeros(3, dtype=torch.int64)])
+    tslot = torch.cat([torch.full((n,), s) for s, _, n in runs] + [torch.full((3,), -1)])
+    assert state_unread_by_step([p0 for _, p0, _ in runs], [n for _, _, n in runs], ratio, overlap)
+    t = pos.numel()
+    emitting = ((pos + 1) % ratio == 0) & (tslot >= 0)
+    eslot = torch.where(emitting, torch.cumsum(emitting.long(), 0) - 1, -1)
+    kv, sc = torch.randn(t, c * d, generator=g), torch.randn(t, c * d, generator=g) * 2
+    ks = torch.randn(3, c * ratio, c * d, generator=g)
+    ss = torch.randn(3, c * ratio, c * d, generator=g)
+    w = torch.rand(d, generator=g) + 0.5
+    n_pages = int(emitting.sum()) // 4 + 1
+    tensors = [x.to(device) for x in (kv, sc, pos.to(torch.int32), tslot.to(torch.int32), ks, ss, w, INV, eslot)]
+    return tensors, (ratio, overlap, fmt, ekind, n_pages)
+
+
+@pytest.mark.parametrize("with_ape", [False, True])
+@pytest.mark.parametrize("kind", ["csa_main", "csa_indexer", "hca"])
+def test_state_unread_pool_writes_the_state_in_one_launch(device, kind, with_ape, monkeypatch):
+    """``compress_prefill(state_unread=True)`` (the pool launch writes the state, no state-write launch) leaves the
+    state and page bytes of the in-order call, over requests from position 0, a request completing no entry or
+    starting at a multiple of m, and padding, with and without ``ape`` (added to the stored score rows)."""
+    _skip_cpu_without_interpreter(device)
+    writes = []
+    real = compressor_module._launch_state_write
+    monkeypatch.setattr(compressor_module, "_launch_state_write", lambda *a: writes.append(1) or real(*a))
+    (kv, sc, pos, tslot, ks0, ss0, w, inv, eslot), (ratio, overlap, fmt, ekind, n_pages) = _unread_step(
+        kind, device, torch.Generator().manual_seed(9)
+    )
+    ape = (torch.randn(ratio, kv.shape[1], generator=torch.Generator().manual_seed(10)) * 3).to(device)
+    out = []
+    for unread in (False, True):
+        flat = torch.zeros(fmt.page_bytes(4) * n_pages, dtype=torch.uint8, device=device)
+        pages = fmt.entry_pages(flat, n_pages, 4) if ekind == "main" else fmt.key_pages(flat, n_pages, 4)
+        ks, ss = ks0.clone(), ss0.clone()
+        compress_prefill(
+            kv, sc, pos, tslot, ks, ss, ratio, overlap, w, 1e-6, inv, eslot, pages, fmt, ekind, "triton",
+            fuse_emit=False, ape=ape if with_ape else None, state_unread=unread,
+        )  # fmt: skip
+        out.append((flat, ks, ss))
+    assert writes == [1]  # the in-order call's state write only
+    (f1, k1, s1), (f2, k2, s2) = out
+    assert f1.any() and torch.equal(f2, f1)
+    assert not torch.equal(k1, ks0) and torch.equal(k2, k1) and torch.equal(s2, s1)

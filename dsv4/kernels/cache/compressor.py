@@ -43,7 +43,9 @@ Launches (Triton path; no host synchronisation, no copies, no fills, CUDA-graph 
 ``compressor_step(decode=True)`` 1 (pool + own state row: safe in one launch as each request has one
 token); otherwise 2 (token-blocked pool pass, then the tiled state-write pass: a pool must read the state
 as it was before the step, so the writes wait for a grid-wide boundary; the state write spreads the blocks that
-hold writing tokens over lanes of a superblock where c*d >= 512, ``_compressor_write_lanes_kernel``); with an
+hold writing tokens over lanes of a superblock where c*d >= 512, ``_compressor_write_lanes_kernel``), or 1 where
+the caller knows that no pooling of the step reads a state row (``state_unread``: e.g. every request starts at
+position 0, ``state_unread_by_step``), the pool programs then writing the state rows of their own tokens; with an
 online state the state write also writes the positions given the slots' counters (``counters``; else a third launch
 does); ``compress_prefill`` runs them and the emit, the state write
 optionally on a side stream alongside the emit (both wait only for the pool).  ``emit_entries`` 1 (RMSNorm,
@@ -115,6 +117,7 @@ __all__ = [
     "emit_entries",
     "emit_entries_reference",
     "entry_positions",
+    "state_unread_by_step",
 ]
 
 _INT = (torch.int32, torch.int64)
@@ -1015,6 +1018,7 @@ def _compressor_pool_kernel(
     ape_ptr=None,
     HAS_APE: tl.constexpr = False,
     PDL: tl.constexpr = False,
+    WRITE_STATE: tl.constexpr = False,
 ):
     """Program (token block a, channel block b): write ``emits`` of tokens [a*BLOCK_T, ...) (b == 0) and
     pool channels [b*BLOCK_D, ...) of each emitting token with a state slot, one after another (visiting
@@ -1028,7 +1032,9 @@ def _compressor_pool_kernel(
     row the pooling needs).  ``ONLINE_ROWS_IN_STEP`` (online, not ``ROW_LOADS``): an entry that does not combine the
     state has, by that test, all its rows in the step (for HCA, t + 1 = 0 mod m, so none before position 0), so it
     is pooled by the fast loads alone, without the state-reading path compiled beside them (``_pool_token``'s
-    ``ROWS_IN_STEP``)."""
+    ``ROWS_IN_STEP``).  ``WRITE_STATE`` (not online; only where no pooling of the step reads a state row, which
+    the caller vouches for: ``compressor_step(state_unread=True)``): then the program also writes the state rows of
+    its block's writing tokens, channel block b of each half (``_pool_block_state_write``)."""
     pdl_enter(PDL)
     a = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1)
@@ -1057,6 +1063,37 @@ def _compressor_pool_kernel(
                 ONLINE and ONLINE_ROWS_IN_STEP and not ROW_LOADS,
             )  # fmt: skip
         k = tl.min(tl.where(work & (kk > k), kk, BLOCK_T), axis=0)
+    if WRITE_STATE:
+        _pool_block_state_write(
+            a, b, kv_ptr, sc_ptr, stride_kv, stride_sc, pos_ptr, tslot_ptr, kvs_ptr, scs_ptr, st_ss, st_sr,
+            num_state_slots, T, M, CM, D, 2 if OVERLAP else 1, BLOCK_T, BLOCK_D, ape_ptr, HAS_APE,
+        )  # fmt: skip
+
+
+@triton.jit
+def _pool_block_state_write(
+    a, b, kv_ptr, sc_ptr, stride_kv, stride_sc, pos_ptr, tslot_ptr, kvs_ptr, scs_ptr, st_ss, st_sr, num_state_slots,
+    T, M: tl.constexpr, CM: tl.constexpr, D: tl.constexpr, C: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr, ape_ptr, HAS_APE: tl.constexpr,
+):  # fmt: skip
+    """The state write of ``_compressor_write_kernel`` for tokens [a*BLOCK_T, ...) (``_state_writers``), channels
+    [b*BLOCK_D, ...) of each of the C halves [h*D, (h+1)*D) of a row (kv; score + ape row position mod M where
+    ``HAS_APE``), to row t mod CM of the token's state slot.  A block without a writing token stores nothing."""
+    ii = a * BLOCK_T + tl.arange(0, BLOCK_T)
+    tt, ss, wr = _state_writers(ii, T, CM, pos_ptr, tslot_ptr, num_state_slots)
+    if tl.sum(wr.to(tl.int32), axis=0) > 0:
+        cb = b * BLOCK_D + tl.arange(0, BLOCK_D)
+        m = wr[:, None] & (cb < D)[None, :]
+        dst = tl.where(wr, ss.to(tl.int64) * st_ss + (tt.to(tl.int64) % CM) * st_sr, 0)
+        for h in tl.static_range(C):
+            ch = h * D + cb
+            kv = tl.load(kv_ptr + ii[:, None] * stride_kv + ch[None, :], mask=m)
+            sc = tl.load(sc_ptr + ii[:, None] * stride_sc + ch[None, :], mask=m)
+            if HAS_APE:  # the state keeps score + ape ([M, C*D] rows)
+                arow = (tl.where(wr, tt, 0) % M).to(tl.int64) * (C * D)
+                sc += tl.load(ape_ptr + arow[:, None] + ch[None, :], mask=m)
+            tl.store(kvs_ptr + dst[:, None] + ch[None, :], kv, mask=m)
+            tl.store(scs_ptr + dst[:, None] + ch[None, :], sc, mask=m)
 
 
 @triton.jit
@@ -1340,6 +1377,23 @@ def _online_block_d(block_d: int | None, d: int) -> int:
     return bd
 
 
+def state_unread_by_step(context_lens, num_new_tokens, ratio: int, overlap: bool) -> bool:
+    """Whether no entry pooled in a step reads a compressor state row (``compressor_step(state_unread=)``), from the
+    host's per-request counts: ``context_lens`` (tokens cached before the step, i.e. the first position s) and
+    ``num_new_tokens`` (n), sequences of ints.  A request's first entry completes at t1 = m*(s // m) + m - 1 and
+    pools positions from t1 - c*m + 1; it reads the state iff t1 < s + n and max(0, t1 - c*m + 1) < s (later entries
+    start later), i.e. for s > 0 with overlap, or s not a multiple of m without."""
+    if len(context_lens) != len(num_new_tokens):
+        raise ValueError(f"context_lens / num_new_tokens: expected equal lengths, got {len(context_lens)}, "
+                         f"{len(num_new_tokens)}")  # fmt: skip
+    cm = (2 if overlap else 1) * ratio
+    for s, n in zip(context_lens, num_new_tokens, strict=True):
+        t1 = ratio * (s // ratio) + ratio - 1
+        if n > 0 and t1 < s + n and max(0, t1 - cm + 1) < s:
+            return False
+    return True
+
+
 def compressor_step(
     kv: torch.Tensor,
     score: torch.Tensor,
@@ -1368,6 +1422,7 @@ def compressor_step(
     write_stream: torch.cuda.Stream | None = None,
     counters: torch.Tensor | None = None,
     ape: torch.Tensor | None = None,
+    state_unread: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fold one step's compressor projections into the state ring and pool the entries that complete.
 
@@ -1415,6 +1470,12 @@ def compressor_step(
     ``ape`` (fp32 [ratio, c*d], optional): then ``score`` is ``wgate(x)`` alone and the kernels add
         ``ape[pos mod ratio]`` to each of this step's score rows where they read them (pooling, state writes), as
         ``compress_decode`` does: the same fp32 sums as adding it first, without writing the [T, c*d] sum.
+    ``state_unread`` (non-decode Triton path, row-ring state; ignored otherwise): the caller's promise that no entry
+        pooled in this step reads a state row (``state_unread_by_step``, from the host's context lengths: every
+        request starts at position 0, or at a multiple of m without overlap, or completes no entry).  The pool
+        launch then writes the state as well (one launch instead of two; ``write_stream`` has nothing to run).  Not
+        checked (it would need the positions on the host): a false promise lets a state write race a pooling that
+        reads the row, so do not keep it in a captured graph that is replayed for other steps.
     Preconditions: the step contract of the module docstring.
     """
     c, cm, t, cd, d = _check_step(kv, score, positions, token_slot, kv_state, score_state, ratio, overlap, state_pos)
@@ -1455,10 +1516,13 @@ def compressor_step(
         row_loads=row_loads, pool_div_after=pool_div_after, pool_fast_rows=pool_fast_rows, pool_fast_exp=pool_fast_exp,
         pool_online_rows_in_step=pool_online_rows_in_step, pool_maxnreg=pool_maxnreg, ape=ape is not None,
     )  # fmt: skip
+    in_pool = bool(state_unread) and not online
     _compressor_pool_kernel[grid](
         *head, pooled, emits.view(torch.uint8), t, state_pos if online else kv_state, OVERLAP=overlap, **kw,
-        **_ape_kw(ape, kv), **pdl_launch(dev),
+        **_ape_kw(ape, kv), **pdl_launch(dev), WRITE_STATE=in_pool,
     )  # fmt: skip
+    if in_pool:
+        return pooled, emits
     side = write_stream is not None and kv.is_cuda  # the state write on the caller's side stream, after the pool
     if side:
         write_stream.wait_stream(torch.cuda.current_stream(dev))

@@ -98,6 +98,7 @@ def compress_prefill(
     ape: torch.Tensor | None = None,
     overlap_write: bool | None = None,
     fuse_emit: bool | None = None,
+    state_unread: bool = False,
     step_kw: dict | None = None,
     emit_kw: dict | None = None,
 ) -> None:
@@ -117,6 +118,9 @@ def compress_prefill(
     that was never computed, so give such tokens entry slot -1 (padding does).  ``counters``: ``compressor_step``'s
     (with an online state, its positions are then written by its state write: one launch fewer).  ``ape``:
     ``compressor_step``'s (``score`` is ``wgate(x)`` alone; the kernels add ``ape[pos mod ratio]`` as they read it).
+    ``state_unread``: ``compressor_step``'s promise (no pooling of the step reads a state row,
+    ``compressor.state_unread_by_step``): in order, the pool launch then writes the state too and the emit follows
+    it (2 launches; ``overlap_write`` has nothing to overlap); the fused launch keeps its own state write.
     """
     check_emit_arguments(positions, norm_weight, inv_freq, slots, pages, fmt, ratio, kind, backend)
     geometry = _check_step(kv, score, positions, token_slot, kv_state, score_state, ratio, overlap, state_pos)
@@ -138,16 +142,21 @@ def compress_prefill(
     side = None
     if (_OVERLAP_WRITE if overlap_write is None else overlap_write) and kv.is_cuda and use_triton(backend, kv, score):
         side = _side_stream(kv.device)
+    in_pool = bool(state_unread) and state_pos is None  # (compressor_step's rule: the pool writes the state)
+    if in_pool:
+        side = None
     pooled, emits = compressor_step(
         kv, score, positions, token_slot, kv_state, score_state, ratio, overlap, backend=backend,
-        state_pos=state_pos, counters=counters, ape=ape, write_stream=side, **(step_kw or {}),
+        state_pos=state_pos, counters=counters, ape=ape, write_stream=side, state_unread=in_pool,
+        **(step_kw or {}),
     )  # fmt: skip
     try:
         # in order, the state write is the launch before the emit: neither touches what the other reads or writes,
-        # and the pool that wrote ``pooled`` came before it, so with PDL the emit runs beside the state write
+        # and the pool that wrote ``pooled`` came before it, so with PDL the emit runs beside the state write (not
+        # where the pool itself wrote the state: the launch before the emit is then the one that wrote ``pooled``)
         emit_entries(
             pooled, emits, positions, norm_weight, eps, inv_freq, slots, pages, fmt, ratio, kind, backend=backend,
-            pdl_late=side is None, **(emit_kw or {}),
+            pdl_late=side is None and not in_pool, **(emit_kw or {}),
         )  # fmt: skip
     finally:
         if side is not None:
