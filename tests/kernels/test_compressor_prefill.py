@@ -366,3 +366,11 @@ def test_state_unread_pool_writes_the_state_in_one_launch(device, kind, with_ape
     (f1, k1, s1), (f2, k2, s2) = out
     assert f1.any() and torch.equal(f2, f1)
     assert not torch.equal(k1, ks0) and torch.equal(k2, k1) and torch.equal(s2, s1)
+    # past _STATE_IN_POOL_MAX_T tokens the promise changes nothing: the state-write launch runs
+    monkeypatch.setattr(compressor_module, "_STATE_IN_POOL_MAX_T", kv.shape[0] - 1)
+    ks, ss = ks0.clone(), ss0.clone()
+    compress_prefill(
+        kv, sc, pos, tslot, ks, ss, ratio, overlap, w, 1e-6, inv, eslot, pages, fmt, ekind, "triton", fuse_emit=False,
+        ape=ape if with_ape else None, state_unread=True,
+    )  # fmt: skip
+    assert writes == [1, 1] and torch.equal(ks, k1) and torch.equal(ss, s1)

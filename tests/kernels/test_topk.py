@@ -342,6 +342,26 @@ def test_gpu_real_shape_random_rows(rows, k):
 
 @gpu
 @needs_cuda
+@pytest.mark.parametrize("split_d", [False, True])
+def test_gpu_split_d_at_a_prefill_chunks_rows(split_d, monkeypatch):
+    """A prefill chunk's row count (512 rows, above ``_SPLIT_D_MIN_ROWS``): launch D in two parts (``_SPLIT_D``) and
+    as one give the reference's indices, with rows whose candidates overflow the SB1 slots (all tied, ties among the
+    winners: the second part's rows) and rows seeing fewer entries than k."""
+    monkeypatch.setattr(topk_mod, "_SPLIT_D", split_d)
+    assert topk_mod._split_d(512) == split_d
+    g = torch.Generator().manual_seed(17)
+    s = torch.randn(512, 4096, generator=g)
+    s[0] = 1.0
+    s[1, ::3] = 2.0
+    s[2] = (s[2] * 1e-3).round()
+    nv = torch.randint(0, 4097, (512,), generator=g, dtype=torch.int32)
+    nv[:3] = 4096
+    s, nv = s.cuda(), nv.cuda()
+    assert torch.equal(topk_indices(s, 512, nv, backend="triton"), topk_indices_reference(s, 512, nv))
+
+
+@gpu
+@needs_cuda
 def test_gpu_many_rows_and_tied_rows():
     g = torch.Generator().manual_seed(13)
     s = torch.randn(66, 20000, generator=g)

@@ -1377,6 +1377,19 @@ def _online_block_d(block_d: int | None, d: int) -> int:
     return bd
 
 
+# The pool launch writes the state (``compressor_step(state_unread=True)``) up to this many tokens, else the state-write
+# launch runs.  H100, 2026-12-05 (2026-12-05_h100_write_unread_s26.txt, V4-Flash prefill from 0, graph time, pool
+# writing vs the state-write launch): 8,192 tokens CSA main 33.4 vs 34.9 us, CSA indexer 11.8 vs 13.6, HCA 18.3 vs
+# 19.0; 65,536 CSA main 210.2 vs 213.2, CSA indexer 71.4 vs 69.6, HCA 106.9 vs 104.0 (every pool program checks its
+# block for writing tokens, 32,768 of them for the CSA indexer, against the write launch's 2,048).
+_STATE_IN_POOL_MAX_T = 8192
+
+
+def _state_in_pool(state_unread: bool, online: bool, t: int) -> bool:
+    """Whether a non-decode Triton ``compressor_step`` of T = ``t`` tokens writes the state in its pool launch."""
+    return bool(state_unread) and not online and t <= _STATE_IN_POOL_MAX_T
+
+
 def state_unread_by_step(context_lens, num_new_tokens, ratio: int, overlap: bool) -> bool:
     """Whether no entry pooled in a step reads a compressor state row (``compressor_step(state_unread=)``), from the
     host's per-request counts: ``context_lens`` (tokens cached before the step, i.e. the first position s) and
@@ -1473,7 +1486,8 @@ def compressor_step(
     ``state_unread`` (non-decode Triton path, row-ring state; ignored otherwise): the caller's promise that no entry
         pooled in this step reads a state row (``state_unread_by_step``, from the host's context lengths: every
         request starts at position 0, or at a multiple of m without overlap, or completes no entry).  The pool
-        launch then writes the state as well (one launch instead of two; ``write_stream`` has nothing to run).  Not
+        launch then writes the state as well up to _STATE_IN_POOL_MAX_T tokens (one launch instead of two;
+        ``write_stream`` has nothing to run); longer steps keep the state-write launch (measured faster).  Not
         checked (it would need the positions on the host): a false promise lets a state write race a pooling that
         reads the row, so do not keep it in a captured graph that is replayed for other steps.
     Preconditions: the step contract of the module docstring.
@@ -1516,7 +1530,7 @@ def compressor_step(
         row_loads=row_loads, pool_div_after=pool_div_after, pool_fast_rows=pool_fast_rows, pool_fast_exp=pool_fast_exp,
         pool_online_rows_in_step=pool_online_rows_in_step, pool_maxnreg=pool_maxnreg, ape=ape is not None,
     )  # fmt: skip
-    in_pool = bool(state_unread) and not online
+    in_pool = _state_in_pool(state_unread, online, t)
     _compressor_pool_kernel[grid](
         *head, pooled, emits.view(torch.uint8), t, state_pos if online else kv_state, OVERLAP=overlap, **kw,
         **_ape_kw(ape, kv), **pdl_launch(dev), WRITE_STATE=in_pool,

@@ -43,6 +43,7 @@ from dsv4.kernels.cache.compressor import (
     _pool_block_token,
     _pool_launch_params,
     _pool_token,
+    _state_in_pool,
     check_emit_arguments,
     compressor_step,
     emit_entries,
@@ -119,8 +120,9 @@ def compress_prefill(
     (with an online state, its positions are then written by its state write: one launch fewer).  ``ape``:
     ``compressor_step``'s (``score`` is ``wgate(x)`` alone; the kernels add ``ape[pos mod ratio]`` as they read it).
     ``state_unread``: ``compressor_step``'s promise (no pooling of the step reads a state row,
-    ``compressor.state_unread_by_step``): in order, the pool launch then writes the state too and the emit follows
-    it (2 launches; ``overlap_write`` has nothing to overlap); the fused launch keeps its own state write.
+    ``compressor.state_unread_by_step``): in order, the pool launch then writes the state too (up to
+    ``compressor._STATE_IN_POOL_MAX_T`` tokens) and the emit follows it (2 launches; ``overlap_write`` has nothing
+    to overlap); the fused launch keeps its own state write.
     """
     check_emit_arguments(positions, norm_weight, inv_freq, slots, pages, fmt, ratio, kind, backend)
     geometry = _check_step(kv, score, positions, token_slot, kv_state, score_state, ratio, overlap, state_pos)
@@ -142,7 +144,7 @@ def compress_prefill(
     side = None
     if (_OVERLAP_WRITE if overlap_write is None else overlap_write) and kv.is_cuda and use_triton(backend, kv, score):
         side = _side_stream(kv.device)
-    in_pool = bool(state_unread) and state_pos is None  # (compressor_step's rule: the pool writes the state)
+    in_pool = _state_in_pool(state_unread, state_pos is not None, kv.shape[0])  # (compressor_step's rule)
     if in_pool:
         side = None
     pooled, emits = compressor_step(
