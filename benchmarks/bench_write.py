@@ -416,6 +416,7 @@ def main() -> None:
     ap.add_argument("--ops", default="store_window,csa_main,csa_indexer,hca,hca_online", help="comma-separated subset")
     ap.add_argument("--models", default=None, help="comma-separated presets (default: v4-flash,v4-pro)")
     ap.add_argument("--modes", default="decode,prefill", help="comma-separated subset of decode,prefill")
+    ap.add_argument("--prefill-tokens", default=None, help="comma-separated prefill sizes (default 8192,65536)")
     ap.add_argument(
         "--prefill-only",
         action="store_true",
@@ -439,6 +440,8 @@ def main() -> None:
     gpu = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (triton interpreter)"
     decode_b = (1, 2) if args.smoke else (1, 8, 64)
     prefill_t = (64,) if args.smoke else (8192, 65536)
+    if args.prefill_tokens:
+        prefill_t = tuple(int(v) for v in args.prefill_tokens.split(","))
     models = tuple(args.models.split(",")) if args.models else (("v4-flash",) if args.smoke else ("v4-flash", "v4-pro"))
     date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     rows = []

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One H200 session: environment, GPU tests, then the kernel benchmarks. Results go to $OUT (or ./out).
-# Usage (on the device machine, repo root): bash benchmarks/run_h200.sh [tests|bench|all|pending|ncu|attention|attention_ncu|indexer_gluon|indexer_live|indexer_fold|pending_s12|topk_rows|indexer_default|indexer_p2|indexer_ablate|flush_topk|skeleton|topk_short|fold_auto|hca_online|write_s15|emit_s15|emit2_s15|main_s15|write2_s15|final_s15|gemv_s15|online_regs|write_s16|final_s16|ncu_pool|div_s16|lean_s17|fast_s17|emit_s17|emit2_s17|warps_s17|ipool_s17|final_s17|sweep_s18|overlap_s18|fuse_s19|pdl_s19|pdl_decode_s19|writes_s19|layer_s19|select_s19|grid_s20|tails_s20|linear_s20|layer_s20|topk_s20|validate_s20|prefill_idx_s21|tf32x2_s21|topk_s21|iquery_s21|fp8_linear_s22|fp8_step_s22|hsum_s22|check_s23|step_s23|fp8lin_s23|s25|s25b|s26a|s26b]
+# Usage (on the device machine, repo root): bash benchmarks/run_h200.sh [tests|bench|all|pending|ncu|attention|attention_ncu|indexer_gluon|indexer_live|indexer_fold|pending_s12|topk_rows|indexer_default|indexer_p2|indexer_ablate|flush_topk|skeleton|topk_short|fold_auto|hca_online|write_s15|emit_s15|emit2_s15|main_s15|write2_s15|final_s15|gemv_s15|online_regs|write_s16|final_s16|ncu_pool|div_s16|lean_s17|fast_s17|emit_s17|emit2_s17|warps_s17|ipool_s17|final_s17|sweep_s18|overlap_s18|fuse_s19|pdl_s19|pdl_decode_s19|writes_s19|layer_s19|select_s19|grid_s20|tails_s20|linear_s20|layer_s20|topk_s20|validate_s20|prefill_idx_s21|tf32x2_s21|topk_s21|iquery_s21|fp8_linear_s22|fp8_step_s22|hsum_s22|check_s23|step_s23|fp8lin_s23|s25|s25b|s26a|s26b|s27a]
 # "pending": the norm and top-k GPU tests (~4 min, most of it compiling the top-k kernels), launch D's rank
 # threshold on/off, top-k with both flush kinds, the decode step; about 8 minutes.  "ncu": Nsight Compute
 # sections of the indexer scores, dense attention and gather kernels (benchmarks/ncu_cases.py).  "attention": the
@@ -752,4 +752,15 @@ if [ "$what" = s26b ]; then  # session 26 (~7 min): the pool launch writing the 
     | tee "$OUT/${stamp}_profile_write_unread_s26.txt" | tail -16
   timeout 100 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_topk.py -k "gpu_many_rows or gpu_real_shape" \
     2>&1 | tee "$OUT/${stamp}_gpu_tests_topk_split_d_s26.txt" | grep -E "passed|failed|^FAILED|^E " | tail -6
+fi
+if [ "$what" = s27a ]; then  # left for session 27 (~4 min): the pool launch writing the state (state_unread) with the
+  # writer check issued before the pooling, against the state-write launch, at 8,192 / 16,384 / 32,768 / 65,536 tokens
+  # (compressor._STATE_IN_POOL_MAX_T is 8,192 from session 26's run; the tune forces the pool write at every size)
+  for t in 8192 16384 32768 65536; do
+    timeout 100 python3 -c "import sys; sys.argv[0] = 'bench_write'; sys.path.insert(0, 'benchmarks'); \
+import dsv4.kernels.cache.compressor as c; c._STATE_IN_POOL_MAX_T = 1 << 30; import bench_write as b; b.main()" \
+      --models v4-flash --modes prefill --ops csa_main,csa_indexer,hca --prefill-tokens $t \
+      --tune csa_main: --tune csa_main:state_unread=0 --tune csa_indexer: --tune csa_indexer:state_unread=0 \
+      --tune hca: --tune hca:state_unread=0 --out "$OUT/${stamp}_write_unread_s27.jsonl" 2>&1 | grep -v -i warn | cut -c1-200
+  done
 fi

@@ -1041,6 +1041,9 @@ def _compressor_pool_kernel(
     tt, ss, tp, sp, work = _pool_block_head(
         a, b, T, pos_ptr, tslot_ptr, emits_ptr, num_state_slots, M, BLOCK_T, BLOCK_R, ROW_LOADS, True
     )
+    if WRITE_STATE:  # (loaded before the pooling, so their round trip overlaps it: used after it)
+        w_ii = a * BLOCK_T + tl.arange(0, BLOCK_T)
+        w_tt, w_ss, w_wr = _state_writers(w_ii, T, CM, pos_ptr, tslot_ptr, num_state_slots)
     kk = tl.arange(0, BLOCK_T)
     # visit the emitting tokens only; their position / slot come from the registers loaded above
     k = tl.min(tl.where(work, kk, BLOCK_T), axis=0)
@@ -1065,22 +1068,22 @@ def _compressor_pool_kernel(
         k = tl.min(tl.where(work & (kk > k), kk, BLOCK_T), axis=0)
     if WRITE_STATE:
         _pool_block_state_write(
-            a, b, kv_ptr, sc_ptr, stride_kv, stride_sc, pos_ptr, tslot_ptr, kvs_ptr, scs_ptr, st_ss, st_sr,
-            num_state_slots, T, M, CM, D, 2 if OVERLAP else 1, BLOCK_T, BLOCK_D, ape_ptr, HAS_APE,
+            a, b, w_tt, w_ss, w_wr, kv_ptr, sc_ptr, stride_kv, stride_sc, kvs_ptr, scs_ptr, st_ss, st_sr, M, CM, D,
+            2 if OVERLAP else 1, BLOCK_T, BLOCK_D, ape_ptr, HAS_APE,
         )  # fmt: skip
 
 
 @triton.jit
 def _pool_block_state_write(
-    a, b, kv_ptr, sc_ptr, stride_kv, stride_sc, pos_ptr, tslot_ptr, kvs_ptr, scs_ptr, st_ss, st_sr, num_state_slots,
-    T, M: tl.constexpr, CM: tl.constexpr, D: tl.constexpr, C: tl.constexpr, BLOCK_T: tl.constexpr,
-    BLOCK_D: tl.constexpr, ape_ptr, HAS_APE: tl.constexpr,
+    a, b, tt, ss, wr, kv_ptr, sc_ptr, stride_kv, stride_sc, kvs_ptr, scs_ptr, st_ss, st_sr, M: tl.constexpr,
+    CM: tl.constexpr, D: tl.constexpr, C: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, ape_ptr,
+    HAS_APE: tl.constexpr,
 ):  # fmt: skip
-    """The state write of ``_compressor_write_kernel`` for tokens [a*BLOCK_T, ...) (``_state_writers``), channels
-    [b*BLOCK_D, ...) of each of the C halves [h*D, (h+1)*D) of a row (kv; score + ape row position mod M where
-    ``HAS_APE``), to row t mod CM of the token's state slot.  A block without a writing token stores nothing."""
+    """The state write of ``_compressor_write_kernel`` for tokens [a*BLOCK_T, ...) (their positions ``tt``, slots
+    ``ss`` and which write, ``wr``: ``_state_writers``), channels [b*BLOCK_D, ...) of each of the C halves
+    [h*D, (h+1)*D) of a row (kv; score + ape row position mod M where ``HAS_APE``), to row t mod CM of the token's
+    state slot.  A block without a writing token stores nothing."""
     ii = a * BLOCK_T + tl.arange(0, BLOCK_T)
-    tt, ss, wr = _state_writers(ii, T, CM, pos_ptr, tslot_ptr, num_state_slots)
     if tl.sum(wr.to(tl.int32), axis=0) > 0:
         cb = b * BLOCK_D + tl.arange(0, BLOCK_D)
         m = wr[:, None] & (cb < D)[None, :]
@@ -1381,7 +1384,11 @@ def _online_block_d(block_d: int | None, d: int) -> int:
 # launch runs.  H100, 2026-12-05 (2026-12-05_h100_write_unread_s26.txt, V4-Flash prefill from 0, graph time, pool
 # writing vs the state-write launch): 8,192 tokens CSA main 33.4 vs 34.9 us, CSA indexer 11.8 vs 13.6, HCA 18.3 vs
 # 19.0; 65,536 CSA main 210.2 vs 213.2, CSA indexer 71.4 vs 69.6, HCA 106.9 vs 104.0 (every pool program checks its
-# block for writing tokens, 32,768 of them for the CSA indexer, against the write launch's 2,048).
+# block for writing tokens, 32,768 of them for the CSA indexer, against the write launch's 2,048).  Since then the
+# check's loads are issued before the pooling rather than after it (their round trip overlapped instead of added to
+# each program): sm_90 registers at 8,192 tokens (Triton 3.6, sass_report), without the write / check after / check
+# before: CSA indexer 96 / 108 / 107, CSA main 223 / 239 / 249, HCA 128 / 154 / 146.  Not yet timed
+# (``run_h200.sh s27a`` sweeps the token counts).
 _STATE_IN_POOL_MAX_T = 8192
 
 
