@@ -54,7 +54,9 @@ PAD = 128  # fold_keys pads its outputs to a multiple of this many entries (the 
 # pipelining stages), from sm_90 SASS compiled offline (triton 3.6, ``sass_report.py prefill_idx:4096:16384``), not
 # yet timed: rows 2 / 64 entries / 4 warps needs 144 registers a thread (3 programs a SM, so one program's MMA can
 # run under another's epilogue); 4 / 128 / 8 needs 242 (one program a SM), 2 / 128 / 8 154 (one), 4 / 64 / 4 238
-# (two).  ``run_h200.sh prefill_idx_s21`` times them.
+# (two).  Timed on the H100, 2026-12-05 (2026-12-05_h100_prefill_idx_s21.txt, rows / entries / warps / stages): 2,048
+# rows at P = 8,192 2/64/4/3 123.6 us, 1/128/4/3 112.9, 2/128/4/3 125.6, 4/64/4/3 141.1, 4/128/8/3 208.9; 4,096 rows
+# at P = 65,536 2/64/4/3 1,196 (the best), 2/64/4/4 1,212, 2/128/4/3 1,236, 1/128/4/3 1,264, 4/128/8/3 1,465.
 DEFAULT_ROWS = 2
 DEFAULT_BLOCK_N = 64
 DEFAULT_WARPS = 4
