@@ -117,28 +117,35 @@ def test_compress_prefill_equals_step_then_emit(device, kind, overlap_write):
     assert torch.equal(k3, fresh[2]) and torch.equal(s3, fresh[3]) and not f3.any()
 
 
-def _multi_request_step(kind, device, g):
-    """A prefill batch of three requests and padding: request 0 continues from position 13 (its state holds random
-    rows of the positions before), one of its emitting tokens has entry slot -1; request 1 starts at 0; request 2
-    (another state slot) starts mid-chunk; 3 padding tokens (state slot -1, entry slot -1)."""
+def _batch(kind, device, g, runs, drop_first_entry=False):
+    """A prefill batch of requests ``runs`` = [(state slot, first position, tokens)] and 3 padding tokens (state slot
+    -1, entry slot -1), random step rows and random state rows in 3 slots; ``drop_first_entry``: the first emitting
+    token gets entry slot -1.  Returns (tensors on ``device``, (ratio, overlap, fmt, emit kind, pages))."""
     ratio, overlap, fmt, d, ekind = _geometry(kind)
     c = 2 if overlap else 1
-    runs = [(0, 13, 45), (1, 0, 30), (2, 2 * ratio + 5, 20)] if ratio == 4 else [(0, 13, 300), (1, 0, 140)]
     pos = torch.cat([torch.arange(p0, p0 + n) for _, p0, n in runs] + [torch.zeros(3, dtype=torch.int64)])
     tslot = torch.cat([torch.full((n,), s) for s, _, n in runs] + [torch.full((3,), -1)])
     t = pos.numel()
     emitting = ((pos + 1) % ratio == 0) & (tslot >= 0)
     eslot = torch.where(emitting, torch.cumsum(emitting.long(), 0) - 1, -1)
-    first = int(emitting.nonzero()[0])
-    eslot[first] = -1  # an emitting token whose entry is not stored
+    if drop_first_entry:
+        eslot[int(emitting.nonzero()[0])] = -1  # an emitting token whose entry is not stored
     kv, sc = torch.randn(t, c * d, generator=g), torch.randn(t, c * d, generator=g) * 2
-    n_slots = 3
-    ks = torch.randn(n_slots, c * ratio, c * d, generator=g)
-    ss = torch.randn(n_slots, c * ratio, c * d, generator=g)
+    ks = torch.randn(3, c * ratio, c * d, generator=g)
+    ss = torch.randn(3, c * ratio, c * d, generator=g)
     w = torch.rand(d, generator=g) + 0.5
     n_pages = int(emitting.sum()) // 4 + 1
     tensors = [x.to(device) for x in (kv, sc, pos.to(torch.int32), tslot.to(torch.int32), ks, ss, w, INV, eslot)]
     return tensors, (ratio, overlap, fmt, ekind, n_pages)
+
+
+def _multi_request_step(kind, device, g):
+    """A prefill batch of three requests and padding: request 0 continues from position 13 (its state holds random
+    rows of the positions before), one of its emitting tokens has entry slot -1; request 1 starts at 0; request 2
+    (another state slot) starts mid-chunk; 3 padding tokens (state slot -1, entry slot -1)."""
+    ratio = _geometry(kind)[0]
+    runs = [(0, 13, 45), (1, 0, 30), (2, 2 * ratio + 5, 20)] if ratio == 4 else [(0, 13, 300), (1, 0, 140)]
+    return _batch(kind, device, g, runs, drop_first_entry=True)
 
 
 @pytest.mark.parametrize("with_ape", [False, True])
@@ -320,22 +327,10 @@ def _unread_step(kind, device, g):
     """A prefill batch whose poolings read no state row: request 0 from position 0, request 1 from 0 on another
     slot, request 2 completing no entry (CSA: positions 5, 6) or, without overlap, starting at 2m; 3 padding tokens.
     States hold random rows (rows no pooling may read, and rows that must survive where no token writes)."""
-    ratio, overlap, fmt, d, ekind = _geometry(kind)
-    c = 2 if overlap else 1
+    ratio, overlap = _geometry(kind)[:2]
     runs = [(0, 0, 45), (2, 0, 3), (1, 5, 2)] if ratio == 4 else [(0, 0, 300), (1, 2 * ratio, 140), (2, 0, 5)]
-    pos = torch.cat([torch.arange(p0, p0 + n) for _, p0, n in runs] + [torch.zeros(3, dtype=torch.int64)])
-    tslot = torch.cat([torch.full((n,), s) for s, _, n in runs] + [torch.full((3,), -1)])
     assert state_unread_by_step([p0 for _, p0, _ in runs], [n for _, _, n in runs], ratio, overlap)
-    t = pos.numel()
-    emitting = ((pos + 1) % ratio == 0) & (tslot >= 0)
-    eslot = torch.where(emitting, torch.cumsum(emitting.long(), 0) - 1, -1)
-    kv, sc = torch.randn(t, c * d, generator=g), torch.randn(t, c * d, generator=g) * 2
-    ks = torch.randn(3, c * ratio, c * d, generator=g)
-    ss = torch.randn(3, c * ratio, c * d, generator=g)
-    w = torch.rand(d, generator=g) + 0.5
-    n_pages = int(emitting.sum()) // 4 + 1
-    tensors = [x.to(device) for x in (kv, sc, pos.to(torch.int32), tslot.to(torch.int32), ks, ss, w, INV, eslot)]
-    return tensors, (ratio, overlap, fmt, ekind, n_pages)
+    return _batch(kind, device, g, runs)
 
 
 @pytest.mark.parametrize("with_ape", [False, True])
