@@ -177,7 +177,8 @@ SWEEP_SPLIT = (1, 2, 4, 8, 16)
 
 def sweep_model(model: str, m: int, timer, meta: dict, device="cuda") -> list[dict]:
     """``--sweep``: each projection at M tokens over launch geometries (BLOCK_N x K split, ``fp8_linear_launch``'s
-    other choices), one row a projection: the default launch's time, the best one's, and every time tried."""
+    other choices; at M <= 4 each also in the kernel's GEMV form, ``gemv=True``), one row a projection: the default
+    launch's time, the best one's, and every time tried."""
     out = []
     cnt = torch.zeros(65536, dtype=torch.int32, device=device)
     for i, (name, (rows, k, groups)) in enumerate(projection_shapes(model).items()):
@@ -189,10 +190,12 @@ def sweep_model(model: str, m: int, timer, meta: dict, device="cuda") -> list[di
                 if sk > 1 and k < 2 * sk * fp8_mod._BLOCK_K:  # (a split of at least two K blocks)
                     continue
 
-                def call(w=w, x=x, g=groups, bn=bn, sk=sk):
-                    return fp8_linear(x, w, "triton", groups=g, counters=cnt, block_n=bn, split_k=sk)
+                for gv in (False, True) if m <= fp8_mod._GEMV_LIMIT else (False,):  # (the GEMV form: "_gemv")
 
-                times[f"bn{bn}_s{sk}"] = timer(call)
+                    def call(w=w, x=x, g=groups, bn=bn, sk=sk, gv=gv):
+                        return fp8_linear(x, w, "triton", groups=g, counters=cnt, block_n=bn, split_k=sk, gemv=gv)
+
+                    times[f"bn{bn}_s{sk}" + ("_gemv" if gv else "")] = timer(call)
         t_default = timer(lambda w=w, x=x, g=groups: fp8_linear(x, w, "triton", groups=g, counters=cnt))
         best = min(times, key=times.get)
         out.append({

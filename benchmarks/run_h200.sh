@@ -753,7 +753,7 @@ if [ "$what" = s26b ]; then  # session 26 (~7 min): the pool launch writing the 
   timeout 100 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_topk.py -k "gpu_many_rows or gpu_real_shape" \
     2>&1 | tee "$OUT/${stamp}_gpu_tests_topk_split_d_s26.txt" | grep -E "passed|failed|^FAILED|^E " | tail -6
 fi
-if [ "$what" = s27a ]; then  # left for session 27 (~4 min): the pool launch writing the state (state_unread) with the
+if [ "$what" = s27a ]; then  # left for session 27 (~9 min): the pool launch writing the state (state_unread) with the
   # writer check issued before the pooling, against the state-write launch, at 8,192 / 16,384 / 32,768 / 65,536 tokens
   # (compressor._STATE_IN_POOL_MAX_T is 8,192 from session 26's run; the tune forces the pool write at every size)
   for t in 8192 16384 32768 65536; do
@@ -763,4 +763,10 @@ import dsv4.kernels.cache.compressor as c; c._STATE_IN_POOL_MAX_T = 1 << 30; imp
       --tune csa_main: --tune csa_main:state_unread=0 --tune csa_indexer: --tune csa_indexer:state_unread=0 \
       --tune hca: --tune hca:state_unread=0 --out "$OUT/${stamp}_write_unread_s27.jsonl" 2>&1 | grep -v -i warn | cut -c1-200
   done
+  # fp8_linear's GEMV form (gemv=True, opt-in: fp8_linear.GEMV_MAX_M = 0) against the MMA form at 1 / 2 / 4 tokens,
+  # every projection of both models, in the launch sweep; then its GPU tests (real widths at 1 token, the graph)
+  timeout 200 python3 benchmarks/bench_fp8_linear.py --sweep --models v4-flash,v4-pro --tokens 1,2,4 \
+    --out "$OUT/${stamp}_fp8_linear_gemv_s27.jsonl" 2>&1 | tee "$OUT/${stamp}_fp8_linear_gemv_s27.txt" | cut -c1-170
+  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_fp8_linear.py -k "gemv or (real_widths and 1-)" \
+    2>&1 | tee "$OUT/${stamp}_gpu_tests_gemv_s27.txt" | grep -E "passed|failed|^FAILED|^E " | tail -6
 fi

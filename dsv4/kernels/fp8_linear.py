@@ -75,6 +75,13 @@ _DEQUANT_BLOCK_N = 32
 # cast (an F2F a value on the conversion unit).  Static sm_90 figures in the results README; not yet timed
 # (``bench_fp8_linear.py`` times both).
 CVT_ASM = True
+# Up to this many tokens the kernel may take its GEMV form (``gemv``): no MMA, the tokens' tile [next_pow2(M), BLOCK_K]
+# times the converted weight tile [BLOCK_N, BLOCK_K] as fp32 products summed along K in registers, so a program's
+# tile pads M to 1-4 rows instead of the MMA's 16 and the weight needs no trip through the tensor core.  At one token
+# the present kernel reads the wide weights at 35-44 % of the H200's HBM rate (``wq_b``, ``wo_a``, ``wo_b``; session
+# 25's sweep) where cuBLAS's bf16 GEMV reaches 60-65 %.  0 (off) until timed (``bench_fp8_linear.py --sweep``).
+GEMV_MAX_M = 0
+_GEMV_LIMIT = 4  # the largest M the GEMV form takes (its [BLOCK_N, M, BLOCK_K] product tile lives in registers)
 
 
 class FP8LinearLaunch(NamedTuple):
@@ -156,6 +163,15 @@ def _check_derotate(derotate, x: torch.Tensor, cols: int) -> tuple[torch.Tensor,
     return cs.contiguous(), hd
 
 
+def _check_gemv(gemv: bool | None, m: int) -> bool:
+    """Whether the launch takes the kernel's GEMV form: ``gemv`` (None: M <= ``GEMV_MAX_M``), which needs M <= 4."""
+    if gemv is None:
+        return m <= min(GEMV_MAX_M, _GEMV_LIMIT)
+    if gemv and m > _GEMV_LIMIT:
+        raise ValueError(f"gemv: the GEMV form takes at most {_GEMV_LIMIT} tokens, got {m}")
+    return bool(gemv)
+
+
 def _check(x: torch.Tensor, w: FP8Weight, groups: int) -> tuple[int, int, int]:
     if not isinstance(w, FP8Weight):
         raise ValueError(f"w: expected an FP8Weight, got {type(w).__name__}")
@@ -223,6 +239,7 @@ def _fp8_linear_kernel(
     PARTIAL: tl.constexpr, FUSED_SUM: tl.constexpr, SPLIT: tl.constexpr, INTERP: tl.constexpr,
     CVT_ASM: tl.constexpr = True, BF16_RNE: tl.constexpr = False, cs_ptr=None, HEAD_D: tl.constexpr = 0,
     HR: tl.constexpr = 1, PDL: tl.constexpr = False, out32_ptr=None, N32=0, MIXED: tl.constexpr = False,
+    GEMV: tl.constexpr = False,
 ):  # fmt: skip
     """One [BLOCK_M, BLOCK_N] tile of group g's x_g·w_gᵀ over K range [pid_k·k_per_split, +k_per_split).
 
@@ -237,7 +254,9 @@ def _fp8_linear_kernel(
     columns are heads of HEAD_D (a multiple of BLOCK_K), the last 2·HR of each (<= BLOCK_K) RoPE pairs; the K block
     that ends a head is de-rotated as it is loaded (``_derotate_tile``) by its row's (cos, sin) (``cs_ptr`` [M, HR, 2]
     fp32, read there: a few hundred bytes from L2).  MIXED (one group): the tiles of columns below N32 (a multiple of
-    BLOCK_N) go to ``out32_ptr`` ([M, NT] fp32) unrounded, the others to out (bf16)."""
+    BLOCK_N) go to ``out32_ptr`` ([M, NT] fp32) unrounded, the others to out (bf16).  GEMV (BLOCK_M <= 4): no MMA;
+    each K block's products x·(e4m3·s) (exact for a power-of-two scale: bf16 times e4m3 times 2^e) added lane by lane
+    into a [BLOCK_N, BLOCK_M, BLOCK_K] fp32 accumulator, summed along K once after the loop (no shuffles a block)."""
     pdl_enter(PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -255,6 +274,8 @@ def _fp8_linear_kernel(
     x_ptrs = x_ptr + (rm % M).to(tl.int64)[:, None] * stride_xm + (g * K + k_lo + rk)[None, :]
     s_ptrs = s_ptr + ((g * N + tn * BLOCK_N) // BLOCK_K) * kblocks + k_lo // BLOCK_K
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    if GEMV:  # per-lane partial sums across the K blocks, reduced along K once after the loop
+        acc3 = tl.zeros((BLOCK_N, BLOCK_M, BLOCK_K), dtype=tl.float32)
     for k in range(k_lo, k_hi, BLOCK_K):
         if EVEN_K:
             a = tl.load(x_ptrs)
@@ -272,16 +293,27 @@ def _fp8_linear_kernel(
                 sin = -tl.load(cso + 1, mask=lane[None, :], other=0.0)
                 a = _derotate_tile(a, cos, sin, lane, BLOCK_M, BLOCK_K, INTERP)
         s = tl.load(s_ptrs)
-        if INTERP:
+        if GEMV:
+            if INTERP:
+                wf = b.to(tl.float32)
+            elif CVT_ASM:
+                wf = _e4m3_to_bf16(b).to(tl.float32)
+            else:
+                wf = b.to(tl.float32)
+            acc3 += wf[:, None, :] * (a.to(tl.float32) * s)[None, :, :]
+        elif INTERP:
             part = tl.dot(b.to(tl.float32), tl.trans(a.to(tl.float32)), input_precision="ieee")
         elif CVT_ASM:
             part = tl.dot(_e4m3_to_bf16(b), tl.trans(a))
         else:
             part = tl.dot(b.to(tl.bfloat16), tl.trans(a))
-        acc += part * s
+        if not GEMV:
+            acc += part * s
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
         s_ptrs += 1
+    if GEMV:
+        acc = tl.sum(acc3, axis=2)
     mask = (rm < M)[:, None] & (rn < N)[None, :]
     offs = rm.to(tl.int64)[:, None] * NT + (g * N + rn)[None, :]
     cnt = cnt_ptr + pid_m * tl.num_programs(0) + pid_n
@@ -356,6 +388,7 @@ def fp8_linear(
     cvt_asm: bool | None = None,
     out_dtype: torch.dtype = torch.bfloat16,
     derotate: tuple[torch.Tensor, int] | None = None,
+    gemv: bool | None = None,
 ) -> torch.Tensor:
     """``y = x·wᵀ`` per group (module docstring): x [M, G·K] bf16 (any row stride, unit column stride), w an
     ``FP8Weight`` [G·N, K] -> y [M, G·N] bf16, new and contiguous.  M may be 0.  ``out_dtype`` torch.float32 (one
@@ -367,7 +400,9 @@ def fp8_linear(
     ``F.linear`` (cuBLAS).  ``counters``: int32 zeros (``linear.linear_counters``) of >= the output tiles; with a K
     split and M <= FUSED_SUM_MAX_M the split sum is done in the launch (left 0 again; launches sharing them must not
     overlap).  The launch keywords override ``fp8_linear_launch``'s choice; ``cvt_asm`` (default ``CVT_ASM``) picks the
-    weight conversion (``_e4m3_to_bf16`` or Triton's cast: same values).
+    weight conversion (``_e4m3_to_bf16`` or Triton's cast: same values); ``gemv`` (default: M <= ``GEMV_MAX_M``) the
+    kernel's GEMV form (M <= 4: the K-block partials as fp32 products summed in registers, no MMA; the same terms,
+    another fp32 summation order).
 
     ``derotate`` = (cos_sin [M, rd/2, 2] fp32, head_dim): x's columns are heads of ``head_dim`` and each head's last
     rd columns carry RoPE at its row's angles, whose (cos, sin) ``cos_sin`` holds (``q_norm_rope(cos_sin_out=)``
@@ -376,6 +411,7 @@ def fp8_linear(
     K block as it loads it (head_dim a multiple of 128, rd <= 128, heads within groups): no launch and no pass over x
     of its own; elsewhere the reference rotation runs first (x is not changed)."""
     n, k, m = _check(x, w, groups)
+    _check_gemv(gemv, m)
     rot = _check_derotate(derotate, x, groups * k)
     if out_dtype not in (torch.bfloat16, torch.float32) or (out_dtype == torch.float32 and groups != 1):
         raise ValueError(f"out_dtype: expected torch.bfloat16, or torch.float32 with one group, got {out_dtype}")
@@ -397,7 +433,7 @@ def fp8_linear(
             return linear_fp32_group(x, [dequantize(w, backend)], backend, precision="bf16w")[0]
         return grouped_linear(x, dequantize(w, backend), groups)
     out = torch.empty(m, rows, dtype=out_dtype, device=x.device)
-    _run(x, w, groups, out, None, 0, rot, counters, block_n, num_warps, num_stages, split_k, cvt_asm)
+    _run(x, w, groups, out, None, 0, rot, counters, block_n, num_warps, num_stages, split_k, cvt_asm, gemv)
     return out
 
 
@@ -413,6 +449,7 @@ def fp8_linear_mixed(
     num_stages: int | None = None,
     split_k: int | None = None,
     cvt_asm: bool | None = None,
+    gemv: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``x·wᵀ`` (one group) in one launch with the outputs of w's first ``fp32_rows`` rows in fp32 and the rest's in
     bf16: (y32 [M, fp32_rows] fp32, y16 [M, rows - fp32_rows] bf16), row-strided views.  The values of
@@ -421,24 +458,27 @@ def fp8_linear_mixed(
     where the launch's K split differs from theirs.  ``fp32_rows``: a multiple of 128, below the weight's rows.  Paths
     and keywords as ``fp8_linear``'s: the torch path and, above DECODE_MAX_M tokens, the two parts computed apart."""
     n, k, m = _check(x, w, 1)
+    _check_gemv(gemv, m)
     if not isinstance(fp32_rows, int) or not 0 < fp32_rows < n or fp32_rows % _BLOCK_K:
         raise ValueError(f"fp32_rows: expected a multiple of {_BLOCK_K} in (0, {n}), got {fp32_rows!r}")
     if not use_triton(backend, x, w.data, w.scale, counters) or m > DECODE_MAX_M:
-        kw = dict(counters=counters, block_n=block_n, num_warps=num_warps, num_stages=num_stages, split_k=split_k)
+        kw = dict(
+            counters=counters, block_n=block_n, num_warps=num_warps, num_stages=num_stages, split_k=split_k, gemv=gemv
+        )
         return (
             fp8_linear(x, w.rows(0, fp32_rows), backend, out_dtype=torch.float32, cvt_asm=cvt_asm, **kw),
             fp8_linear(x, w.rows(fp32_rows, n), backend, cvt_asm=cvt_asm, **kw),
         )
     out32 = torch.empty(m, n, dtype=torch.float32, device=x.device)  # (full rows: the tiles keep one row stride)
     out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
-    _run(x, w, 1, out, out32, fp32_rows, None, counters, block_n, num_warps, num_stages, split_k, cvt_asm)
+    _run(x, w, 1, out, out32, fp32_rows, None, counters, block_n, num_warps, num_stages, split_k, cvt_asm, gemv)
     return out32[:, :fp32_rows], out[:, fp32_rows:]
 
 
 def _run(
     x: torch.Tensor, w: FP8Weight, groups: int, out: torch.Tensor, out32: torch.Tensor | None, n32: int,
     rot: tuple[torch.Tensor, int] | None, counters: torch.Tensor | None, block_n: int | None, num_warps: int | None,
-    num_stages: int | None, split_k: int | None, cvt_asm: bool | None,
+    num_stages: int | None, split_k: int | None, cvt_asm: bool | None, gemv: bool | None = None,
 ) -> None:  # fmt: skip
     """The kernel launch (and, for an unfused K split, the sum's) of ``fp8_linear`` / ``fp8_linear_mixed`` into
     ``out`` [M, G·N] (and, ``out32`` given, its first ``n32`` columns into ``out32`` [M, G·N] fp32); the launch
@@ -450,11 +490,16 @@ def _run(
         return
     if k and x.stride(1) != 1:
         x = x.contiguous()
+    use_gemv = _check_gemv(gemv, m)
+    if use_gemv and block_n is None:  # (its accumulator holds BLOCK_N x BLOCK_M x 128 values: 64 / BLOCK_M rows)
+        block_n = 64 // triton.next_power_of_2(m)
     launch = fp8_linear_launch(
         m, rows, k, num_sms=num_sms(x.device), block_n=block_n, num_warps=num_warps, num_stages=num_stages,
         split_k=split_k,
     )  # fmt: skip
     bm, bn, warps, stages, split = launch
+    if use_gemv:
+        bm = triton.next_power_of_2(m)
     if out32 is not None and n32 % bn:
         raise ValueError(f"block_n: expected a divisor of the fp32 rows ({n32}), got {bn}")
     k_per_split = triton.cdiv(triton.cdiv(k, split), _BLOCK_K) * _BLOCK_K  # whole K blocks per split
@@ -473,7 +518,7 @@ def _run(
         SPLIT=split if fused else 1, INTERP=interp, CVT_ASM=CVT_ASM if cvt_asm is None else bool(cvt_asm),
         BF16_RNE=interp and not out_fp32, cs_ptr=rot[0] if rot else None, HEAD_D=rot[1] if rot else 0,
         HR=rot[0].shape[1] if rot else 1, num_warps=warps, num_stages=stages, out32_ptr=out32, N32=n32,
-        MIXED=out32 is not None, **pdl_launch(x.device),
+        MIXED=out32 is not None, GEMV=use_gemv, **pdl_launch(x.device),
     )  # fmt: skip
     if split > 1 and not fused:
         numel = m * rows

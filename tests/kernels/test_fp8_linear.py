@@ -328,6 +328,8 @@ def test_fp8_linear_real_widths_on_gpu(model, m):
         x = torch.randn(m, groups * k, device="cuda").bfloat16()
         y = fp8_linear(x, w, groups=groups, counters=cnt)
         _assert_within(y, x, w, groups)
+        if m <= 4:  # the GEMV form too (opt-in, fl.GEMV_MAX_M)
+            _assert_within(fp8_linear(x, w, groups=groups, counters=cnt, gemv=True), x, w, groups)
         cub = fp8_linear(x, w, "torch", groups=groups)
         ulp = (y.float() - cub.float()).abs() / torch.finfo(torch.bfloat16).eps / cub.float().abs().clamp_min(1e-30)
         share = (y != cub).float().mean().item()
@@ -379,3 +381,42 @@ def test_grouped_linear_matches_einsum(device, groups):
         y = grouped_linear(x, w, groups).reshape(t, groups * n)
         assert y.dtype == torch.bfloat16 and y.is_contiguous()
         assert ((y.double() - want).abs() <= 2**-8 * want.abs() + 1e-6).all()
+
+
+@pytest.mark.parametrize("launch", [{}, {"split_k": 2}, {"split_k": 3, "block_n": 32}, {"block_n": 128}])
+@pytest.mark.parametrize("m, n, k, groups", [s for s in SHAPES if s[0] <= 4] + [(4, 64, 256, 1)])
+def test_fp8_linear_gemv_form_matches_reference(device, m, n, k, groups, launch):
+    """The kernel's GEMV form (``gemv=True``: no MMA, M padded to 1-4 rows) over the shapes and launches of the MMA
+    form: within the fp64 bound, and equal to the MMA form's output up to the fp32 summation order (bounded)."""
+    w = _weight(groups * n, k, seed=m + n, device=device)
+    x = torch.randn(m, groups * k, device=device).bfloat16()
+    y = fp8_linear(x, w, "triton", groups=groups, gemv=True, **launch)
+    assert y.shape == (m, groups * n)
+    _assert_within(y, x, w, groups)
+    cnt = torch.zeros(64, dtype=torch.int32, device=device)
+    y2 = fp8_linear(x, w, "triton", groups=groups, gemv=True, counters=cnt, **launch)  # (the fused split sum)
+    _assert_within(y2, x, w, groups)
+    assert not cnt.any()
+
+
+def test_fp8_linear_gemv_fp32_mixed_and_limits(device, monkeypatch):
+    """GEMV form: the fp32 output within the fp32 bound of fp64; ``fp8_linear_mixed`` bit-equal to the two
+    ``fp8_linear`` calls of the same form; the default from ``GEMV_MAX_M`` (at most 4 tokens); more than 4 tokens
+    with ``gemv=True`` refused on every path."""
+    w = _weight(384, 256, seed=3, device=device)
+    x = torch.randn(2, 256, device=device).bfloat16()
+    y32 = fp8_linear(x, w, "triton", out_dtype=torch.float32, gemv=True)
+    exact, mag = _exact(x.cpu(), w.to("cpu"))
+    assert y32.dtype == torch.float32 and bool(((y32.cpu().double() - exact).abs() <= 2 * 256 * U * mag).all())
+    a32, a16 = fp8_linear_mixed(x, w, 128, "triton", gemv=True)
+    assert torch.equal(a32, fp8_linear(x, w.rows(0, 128), "triton", out_dtype=torch.float32, gemv=True))
+    assert torch.equal(a16, fp8_linear(x, w.rows(128, 384), "triton", gemv=True))
+    x5 = torch.zeros(5, 256).bfloat16()
+    with pytest.raises(ValueError, match="at most 4 tokens"):
+        fp8_linear(x5.to(device), w, "triton", gemv=True)
+    with pytest.raises(ValueError, match="at most 4 tokens"):
+        fp8_linear_mixed(x5, w.to("cpu"), 128, "torch", gemv=True)
+    monkeypatch.setattr(fl, "GEMV_MAX_M", 2)
+    assert fl._check_gemv(None, 2) and not fl._check_gemv(None, 3) and not fl._check_gemv(False, 1)
+    monkeypatch.setattr(fl, "GEMV_MAX_M", 64)
+    assert fl._check_gemv(None, 4) and not fl._check_gemv(None, 5)
