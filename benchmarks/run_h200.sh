@@ -753,7 +753,7 @@ if [ "$what" = s26b ]; then  # session 26 (~7 min): the pool launch writing the 
   timeout 100 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_topk.py -k "gpu_many_rows or gpu_real_shape" \
     2>&1 | tee "$OUT/${stamp}_gpu_tests_topk_split_d_s26.txt" | grep -E "passed|failed|^FAILED|^E " | tail -6
 fi
-if [ "$what" = s27a ]; then  # left for session 27 (~9 min): the pool launch writing the state (state_unread) with the
+if [ "$what" = s27a ]; then  # left for session 27 (~10 min): the pool launch writing the state (state_unread) with the
   # writer check issued before the pooling, against the state-write launch, at 8,192 / 16,384 / 32,768 / 65,536 tokens
   # (compressor._STATE_IN_POOL_MAX_T is 8,192 from session 26's run; the tune forces the pool write at every size)
   for t in 8192 16384 32768 65536; do
@@ -762,6 +762,15 @@ import dsv4.kernels.cache.compressor as c; c._STATE_IN_POOL_MAX_T = 1 << 30; imp
       --models v4-flash --modes prefill --ops csa_main,csa_indexer,hca --prefill-tokens $t \
       --tune csa_main: --tune csa_main:state_unread=0 --tune csa_indexer: --tune csa_indexer:state_unread=0 \
       --tune hca: --tune hca:state_unread=0 --out "$OUT/${stamp}_write_unread_s27.jsonl" 2>&1 | grep -v -i warn | cut -c1-200
+  done
+  # the online HCA state written by the pool launch (compressor._ONLINE_STATE_IN_POOL, off: 158 registers at 8,192
+  # tokens against 128) against its own write launch, and capped at 128 registers
+  for t in 8192 16384; do
+    timeout 60 python3 -c "import sys; sys.argv[0] = 'bench_write'; sys.path.insert(0, 'benchmarks'); \
+import dsv4.kernels.cache.compressor as c; c._ONLINE_STATE_IN_POOL = True; c._STATE_IN_POOL_MAX_T = 1 << 30; \
+import bench_write as b; b.main()" --models v4-flash --modes prefill --ops hca_online --prefill-tokens $t \
+      --tune hca_online: --tune hca_online:state_unread=0 --tune hca_online:pool_maxnreg=128 \
+      --out "$OUT/${stamp}_write_unread_online_s27.jsonl" 2>&1 | grep -v -i warn | cut -c1-200
   done
   # fp8_linear's GEMV form (gemv=True, opt-in: fp8_linear.GEMV_MAX_M = 0) against the MMA form at 1 / 2 / 4 tokens,
   # every projection of both models, in the launch sweep; then its GPU tests (real widths at 1 token, the graph)

@@ -369,3 +369,40 @@ def test_state_unread_pool_writes_the_state_in_one_launch(device, kind, with_ape
         ape=ape if with_ape else None, state_unread=True,
     )  # fmt: skip
     assert writes == [1, 1] and torch.equal(ks, k1) and torch.equal(ss, s1)
+
+
+def test_state_unread_online_write_in_the_pool_launch(device, monkeypatch):
+    """An online HCA state with ``counters`` and ``_ONLINE_STATE_IN_POOL``: ``state_unread=True`` writes each request's
+    state (prefix, raw row) and position in the pool launch, as the in-order call's online write does (the same
+    ``_online_write_block``): state, positions and page bytes equal, counters back at 0, no state-write launch."""
+    _skip_cpu_without_interpreter(device)
+    monkeypatch.setattr(compressor_module, "_ONLINE_STATE_IN_POOL", True)
+    writes = []
+    real = compressor_module._launch_state_write
+    monkeypatch.setattr(compressor_module, "_launch_state_write", lambda *a: writes.append(1) or real(*a))
+    (kv, sc, pos, tslot, _, _, w, inv, eslot), (ratio, overlap, fmt, ekind, n_pages) = _unread_step(
+        "hca", device, torch.Generator().manual_seed(12)
+    )
+    d = kv.shape[1]
+    k0, s0, sp0 = online_state(3, d, device)
+    g = torch.Generator().manual_seed(13)
+    k0.copy_(torch.randn(k0.shape, generator=g).to(device))  # (stale rows of earlier requests: all overwritten)
+    s0.copy_(torch.randn(s0.shape, generator=g).to(device))
+    sp0.copy_(torch.tensor([5, 200, 7], dtype=torch.int32, device=device))
+    out = []
+    for unread in (False, True):
+        flat = torch.zeros(fmt.page_bytes(4) * n_pages, dtype=torch.uint8, device=device)
+        pages = fmt.entry_pages(flat, n_pages, 4)
+        buf = torch.cat([k0, s0], 1).clone()
+        ks, ss, sp = buf[:, 0:3], buf[:, 3:5], sp0.clone()
+        cnt = torch.zeros(3, dtype=torch.int32, device=device)
+        compress_prefill(
+            kv, sc, pos, tslot, ks, ss, ratio, overlap, w, 1e-6, inv, eslot, pages, fmt, ekind, "triton",
+            state_pos=sp, counters=cnt, fuse_emit=False, state_unread=unread,
+        )  # fmt: skip
+        assert not cnt.any()
+        out.append((flat, buf, sp))
+    assert writes == [1]
+    (f1, b1, p1), (f2, b2, p2) = out
+    assert f1.any() and torch.equal(f2, f1) and torch.equal(b2, b1) and torch.equal(p2, p1)
+    assert p1.tolist() == [299, 395, 4]  # each request's last position

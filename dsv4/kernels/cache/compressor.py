@@ -1019,6 +1019,8 @@ def _compressor_pool_kernel(
     HAS_APE: tl.constexpr = False,
     PDL: tl.constexpr = False,
     WRITE_STATE: tl.constexpr = False,
+    cnt_ptr=None,
+    N_CB: tl.constexpr = 1,
 ):
     """Program (token block a, channel block b): write ``emits`` of tokens [a*BLOCK_T, ...) (b == 0) and
     pool channels [b*BLOCK_D, ...) of each emitting token with a state slot, one after another (visiting
@@ -1032,16 +1034,18 @@ def _compressor_pool_kernel(
     row the pooling needs).  ``ONLINE_ROWS_IN_STEP`` (online, not ``ROW_LOADS``): an entry that does not combine the
     state has, by that test, all its rows in the step (for HCA, t + 1 = 0 mod m, so none before position 0), so it
     is pooled by the fast loads alone, without the state-reading path compiled beside them (``_pool_token``'s
-    ``ROWS_IN_STEP``).  ``WRITE_STATE`` (not online; only where no pooling of the step reads a state row, which
-    the caller vouches for: ``compressor_step(state_unread=True)``): then the program also writes the state rows of
-    its block's writing tokens, channel block b of each half (``_pool_block_state_write``)."""
+    ``ROWS_IN_STEP``).  ``WRITE_STATE`` (only where no pooling of the step reads a state row, which the caller
+    vouches for: ``compressor_step(state_unread=True)``): then the program also writes the state rows of its block's
+    writing tokens, channel block b of each half (``_pool_block_state_write``); with an online state, the state of
+    each request whose last token of the step is in its block (``_online_write_block`` over the N_CB channel blocks,
+    the positions by the last arrival on ``cnt_ptr``)."""
     pdl_enter(PDL)
     a = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1)
     tt, ss, tp, sp, work = _pool_block_head(
         a, b, T, pos_ptr, tslot_ptr, emits_ptr, num_state_slots, M, BLOCK_T, BLOCK_R, ROW_LOADS, True
     )
-    if WRITE_STATE:  # (loaded before the pooling, so their round trip overlaps it: used after it)
+    if WRITE_STATE and not ONLINE:  # (loaded before the pooling, so their round trip overlaps it: used after it)
         w_ii = a * BLOCK_T + tl.arange(0, BLOCK_T)
         w_tt, w_ss, w_wr = _state_writers(w_ii, T, CM, pos_ptr, tslot_ptr, num_state_slots)
     kk = tl.arange(0, BLOCK_T)
@@ -1067,10 +1071,17 @@ def _compressor_pool_kernel(
             )  # fmt: skip
         k = tl.min(tl.where(work & (kk > k), kk, BLOCK_T), axis=0)
     if WRITE_STATE:
-        _pool_block_state_write(
-            a, b, w_tt, w_ss, w_wr, kv_ptr, sc_ptr, stride_kv, stride_sc, kvs_ptr, scs_ptr, st_ss, st_sr, M, CM, D,
-            2 if OVERLAP else 1, BLOCK_T, BLOCK_D, ape_ptr, HAS_APE,
-        )  # fmt: skip
+        if ONLINE:
+            _online_write_block(
+                a, b, kv_ptr, sc_ptr, stride_kv, stride_sc, pos_ptr, tslot_ptr, kvs_ptr, scs_ptr, st_ss, st_sr,
+                num_state_slots, T, spos_ptr, cnt_ptr, M, D, BLOCK_T, BLOCK_R, BLOCK_D, FAST_EXP, INTERP, N_CB, True,
+                ape_ptr, HAS_APE, False,
+            )  # fmt: skip
+        else:
+            _pool_block_state_write(
+                a, b, w_tt, w_ss, w_wr, kv_ptr, sc_ptr, stride_kv, stride_sc, kvs_ptr, scs_ptr, st_ss, st_sr, M, CM, D,
+                2 if OVERLAP else 1, BLOCK_T, BLOCK_D, ape_ptr, HAS_APE,
+            )  # fmt: skip
 
 
 @triton.jit
@@ -1278,8 +1289,22 @@ def _compressor_online_write_kernel(
     ``_last_arrival``) then writes the new one, else the next launch does (``_online_pos_kernel``).  PDL: everything
     is loaded and computed before the wait for the previous launch (the pool, which reads the state), the state
     stored after it."""
-    a = tl.program_id(0).to(tl.int64)
-    b = tl.program_id(1)
+    _online_write_block(
+        tl.program_id(0).to(tl.int64), tl.program_id(1), kv_ptr, sc_ptr, stride_kv, stride_sc, pos_ptr, tslot_ptr,
+        kvs_ptr, scs_ptr, st_ss, st_sr, num_state_slots, T, spos_ptr, cnt_ptr, M, D, BLOCK_T, BLOCK_R, BLOCK_D,
+        FAST_EXP, INTERP, N_CB, POS_IN_WRITE, ape_ptr, HAS_APE, PDL,
+    )  # fmt: skip
+
+
+@triton.jit
+def _online_write_block(
+    a, b, kv_ptr, sc_ptr, stride_kv, stride_sc, pos_ptr, tslot_ptr, kvs_ptr, scs_ptr, st_ss, st_sr, num_state_slots, T,
+    spos_ptr, cnt_ptr, M: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr, FAST_EXP: tl.constexpr, INTERP: tl.constexpr, N_CB: tl.constexpr,
+    POS_IN_WRITE: tl.constexpr, ape_ptr, HAS_APE: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """Program (token block a, channel block b) of ``_compressor_online_write_kernel`` (its body; also run by the pool
+    kernel's programs where they write the state, ``WRITE_STATE``)."""
     tt, ss, last = _online_last_tokens(a, T, pos_ptr, tslot_ptr, num_state_slots, BLOCK_T)
     tp, sp = _tokens_before(a, pos_ptr, tslot_ptr, BLOCK_T, BLOCK_R)
     ch = b * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -1392,9 +1417,17 @@ def _online_block_d(block_d: int | None, d: int) -> int:
 _STATE_IN_POOL_MAX_T = 8192
 
 
-def _state_in_pool(state_unread: bool, online: bool, t: int) -> bool:
-    """Whether a non-decode Triton ``compressor_step`` of T = ``t`` tokens writes the state in its pool launch."""
-    return bool(state_unread) and not online and t <= _STATE_IN_POOL_MAX_T
+# An online state's write (``_online_write_block``) in the pool launch as well (with ``counters``): not yet timed
+# (``run_h200.sh s27a``), so off.
+_ONLINE_STATE_IN_POOL = False
+
+
+def _state_in_pool(state_unread: bool, online: bool, t: int, counters: bool) -> bool:
+    """Whether a non-decode Triton ``compressor_step`` of T = ``t`` tokens writes the state in its pool launch (an
+    online state: only with ``counters``, which carry the positions' last arrival)."""
+    if online and not (_ONLINE_STATE_IN_POOL and counters):
+        return False
+    return bool(state_unread) and t <= _STATE_IN_POOL_MAX_T
 
 
 def state_unread_by_step(context_lens, num_new_tokens, ratio: int, overlap: bool) -> bool:
@@ -1490,7 +1523,8 @@ def compressor_step(
     ``ape`` (fp32 [ratio, c*d], optional): then ``score`` is ``wgate(x)`` alone and the kernels add
         ``ape[pos mod ratio]`` to each of this step's score rows where they read them (pooling, state writes), as
         ``compress_decode`` does: the same fp32 sums as adding it first, without writing the [T, c*d] sum.
-    ``state_unread`` (non-decode Triton path, row-ring state; ignored otherwise): the caller's promise that no entry
+    ``state_unread`` (non-decode Triton path; an online state only with ``counters`` and ``_ONLINE_STATE_IN_POOL``;
+        ignored otherwise): the caller's promise that no entry
         pooled in this step reads a state row (``state_unread_by_step``, from the host's context lengths: every
         request starts at position 0, or at a multiple of m without overlap, or completes no entry).  The pool
         launch then writes the state as well up to _STATE_IN_POOL_MAX_T tokens (one launch instead of two;
@@ -1537,10 +1571,11 @@ def compressor_step(
         row_loads=row_loads, pool_div_after=pool_div_after, pool_fast_rows=pool_fast_rows, pool_fast_exp=pool_fast_exp,
         pool_online_rows_in_step=pool_online_rows_in_step, pool_maxnreg=pool_maxnreg, ape=ape is not None,
     )  # fmt: skip
-    in_pool = _state_in_pool(state_unread, online, t)
+    in_pool = _state_in_pool(state_unread, online, t, counters is not None)
     _compressor_pool_kernel[grid](
         *head, pooled, emits.view(torch.uint8), t, state_pos if online else kv_state, OVERLAP=overlap, **kw,
-        **_ape_kw(ape, kv), **pdl_launch(dev), WRITE_STATE=in_pool,
+        **_ape_kw(ape, kv), **pdl_launch(dev), WRITE_STATE=in_pool, cnt_ptr=counters if in_pool and online else None,
+        N_CB=grid[1],
     )  # fmt: skip
     if in_pool:
         return pooled, emits

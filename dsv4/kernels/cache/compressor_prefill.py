@@ -144,7 +144,7 @@ def compress_prefill(
     side = None
     if (_OVERLAP_WRITE if overlap_write is None else overlap_write) and kv.is_cuda and use_triton(backend, kv, score):
         side = _side_stream(kv.device)
-    in_pool = _state_in_pool(state_unread, state_pos is not None, kv.shape[0])  # (compressor_step's rule)
+    in_pool = _state_in_pool(state_unread, state_pos is not None, kv.shape[0], counters is not None)  # (its rule)
     if in_pool:
         side = None
     pooled, emits = compressor_step(
