@@ -307,7 +307,12 @@ class LayerCacheHandle:
 
         if self.plan.loaded or (self.plan.positions.is_cuda and torch.cuda.is_current_stream_capturing()):
             return False
-        return state_unread_by_step(self.plan.context_lens, self.plan.num_new_tokens, shape.ratio, shape.overlap)
+        plan, m, overlap = self.plan, shape.ratio, shape.overlap
+
+        def unread() -> bool:
+            return state_unread_by_step(plan.context_lens, plan.num_new_tokens, m, overlap)
+
+        return plan.memo(("state_unread", m, overlap), unread)  # (once a plan for every layer of the kind)
 
     def compress_all(
         self,
