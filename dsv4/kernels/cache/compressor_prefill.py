@@ -121,8 +121,9 @@ def compress_prefill(
     ``compressor_step``'s (``score`` is ``wgate(x)`` alone; the kernels add ``ape[pos mod ratio]`` as they read it).
     ``state_unread``: ``compressor_step``'s promise (no pooling of the step reads a state row,
     ``compressor.state_unread_by_step``): in order, the pool launch then writes the state too (up to
-    ``compressor._STATE_IN_POOL_MAX_T`` tokens) and the emit follows it (2 launches; ``overlap_write`` has nothing
-    to overlap); the fused launch keeps its own state write.
+    ``compressor._STATE_IN_POOL_MAX_T`` tokens; an online state only with ``counters`` and
+    ``compressor._ONLINE_STATE_IN_POOL``) and the emit follows it (2 launches; ``overlap_write`` has nothing to
+    overlap); the fused launch keeps its own state write.
     """
     check_emit_arguments(positions, norm_weight, inv_freq, slots, pages, fmt, ratio, kind, backend)
     geometry = _check_step(kv, score, positions, token_slot, kv_state, score_state, ratio, overlap, state_pos)
