@@ -294,12 +294,7 @@ def _fp8_linear_kernel(
                 a = _derotate_tile(a, cos, sin, lane, BLOCK_M, BLOCK_K, INTERP)
         s = tl.load(s_ptrs)
         if GEMV:
-            if INTERP:
-                wf = b.to(tl.float32)
-            elif CVT_ASM:
-                wf = _e4m3_to_bf16(b).to(tl.float32)
-            else:
-                wf = b.to(tl.float32)
+            wf = _e4m3_to_bf16(b).to(tl.float32) if CVT_ASM and not INTERP else b.to(tl.float32)
             acc3 += wf[:, None, :] * (a.to(tl.float32) * s)[None, :, :]
         elif INTERP:
             part = tl.dot(b.to(tl.float32), tl.trans(a.to(tl.float32)), input_precision="ieee")
@@ -411,7 +406,7 @@ def fp8_linear(
     K block as it loads it (head_dim a multiple of 128, rd <= 128, heads within groups): no launch and no pass over x
     of its own; elsewhere the reference rotation runs first (x is not changed)."""
     n, k, m = _check(x, w, groups)
-    _check_gemv(gemv, m)
+    use_gemv = _check_gemv(gemv, m)
     rot = _check_derotate(derotate, x, groups * k)
     if out_dtype not in (torch.bfloat16, torch.float32) or (out_dtype == torch.float32 and groups != 1):
         raise ValueError(f"out_dtype: expected torch.bfloat16, or torch.float32 with one group, got {out_dtype}")
@@ -433,7 +428,7 @@ def fp8_linear(
             return linear_fp32_group(x, [dequantize(w, backend)], backend, precision="bf16w")[0]
         return grouped_linear(x, dequantize(w, backend), groups)
     out = torch.empty(m, rows, dtype=out_dtype, device=x.device)
-    _run(x, w, groups, out, None, 0, rot, counters, block_n, num_warps, num_stages, split_k, cvt_asm, gemv)
+    _run(x, w, groups, out, None, 0, rot, counters, block_n, num_warps, num_stages, split_k, cvt_asm, use_gemv)
     return out
 
 
@@ -458,7 +453,7 @@ def fp8_linear_mixed(
     where the launch's K split differs from theirs.  ``fp32_rows``: a multiple of 128, below the weight's rows.  Paths
     and keywords as ``fp8_linear``'s: the torch path and, above DECODE_MAX_M tokens, the two parts computed apart."""
     n, k, m = _check(x, w, 1)
-    _check_gemv(gemv, m)
+    use_gemv = _check_gemv(gemv, m)
     if not isinstance(fp32_rows, int) or not 0 < fp32_rows < n or fp32_rows % _BLOCK_K:
         raise ValueError(f"fp32_rows: expected a multiple of {_BLOCK_K} in (0, {n}), got {fp32_rows!r}")
     if not use_triton(backend, x, w.data, w.scale, counters) or m > DECODE_MAX_M:
@@ -471,18 +466,18 @@ def fp8_linear_mixed(
         )
     out32 = torch.empty(m, n, dtype=torch.float32, device=x.device)  # (full rows: the tiles keep one row stride)
     out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
-    _run(x, w, 1, out, out32, fp32_rows, None, counters, block_n, num_warps, num_stages, split_k, cvt_asm, gemv)
+    _run(x, w, 1, out, out32, fp32_rows, None, counters, block_n, num_warps, num_stages, split_k, cvt_asm, use_gemv)
     return out32[:, :fp32_rows], out[:, fp32_rows:]
 
 
 def _run(
     x: torch.Tensor, w: FP8Weight, groups: int, out: torch.Tensor, out32: torch.Tensor | None, n32: int,
     rot: tuple[torch.Tensor, int] | None, counters: torch.Tensor | None, block_n: int | None, num_warps: int | None,
-    num_stages: int | None, split_k: int | None, cvt_asm: bool | None, gemv: bool | None = None,
+    num_stages: int | None, split_k: int | None, cvt_asm: bool | None, use_gemv: bool = False,
 ) -> None:  # fmt: skip
     """The kernel launch (and, for an unfused K split, the sum's) of ``fp8_linear`` / ``fp8_linear_mixed`` into
     ``out`` [M, G·N] (and, ``out32`` given, its first ``n32`` columns into ``out32`` [M, G·N] fp32); the launch
-    keywords as ``fp8_linear``'s."""
+    keywords as ``fp8_linear``'s, ``use_gemv`` its GEMV form as ``_check_gemv`` decided."""
     m, rows, k = x.shape[0], out.shape[1], w.shape[1]
     n = rows // groups
     out_fp32 = out.dtype == torch.float32
@@ -490,7 +485,6 @@ def _run(
         return
     if k and x.stride(1) != 1:
         x = x.contiguous()
-    use_gemv = _check_gemv(gemv, m)
     if use_gemv and block_n is None:  # (its accumulator holds BLOCK_N x BLOCK_M x 128 values: 64 / BLOCK_M rows)
         block_n = 64 // triton.next_power_of_2(m)
     launch = fp8_linear_launch(
