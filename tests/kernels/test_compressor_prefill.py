@@ -139,6 +139,20 @@ def _batch(kind, device, g, runs, drop_first_entry=False):
     return tensors, (ratio, overlap, fmt, ekind, n_pages)
 
 
+def _prefill_fresh(step, device, score=None, **kw):
+    """``compress_prefill`` (Triton) of a ``_batch`` step into fresh pages and copies of its states (``score`` in place
+    of the step's, ``kw`` its options): (page bytes, kv state, score state)."""
+    (kv, sc, pos, tslot, ks0, ss0, w, inv, eslot), (ratio, overlap, fmt, ekind, n_pages) = step
+    flat = torch.zeros(fmt.page_bytes(4) * n_pages, dtype=torch.uint8, device=device)
+    pages = fmt.entry_pages(flat, n_pages, 4) if ekind == "main" else fmt.key_pages(flat, n_pages, 4)
+    ks, ss = ks0.clone(), ss0.clone()
+    compress_prefill(
+        kv, sc if score is None else score, pos, tslot, ks, ss, ratio, overlap, w, 1e-6, inv, eslot, pages, fmt, ekind,
+        "triton", **kw,
+    )  # fmt: skip
+    return flat, ks, ss
+
+
 def _multi_request_step(kind, device, g):
     """A prefill batch of three requests and padding: request 0 continues from position 13 (its state holds random
     rows of the positions before), one of its emitting tokens has entry slot -1; request 1 starts at 0; request 2
@@ -164,21 +178,13 @@ def test_fused_emit_equals_in_order(device, kind, with_ape, monkeypatch):
         return real(*args)
 
     monkeypatch.setattr(prefill_module, "_pool_emit", spy)
-    (kv, sc, pos, tslot, ks0, ss0, w, inv, eslot), (ratio, overlap, fmt, ekind, n_pages) = _multi_request_step(
-        kind, device, torch.Generator().manual_seed(5)
-    )
+    step = _multi_request_step(kind, device, torch.Generator().manual_seed(5))
+    (kv, sc, pos, *_), ratio = step[0], step[1][0]
     ape = (torch.randn(ratio, kv.shape[1], generator=torch.Generator().manual_seed(6)) * 3).to(device)
     out = []
     for fuse in (False, True):
-        flat = torch.zeros(fmt.page_bytes(4) * n_pages, dtype=torch.uint8, device=device)
-        pages = fmt.entry_pages(flat, n_pages, 4) if ekind == "main" else fmt.key_pages(flat, n_pages, 4)
-        ks, ss = ks0.clone(), ss0.clone()
         score = sc + ape[pos.long() % ratio] if with_ape and not fuse else sc
-        compress_prefill(
-            kv, score, pos, tslot, ks, ss, ratio, overlap, w, 1e-6, inv, eslot, pages, fmt, ekind, "triton",
-            fuse_emit=fuse, ape=ape if with_ape and fuse else None,
-        )  # fmt: skip
-        out.append((flat, ks, ss))
+        out.append(_prefill_fresh(step, device, score, fuse_emit=fuse, ape=ape if with_ape and fuse else None))
     assert calls == ([1] if kind != "hca" else [])
     (f1, k1, s1), (f2, k2, s2) = out
     assert f1.any() and _equal_pages(f2, f1, device)
@@ -343,32 +349,19 @@ def test_state_unread_pool_writes_the_state_in_one_launch(device, kind, with_ape
     writes = []
     real = compressor_module._launch_state_write
     monkeypatch.setattr(compressor_module, "_launch_state_write", lambda *a: writes.append(1) or real(*a))
-    (kv, sc, pos, tslot, ks0, ss0, w, inv, eslot), (ratio, overlap, fmt, ekind, n_pages) = _unread_step(
-        kind, device, torch.Generator().manual_seed(9)
-    )
+    step = _unread_step(kind, device, torch.Generator().manual_seed(9))
+    kv, ks0, ratio = step[0][0], step[0][4], step[1][0]
     ape = (torch.randn(ratio, kv.shape[1], generator=torch.Generator().manual_seed(10)) * 3).to(device)
-    out = []
-    for unread in (False, True):
-        flat = torch.zeros(fmt.page_bytes(4) * n_pages, dtype=torch.uint8, device=device)
-        pages = fmt.entry_pages(flat, n_pages, 4) if ekind == "main" else fmt.key_pages(flat, n_pages, 4)
-        ks, ss = ks0.clone(), ss0.clone()
-        compress_prefill(
-            kv, sc, pos, tslot, ks, ss, ratio, overlap, w, 1e-6, inv, eslot, pages, fmt, ekind, "triton",
-            fuse_emit=False, ape=ape if with_ape else None, state_unread=unread,
-        )  # fmt: skip
-        out.append((flat, ks, ss))
+    kw = {"fuse_emit": False, "ape": ape if with_ape else None}
+    out = [_prefill_fresh(step, device, state_unread=unread, **kw) for unread in (False, True)]
     assert writes == [1]  # the in-order call's state write only
     (f1, k1, s1), (f2, k2, s2) = out
     assert f1.any() and torch.equal(f2, f1)
     assert not torch.equal(k1, ks0) and torch.equal(k2, k1) and torch.equal(s2, s1)
     # past _STATE_IN_POOL_MAX_T tokens the promise changes nothing: the state-write launch runs
     monkeypatch.setattr(compressor_module, "_STATE_IN_POOL_MAX_T", kv.shape[0] - 1)
-    ks, ss = ks0.clone(), ss0.clone()
-    compress_prefill(
-        kv, sc, pos, tslot, ks, ss, ratio, overlap, w, 1e-6, inv, eslot, pages, fmt, ekind, "triton", fuse_emit=False,
-        ape=ape if with_ape else None, state_unread=True,
-    )  # fmt: skip
-    assert writes == [1, 1] and torch.equal(ks, k1) and torch.equal(ss, s1)
+    f3, k3, s3 = _prefill_fresh(step, device, state_unread=True, **kw)
+    assert writes == [1, 1] and torch.equal(f3, f1) and torch.equal(k3, k1) and torch.equal(s3, s1)
 
 
 def test_state_unread_online_write_in_the_pool_launch(device, monkeypatch):
