@@ -5,7 +5,17 @@ compressor prefill in order and fused, compressor decode) with PDL must write th
 and replayed from a captured CUDA graph.  In order, a prefill's state write loads its rows before it waits for the
 pool and its emit runs whole before it waits for the state write (``pdl_late``), so these runs are where a wrong
 ordering would show.
+
+Every kernel that takes a ``PDL`` constexpr is also checked statically (its source): a program launched with
+``launch_pdl`` must reach ``griddepcontrol.wait`` before it reads what the previous kernel wrote and before it
+exits, or it races that kernel (or holds back the next one).
 """
+
+import ast
+import importlib
+import inspect
+import pkgutil
+import textwrap
 
 import pytest
 import torch
@@ -19,6 +29,84 @@ from dsv4.kernels.cache.store import store_window
 
 ON = {"PDL": True, "launch_pdl": True}
 OFF = {"PDL": False}
+_ENTERS = {"pdl_enter", "pdl_enter_gl"}  # wait, then release the next kernel (the helpers themselves)
+
+
+def _pdl_kernels() -> dict[str, tuple[ast.FunctionDef, dict]]:
+    """Every Triton / Gluon function of ``dsv4.kernels`` (kernels and the helpers they hand PDL to; not the wait
+    helpers of ``_triton_sync`` / ``_gluon_sync``) with a ``PDL`` parameter: name -> (its AST, its module's
+    globals)."""
+    import dsv4.kernels
+
+    found = {}
+    for info in pkgutil.walk_packages(dsv4.kernels.__path__, dsv4.kernels.__name__ + "."):
+        if info.name.endswith(("._triton_sync", "._gluon_sync")):  # the wait helpers themselves
+            continue
+        mod = importlib.import_module(info.name)
+        for obj in vars(mod).values():
+            fn = getattr(obj, "fn", None)  # JITFunction / GluonJITFunction wrap the Python function
+            if not inspect.isfunction(fn) or fn.__module__ != mod.__name__:
+                continue
+            tree = ast.parse(textwrap.dedent(inspect.getsource(fn))).body[0]
+            if "PDL" in [a.arg for a in tree.args.args]:
+                found[fn.__name__] = (tree, vars(mod))
+    return found
+
+
+def _call_name(node: ast.AST) -> str | None:
+    return node.func.id if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) else None
+
+
+def _passes_pdl(call: ast.Call) -> bool:
+    return any(isinstance(a, ast.Name) and a.id == "PDL" for a in call.args) or any(
+        isinstance(k.value, ast.Name) and k.value.id == "PDL" for k in call.keywords
+    )
+
+
+def _why_not_entered(name: str, kernels: dict, seen: frozenset = frozenset()) -> str | None:
+    """None when every program of ``name`` reaches the PDL wait on every path, else why not: its first statement
+    (after the docstring) enters -- ``pdl_enter``, or ``pdl_start`` paired with a final ``pdl_end``, or a call
+    handing PDL to a function that enters -- or, with no ``return`` anywhere, an unconditional statement of its body
+    does."""
+    tree, _ = kernels[name]
+    body = [s for s in tree.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
+    returns = any(isinstance(n, ast.Return) for n in ast.walk(tree))
+
+    def enters(stmt: ast.stmt) -> bool:
+        call = stmt.value if isinstance(stmt, ast.Expr) else None
+        callee = _call_name(call)
+        if callee is None or not _passes_pdl(call):
+            return False
+        if callee in _ENTERS:
+            return True
+        if callee == "pdl_start":  # (enters here, or at the pdl_end that must then close the body)
+            return _call_name(getattr(body[-1], "value", None)) == "pdl_end" and not returns
+        return callee in kernels and callee not in seen and _why_not_entered(callee, kernels, seen | {name}) is None
+
+    if body and enters(body[0]):
+        return None
+    if not returns and any(enters(s) for s in body):
+        return None
+    return "no unconditional PDL wait on every path (first statement, or a body without returns)"
+
+
+def test_every_kernel_with_pdl_waits_for_the_previous_kernel_on_every_path():
+    kernels = _pdl_kernels()
+    assert len(kernels) >= 40, sorted(kernels)  # the scan found the kernels (47 in 2026-12)
+    bad = {n: why for n in kernels if (why := _why_not_entered(n, kernels))}
+    assert not bad, bad
+
+
+def test_the_pdl_check_catches_a_kernel_that_never_waits():
+    src = (
+        "def k(x_ptr, PDL):\n    if tl.program_id(0) > 0:\n        return\n    pdl_enter(PDL)\n    tl.store(x_ptr, 1)\n"
+    )
+    ok = "def k(x_ptr, PDL):\n    pdl_enter(PDL)\n    if tl.program_id(0) > 0:\n        return\n"
+    late = "def k(x_ptr, PDL, LATE):\n    pdl_start(PDL, LATE)\n    tl.store(x_ptr, 1)\n    pdl_end(PDL, LATE)\n"
+    late_bad = "def k(x_ptr, PDL, LATE):\n    pdl_start(PDL, LATE)\n    tl.store(x_ptr, 1)\n"
+    for text, want in ((src, False), (ok, True), (late, True), (late_bad, False)):
+        kernels = {"k": (ast.parse(text).body[0], {})}
+        assert (_why_not_entered("k", kernels) is None) == want, text
 
 
 def test_pdl_launch_switch(monkeypatch):

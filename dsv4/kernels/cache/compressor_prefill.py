@@ -58,8 +58,9 @@ __all__ = ["compress_prefill"]
 # (``run_h200.sh overlap_s18``).
 _OVERLAP_WRITE = False
 _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
-# The pool programs emit the entries themselves where a program holds a whole pooled row.  Off until measured on the
-# H200 (``run_h200.sh fuse_s19``).
+# The pool programs emit the entries themselves where a program holds a whole pooled row.  Off: it loses on the H200
+# (session 19, ``2026-12-05_h200_write_writes_s19.txt``, graph time, in order -> fused): CSA main 8,192 tokens 28.3 ->
+# 33.4 us, 65,536 155.8 -> 191.8; CSA indexer 13.3 -> 17.1 and 56.3 -> 115.0 (the fused pools lose their occupancy).
 _FUSE_EMIT = False
 _FUSE_TILE_MAX = 4096  # [rows, d] values of a fused pool program's tile (CSA main [8, 512]; HCA's [128, 512] not)
 
