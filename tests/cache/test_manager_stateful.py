@@ -1,6 +1,6 @@
 """Hypothesis state machine over the manager: add / plan+commit / plan+cancel / free / preempt / resume / save /
 load / fork (pages shared or copied), with frees and preempts landing inside a step; invariants (shared pages
-counted) and a shadow model checked after every rule."""
+counted) and a shadow model checked after every rule, every plan's fields against the per-token reference."""
 
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -8,6 +8,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from dsv4.cache import KVCacheManager
 from dsv4.config import get_preset
+from tests.cache.test_plan import assert_plan_matches_reference
 
 IDS = st.integers(0, 7)
 
@@ -57,6 +58,7 @@ class ManagerMachine(RuleBasedStateMachine):
             assert self.m.stats() == before
             return
         assert plan.num_tokens == sum(sizes)
+        assert_plan_matches_reference(self.m, plan, list(zip(ids, sizes, strict=True)))
         # A free/preempt that arrives while the step runs
         victim = {"free": free_mid, "preempt": preempt_mid}.get(mid)
         if victim is not None:

@@ -1,4 +1,5 @@
-"""StepPlan helpers: the packed host -> device transfer of a plan's int32 fields, and the per-plan memo."""
+"""StepPlan: every field of a built plan against a per-token reference; the packed host -> device transfer of a
+plan's int32 fields; the per-plan memo."""
 
 import numpy as np
 import pytest
@@ -13,6 +14,104 @@ from dsv4.model.attention import AttentionSubBlock
 from dsv4.model.weights import random_attention_weights
 
 TINY = get_preset("tiny")
+
+
+def reference_plan_fields(m: KVCacheManager, items, pad: int = 0, widths=None) -> dict:
+    """What ``m.plan(items, pad_batch_to=len(items) + pad, max_blocks=widths)`` must hold, one token at a time from
+    the manager's state right after that call (pages allocated, lengths not yet advanced): the readable definition
+    of every field that ``KVCacheManager._build_plan`` computes with array operations."""
+    rows = [(m._requests[rid].num_tokens, n, m._requests[rid].slot, m._requests[rid].blocks) for rid, n in items]
+    rows += [(0, 1, -1, None)] * pad
+    ring = m.schema.ring_size
+    f = {"positions": [], "request_ids": [], "token_slots": [], "swa_slots": [], "query_start": [0]}
+    for b, (start, n, slot, _) in enumerate(rows):
+        for pos in range(start, start + n):
+            f["positions"].append(pos)
+            f["request_ids"].append(b)
+            f["token_slots"].append(slot)
+            f["swa_slots"].append(slot * ring + pos % ring if slot >= 0 and pos >= start + n - ring else -1)
+        f["query_start"].append(f["query_start"][-1] + n)
+    f["request_slots"] = [slot for _, _, slot, _ in rows]
+    f["seq_lens"] = [start + n for start, n, _, _ in rows]
+    for ratio, pool in m.pools.items():
+        per_page = pool.ratio_class.entries_per_page
+        held = [len(blocks[ratio]) if blocks else 0 for *_, blocks in rows]
+        width = widths[ratio] if widths else max(1, *held)
+        table = [
+            (list(blocks[ratio]) if blocks else []) + [-1] * (width - h)
+            for (*_, blocks), h in zip(rows, held, strict=True)
+        ]
+        f[f"{ratio}.block_table"] = table
+        f[f"{ratio}.block_lens"] = held
+        f[f"{ratio}.num_entries"] = [(start + n) // ratio if slot >= 0 else 0 for start, n, slot, _ in rows]
+        f[f"{ratio}.n_visible"], f[f"{ratio}.emit_slots"] = [], []
+        for b, pos in zip(f["request_ids"], f["positions"], strict=True):
+            real = rows[b][2] >= 0
+            f[f"{ratio}.n_visible"].append((pos + 1) // ratio if real else 0)
+            entry = pos // ratio
+            page = table[b][min(entry // per_page, width - 1)]
+            emits = real and (pos + 1) % ratio == 0 and page >= 0
+            f[f"{ratio}.emit_slots"].append(page * per_page + entry % per_page if emits else -1)
+        f[f"{ratio}.max_entries"] = width * per_page if widths else max(f[f"{ratio}.num_entries"])
+    return f
+
+
+def assert_plan_matches_reference(m: KVCacheManager, plan, items, pad: int = 0, widths=None) -> None:
+    want = reference_plan_fields(m, items, pad, widths)
+    got = {k: getattr(plan, k) for k in ("positions", "request_ids", "token_slots", "swa_slots", "query_start")}
+    got.update(request_slots=plan.request_slots, seq_lens=plan.seq_lens)
+    for ratio, rp in plan.ratios.items():
+        for k in ("block_table", "block_lens", "num_entries", "n_visible", "emit_slots"):
+            got[f"{ratio}.{k}"] = getattr(rp, k)
+        got[f"{ratio}.max_entries"] = rp.max_entries
+    assert set(got) == set(want)
+    for k, v in want.items():
+        if isinstance(v, int):
+            assert got[k] == v, k
+        else:
+            assert got[k].dtype == torch.int32 and torch.equal(
+                got[k], torch.tensor(v, dtype=torch.int32).view(got[k].shape)
+            ), k
+    n = len(items)
+    assert plan.slot_ids == tuple(want["request_slots"][:n])
+    assert plan.num_new_tokens == tuple(c for _, c in items)
+    assert plan.context_lens == tuple(s - c for s, (_, c) in zip(want["seq_lens"][:n], items, strict=True))
+
+
+@pytest.mark.parametrize("online", [True, False])
+def test_plan_fields_equal_the_per_token_reference(online):
+    """Prefill chunks not aligned to entries or pages, mixed prefill + decode, decode padded for a graph bucket with
+    fixed table widths, a forked request sharing pages, a cancelled step replanned, a request freed mid-way."""
+    rng = np.random.default_rng(3)
+    m = KVCacheManager(TINY, max_requests=5, num_pages=64, block_tokens=128, online_state=online)
+    for rid in range(4):
+        m.add(rid)
+    steps = [
+        ([(0, 300), (1, 7), (2, 129)], 0, None),
+        ([(0, 1), (1, 250), (2, 1), (3, 4)], 0, None),
+        ([(0, 1), (1, 1), (9, 1), (3, 1)], 3, {4: 8, 128: 4}),
+        ([(3, 517), (1, 1)], 0, None),
+    ]
+    for i, (items, pad, widths) in enumerate(steps):
+        plan = m.plan(items, pad_batch_to=len(items) + pad if pad else None, max_blocks=widths)
+        assert_plan_matches_reference(m, plan, items, pad, widths)
+        if i == 1:  # cancelled, then planned again over the pages it kept
+            m.cancel(plan)
+            plan = m.plan(items)
+            assert_plan_matches_reference(m, plan, items)
+        m.commit(plan)
+        if i == 1:
+            assert m.fork(0, 9, share=True)
+            m.free(2)
+    for _ in range(20):  # random decode / short-chunk steps over the live requests
+        live = [r for r in (0, 1, 3, 9) if r in m]
+        items = [(r, int(rng.choice([1, 1, 1, 2, 3, 5, 64]))) for r in live if rng.random() < 0.8] or [(live[0], 1)]
+        plan = m.plan(items)
+        if plan is None:
+            break
+        assert_plan_matches_reference(m, plan, items)
+        m.commit(plan)
+    m.check_invariants()
 
 
 def test_packed_transfer_equals_one_tensor_each():

@@ -1,0 +1,99 @@
+"""Host time of a step's plan: ``KVCacheManager.plan`` + ``commit`` of a decode step (one token a request), the
+Python and NumPy work an engine's scheduler pays once a step before it launches the layers.
+
+    python benchmarks/bench_plan.py --out FILE.jsonl                  # default grid, any machine (CPU is enough)
+    python benchmarks/bench_plan.py --batches 64 --contexts 131072    # one row
+
+Each row: V4-Flash's schema (ratio classes 4 and 128, 256-token pages), B requests each holding ``context`` committed
+tokens (prefilled in 16,384-token chunks first), then ``plan({r: 1 for r in range(B)})`` + ``commit`` timed as the
+median of ``--reps`` rounds of ``--iters`` steps (``time_s``: one step).  The manager lives on the ``meta`` device, so
+the plan's host -> device copy is not part of the time (on CUDA it is one packed non-blocking copy, see
+``cache.plan.int32_to_device``).  Pages: enough for every request to reach ``context`` + the timed steps.
+
+Work a step must do: O(B) Python for the schedule's checks and page needs, and O(B x table width) for the block
+tables: before session 27 every page id was converted from the requests' Python lists each step (O(B x pages));
+since then the tables are gathered from a slot-indexed host mirror (``KVCacheManager._tables``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+import torch
+
+from dsv4.cache.manager import KVCacheManager
+from dsv4.config import get_preset
+
+
+def measure(batch: int, context: int, iters: int, reps: int) -> dict:
+    cfg = get_preset("v4-flash")
+    steps = iters * (reps + 1)
+    pages = batch * (-(-(context + steps) // 256) + 1)
+    m = KVCacheManager(cfg, max_requests=batch, num_pages=pages, device="meta")
+    for r in range(batch):
+        m.add(r)
+    done = 0
+    while done < context:
+        n = min(16384, context - done)
+        plan = m.plan({r: n for r in range(batch)})
+        m.commit(plan)
+        done += n
+    sched = {r: 1 for r in range(batch)}
+
+    def step() -> None:
+        m.commit(m.plan(sched))
+
+    for _ in range(iters):  # warm-up round
+        step()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            step()
+        times.append((time.perf_counter() - t0) / iters)
+    m.check_invariants()
+    return {"name": "plan_commit_decode", "batch": batch, "context": context, "time_s": statistics.median(times)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batches", default="1,8,64", help="comma-separated requests a step")
+    ap.add_argument("--contexts", default="4096,131072", help="comma-separated committed tokens a request")
+    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--out", help="JSON lines file to append to")
+    args = ap.parse_args(argv)
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        rev = ""
+    meta = {
+        "machine": platform.processor() or platform.machine(),
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "torch": torch.__version__,
+        "commit": rev,
+        "date": time.strftime("%Y-%m-%d", time.gmtime()),
+    }
+    rows = []
+    for ctx in (int(c) for c in args.contexts.split(",")):
+        for b in (int(x) for x in args.batches.split(",")):
+            row = {**measure(b, ctx, args.iters, args.reps), **meta}
+            rows.append(row)
+            print(f"plan + commit, decode, B = {b:3d}, {ctx:7d} tokens a request: {row['time_s'] * 1e6:8.1f} us")
+    if args.out:
+        with open(args.out, "a") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
