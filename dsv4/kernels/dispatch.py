@@ -11,17 +11,26 @@ Every operation has a public function that validates its arguments and then call
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import os
+from collections.abc import Iterator
 
 import torch
 
 BACKENDS = ("auto", "torch", "triton")
-# Programmatic dependent launch of dsv4's Triton and Gluon kernels (``pdl_launch``); the environment variable
-# DSV4_PDL=1 / 0 overrides it.  Off: on the H200 (session 19) the prefill write rows gained 1.9-4.1 us at 8,192 tokens
-# and were mixed at 65,536 (-3.5 to +3.5 us); the decode step with it and its GPU tests run to the end are
-# ``run_h200.sh s27b``, not yet run.
+# Programmatic dependent launch of dsv4's Triton and Gluon kernels (``pdl_launch``): ``PDL`` everywhere, unless a
+# ``pdl_scope`` says otherwise (a layer's decode step: ``PDL_DECODE``); the environment variable DSV4_PDL=1 / 0
+# overrides both.  Measured (H100, session 27, ``2026-12-05_h100_{decode,write}_pdl{0,1}_s27.*``, graph time, off ->
+# on): the V4-Flash decode step at 128K, B = 1: CSA 206.2 -> 198.9 us, HCA 152.4 -> 146.8; B = 64: 330.5 -> 329.3 and
+# 197.0 -> 193.3; the decode-size write launches 0.3-0.7 us each faster.  Prefill-size launches are mixed: the window
+# store 7.9 -> 10.6 us at 8,192 tokens and 64.2 -> 80.0 at 65,536 (a chain of many-wave grids), the CSA indexer 12.0 ->
+# 13.2 at 8,192, HCA online 21.8 -> 17.5 (H200, session 19: gains at 8,192, -3.5 to +3.5 us at 65,536).  So on in a
+# decode step only.
 PDL = False
+PDL_DECODE = True
+_PDL_SCOPE: contextvars.ContextVar[bool | None] = contextvars.ContextVar("dsv4_pdl_scope", default=None)
 DEFAULT_NUM_SMS = 132  # the H200's SM count, assumed by launch heuristics when no CUDA device is present
 
 
@@ -75,12 +84,25 @@ def check_maxnreg(name: str, value: int | None) -> None:
         raise ValueError(f"{name}: expected None or an int in [24, 255], got {value!r}")
 
 
+@contextlib.contextmanager
+def pdl_scope(on: bool) -> Iterator[None]:
+    """Within the block, ``pdl_launch`` answers ``on`` instead of ``PDL`` (DSV4_PDL=1 / 0 still overrides it); scopes
+    nest, and each restores the one outside it.  Host-side: it decides how kernels are launched (and captured)."""
+    token = _PDL_SCOPE.set(bool(on))
+    try:
+        yield
+    finally:
+        _PDL_SCOPE.reset(token)
+
+
 def pdl_launch(device: torch.device) -> dict:
     """Launch keywords for a kernel with a ``PDL`` constexpr that calls ``_triton_sync.pdl_enter`` first:
-    ``{"PDL": True, "launch_pdl": True}`` where programmatic dependent launch is on (``PDL``, or DSV4_PDL=1 / 0) and
-    ``device`` is a CUDA device of compute capability 9 or more, outside the interpreter; else ``{"PDL": False}``."""
+    ``{"PDL": True, "launch_pdl": True}`` where programmatic dependent launch is on (DSV4_PDL=1 / 0, else the innermost
+    ``pdl_scope``, else ``PDL``) and ``device`` is a CUDA device of compute capability 9 or more, outside the
+    interpreter; else ``{"PDL": False}``."""
     env = os.environ.get("DSV4_PDL", "")
-    on = PDL if env not in ("0", "1") else env == "1"
+    scope = _PDL_SCOPE.get()
+    on = env == "1" if env in ("0", "1") else PDL if scope is None else scope
     if on and device.type == "cuda" and not interpreter_enabled() and sm_major(device) >= 9:
         return {"PDL": True, "launch_pdl": True}
     return {"PDL": False}

@@ -27,6 +27,7 @@ passes its ``backend`` to all of them.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import NamedTuple
 
@@ -39,8 +40,9 @@ from dsv4.config import LayerKind, ModelConfig
 from dsv4.errors import check_tensor
 from dsv4.formats import EntryPages
 from dsv4.formats.fp8_weight import WEIGHT_BLOCK, FP8Weight, stack_rows
+from dsv4.kernels import dispatch
 from dsv4.kernels.attention import sparse_attention
-from dsv4.kernels.dispatch import use_triton
+from dsv4.kernels.dispatch import pdl_scope, use_triton
 from dsv4.kernels.fp8_linear import fp8_linear, fp8_linear_mixed
 from dsv4.kernels.indexer import indexer_topk, to_physical, visible_physical
 from dsv4.kernels.linear import bf16_exact, linear_counters, linear_fp32_group, linear_fp32_pair
@@ -173,7 +175,12 @@ class AttentionSubBlock:
         return self.forward(x, handle)
 
     def forward(self, x: torch.Tensor, handle: LayerCacheHandle) -> torch.Tensor:
-        """x [T, dim] bf16, the step's tokens in plan order (after attn_norm) -> y [T, dim] bf16."""
+        """x [T, dim] bf16, the step's tokens in plan order (after attn_norm) -> y [T, dim] bf16.  A decode step's
+        kernels are launched with programmatic dependent launch where ``dispatch.PDL_DECODE`` (Hopper; see there)."""
+        with pdl_scope(True) if handle.plan.is_decode and dispatch.PDL_DECODE else contextlib.nullcontext():
+            return self._forward(x, handle)
+
+    def _forward(self, x: torch.Tensor, handle: LayerCacheHandle) -> torch.Tensor:
         cfg, w, be = self.cfg, self.w, self.backend
         plan = handle.plan
         check_tensor("x", x, dtype=torch.bfloat16, shape=(plan.num_tokens, cfg.dim), device=w.device)

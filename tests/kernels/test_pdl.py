@@ -131,6 +131,49 @@ def test_pdl_launch_switch(monkeypatch):
     assert dispatch.pdl_launch(cuda) == OFF
     monkeypatch.setenv("DSV4_PDL", "")
     assert dispatch.pdl_launch(cuda) == ON
+    # a scope answers instead of PDL, nested scopes restore the outer one, the environment overrides every scope
+    with dispatch.pdl_scope(False):
+        assert dispatch.pdl_launch(cuda) == OFF
+        with dispatch.pdl_scope(True):
+            assert dispatch.pdl_launch(cuda) == ON and dispatch.pdl_launch(cpu) == OFF
+        assert dispatch.pdl_launch(cuda) == OFF
+        monkeypatch.setenv("DSV4_PDL", "1")
+        assert dispatch.pdl_launch(cuda) == ON
+        monkeypatch.setenv("DSV4_PDL", "")
+    monkeypatch.setattr(dispatch, "PDL", False)
+    with dispatch.pdl_scope(True):
+        assert dispatch.pdl_launch(cuda) == ON
+        monkeypatch.setenv("DSV4_PDL", "0")
+        assert dispatch.pdl_launch(cuda) == OFF
+    assert dispatch._PDL_SCOPE.get() is None
+
+
+@pytest.mark.parametrize("pdl_decode", [True, False])
+def test_a_layer_launches_its_decode_steps_in_a_pdl_scope(monkeypatch, pdl_decode):
+    """``AttentionSubBlock`` runs a decode step's kernels inside ``pdl_scope(True)`` (when ``dispatch.PDL_DECODE``) and
+    a prefill chunk's outside any scope (``dispatch.PDL`` decides)."""
+    from dsv4.cache import KVCacheManager
+    from dsv4.config import get_preset
+    from dsv4.model.attention import AttentionSubBlock
+    from dsv4.model.weights import random_attention_weights
+
+    cfg, layer = get_preset("tiny"), 1
+    monkeypatch.setattr(dispatch, "PDL_DECODE", pdl_decode)
+    blk = AttentionSubBlock(cfg, layer, random_attention_weights(cfg, layer, seed=1), backend="torch")
+    seen = []
+    inner = AttentionSubBlock._forward
+    monkeypatch.setattr(
+        AttentionSubBlock, "_forward", lambda self, x, h: seen.append(dispatch._PDL_SCOPE.get()) or inner(self, x, h)
+    )
+    m = KVCacheManager(cfg, max_requests=2, num_pages=8, block_tokens=256)
+    m.add(0), m.add(1)
+    x = torch.randn(40, cfg.dim, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    for sched in ({0: 30, 1: 10}, {0: 1, 1: 1}, {0: 1, 1: 3}):
+        plan = m.plan(sched)
+        blk(x[: plan.num_tokens], m.acquire(layer, plan))
+        m.commit(plan)
+    assert seen == [None, True if pdl_decode else None, None]
+    assert dispatch._PDL_SCOPE.get() is None
 
 
 def _write_path(dev: torch.device):
