@@ -339,11 +339,11 @@ class KVCacheManager:
         widths = dict(max_blocks) if isinstance(max_blocks, Mapping) else {m: max_blocks for m in self.pools}
         if set(widths) != set(self.pools):
             raise ValueError(f"max_blocks: expected keys {sorted(self.pools)}, got {sorted(map(repr, widths))}")
-        for m, w in widths.items():
-            rc = self.pools[m].ratio_class
-            need = max(  # pages held can exceed the step's need after a cancel()
-                max(rc.pages_for_tokens(self._requests[rid].num_tokens + n), len(self._requests[rid].blocks[m]))
-                for rid, n in items
+        reqs = [(self._requests[rid], n) for rid, n in items]
+        for m, per_page in self._paging:
+            w = widths[m]
+            need = max(  # pages held can exceed the step's need after a cancel() (``RatioClass.pages_for_tokens``)
+                max(-(-((r.num_tokens + n) // m) // per_page), len(r.blocks[m])) for r, n in reqs
             )
             if not isinstance(w, int) or w < max(1, need):
                 raise ValueError(
@@ -383,19 +383,19 @@ class KVCacheManager:
 
         def put(name: str, a) -> None:
             names.append(name)
-            arrays.append(np.asarray(a, dtype=np.int64))
+            arrays.append(np.asarray(a))  # (integers; int32_to_device makes them int32)
 
         max_entries = {}
         for m, per_page in self._paging:
             lens = np.zeros(n_rows, np.int64)
             lens[:nr] = self._held[m][slots[:nr]]
             width = widths[m] if widths else max(1, int(lens.max()))
-            table = np.full((n_rows, width), -1, dtype=np.int64)
+            table = np.full((n_rows, width), -1, dtype=np.int32)  # (the mirror's dtype: no conversion on the way)
             cols = min(width, self._tables[m].shape[1])  # (columns past the mirror's are -1 in every row)
             table[:nr, :cols] = self._tables[m][slots[:nr], :cols]
             entry = pos // m
             emits = real & ((pos + 1) % m == 0)
-            page = table[row, np.minimum(entry // per_page, width - 1)]
+            page = table[row, np.minimum(entry // per_page, width - 1)].astype(np.int64)
             num_entries = np.where(slots >= 0, (starts + counts) // m, 0)
             put(f"{m}.block_table", table)
             put(f"{m}.block_lens", lens)

@@ -81,7 +81,8 @@ def assert_plan_matches_reference(m: KVCacheManager, plan, items, pad: int = 0, 
 @pytest.mark.parametrize("online", [True, False])
 def test_plan_fields_equal_the_per_token_reference(online):
     """Prefill chunks not aligned to entries or pages, mixed prefill + decode, decode padded for a graph bucket with
-    fixed table widths, a forked request sharing pages, a cancelled step replanned, a request freed mid-way."""
+    fixed table widths (one wider than the manager's host mirror), a forked request sharing pages, a cancelled step
+    replanned, a request freed mid-way."""
     rng = np.random.default_rng(3)
     m = KVCacheManager(TINY, max_requests=5, num_pages=64, block_tokens=128, online_state=online)
     for rid in range(4):
@@ -90,7 +91,9 @@ def test_plan_fields_equal_the_per_token_reference(online):
         ([(0, 300), (1, 7), (2, 129)], 0, None),
         ([(0, 1), (1, 250), (2, 1), (3, 4)], 0, None),
         ([(0, 1), (1, 1), (9, 1), (3, 1)], 3, {4: 8, 128: 4}),
+        ([(0, 1), (1, 1), (9, 1), (3, 1)], 1, {4: 40, 128: 40}),  # wider than the host mirror's columns
         ([(3, 517), (1, 1)], 0, None),
+        ([(1, 2000), (0, 1)], 0, None),  # request 1 past the host mirror's first 16 columns: the mirror grows
     ]
     for i, (items, pad, widths) in enumerate(steps):
         plan = m.plan(items, pad_batch_to=len(items) + pad if pad else None, max_blocks=widths)
