@@ -266,10 +266,7 @@ class KVCacheManager:
     def can_schedule(self, schedule: Mapping[Hashable, int] | Iterable[tuple[Hashable, int]]) -> bool:
         """Whether ``plan(schedule)`` would find enough pages now (it mutates nothing)."""
         items = self._normalise_schedule(schedule)
-        return self._missing_pages(items) is None
-
-    def _missing_pages(self, items: list[tuple[Hashable, int]]) -> dict[int, int] | None:
-        return self._plan_needs(items)[1]
+        return self._plan_needs(items)[1] is None
 
     def _plan_needs(self, items: list[tuple[Hashable, int]]) -> tuple[list[tuple[int, ...]], dict[int, int] | None]:
         """(each scheduled request's ``_needs``, the pages short per ratio class or None when every class has
@@ -305,8 +302,8 @@ class KVCacheManager:
             raise RuntimeError("plan: a plan is outstanding; commit() or cancel() it first")
         items = self._normalise_schedule(schedule)
         pad = self._check_padding(items, pad_batch_to)
-        widths = self._check_max_blocks(items, max_blocks)
         needs, short = self._plan_needs(items)
+        widths = self._check_max_blocks(items, needs, max_blocks)
         if short is not None:
             return None
         for (rid, _), ks in zip(items, needs, strict=True):
@@ -332,19 +329,23 @@ class KVCacheManager:
         return pad_batch_to - len(items)
 
     def _check_max_blocks(
-        self, items: list[tuple[Hashable, int]], max_blocks: int | Mapping[int, int] | None
+        self,
+        items: list[tuple[Hashable, int]],
+        needs: list[tuple[int, ...]],
+        max_blocks: int | Mapping[int, int] | None,
     ) -> dict[int, int] | None:
+        """``max_blocks`` as {ratio: width}, None without it; ValueError unless each width covers the pages every
+        scheduled request holds after the step: those held (a cancel() can leave more than the step needs) plus its
+        ``needs`` (``_plan_needs``)."""
         if max_blocks is None:
             return None
         widths = dict(max_blocks) if isinstance(max_blocks, Mapping) else {m: max_blocks for m in self.pools}
         if set(widths) != set(self.pools):
             raise ValueError(f"max_blocks: expected keys {sorted(self.pools)}, got {sorted(map(repr, widths))}")
-        reqs = [(self._requests[rid], n) for rid, n in items]
-        for m, per_page in self._paging:
+        reqs = [self._requests[rid] for rid, _ in items]
+        for c, m in enumerate(self.pools):
             w = widths[m]
-            need = max(  # pages held can exceed the step's need after a cancel() (``RatioClass.pages_for_tokens``)
-                max(-(-((r.num_tokens + n) // m) // per_page), len(r.blocks[m])) for r, n in reqs
-            )
+            need = max(len(r.blocks[m]) + ks[c] for r, ks in zip(reqs, needs, strict=True))
             if not isinstance(w, int) or w < max(1, need):
                 raise ValueError(
                     f"max_blocks[{m}]: expected an int >= {max(1, need)} (pages this step needs), got {w!r}"
@@ -700,10 +701,10 @@ class KVCacheManager:
             want = np.full_like(table, -1)
             for r in self._requests.values():
                 want[r.slot, : len(r.blocks[m])] = r.blocks[m]
-            held = {r.slot: len(r.blocks[m]) for r in self._requests.values()}
-            if not np.array_equal(table, want) or any(
-                int(self._held[m][s]) != held.get(s, 0) for s in range(len(table))
-            ):
+            held = np.zeros_like(self._held[m])
+            for r in self._requests.values():
+                held[r.slot] = len(r.blocks[m])
+            if not np.array_equal(table, want) or not np.array_equal(self._held[m], held):
                 raise InvariantError(f"ratio {m}: the host block-table mirror differs from the requests' page lists")
         both = self._preempted & set(self._requests)
         if both:

@@ -32,10 +32,9 @@ OFF = {"PDL": False}
 _ENTERS = {"pdl_enter", "pdl_enter_gl"}  # wait, then release the next kernel (the helpers themselves)
 
 
-def _pdl_kernels() -> dict[str, tuple[ast.FunctionDef, dict]]:
+def _pdl_kernels() -> dict[str, ast.FunctionDef]:
     """Every Triton / Gluon function of ``dsv4.kernels`` (kernels and the helpers they hand PDL to; not the wait
-    helpers of ``_triton_sync`` / ``_gluon_sync``) with a ``PDL`` parameter: name -> (its AST, its module's
-    globals)."""
+    helpers of ``_triton_sync`` / ``_gluon_sync``) with a ``PDL`` parameter: name -> its AST."""
     import dsv4.kernels
 
     found = {}
@@ -49,7 +48,7 @@ def _pdl_kernels() -> dict[str, tuple[ast.FunctionDef, dict]]:
                 continue
             tree = ast.parse(textwrap.dedent(inspect.getsource(fn))).body[0]
             if "PDL" in [a.arg for a in tree.args.args]:
-                found[fn.__name__] = (tree, vars(mod))
+                found[fn.__name__] = tree
     return found
 
 
@@ -68,7 +67,7 @@ def _why_not_entered(name: str, kernels: dict, seen: frozenset = frozenset()) ->
     (after the docstring) enters -- ``pdl_enter``, or ``pdl_start`` paired with a final ``pdl_end``, or a call
     handing PDL to a function that enters -- or, with no ``return`` anywhere, an unconditional statement of its body
     does."""
-    tree, _ = kernels[name]
+    tree = kernels[name]
     body = [s for s in tree.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
     returns = any(isinstance(n, ast.Return) for n in ast.walk(tree))
 
@@ -105,7 +104,7 @@ def test_the_pdl_check_catches_a_kernel_that_never_waits():
     late = "def k(x_ptr, PDL, LATE):\n    pdl_start(PDL, LATE)\n    tl.store(x_ptr, 1)\n    pdl_end(PDL, LATE)\n"
     late_bad = "def k(x_ptr, PDL, LATE):\n    pdl_start(PDL, LATE)\n    tl.store(x_ptr, 1)\n"
     for text, want in ((src, False), (ok, True), (late, True), (late_bad, False)):
-        kernels = {"k": (ast.parse(text).body[0], {})}
+        kernels = {"k": ast.parse(text).body[0]}
         assert (_why_not_entered("k", kernels) is None) == want, text
 
 
