@@ -48,6 +48,9 @@ def main(argv=None) -> None:
     ap.add_argument("--context", type=int, default=4096, help="pool entries per request")
     ap.add_argument("--hca", action="store_true", help="attend every pool entry (no top-k)")
     ap.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated subset of {sorted(VARIANTS)}")
+    ap.add_argument(
+        "--dequant", help="comma-separated sparse_attention.GLUON_FUSED_DEQUANT values to run gluon_fused with"
+    )
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args(argv)
@@ -65,8 +68,15 @@ def main(argv=None) -> None:
     keys = sum(idx.shape[1] for _, idx in caches)
     flops = 4 * B * H * keys * FMT.head_dim
     timer = GraphTimer(n=20, flush=False) if cuda else None
+    SA = sys.modules["dsv4.kernels.attention.sparse_attention"]
+    runs = []
     for name in args.variants.split(","):
-        kw = VARIANTS[name]
+        if name == "gluon_fused" and args.dequant:
+            runs += [(f"{name}:deq{d}", VARIANTS[name], int(d)) for d in args.dequant.split(",")]
+        else:
+            runs.append((name, VARIANTS[name], SA.GLUON_FUSED_DEQUANT))
+    for name, kw, deq in runs:
+        SA.GLUON_FUSED_DEQUANT = deq
         if "gluon" in name and not gluon_dense_supported(q, q.shape[-1]):
             print(f"== {name}: skipped (needs an sm_90 GPU and Gluon)")
             continue

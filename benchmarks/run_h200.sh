@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One H200 session: environment, GPU tests, then the kernel benchmarks. Results go to $OUT (or ./out).
-# Usage (on the device machine, repo root): bash benchmarks/run_h200.sh [tests|bench|all|pending|ncu|attention|attention_ncu|indexer_gluon|indexer_live|indexer_fold|pending_s12|topk_rows|indexer_default|indexer_p2|indexer_ablate|flush_topk|skeleton|topk_short|fold_auto|hca_online|write_s15|emit_s15|emit2_s15|main_s15|write2_s15|final_s15|gemv_s15|online_regs|write_s16|final_s16|ncu_pool|div_s16|lean_s17|fast_s17|emit_s17|emit2_s17|warps_s17|ipool_s17|final_s17|sweep_s18|overlap_s18|fuse_s19|pdl_s19|pdl_decode_s19|writes_s19|layer_s19|select_s19|grid_s20|tails_s20|linear_s20|layer_s20|topk_s20|validate_s20|prefill_idx_s21|tf32x2_s21|topk_s21|iquery_s21|fp8_linear_s22|fp8_step_s22|hsum_s22|check_s23|step_s23|fp8lin_s23|s25|s25b|s26a|s26b|s27a|s27b|s27c|s27d]
+# Usage (on the device machine, repo root): bash benchmarks/run_h200.sh [tests|bench|all|pending|ncu|attention|attention_ncu|indexer_gluon|indexer_live|indexer_fold|pending_s12|topk_rows|indexer_default|indexer_p2|indexer_ablate|flush_topk|skeleton|topk_short|fold_auto|hca_online|write_s15|emit_s15|emit2_s15|main_s15|write2_s15|final_s15|gemv_s15|online_regs|write_s16|final_s16|ncu_pool|div_s16|lean_s17|fast_s17|emit_s17|emit2_s17|warps_s17|ipool_s17|final_s17|sweep_s18|overlap_s18|fuse_s19|pdl_s19|pdl_decode_s19|writes_s19|layer_s19|select_s19|grid_s20|tails_s20|linear_s20|layer_s20|topk_s20|validate_s20|prefill_idx_s21|tf32x2_s21|topk_s21|iquery_s21|fp8_linear_s22|fp8_step_s22|hsum_s22|check_s23|step_s23|fp8lin_s23|s25|s25b|s26a|s26b|s27a|s27b|s27c|s27d|s28a]
 # "pending": the norm and top-k GPU tests (~4 min, most of it compiling the top-k kernels), launch D's rank
 # threshold on/off, top-k with both flush kinds, the decode step; about 8 minutes.  "ncu": Nsight Compute
 # sections of the indexer scores, dense attention and gather kernels (benchmarks/ncu_cases.py).  "attention": the
@@ -793,8 +793,23 @@ if [ "$what" = s27c ]; then  # the write rows (decode B = 1 / 8 / 64, prefill 8,
 fi
 if [ "$what" = s27d ]; then  # the defaults after session 27's PDL decision (a layer's decode step in pdl_scope(True),
   # dispatch.PDL_DECODE; prefills without): the decode step with DSV4_PDL unset, then the PDL GPU tests (~3 min)
-  timeout 110 python3 -m dsv4.cli bench --models v4-flash --kinds csa,hca --contexts 131072 --batches 1,64 \
+  timeout 240 python3 -m dsv4.cli bench --models v4-flash --kinds csa,hca --contexts 131072 --batches 1,64 \
     --out "$OUT/${stamp}_decode_pdl_decode_s27.jsonl" 2>&1 | tee "$OUT/${stamp}_decode_pdl_decode_s27.txt" | tail -6
+  # the baseline on the same machine: PDL off on every kernel
+  DSV4_PDL=0 timeout 200 python3 -m dsv4.cli bench --models v4-flash --kinds csa,hca --contexts 131072 --batches 1,64 \
+    --out "$OUT/${stamp}_decode_pdl0_s27.jsonl" 2>&1 | tee "$OUT/${stamp}_decode_pdl0_s27.txt" | tail -6
   timeout 70 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_pdl.py 2>&1 \
     | tee "$OUT/${stamp}_gpu_tests_pdl_decode_s27.txt" | grep -E "passed|failed|^FAILED|^E " | tail -6
+fi
+if [ "$what" = s28a ]; then  # session 28 (~6 min): the fused attention kernel's dequantisation through fp32
+  # (GLUON_FUSED_DEQUANT 0), with a prmt pack (1), with integer ops + bf16 multiplies (2): its GPU tests (every code
+  # and scale byte exact, each form), then the decode shapes, graph + device time of each form
+  timeout 240 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gluon_fused_attention.py 2>&1 \
+    | tee "$OUT/${stamp}_gpu_tests_dequant_s28.txt" | grep -E "passed|failed|^FAILED|^E " | tail -8
+  for c in "v4-pro 64" "v4-flash 64" "v4-pro 8"; do set -- $c
+    timeout 100 python3 benchmarks/profile_attention.py --model $1 --batch $2 --variants gluon_fused --dequant 0,1,2 \
+      2>&1 | tee -a "$OUT/${stamp}_profile_attention_dequant_s28.txt" | grep "^=="
+  done
+  timeout 100 python3 benchmarks/profile_attention.py --model v4-flash --batch 8 --context 8192 --hca \
+    --variants gluon_fused --dequant 0,1,2 2>&1 | tee -a "$OUT/${stamp}_profile_attention_dequant_s28.txt" | grep "^=="
 fi

@@ -24,8 +24,10 @@ from test_gluon_dense_attention import _caches  # same folder (pytest prepends i
 from test_sparse_attention import FMT, SCALE, assert_close_bf16, make_pages, make_q
 
 from dsv4.formats.fp8_entry import EntryPages
+from dsv4.formats.ue8m0 import byte_to_scale
 from dsv4.kernels.attention import sparse_attention_reference, sparse_attention_triton
 from dsv4.kernels.attention._gluon_dense_attention import HAVE_GLUON
+from dsv4.kernels.attention._gluon_fused_attention import e4m3_to_bf16_bits
 from dsv4.kernels.attention.sparse_attention import DEFAULT_PATH, selected_path
 
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
@@ -111,6 +113,27 @@ def test_scale_words_hold_the_scale_bytes_and_refuse_unaligned_views():
         SA._scale_words(_shifted(pages))
 
 
+def test_integer_dequantisation_model_matches_the_format():
+    """The integer dequantisation (``DEQ=2``; ``e4m3_to_bf16_bits`` models its bit moves and bf16 multiplies) gives
+    the format's ``dequantize`` bytes for every e4m3 code and every UE8M0 byte (subnormal results, byte 0's 2**-127
+    and the overflow of byte 255 included), except the two NaN codes (read as +-480 times the scale)."""
+    codes = torch.arange(256, dtype=torch.uint8)[:, None].expand(256, 256)
+    sbytes = torch.arange(256, dtype=torch.uint8)[None, :].expand(256, 256)
+    got = e4m3_to_bf16_bits(codes, sbytes)
+    ref = (codes.view(torch.float8_e4m3fn).float() * byte_to_scale(sbytes)).to(torch.bfloat16)
+    nan_code = (codes & 0x7F) == 0x7F
+    same = got.view(torch.int16) == ref.view(torch.int16)
+    assert same[~nan_code].all(), codes[~same & ~nan_code][:8]
+    assert torch.equal(got[nan_code & (sbytes == 127)].float().abs(), torch.full((2,), 480.0))
+    # the format's own dequantisation (the reference attention reads through it) agrees on an entry's tiles
+    nope = torch.arange(448, dtype=torch.int32).remainder(256).to(torch.uint8)
+    nope = torch.where((nope & 0x7F) == 0x7F, 0, nope)
+    sc = torch.tensor([0, 1, 60, 127, 134, 200, 246], dtype=torch.uint8)
+    whole = FMT.dequantize(nope.view(torch.float8_e4m3fn), torch.zeros(64, dtype=torch.bfloat16), sc)
+    model = e4m3_to_bf16_bits(nope.view(7, 64), sc[:, None]).flatten()
+    assert torch.equal(whole[:448].view(torch.int16), model.view(torch.int16))
+
+
 @pytest.mark.skipif(not (HAVE_GLUON and os.path.exists(PTXAS)), reason="triton without Gluon's Hopper module / ptxas")
 def test_gluon_fused_compiles_for_sm90(sass_report):
     """A fresh process compiles the fused Gluon kernel for sm_90 (no GPU needed): 16 warps, at most a few spilled
@@ -152,6 +175,40 @@ def test_gluon_fused_matches_reference_gpu(T, H, k_pool, splits, one_cache):
     o_ref, l_ref = sparse_attention_reference(q, caches, sink, SCALE)
     assert_close_bf16(out, o_ref)
     torch.testing.assert_close(lse, l_ref, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (on_sm90 and HAVE_GLUON), reason="needs an sm_90 GPU and Gluon")
+@pytest.mark.parametrize("deq", [0, 1, 2])
+def test_gluon_fused_dequantises_every_code_exactly_gpu(deq, monkeypatch):
+    """Each row attends one entry with a zero query and no sink weight, so its output is the entry's bf16 value as
+    the producers wrote it to shared memory: every e4m3 code but the NaNs under every UE8M0 byte that cannot
+    overflow (0-246), compared exactly with the format's ``dequantize``.  ``deq=1`` (truncation) only where the
+    values stay fp32-normal (bytes >= 16)."""
+    monkeypatch.setattr(SA, "GLUON_FUSED_DEQUANT", deq)
+    n_tiles, tile = FMT.n_tiles, FMT.tile
+    E = -(-247 * 4 // n_tiles)  # tiles cycle through 4 code quarters x 247 scale bytes
+    tid = torch.arange(E * n_tiles).view(E, n_tiles)
+    codes = ((tid % 4)[..., None] * tile + torch.arange(tile)).remainder(256).to(torch.uint8)
+    codes = torch.where((codes & 0x7F) == 0x7F, codes - 1, codes)  # no NaN codes
+    sbytes = (tid // 4).remainder(247).to(torch.uint8)
+    if deq == 1:
+        sbytes = torch.clamp(sbytes, min=16)
+    gen = torch.Generator().manual_seed(25)
+    pages, _ = make_pages(-(-E // 64), 64, gen, "cuda")
+    page, row = torch.arange(E).cuda() // 64, torch.arange(E).cuda() % 64
+    pages.nope.view(torch.uint8)[page, row] = codes.flatten(1).cuda()
+    pages.scale[page, row] = sbytes.cuda()
+    ref = FMT.dequantize(pages.nope[page, row].cpu(), pages.rope[page, row].cpu(), sbytes)
+    idx = torch.full((E, 64), -1, dtype=torch.int32)
+    idx[:, 0] = torch.arange(E)
+    q = torch.zeros(E, 64, FMT.head_dim, dtype=torch.bfloat16, device="cuda")
+    sink = torch.full((64,), -1e30, device="cuda")
+    out, _ = sparse_attention_triton(q, [(pages, idx.cuda())], sink, SCALE, path="gluon_fused")
+    got = out.cpu()
+    assert torch.equal(got, got[:, :1].expand_as(got)), "heads differ"
+    same = got[:, 0] == ref  # values (the accumulator turns -0 into +0), subnormals included
+    assert same.all(), f"{int((~same).sum())} values differ, first at (entry, dim) {(~same).nonzero()[0].tolist()}"
 
 
 @pytest.mark.gpu

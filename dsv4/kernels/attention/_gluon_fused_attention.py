@@ -41,9 +41,31 @@ H200 2026-12-04 (torch.profiler device time / CUDA-graph time of the whole call)
 
 from __future__ import annotations
 
+import torch
+
 from dsv4.kernels.attention._gluon_dense_attention import BLOCK_HEADS, HALF, HAVE_GLUON, WG_THREADS
 
 TILE = 64  # fp8 values per UE8M0 scale (the entry format's tile)
+BF16_2_POW_120 = 0x7B80  # bf16 bits of 2**120: the bias gap between e4m3 (7) and bf16 (127)
+
+
+def e4m3_to_bf16_bits(codes: torch.Tensor, scale_bytes: torch.Tensor) -> torch.Tensor:
+    """PyTorch model of the producers' integer dequantisation (``DEQ=2``, ``_e4m3_to_bf16_int``): e4m3 ``codes``
+    (uint8) times ``2**(scale_byte - 127)`` (uint8, broadcastable) -> bf16.
+
+    The 7 low bits of a code (exponent, mantissa) are moved to bits 10..4 of a 16-bit lane and its sign to bit 15:
+    read as bf16 that is the e4m3 value times 2**-120 (the exponent field keeps e4m3's 4 bits; an e4m3 subnormal
+    becomes a bf16 subnormal with the same ratio).  Multiplying by 2**120 is exact and the multiply by the scale
+    rounds once, so the result is the reference's ``bf16(fp32(code) * scale)`` for every code but the two NaNs
+    (0x7F / 0xFF, which the quantiser never writes: they read as +-480 times the scale).  A scale byte of 0 is the
+    bf16 subnormal 2**-127."""
+    p = codes.to(torch.int32)
+    lane = ((p + 15 * (p & 0x80)) << 4).to(torch.int16)  # bit 7 -> 15, bits 6..0 -> 10..4 (wraps: the bf16 bits)
+    b = scale_bytes.to(torch.int32)
+    scale = torch.where(b == 0, 0x40, b << 7).to(torch.int16).view(torch.bfloat16)
+    two120 = torch.tensor(BF16_2_POW_120, dtype=torch.int16).view(torch.bfloat16)
+    return lane.view(torch.bfloat16) * two120 * scale
+
 
 if HAVE_GLUON:
     from triton.experimental import gluon
@@ -136,26 +158,75 @@ if HAVE_GLUON:
         return valid, sbytes
 
     @gluon.jit
-    def _dequant_half(H: gl.constexpr, r8, rr, sbytes, valid, kb, bias, BLOCK_N: gl.constexpr):
+    def _e4m3_to_bf16_int(x8, sc):
+        """e4m3 bytes ``x8`` (uint8) times ``sc`` (bf16 powers of two, broadcast to ``x8``'s shape) -> bf16, with
+        integer ops and bf16 multiplies instead of conversions (``e4m3_to_bf16_bits`` is its PyTorch model): each
+        byte's 7 low bits go to bits 10..4 of a 16-bit lane and its sign to bit 15 (``(p + 15 s) << 4``), which
+        reads as the bf16 ``v * 2**-120`` (e4m3 subnormals as bf16 subnormals); times ``2**120`` (exact) and times
+        the scale (one rounding, as the reference's fp32 product rounded to bf16).  Four elements a call: two
+        ``prmt`` spread the bytes into 16-bit lanes, then per pair and, shift, mad, and two ``mul.rn.bf16x2``."""
+        return gl.inline_asm_elementwise(
+            """
+            {
+            .reg .b32 lo, hi, s, c, z;
+            mov.b32 z, 0;
+            mov.b32 c, 0x7B807B80;  // 2**120 twice (BF16_2_POW_120)
+            prmt.b32 lo, $2, z, 0x4140;
+            prmt.b32 hi, $2, z, 0x4342;
+            and.b32 s, lo, 0x00800080;
+            mad.lo.u32 lo, s, 15, lo;
+            shl.b32 lo, lo, 4;
+            and.b32 s, hi, 0x00800080;
+            mad.lo.u32 hi, s, 15, hi;
+            shl.b32 hi, hi, 4;
+            mul.rn.bf16x2 lo, lo, c;
+            mul.rn.bf16x2 hi, hi, c;
+            mul.rn.bf16x2 $0, lo, $3;
+            mul.rn.bf16x2 $1, hi, $3;
+            }
+            """,
+            "=r,=r,r,r,r",
+            [x8, sc],
+            dtype=gl.bfloat16,
+            is_pure=True,
+            pack=4,
+        )
+
+    @gluon.jit
+    def _f32_to_bf16_trunc(y):
+        """fp32 -> bf16 by keeping each value's high half (one ``prmt`` a pair instead of a conversion): exact for
+        values bf16 holds (an e4m3 value times a power of two, away from fp32's subnormal range)."""
+        return gl.inline_asm_elementwise(
+            "prmt.b32 $0, $1, $2, 0x7632;", "=r,r,r", [y], dtype=gl.bfloat16, is_pure=True, pack=2
+        )
+
+    @gluon.jit
+    def _dequant_half(H: gl.constexpr, r8, rr, sbytes, valid, kb, bias, BLOCK_N: gl.constexpr, DEQ: gl.constexpr):
         """Raw stage of half H -> the bf16 half-tile ``kb`` [BLOCK_N, 256] (one store): FP8 tile 4 H + t times its
         scale into dims [64 t, 64 t + 64), and for H = 1 the rope lanes into [192, 256) (dims 448-511 of the
         entry).  H = 0 also writes ``bias`` [BLOCK_N] fp32: 0 for valid keys, -inf for the others."""
         l3: gl.constexpr = gl.BlockedLayout([1, 1, 16], [8, 1, 4], [4, 1, 1], [2, 1, 0])
         kl: gl.constexpr = gl.SliceLayout(1, l3)
         t4 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, l3)))
-        x = r8.permute((1, 0, 2)).load(l3).to(gl.float32)  # [BLOCK_N, 4, 64]: key, tile, byte
+        x8 = r8.permute((1, 0, 2)).load(l3)  # [BLOCK_N, 4, 64] e4m3: key, tile, byte
         sb = ((sbytes[:, None] >> (8 * (4 * H + t4))[None, :]) & 0xFF).to(gl.int32)  # [BLOCK_N, 4] UE8M0 bytes
-        y = x * (sb << 23).to(gl.float32, bitcast=True)[:, :, None]  # 2**(byte - 127): exact
-        if H == 1:  # "tile 7" is the rope lanes
-            rope = rr.load(kl).to(gl.float32)
-            y = gl.where((t4 == 3)[None, :, None], rope[:, None, :], y)
-        kb.store(gl.reshape(y.to(gl.bfloat16), [BLOCK_N, 4 * _TILE]))
+        if DEQ == 2:  # integer ops + bf16 multiplies; 2**(byte - 127) as bf16 (byte 0: the subnormal 2**-127)
+            sc = gl.where(sb == 0, 0x40, sb << 7).to(gl.int16).to(gl.bfloat16, bitcast=True)
+            y = _e4m3_to_bf16_int(x8.to(gl.uint8, bitcast=True), sc[:, :, None])
+            if H == 1:  # "tile 7" is the rope lanes
+                y = gl.where((t4 == 3)[None, :, None], rr.load(kl)[:, None, :], y)
+        else:  # via fp32: e4m3 -> f16 -> f32 conversions, times 2**(byte - 127) (exact; byte 0: 2**-127)
+            y = x8.to(gl.float32) * gl.where(sb == 0, 0x400000, sb << 23).to(gl.float32, bitcast=True)[:, :, None]
+            if H == 1:
+                y = gl.where((t4 == 3)[None, :, None], rr.load(kl).to(gl.float32)[:, None, :], y)
+            y = _f32_to_bf16_trunc(y) if DEQ == 1 else y.to(gl.bfloat16)
+        kb.store(gl.reshape(y, [BLOCK_N, 4 * _TILE]))
         if H == 0:
             bl: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
             bias.store(gl.where(gl.convert_layout(valid, bl), 0.0, float("-inf")))
 
     @gluon.jit
-    def _producer(H: gl.constexpr, args):
+    def _producer(H: gl.constexpr, args, DEQ: gl.constexpr):
         """Producer warpgroup H (half H of every entry): blocks [blk_start, blk_end] (one past the end) of this
         program's split.
 
@@ -192,7 +263,7 @@ if HAVE_GLUON:
             mbarrier.wait(bars.index(RB + r), (i // RAW) & 1)
             mbarrier.wait(bars.index(FREE + st), ((i // STAGES) & 1) ^ 1, pred=i >= STAGES)
             _dequant_half(H, r8_s.index(RB + r), rr_s.index(r), sbytes, valid, kb_s.index(2 * st + H),
-                          bias_s.index(st), BLOCK_N)  # fmt: skip
+                          bias_s.index(st), BLOCK_N, DEQ)  # fmt: skip
             fence_async_shared()
             mbarrier.arrive(bars.index(READY + st))
             valid = valid_n
@@ -307,12 +378,12 @@ if HAVE_GLUON:
         _consumer(1, args)
 
     @gluon.jit
-    def _prod0(args):
-        _producer(0, args)
+    def _prod0(args, DEQ: gl.constexpr):
+        _producer(0, args, DEQ)
 
     @gluon.jit
-    def _prod1(args):
-        _producer(1, args)
+    def _prod1(args, DEQ: gl.constexpr):
+        _producer(1, args, DEQ)
 
     @gluon.jit
     def _sparse_attn_ws_kernel(
@@ -324,7 +395,7 @@ if HAVE_GLUON:
         num_heads, qk_scale_log2,
         BLOCK_N: gl.constexpr, STAGES: gl.constexpr, RAW: gl.constexpr,
         WORKER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-        PDL: gl.constexpr = False,
+        DEQ: gl.constexpr = 0, PDL: gl.constexpr = False,
     ):  # fmt: skip
         """Grid (T, cdiv(H, 64), splits); ``num_warps=4`` (consumer W = 0) + 4 (consumer W = 1) + 4 + 4 (producers).
 
@@ -365,10 +436,12 @@ if HAVE_GLUON:
             num_heads, qk_scale_log2, q_s, kb_s, r8_s, rr_s, bias_s, x0_s, x1_s, bars,
         )  # fmt: skip
         gl.warp_specialize(
-            [(_wg0, (args,)), (_wg1, (args,)), (_prod0, (args,)), (_prod1, (args,))],
+            [(_wg0, (args,)), (_wg1, (args,)), (_prod0, (args, DEQ)), (_prod1, (args, DEQ))],
             [4, 4, 4],
             [WORKER_REGS, PRODUCER_REGS, PRODUCER_REGS],
         )
 
 
-__all__ = ["HAVE_GLUON", "TILE"] + (["_sparse_attn_ws_kernel"] if HAVE_GLUON else [])
+__all__ = ["BF16_2_POW_120", "HAVE_GLUON", "TILE", "e4m3_to_bf16_bits"]
+if HAVE_GLUON:
+    __all__ += ["_sparse_attn_ws_kernel"]

@@ -442,6 +442,10 @@ GLUON_FUSED_RAW = 2  # each producer's raw (FP8 + rope) cp.async stages
 # a few: the producers' prologues and two of W = 0's loop values (an 8-byte stack).
 GLUON_PRODUCER_REGS = 48
 GLUON_FUSED_WORKER_REGS = 208
+# how the fused kernel's producers turn e4m3 bytes into bf16 (``_dequant_half``): 0 through fp32 (two conversions
+# and a pack a pair: the conversion pipe), 1 the same with the pack replaced by a ``prmt`` (truncation; exact away
+# from fp32 subnormals), 2 integer ops + ``mul.rn.bf16x2`` (no conversion; every value exact)
+GLUON_FUSED_DEQUANT = 0
 
 
 def _fused_aligned(pages: EntryPages) -> bool:
@@ -525,8 +529,8 @@ def _fused_gluon(q, caches, sink, scale, out, lse, num_splits) -> tuple[torch.Te
     _sparse_attn_ws_kernel[(T, head_blocks, ns)](
         q, q.stride(0), q.stride(1), sink, *args, a_blocks, n_blocks, bps, out, out.stride(0), out.stride(1), lse,
         lse.stride(0), lse.stride(1), *ws, ns, H, float(scale) * LOG2E, BLOCK_N=bn, STAGES=GLUON_FUSED_STAGES,
-        RAW=GLUON_FUSED_RAW, WORKER_REGS=GLUON_FUSED_WORKER_REGS, PRODUCER_REGS=GLUON_PRODUCER_REGS, num_warps=4,
-        **pdl_launch(q.device),
+        RAW=GLUON_FUSED_RAW, WORKER_REGS=GLUON_FUSED_WORKER_REGS, PRODUCER_REGS=GLUON_PRODUCER_REGS,
+        DEQ=GLUON_FUSED_DEQUANT, num_warps=4, **pdl_launch(q.device),
     )  # fmt: skip
     if split:
         _combine(ws, ns, sink, out, lse, interpreter_enabled())
