@@ -49,7 +49,9 @@ def main(argv=None) -> None:
     ap.add_argument("--hca", action="store_true", help="attend every pool entry (no top-k)")
     ap.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated subset of {sorted(VARIANTS)}")
     ap.add_argument(
-        "--dequant", help="comma-separated sparse_attention.GLUON_FUSED_DEQUANT values to run gluon_fused with"
+        "--fused",
+        help="gluon_fused runs with sparse_attention.GLUON_FUSED_* knobs: comma-separated runs, each KEY=VAL[+KEY=VAL] "
+        "(e.g. DEQUANT=0,DEQUANT=2,SEESAW=1+DEQUANT=2)",
     )
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--smoke", action="store_true")
@@ -69,14 +71,20 @@ def main(argv=None) -> None:
     flops = 4 * B * H * keys * FMT.head_dim
     timer = GraphTimer(n=20, flush=False) if cuda else None
     SA = sys.modules["dsv4.kernels.attention.sparse_attention"]
+    defaults = {k: getattr(SA, k) for k in dir(SA) if k.startswith("GLUON_FUSED_")}
     runs = []
     for name in args.variants.split(","):
-        if name == "gluon_fused" and args.dequant:
-            runs += [(f"{name}:deq{d}", VARIANTS[name], int(d)) for d in args.dequant.split(",")]
+        if name == "gluon_fused" and args.fused:
+            for spec in args.fused.split(","):
+                knobs = {f"GLUON_FUSED_{k}": int(v) for k, v in (kv.split("=") for kv in spec.split("+"))}
+                if not knobs.keys() <= defaults.keys():
+                    raise SystemExit(f"--fused {spec}: expected knobs among {sorted(defaults)}")
+                runs.append((f"{name}:{spec}", VARIANTS[name], knobs))
         else:
-            runs.append((name, VARIANTS[name], SA.GLUON_FUSED_DEQUANT))
-    for name, kw, deq in runs:
-        SA.GLUON_FUSED_DEQUANT = deq
+            runs.append((name, VARIANTS[name], {}))
+    for name, kw, knobs in runs:
+        for k, v in {**defaults, **knobs}.items():
+            setattr(SA, k, v)
         if "gluon" in name and not gluon_dense_supported(q, q.shape[-1]):
             print(f"== {name}: skipped (needs an sm_90 GPU and Gluon)")
             continue

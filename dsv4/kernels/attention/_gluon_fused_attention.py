@@ -235,7 +235,7 @@ if HAVE_GLUON:
         (
             q_ptr, stride_qt, stride_qh, sink_ptr, ca, cb, a_blocks, n_blocks, blocks_per_split,
             out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, stride_lh, ws_m_ptr, ws_l_ptr, ws_acc_ptr, ws_splits,
-            num_heads, qk_scale_log2, q_s, kb_s, r8_s, rr_s, bias_s, x0_s, x1_s, bars,
+            num_heads, qk_scale_log2, q_s, kb_s, r8_s, rr_s, bias_s, x0_s, x1_s, v_s, bars,
         ) = args  # fmt: skip
         RAW: gl.constexpr = rr_s.type.shape[0]
         STAGES: gl.constexpr = kb_s.type.shape[0] // 2
@@ -276,7 +276,7 @@ if HAVE_GLUON:
         (
             q_ptr, stride_qt, stride_qh, sink_ptr, ca, cb, a_blocks, n_blocks, blocks_per_split,
             out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, stride_lh, ws_m_ptr, ws_l_ptr, ws_acc_ptr, ws_splits,
-            num_heads, qk_scale_log2, q_s, kb_s, r8_s, rr_s, bias_s, x0_s, x1_s, bars,
+            num_heads, qk_scale_log2, q_s, kb_s, r8_s, rr_s, bias_s, x0_s, x1_s, v_s, bars,
         ) = args  # fmt: skip
         RAW: gl.constexpr = rr_s.type.shape[0]
         STAGES: gl.constexpr = kb_s.type.shape[0] // 2
@@ -370,12 +370,167 @@ if HAVE_GLUON:
         _write_rows(acc1, offs_d + _QUARTER, m_i, l_i, args_out, False)
 
     @gluon.jit
-    def _wg0(args):
-        _consumer(0, args)
+    def _consumer_seesaw(W: gl.constexpr, args):
+        """Consumer warpgroup W in the seesaw schedule (``SEESAW=True``): blocks go in pairs (a, b) = (2 i, 2 i + 1);
+        W = 0 computes block a's logits over all 512 dims and its softmax, W = 1 block b's, each on the running max
+        the pair has reached (W = 1 starts from W = 0's max of block a).  Each hands its bf16 probabilities, its new
+        max and its row sums to the other through shared memory (``x0_s``: W = 0 -> 1, ``x1_s``: 1 -> 0, NVMMA
+        [64, BLOCK_N] tiles the other's P.V reads as its A operand; ``v_s`` rows 0-1 / 2-3: max, sum), then both
+        multiply P_a and P_b with their own value half.  So one warpgroup's softmax runs under the other's MMAs and
+        neither computes a softmax the other also computes (the lockstep form does each block's softmax twice).
+
+        The accumulator follows the pair's maxima: times 2**(m - m_a) before P_a.V_a, times 2**(m_a - m_b) before
+        P_b.V_b; both warpgroups apply the same factors to the same sums, so their (m, l) stay bit-identical.  The
+        producers make one block past the end, which pads an odd count to whole pairs (all keys masked)."""
+        (
+            q_ptr, stride_qt, stride_qh, sink_ptr, ca, cb, a_blocks, n_blocks, blocks_per_split,
+            out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, stride_lh, ws_m_ptr, ws_l_ptr, ws_acc_ptr, ws_splits,
+            num_heads, qk_scale_log2, q_s, kb_s, r8_s, rr_s, bias_s, x0_s, x1_s, v_s, bars,
+        ) = args  # fmt: skip
+        RAW: gl.constexpr = rr_s.type.shape[0]
+        STAGES: gl.constexpr = kb_s.type.shape[0] // 2
+        BLOCK_N: gl.constexpr = rr_s.type.shape[1]
+        READY: gl.constexpr = 2 * RAW
+        FREE: gl.constexpr = 2 * RAW + STAGES
+        FULL: gl.constexpr = 2 * RAW + 2 * STAGES
+        EMPTY: gl.constexpr = FULL + 2
+        QBAR: gl.constexpr = FULL + 4
+        mma_s: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
+        )
+        mma_o: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, _QUARTER, 16]
+        )
+        p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_o, k_width=2)
+        row_s: gl.constexpr = gl.SliceLayout(1, mma_s)
+        row_o: gl.constexpr = gl.SliceLayout(1, mma_o)
+        col_s: gl.constexpr = gl.SliceLayout(0, mma_s)
+        col_o: gl.constexpr = gl.SliceLayout(0, mma_o)
+
+        _, _, n_my = _split_blocks(blocks_per_split, n_blocks)
+        n_pairs = (n_my + 1) // 2
+        _q_half_to_smem(q_ptr, stride_qt, stride_qh, num_heads, W, q_s.index(W), bars.index(QBAR + W))
+        mbarrier.wait(bars.index(QBAR + 1 - W), 0)  # the other half of q (both halves for the full-width QK)
+
+        zero_s = gl.zeros([_BH, BLOCK_N], gl.float32, mma_s)
+        m_i = gl.full([_BH], float("-inf"), gl.float32, row_s)
+        l_i = gl.zeros([_BH], gl.float32, row_s)
+        acc0 = gl.zeros([_BH, _QUARTER], gl.float32, mma_o)
+        acc1 = gl.zeros([_BH, _QUARTER], gl.float32, mma_o)
+        for i in range(n_pairs):
+            sa = (2 * i) % STAGES
+            sb = (2 * i + 1) % STAGES
+            ph_a = ((2 * i) // STAGES) & 1
+            ph_b = ((2 * i + 1) // STAGES) & 1
+            mine = 2 * i + W  # the block whose logits this warpgroup computes
+            st = mine % STAGES
+            mbarrier.wait(bars.index(READY + st), (mine // STAGES) & 1)
+            s_tok = warpgroup_mma(q_s.index(0), kb_s.index(2 * st).permute((1, 0)), zero_s, use_acc=False,
+                                  is_async=True)  # fmt: skip
+            s_tok = warpgroup_mma(q_s.index(1), kb_s.index(2 * st + 1).permute((1, 0)), s_tok, is_async=True)
+            bias = bias_s.index(st).load(col_s)
+            s = warpgroup_mma_wait(0, deps=[s_tok])
+            s = s * qk_scale_log2 + bias[None, :]
+            if W == 0:
+                m_a = gl.maximum(m_i, gl.max(s, 1))
+                m_a_safe = gl.where(m_a == float("-inf"), 0.0, m_a)
+                p = gl.exp2(s - m_a_safe[:, None])
+                rs_a = gl.sum(p, 1)
+                p16 = p.to(gl.bfloat16)
+                mbarrier.wait(bars.index(EMPTY), (i & 1) ^ 1, pred=i > 0)
+                x0_s.store(p16)
+                v_s.index(0).store(m_a)
+                v_s.index(1).store(rs_a)
+                fence_async_shared()
+                mbarrier.arrive(bars.index(FULL))
+                # P_a.V_a on dims [0, 256) (the accumulator to m_a first)
+                alpha = gl.convert_layout(gl.exp2(m_i - m_a_safe), row_o)[:, None]
+                acc0 = acc0 * alpha
+                acc1 = acc1 * alpha
+                pa = gl.convert_layout(p16, p_l)
+                v = kb_s.index(2 * sa)
+                acc0 = warpgroup_mma(pa, v.slice(0, _QUARTER, dim=1), acc0, is_async=True)
+                acc1 = warpgroup_mma(pa, v.slice(_QUARTER, _QUARTER, dim=1), acc1, is_async=True)
+                # block b's probabilities from W = 1
+                mbarrier.wait(bars.index(FULL + 1), i & 1)
+                m_b = v_s.index(2).load(row_s)
+                rs_b = v_s.index(3).load(row_s)
+                acc0, acc1 = warpgroup_mma_wait(0, deps=[acc0, acc1])
+                mbarrier.arrive(bars.index(FREE + sa))
+                m_b_safe = gl.where(m_b == float("-inf"), 0.0, m_b)
+                beta = gl.exp2(m_a - m_b_safe)
+                beta_o = gl.convert_layout(beta, row_o)[:, None]
+                acc0 = acc0 * beta_o
+                acc1 = acc1 * beta_o
+                mbarrier.wait(bars.index(READY + sb), ph_b)
+                v = kb_s.index(2 * sb)
+                acc0 = warpgroup_mma(x1_s, v.slice(0, _QUARTER, dim=1), acc0, is_async=True)
+                acc1 = warpgroup_mma(x1_s, v.slice(_QUARTER, _QUARTER, dim=1), acc1, is_async=True)
+                acc0, acc1 = warpgroup_mma_wait(0, deps=[acc0, acc1])
+                mbarrier.arrive(bars.index(EMPTY + 1))
+                mbarrier.arrive(bars.index(FREE + sb))
+            else:
+                mbarrier.wait(bars.index(FULL), i & 1)
+                m_a = v_s.index(0).load(row_s)
+                rs_a = v_s.index(1).load(row_s)
+                m_b = gl.maximum(m_a, gl.max(s, 1))
+                m_b_safe = gl.where(m_b == float("-inf"), 0.0, m_b)
+                p = gl.exp2(s - m_b_safe[:, None])
+                rs_b = gl.sum(p, 1)
+                p16 = p.to(gl.bfloat16)
+                mbarrier.wait(bars.index(EMPTY + 1), (i & 1) ^ 1, pred=i > 0)
+                x1_s.store(p16)
+                v_s.index(2).store(m_b)
+                v_s.index(3).store(rs_b)
+                fence_async_shared()
+                mbarrier.arrive(bars.index(FULL + 1))
+                # P_a.V_a on dims [256, 512) with W = 0's probabilities
+                m_a_safe = gl.where(m_a == float("-inf"), 0.0, m_a)
+                alpha = gl.convert_layout(gl.exp2(m_i - m_a_safe), row_o)[:, None]
+                acc0 = acc0 * alpha
+                acc1 = acc1 * alpha
+                mbarrier.wait(bars.index(READY + sa), ph_a)
+                v = kb_s.index(2 * sa + 1)
+                acc0 = warpgroup_mma(x0_s, v.slice(0, _QUARTER, dim=1), acc0, is_async=True)
+                acc1 = warpgroup_mma(x0_s, v.slice(_QUARTER, _QUARTER, dim=1), acc1, is_async=True)
+                acc0, acc1 = warpgroup_mma_wait(0, deps=[acc0, acc1])
+                mbarrier.arrive(bars.index(EMPTY))
+                mbarrier.arrive(bars.index(FREE + sa))
+                beta = gl.exp2(m_a - m_b_safe)
+                beta_o = gl.convert_layout(beta, row_o)[:, None]
+                acc0 = acc0 * beta_o
+                acc1 = acc1 * beta_o
+                pb = gl.convert_layout(p16, p_l)
+                v = kb_s.index(2 * sb + 1)
+                acc0 = warpgroup_mma(pb, v.slice(0, _QUARTER, dim=1), acc0, is_async=True)
+                acc1 = warpgroup_mma(pb, v.slice(_QUARTER, _QUARTER, dim=1), acc1, is_async=True)
+                acc0, acc1 = warpgroup_mma_wait(0, deps=[acc0, acc1])
+                mbarrier.arrive(bars.index(FREE + sb))
+            # the same operations on the same values in both warpgroups: (m, l) stay identical
+            l_i = (l_i * gl.exp2(m_i - m_a_safe) + rs_a) * beta + rs_b
+            m_i = m_b
+
+        args_out = (
+            sink_ptr, out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, stride_lh, ws_m_ptr, ws_l_ptr, ws_acc_ptr,
+            ws_splits, num_heads,
+        )  # fmt: skip
+        offs_d = W * _HALF + gl.arange(0, _QUARTER, layout=col_o)
+        _write_rows(acc0, offs_d, m_i, l_i, args_out, W == 0)
+        _write_rows(acc1, offs_d + _QUARTER, m_i, l_i, args_out, False)
 
     @gluon.jit
-    def _wg1(args):
-        _consumer(1, args)
+    def _wg0(args, SEESAW: gl.constexpr):
+        if SEESAW:
+            _consumer_seesaw(0, args)
+        else:
+            _consumer(0, args)
+
+    @gluon.jit
+    def _wg1(args, SEESAW: gl.constexpr):
+        if SEESAW:
+            _consumer_seesaw(1, args)
+        else:
+            _consumer(1, args)
 
     @gluon.jit
     def _prod0(args, DEQ: gl.constexpr):
@@ -395,7 +550,7 @@ if HAVE_GLUON:
         num_heads, qk_scale_log2,
         BLOCK_N: gl.constexpr, STAGES: gl.constexpr, RAW: gl.constexpr,
         WORKER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-        DEQ: gl.constexpr = 0, PDL: gl.constexpr = False,
+        DEQ: gl.constexpr = 0, SEESAW: gl.constexpr = False, PDL: gl.constexpr = False,
     ):  # fmt: skip
         """Grid (T, cdiv(H, 64), splits); ``num_warps=4`` (consumer W = 0) + 4 (consumer W = 1) + 4 + 4 (producers).
 
@@ -417,8 +572,14 @@ if HAVE_GLUON:
         r8_s = gl.allocate_shared_memory(gl.float8e4nv, [2 * RAW, 4, BLOCK_N, _TILE], plain8)  # producer H at H RAW
         rr_s = gl.allocate_shared_memory(gl.bfloat16, [RAW, BLOCK_N, _TILE], plain2)
         bias_s = gl.allocate_shared_memory(gl.float32, [4, BLOCK_N], flat)  # STAGES <= 4 rows used (a power of 2)
-        x0_s = gl.allocate_shared_memory(gl.float32, [_BH, BLOCK_N], padded)
-        x1_s = gl.allocate_shared_memory(gl.float32, [_BH, BLOCK_N], padded)
+        if SEESAW:  # each warpgroup's bf16 probabilities, the A operand of the other's P.V
+            p_sh: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_BH, BLOCK_N], gl.bfloat16)
+            x0_s = gl.allocate_shared_memory(gl.bfloat16, [_BH, BLOCK_N], p_sh)
+            x1_s = gl.allocate_shared_memory(gl.bfloat16, [_BH, BLOCK_N], p_sh)
+        else:  # each warpgroup's partial logits
+            x0_s = gl.allocate_shared_memory(gl.float32, [_BH, BLOCK_N], padded)
+            x1_s = gl.allocate_shared_memory(gl.float32, [_BH, BLOCK_N], padded)
+        v_s = gl.allocate_shared_memory(gl.float32, [4, _BH], flat)  # seesaw: max and row sums of blocks a, b
         n_bars: gl.constexpr = 2 * RAW + 2 * STAGES + 6
         bars = gl.allocate_shared_memory(gl.int64, [n_bars, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(2 * RAW):
@@ -433,10 +594,10 @@ if HAVE_GLUON:
         args = (
             q_ptr, stride_qt, stride_qh, sink_ptr, ca, cb, a_blocks, n_blocks, blocks_per_split,
             out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, stride_lh, ws_m_ptr, ws_l_ptr, ws_acc_ptr, ws_splits,
-            num_heads, qk_scale_log2, q_s, kb_s, r8_s, rr_s, bias_s, x0_s, x1_s, bars,
+            num_heads, qk_scale_log2, q_s, kb_s, r8_s, rr_s, bias_s, x0_s, x1_s, v_s, bars,
         )  # fmt: skip
         gl.warp_specialize(
-            [(_wg0, (args,)), (_wg1, (args,)), (_prod0, (args, DEQ)), (_prod1, (args, DEQ))],
+            [(_wg0, (args, SEESAW)), (_wg1, (args, SEESAW)), (_prod0, (args, DEQ)), (_prod1, (args, DEQ))],
             [4, 4, 4],
             [WORKER_REGS, PRODUCER_REGS, PRODUCER_REGS],
         )

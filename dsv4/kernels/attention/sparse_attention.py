@@ -446,6 +446,9 @@ GLUON_FUSED_WORKER_REGS = 208
 # and a pack a pair: the conversion pipe), 1 the same with the pack replaced by a ``prmt`` (truncation; exact away
 # from fp32 subnormals), 2 integer ops + ``mul.rn.bf16x2`` (no conversion; every value exact)
 GLUON_FUSED_DEQUANT = 0
+# the fused kernel's consumers in the seesaw schedule (``_consumer_seesaw``: block pairs, one softmax each, under
+# the other's MMAs) instead of the lockstep one (both warpgroups run every block's softmax on exchanged partials)
+GLUON_FUSED_SEESAW = False
 
 
 def _fused_aligned(pages: EntryPages) -> bool:
@@ -530,7 +533,7 @@ def _fused_gluon(q, caches, sink, scale, out, lse, num_splits) -> tuple[torch.Te
         q, q.stride(0), q.stride(1), sink, *args, a_blocks, n_blocks, bps, out, out.stride(0), out.stride(1), lse,
         lse.stride(0), lse.stride(1), *ws, ns, H, float(scale) * LOG2E, BLOCK_N=bn, STAGES=GLUON_FUSED_STAGES,
         RAW=GLUON_FUSED_RAW, WORKER_REGS=GLUON_FUSED_WORKER_REGS, PRODUCER_REGS=GLUON_PRODUCER_REGS,
-        DEQ=GLUON_FUSED_DEQUANT, num_warps=4, **pdl_launch(q.device),
+        DEQ=GLUON_FUSED_DEQUANT, SEESAW=GLUON_FUSED_SEESAW, num_warps=4, **pdl_launch(q.device),
     )  # fmt: skip
     if split:
         _combine(ws, ns, sink, out, lse, interpreter_enabled())
