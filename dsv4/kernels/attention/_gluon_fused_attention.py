@@ -13,13 +13,32 @@ attended entry as bf16 into a workspace and reads it back: at V4-Pro B = 64 the 
   NVMMA half-tile of one of ``STAGES`` stages with one store, H = 0 also writes each key's bias (0, or -inf for
   -1 / out-of-range / past-the-list keys), and arrives on the stage's ready barrier (count 2).  They produce one
   block past the end (all keys masked: zeros, -inf) so the consumers' look-ahead QK always has a ready stage.
-- **Consumers** W = 0, 1: the dense kernel's loop (see ``_gluon_dense_attention``): W owns head dims
+- **Consumers** W = 0, 1, seesaw schedule (``_consumer_seesaw``, the default since session 28): blocks in pairs,
+  W computes block 2 i + W's logits over all 512 dims (q's two halves, the stage's two half-tiles) and its softmax
+  on the pair's running max (W = 1 after W = 0's), and the two hand each other bf16 probabilities, max and row sums
+  through shared memory; each then multiplies both blocks' P with its own value half (dims [256 W, 256 W + 256)).
+  One warpgroup's softmax runs under the other's MMAs, and each block's softmax is computed once.
+- **Consumers**, lockstep schedule (``_consumer``, ``SEESAW=False``): the dense kernel's loop (see
+  ``_gluon_dense_attention``): W owns head dims
   [256 W, 256 W + 256), swaps partial logits with the other warpgroup once per block (under the P.V), runs the
   online softmax and its half of P.V; when block j's P.V has retired it frees the stage (count 2).  P.V is two
   m64 n128 wgmmas: ptxas refuses a 256-wide one under the 128 registers a thread gets at launch with 16 warps,
   even where ``setmaxnreg`` raises the partition's budget (208 for the consumers).
 
-Numerics equal the gathered path's (the workspace held the same exact bf16 values).
+Numerics equal the gathered path's (the workspace held the same exact bf16 values); the seesaw schedule applies
+each block's softmax on the running max the pair has reached (an online-softmax order, within the same tolerance).
+
+Session 28 (2026-12-06, CUDA-graph time, ``profile_attention.py --fused``):
+
+- The producers' e4m3 -> bf16 step three ways (``DEQ``; all exact for every code and scale byte on the GPU): through
+  fp32 (F2FP unpack, two HADD2.F32, FMUL, F2FP pack a pair), with the pack replaced by a ``prmt``, and with integer
+  bit moves + ``mul.rn.bf16x2`` (no conversion instruction).  H100, V4-Pro B = 64: 74.9 / 76.7 / 74.7 us; V4-Flash
+  B = 64 38.4 / 38.6 / 38.4: the conversion pipe is not what bounds this kernel (FlashMLA's sparse FP8 kernel was
+  dequantisation-bound; ours waits on its consumers' dependent chain).  The default stays the fp32 form.
+- Seesaw against lockstep (H200): V4-Pro B = 64 73.4 -> 70.6 us (263 -> 274 TFLOP/s), V4-Flash B = 64 34.3 -> 33.1,
+  HCA-8192 B = 8 61.2 -> 59.2; with the integer dequantisation as well 70.5 / 33.2 / 59.6.  Every wgmma still
+  retires inside its iteration (ptxas serialises them otherwise), so a warpgroup cannot start its next pair's QK
+  while it waits for the other's probabilities; that wait is what is left between this kernel and the tensor pipe.
 
 H200 2026-12-04 (torch.profiler device time / CUDA-graph time of the whole call), and what shaped it:
 
