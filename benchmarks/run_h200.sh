@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One H200 session: environment, GPU tests, then the kernel benchmarks. Results go to $OUT (or ./out).
-# Usage (on the device machine, repo root): bash benchmarks/run_h200.sh [tests|bench|all|pending|ncu|attention|attention_ncu|indexer_gluon|indexer_live|indexer_fold|pending_s12|topk_rows|indexer_default|indexer_p2|indexer_ablate|flush_topk|skeleton|topk_short|fold_auto|hca_online|write_s15|emit_s15|emit2_s15|main_s15|write2_s15|final_s15|gemv_s15|online_regs|write_s16|final_s16|ncu_pool|div_s16|lean_s17|fast_s17|emit_s17|emit2_s17|warps_s17|ipool_s17|final_s17|sweep_s18|overlap_s18|fuse_s19|pdl_s19|pdl_decode_s19|writes_s19|layer_s19|select_s19|grid_s20|tails_s20|linear_s20|layer_s20|topk_s20|validate_s20|prefill_idx_s21|tf32x2_s21|topk_s21|iquery_s21|fp8_linear_s22|fp8_step_s22|hsum_s22|check_s23|step_s23|fp8lin_s23|s25|s25b|s26a|s26b|s27a|s27b|s27c|s27d|s28a|s28b|s28c]
+# Usage (on the device machine, repo root): bash benchmarks/run_h200.sh [tests|bench|all|pending|ncu|attention|attention_ncu|indexer_gluon|indexer_live|indexer_fold|pending_s12|topk_rows|indexer_default|indexer_p2|indexer_ablate|flush_topk|skeleton|topk_short|fold_auto|hca_online|write_s15|emit_s15|emit2_s15|main_s15|write2_s15|final_s15|gemv_s15|online_regs|write_s16|final_s16|ncu_pool|div_s16|lean_s17|fast_s17|emit_s17|emit2_s17|warps_s17|ipool_s17|final_s17|sweep_s18|overlap_s18|fuse_s19|pdl_s19|pdl_decode_s19|writes_s19|layer_s19|select_s19|grid_s20|tails_s20|linear_s20|layer_s20|topk_s20|validate_s20|prefill_idx_s21|tf32x2_s21|topk_s21|iquery_s21|fp8_linear_s22|fp8_step_s22|hsum_s22|check_s23|step_s23|fp8lin_s23|s25|s25b|s26a|s26b|s27a|s27b|s27c|s27d|s28a|s28b|s28c|s28d]
 # "pending": the norm and top-k GPU tests (~4 min, most of it compiling the top-k kernels), launch D's rank
 # threshold on/off, top-k with both flush kinds, the decode step; about 8 minutes.  "ncu": Nsight Compute
 # sections of the indexer scores, dense attention and gather kernels (benchmarks/ncu_cases.py).  "attention": the
@@ -834,4 +834,18 @@ if [ "$what" = s28c ]; then  # session 28 (~5 min): the seesaw consumers as the 
     | grep -E "passed|failed|^FAILED|^E " | tail -8
   timeout 200 python3 -m dsv4.cli bench --models v4-flash --kinds csa,hca --contexts 131072 --batches 1,64 \
     --out "$OUT/${stamp}_decode_seesaw_s28.jsonl" 2>&1 | tee "$OUT/${stamp}_decode_seesaw_s28.txt" | tail -5
+fi
+if [ "$what" = s28d ]; then  # left for session 29 (~4 min): the pipelined seesaw (GLUON_FUSED_SEESAW=2: W = 0 issues
+  # the next pair's QK under its wait for W = 1's probabilities; ptxas: 168-byte stack, W = 0 spills in its loop)
+  # against the seesaw default: the fused-kernel GPU tests (all three schedules), then the decode shapes
+  timeout 300 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gluon_fused_attention.py -k "reference" \
+    2>&1 | tee "$OUT/${stamp}_gpu_tests_seesaw2_s28.txt" | grep -E "passed|failed|^FAILED|^E " | tail -12
+  for c in "v4-pro 64" "v4-flash 64"; do set -- $c
+    timeout 100 python3 benchmarks/profile_attention.py --model $1 --batch $2 --variants gluon_fused \
+      --fused SEESAW=1,SEESAW=2,SEESAW=2+DEQUANT=2 2>&1 | tee -a "$OUT/${stamp}_profile_attention_seesaw2_s28.txt" \
+      | grep "^=="
+  done
+  timeout 100 python3 benchmarks/profile_attention.py --model v4-flash --batch 8 --context 8192 --hca \
+    --variants gluon_fused --fused SEESAW=1,SEESAW=2 2>&1 | tee -a "$OUT/${stamp}_profile_attention_seesaw2_s28.txt" \
+    | grep "^=="
 fi

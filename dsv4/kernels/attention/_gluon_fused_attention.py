@@ -245,7 +245,7 @@ if HAVE_GLUON:
             bias.store(gl.where(gl.convert_layout(valid, bl), 0.0, float("-inf")))
 
     @gluon.jit
-    def _producer(H: gl.constexpr, args, DEQ: gl.constexpr):
+    def _producer(H: gl.constexpr, args, DEQ: gl.constexpr, SEESAW: gl.constexpr):
         """Producer warpgroup H (half H of every entry): blocks [blk_start, blk_end] (one past the end) of this
         program's split.
 
@@ -270,7 +270,10 @@ if HAVE_GLUON:
         slots = _block_slots(blk_start, blk_end, a_blocks, pid_t, ca, cb, BLOCK_N)
         valid, sbytes = _issue_block(H, blk_start, slots, a_blocks, ca, cb, r8_s.index(RB), rr_s.index(0),
                                      bars.index(RB), BLOCK_N)  # fmt: skip
-        for i in range(n_my + 1):
+        # one block past the end (lockstep: the consumers' look-ahead QK; seesaw: it pads an odd count to whole
+        # pairs); the pipelined seesaw also needs the block after the last pair (blocks past the end: all masked)
+        n_prod = 2 * ((n_my + 1) // 2) + 1 if SEESAW == 2 else n_my + 1
+        for i in range(n_prod):
             slots_after = _block_slots(blk_start + i + 2, blk_end, a_blocks, pid_t, ca, cb, BLOCK_N)
             # the next block's raw stage was dequantised an iteration ago (all threads passed that stage-ready
             # arrive's warpgroup barrier)
@@ -389,7 +392,14 @@ if HAVE_GLUON:
         _write_rows(acc1, offs_d + _QUARTER, m_i, l_i, args_out, False)
 
     @gluon.jit
-    def _consumer_seesaw(W: gl.constexpr, args):
+    def _qk_full(q_s, kb_s, st, zero_s):
+        """Issue the logits of the block in stage ``st`` over all 512 dims (q's halves times the stage's half-tiles,
+        one accumulator): asynchronous, returns the token."""
+        tok = warpgroup_mma(q_s.index(0), kb_s.index(2 * st).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        return warpgroup_mma(q_s.index(1), kb_s.index(2 * st + 1).permute((1, 0)), tok, is_async=True)
+
+    @gluon.jit
+    def _consumer_seesaw(W: gl.constexpr, args, PIPE: gl.constexpr):
         """Consumer warpgroup W in the seesaw schedule (``SEESAW=True``): blocks go in pairs (a, b) = (2 i, 2 i + 1);
         W = 0 computes block a's logits over all 512 dims and its softmax, W = 1 block b's, each on the running max
         the pair has reached (W = 1 starts from W = 0's max of block a).  Each hands its bf16 probabilities, its new
@@ -400,7 +410,11 @@ if HAVE_GLUON:
 
         The accumulator follows the pair's maxima: times 2**(m - m_a) before P_a.V_a, times 2**(m_a - m_b) before
         P_b.V_b; both warpgroups apply the same factors to the same sums, so their (m, l) stay bit-identical.  The
-        producers make one block past the end, which pads an odd count to whole pairs (all keys masked)."""
+        producers make one block past the end, which pads an odd count to whole pairs (all keys masked).
+
+        ``PIPE`` (``SEESAW=2``): W = 0 issues the next pair's QK right after its P_a.V_a, so the tensor pipe has it
+        while W = 1 runs block b's softmax and W = 0 waits for it; the QK retires with the iteration's last wait (no
+        wgmma in flight across the loop's back edge) and its logits are carried into the next iteration."""
         (
             q_ptr, stride_qt, stride_qh, sink_ptr, ca, cb, a_blocks, n_blocks, blocks_per_split,
             out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, stride_lh, ws_m_ptr, ws_l_ptr, ws_acc_ptr, ws_splits,
@@ -436,6 +450,10 @@ if HAVE_GLUON:
         l_i = gl.zeros([_BH], gl.float32, row_s)
         acc0 = gl.zeros([_BH, _QUARTER], gl.float32, mma_o)
         acc1 = gl.zeros([_BH, _QUARTER], gl.float32, mma_o)
+        PRE: gl.constexpr = PIPE and W == 0  # this warpgroup's logits come from the previous iteration
+        if PRE:  # block 0 (always produced)
+            mbarrier.wait(bars.index(READY), 0)
+            s_next = warpgroup_mma_wait(0, deps=[_qk_full(q_s, kb_s, 0, zero_s)])
         for i in range(n_pairs):
             sa = (2 * i) % STAGES
             sb = (2 * i + 1) % STAGES
@@ -443,12 +461,12 @@ if HAVE_GLUON:
             ph_b = ((2 * i + 1) // STAGES) & 1
             mine = 2 * i + W  # the block whose logits this warpgroup computes
             st = mine % STAGES
-            mbarrier.wait(bars.index(READY + st), (mine // STAGES) & 1)
-            s_tok = warpgroup_mma(q_s.index(0), kb_s.index(2 * st).permute((1, 0)), zero_s, use_acc=False,
-                                  is_async=True)  # fmt: skip
-            s_tok = warpgroup_mma(q_s.index(1), kb_s.index(2 * st + 1).permute((1, 0)), s_tok, is_async=True)
+            if PRE:
+                s = s_next
+            else:
+                mbarrier.wait(bars.index(READY + st), (mine // STAGES) & 1)
+                s = warpgroup_mma_wait(0, deps=[_qk_full(q_s, kb_s, st, zero_s)])
             bias = bias_s.index(st).load(col_s)
-            s = warpgroup_mma_wait(0, deps=[s_tok])
             s = s * qk_scale_log2 + bias[None, :]
             if W == 0:
                 m_a = gl.maximum(m_i, gl.max(s, 1))
@@ -470,11 +488,18 @@ if HAVE_GLUON:
                 v = kb_s.index(2 * sa)
                 acc0 = warpgroup_mma(pa, v.slice(0, _QUARTER, dim=1), acc0, is_async=True)
                 acc1 = warpgroup_mma(pa, v.slice(_QUARTER, _QUARTER, dim=1), acc1, is_async=True)
+                if PRE:  # the next pair's block a (produced: the producers make one block past the pairs)
+                    nxt = 2 * i + 2
+                    mbarrier.wait(bars.index(READY + nxt % STAGES), (nxt // STAGES) & 1)
+                    s_tok = _qk_full(q_s, kb_s, nxt % STAGES, zero_s)
                 # block b's probabilities from W = 1
                 mbarrier.wait(bars.index(FULL + 1), i & 1)
                 m_b = v_s.index(2).load(row_s)
                 rs_b = v_s.index(3).load(row_s)
-                acc0, acc1 = warpgroup_mma_wait(0, deps=[acc0, acc1])
+                if PRE:  # P_a.V_a retired (groups retire in order; the QK's two may still run)
+                    acc0, acc1 = warpgroup_mma_wait(2, deps=[acc0, acc1])
+                else:
+                    acc0, acc1 = warpgroup_mma_wait(0, deps=[acc0, acc1])
                 mbarrier.arrive(bars.index(FREE + sa))
                 m_b_safe = gl.where(m_b == float("-inf"), 0.0, m_b)
                 beta = gl.exp2(m_a - m_b_safe)
@@ -485,7 +510,10 @@ if HAVE_GLUON:
                 v = kb_s.index(2 * sb)
                 acc0 = warpgroup_mma(x1_s, v.slice(0, _QUARTER, dim=1), acc0, is_async=True)
                 acc1 = warpgroup_mma(x1_s, v.slice(_QUARTER, _QUARTER, dim=1), acc1, is_async=True)
-                acc0, acc1 = warpgroup_mma_wait(0, deps=[acc0, acc1])
+                if PRE:
+                    acc0, acc1, s_next = warpgroup_mma_wait(0, deps=[acc0, acc1, s_tok])
+                else:
+                    acc0, acc1 = warpgroup_mma_wait(0, deps=[acc0, acc1])
                 mbarrier.arrive(bars.index(EMPTY + 1))
                 mbarrier.arrive(bars.index(FREE + sb))
             else:
@@ -540,24 +568,24 @@ if HAVE_GLUON:
     @gluon.jit
     def _wg0(args, SEESAW: gl.constexpr):
         if SEESAW:
-            _consumer_seesaw(0, args)
+            _consumer_seesaw(0, args, SEESAW == 2)
         else:
             _consumer(0, args)
 
     @gluon.jit
     def _wg1(args, SEESAW: gl.constexpr):
         if SEESAW:
-            _consumer_seesaw(1, args)
+            _consumer_seesaw(1, args, SEESAW == 2)
         else:
             _consumer(1, args)
 
     @gluon.jit
-    def _prod0(args, DEQ: gl.constexpr):
-        _producer(0, args, DEQ)
+    def _prod0(args, DEQ: gl.constexpr, SEESAW: gl.constexpr):
+        _producer(0, args, DEQ, SEESAW)
 
     @gluon.jit
-    def _prod1(args, DEQ: gl.constexpr):
-        _producer(1, args, DEQ)
+    def _prod1(args, DEQ: gl.constexpr, SEESAW: gl.constexpr):
+        _producer(1, args, DEQ, SEESAW)
 
     @gluon.jit
     def _sparse_attn_ws_kernel(
@@ -569,7 +597,7 @@ if HAVE_GLUON:
         num_heads, qk_scale_log2,
         BLOCK_N: gl.constexpr, STAGES: gl.constexpr, RAW: gl.constexpr,
         WORKER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-        DEQ: gl.constexpr = 0, SEESAW: gl.constexpr = False, PDL: gl.constexpr = False,
+        DEQ: gl.constexpr = 0, SEESAW: gl.constexpr = 0, PDL: gl.constexpr = False,
     ):  # fmt: skip
         """Grid (T, cdiv(H, 64), splits); ``num_warps=4`` (consumer W = 0) + 4 (consumer W = 1) + 4 + 4 (producers).
 
@@ -616,7 +644,12 @@ if HAVE_GLUON:
             num_heads, qk_scale_log2, q_s, kb_s, r8_s, rr_s, bias_s, x0_s, x1_s, v_s, bars,
         )  # fmt: skip
         gl.warp_specialize(
-            [(_wg0, (args, SEESAW)), (_wg1, (args, SEESAW)), (_prod0, (args, DEQ)), (_prod1, (args, DEQ))],
+            [
+                (_wg0, (args, SEESAW)),
+                (_wg1, (args, SEESAW)),
+                (_prod0, (args, DEQ, SEESAW)),
+                (_prod1, (args, DEQ, SEESAW)),
+            ],
             [4, 4, 4],
             [WORKER_REGS, PRODUCER_REGS, PRODUCER_REGS],
         )

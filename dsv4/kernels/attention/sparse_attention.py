@@ -449,8 +449,9 @@ GLUON_FUSED_DEQUANT = 0
 # the fused kernel's consumers in the seesaw schedule (``_consumer_seesaw``: block pairs, one softmax each, under
 # the other's MMAs) instead of the lockstep one (both warpgroups run every block's softmax on exchanged partials).
 # H200 2026-12-06, graph time, lockstep -> seesaw: V4-Pro B = 64 73.4 -> 70.6 us (263 -> 274 TFLOP/s), V4-Flash B = 64
-# 34.3 -> 33.1, HCA-8192 B = 8 61.2 -> 59.2
-GLUON_FUSED_SEESAW = True
+# 34.3 -> 33.1, HCA-8192 B = 8 61.2 -> 59.2.  0 lockstep, 1 seesaw, 2 seesaw with W = 0 issuing the next pair's QK
+# under its wait for W = 1's probabilities (compiles unserialised for sm_90; not yet run on a GPU)
+GLUON_FUSED_SEESAW = 1
 
 
 def _fused_aligned(pages: EntryPages) -> bool:
