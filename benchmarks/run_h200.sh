@@ -836,7 +836,7 @@ if [ "$what" = s28c ]; then  # session 28 (~5 min): the seesaw consumers as the 
     --out "$OUT/${stamp}_decode_seesaw_s28.jsonl" 2>&1 | tee "$OUT/${stamp}_decode_seesaw_s28.txt" | tail -5
 fi
 if [ "$what" = s28d ]; then  # left for session 29 (~4 min): the pipelined seesaw (GLUON_FUSED_SEESAW=2: W = 0 issues
-  # the next pair's QK under its wait for W = 1's probabilities; ptxas: 168-byte stack, W = 0 spills in its loop)
+  # the next pair's QK under its wait for W = 1's probabilities; W = 1 at 192 registers, W = 0 at 224: 64-byte stack)
   # against the seesaw default: the fused-kernel GPU tests (all three schedules), then the decode shapes
   timeout 300 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gluon_fused_attention.py -k "reference" \
     2>&1 | tee "$OUT/${stamp}_gpu_tests_seesaw2_s28.txt" | grep -E "passed|failed|^FAILED|^E " | tail -12

@@ -450,8 +450,11 @@ GLUON_FUSED_DEQUANT = 0
 # the other's MMAs) instead of the lockstep one (both warpgroups run every block's softmax on exchanged partials).
 # H200 2026-12-06, graph time, lockstep -> seesaw: V4-Pro B = 64 73.4 -> 70.6 us (263 -> 274 TFLOP/s), V4-Flash B = 64
 # 34.3 -> 33.1, HCA-8192 B = 8 61.2 -> 59.2.  0 lockstep, 1 seesaw, 2 seesaw with W = 0 issuing the next pair's QK
-# under its wait for W = 1's probabilities (compiles unserialised for sm_90; not yet run on a GPU)
+# under its wait for W = 1's probabilities (compiles for sm_90 with that wait asynchronous; not yet run on a GPU)
 GLUON_FUSED_SEESAW = 1
+# consumer W = 1's registers in the pipelined seesaw (W = 0, which carries the next pair's logits, gets 512 - 192 -
+# 2 x 48 = 224): at 208 W = 0 spills ~21 words in its loop (168-byte stack), at 192 a few (64 bytes, as the default)
+GLUON_FUSED_PIPE_WORKER_REGS = 192
 
 
 def _fused_aligned(pages: EntryPages) -> bool:
@@ -535,7 +538,8 @@ def _fused_gluon(q, caches, sink, scale, out, lse, num_splits) -> tuple[torch.Te
     _sparse_attn_ws_kernel[(T, head_blocks, ns)](
         q, q.stride(0), q.stride(1), sink, *args, a_blocks, n_blocks, bps, out, out.stride(0), out.stride(1), lse,
         lse.stride(0), lse.stride(1), *ws, ns, H, float(scale) * LOG2E, BLOCK_N=bn, STAGES=GLUON_FUSED_STAGES,
-        RAW=GLUON_FUSED_RAW, WORKER_REGS=GLUON_FUSED_WORKER_REGS, PRODUCER_REGS=GLUON_PRODUCER_REGS,
+        RAW=GLUON_FUSED_RAW, PRODUCER_REGS=GLUON_PRODUCER_REGS,
+        WORKER_REGS=GLUON_FUSED_PIPE_WORKER_REGS if GLUON_FUSED_SEESAW == 2 else GLUON_FUSED_WORKER_REGS,
         DEQ=GLUON_FUSED_DEQUANT, SEESAW=GLUON_FUSED_SEESAW, num_warps=4, **pdl_launch(q.device),
     )  # fmt: skip
     if split:
