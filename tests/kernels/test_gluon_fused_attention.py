@@ -3,11 +3,13 @@
 On a CPU machine (Gluon kernels do not run under ``TRITON_INTERPRET``): the option is refused where it cannot run,
 the default-path rule (``selected_path`` / ``path=None``) picks it only where it can run and no Triton knob is
 given, a failed build falls back to the gathered path with a warning, the cache views it cannot copy are refused,
-its int64 view of the scale bytes holds the right bytes, and the kernel compiles for sm_90 (ptxas, through
+its int64 view of the scale bytes holds the right bytes, the PyTorch model of the integer dequantisation matches
+the format for every code and scale byte, and the kernel compiles for sm_90 (ptxas, through
 ``benchmarks/sass_report.py``) with its wgmma chain not serialised.  On an sm_90 GPU it is compared with the
 reference (the sparse-attention tolerance: outputs within a couple of bf16 ulps, lse 1e-4) for full lists, key
-splits, masked heads, -1 and short lists, empty lists, one cache, an 8,192-entry HCA list and a prefill chunk, and
-with the whole path taken by default.
+splits, masked heads, -1 and short lists, empty lists, one cache, an 8,192-entry HCA list and a prefill chunk, under
+each consumer schedule (lockstep, seesaw, pipelined seesaw); every e4m3 code is read back exactly through each
+dequantisation form; and the whole path is taken by default.
 """
 
 from __future__ import annotations
