@@ -262,6 +262,8 @@ if HAVE_GLUON:
         READY: gl.constexpr = 2 * RAW
         FREE: gl.constexpr = 2 * RAW + STAGES
         RB: gl.constexpr = H * RAW
+        # block i + 1's copies are issued into its raw stage before block i's is dequantised
+        gl.static_assert(RAW >= 2, "the producers need at least two raw stages")
         pid_t = gl.program_id(0).to(gl.int64)
         blk_start, blk_end, n_my = _split_blocks(blocks_per_split, n_blocks)
 
