@@ -12,18 +12,18 @@ attended entry as bf16 into a workspace and reads it back: at V4-Pro B = 64 the 
   dequantises the block (an e4m3 value times a power of two: exact in bf16) into its [BLOCK_N, 256] bf16
   NVMMA half-tile of one of ``STAGES`` stages with one store, H = 0 also writes each key's bias (0, or -inf for
   -1 / out-of-range / past-the-list keys), and arrives on the stage's ready barrier (count 2).  They produce one
-  block past the end (all keys masked: zeros, -inf) so the consumers' look-ahead QK always has a ready stage.
-- **Consumers** W = 0, 1, seesaw schedule (``_consumer_seesaw``, the default since session 28): blocks in pairs,
-  W computes block 2 i + W's logits over all 512 dims (q's two halves, the stage's two half-tiles) and its softmax
-  on the pair's running max (W = 1 after W = 0's), and the two hand each other bf16 probabilities, max and row sums
-  through shared memory; each then multiplies both blocks' P with its own value half (dims [256 W, 256 W + 256)).
-  One warpgroup's softmax runs under the other's MMAs, and each block's softmax is computed once.
-- **Consumers**, lockstep schedule (``_consumer``, ``SEESAW=False``): the dense kernel's loop (see
-  ``_gluon_dense_attention``): W owns head dims
-  [256 W, 256 W + 256), swaps partial logits with the other warpgroup once per block (under the P.V), runs the
-  online softmax and its half of P.V; when block j's P.V has retired it frees the stage (count 2).  P.V is two
-  m64 n128 wgmmas: ptxas refuses a 256-wide one under the 128 registers a thread gets at launch with 16 warps,
-  even where ``setmaxnreg`` raises the partition's budget (208 for the consumers).
+  block past the end (all keys masked: zeros, -inf), which pads an odd block count to whole pairs.
+- **Consumers** W = 0, 1, seesaw schedule (``_consumer``, since session 28): blocks in pairs, W computes block
+  2 i + W's logits over all 512 dims (q's two halves, the stage's two half-tiles) and its softmax on the pair's
+  running max (W = 1 after W = 0's), and the two hand each other bf16 probabilities, max and row sums through
+  shared memory; each then multiplies both blocks' P with its own value half (dims [256 W, 256 W + 256)) and frees
+  a stage once its P.V of that block has retired (count 2).  One warpgroup's softmax runs under the other's MMAs,
+  and each block's softmax is computed once.  P.V is two m64 n128 wgmmas: ptxas refuses a 256-wide one under the
+  128 registers a thread gets at launch with 16 warps, even where ``setmaxnreg`` raises the partition's budget
+  (208 for the consumers).
+- Until session 28 the consumers ran the dense kernel's lockstep loop (see ``_gluon_dense_attention``): W owned
+  head dims [256 W, 256 W + 256) of every QK, the two swapped partial logits once per block and both ran every
+  block's softmax.  It was removed after the measurement below.
 
 Numerics equal the gathered path's (the workspace held the same exact bf16 values); the seesaw schedule applies
 each block's softmax on the running max the pair has reached (an online-softmax order, within the same tolerance).
@@ -272,8 +272,8 @@ if HAVE_GLUON:
         slots = _block_slots(blk_start, blk_end, a_blocks, pid_t, ca, cb, BLOCK_N)
         valid, sbytes = _issue_block(H, blk_start, slots, a_blocks, ca, cb, r8_s.index(RB), rr_s.index(0),
                                      bars.index(RB), BLOCK_N)  # fmt: skip
-        # one block past the end (lockstep: the consumers' look-ahead QK; seesaw: it pads an odd count to whole
-        # pairs); the pipelined seesaw also needs the block after the last pair (blocks past the end: all masked)
+        # one block past the end (it pads an odd count to whole pairs); the pipelined seesaw also needs the block
+        # after the last pair (blocks past the end: all keys masked)
         n_prod = 2 * ((n_my + 1) // 2) + 1 if SEESAW == 2 else n_my + 1
         for i in range(n_prod):
             slots_after = _block_slots(blk_start + i + 2, blk_end, a_blocks, pid_t, ca, cb, BLOCK_N)
@@ -295,105 +295,6 @@ if HAVE_GLUON:
             slots_next = slots_after
 
     @gluon.jit
-    def _consumer(W: gl.constexpr, args):
-        """Consumer warpgroup W: the dense kernel's ``_wg_body`` over the producer's bf16 stages."""
-        (
-            q_ptr, stride_qt, stride_qh, sink_ptr, ca, cb, a_blocks, n_blocks, blocks_per_split,
-            out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, stride_lh, ws_m_ptr, ws_l_ptr, ws_acc_ptr, ws_splits,
-            num_heads, qk_scale_log2, q_s, kb_s, r8_s, rr_s, bias_s, x0_s, x1_s, v_s, bars,
-        ) = args  # fmt: skip
-        RAW: gl.constexpr = rr_s.type.shape[0]
-        STAGES: gl.constexpr = kb_s.type.shape[0] // 2
-        BLOCK_N: gl.constexpr = rr_s.type.shape[1]
-        READY: gl.constexpr = 2 * RAW
-        FREE: gl.constexpr = 2 * RAW + STAGES
-        FULL: gl.constexpr = 2 * RAW + 2 * STAGES
-        EMPTY: gl.constexpr = FULL + 2
-        QBAR: gl.constexpr = FULL + 4
-        mma_s: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
-        )
-        # P.V as two m64 n128 wgmmas (a 256-wide one needs more registers per instruction than the 128 a thread
-        # gets at launch with four warpgroups; ptxas refuses it even where setmaxnreg raises the limit)
-        mma_o: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, _QUARTER, 16]
-        )
-        p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_o, k_width=2)
-        row_s: gl.constexpr = gl.SliceLayout(1, mma_s)
-        row_o: gl.constexpr = gl.SliceLayout(1, mma_o)
-        col_s: gl.constexpr = gl.SliceLayout(0, mma_s)
-        col_o: gl.constexpr = gl.SliceLayout(0, mma_o)
-        if W == 0:
-            x_mine = x0_s
-            x_other = x1_s
-        else:
-            x_mine = x1_s
-            x_other = x0_s
-
-        _, _, n_my = _split_blocks(blocks_per_split, n_blocks)
-        qw = q_s.index(W)
-        _q_half_to_smem(q_ptr, stride_qt, stride_qh, num_heads, W, qw, bars.index(QBAR + W))
-
-        zero_s = gl.zeros([_BH, BLOCK_N], gl.float32, mma_s)
-        # block 0 (stage 0): QK, hand the partial to the other warpgroup
-        mbarrier.wait(bars.index(READY), 0)
-        s_tok = warpgroup_mma(qw, kb_s.index(W).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        s_w = warpgroup_mma_wait(0, deps=[s_tok])
-        bias = bias_s.index(0).load(col_s)
-        x_mine.store(s_w)
-        mbarrier.arrive(bars.index(FULL + W))
-
-        m_i = gl.full([_BH], float("-inf"), gl.float32, row_s)
-        l_i = gl.zeros([_BH], gl.float32, row_s)
-        acc0 = gl.zeros([_BH, _QUARTER], gl.float32, mma_o)
-        acc1 = gl.zeros([_BH, _QUARTER], gl.float32, mma_o)
-        for j in range(n_my):
-            st = j % STAGES
-            # 1. the other warpgroup's partial logits of block j
-            mbarrier.wait(bars.index(FULL + 1 - W), j & 1)
-            s_o = x_other.load(mma_s)
-            mbarrier.arrive(bars.index(EMPTY + 1 - W))
-            # 2. QK of block j + 1 (the producer makes one block past the end): runs under the softmax
-            jn = j + 1
-            stn = jn % STAGES
-            mbarrier.wait(bars.index(READY + stn), (jn // STAGES) & 1)
-            s_tok = warpgroup_mma(qw, kb_s.index(2 * stn + W).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            bias_next = bias_s.index(stn).load(col_s)
-            # 3. online softmax (log2 domain), identical in both warpgroups
-            s = (s_w + s_o) * qk_scale_log2 + bias[None, :]
-            m_new = gl.maximum(m_i, gl.max(s, 1))
-            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = gl.exp2(m_i - m_safe)
-            p = gl.exp2(s - m_safe[:, None])
-            l_i = l_i * alpha + gl.sum(p, 1)
-            m_i = m_new
-            p16 = gl.convert_layout(p.to(gl.bfloat16), p_l)
-            # 4. P.V of block j into this warpgroup's dims
-            alpha_o = gl.convert_layout(alpha, row_o)[:, None]
-            acc0 = acc0 * alpha_o
-            acc1 = acc1 * alpha_o
-            v = kb_s.index(2 * st + W)
-            acc0 = warpgroup_mma(p16, v.slice(0, _QUARTER, dim=1), acc0, is_async=True)
-            acc1 = warpgroup_mma(p16, v.slice(_QUARTER, _QUARTER, dim=1), acc1, is_async=True)
-            # 5. the QK of block j + 1 retires first: hand its partial over while the P.V runs
-            s_w = warpgroup_mma_wait(2, deps=[s_tok])
-            mbarrier.wait(bars.index(EMPTY + W), j & 1)
-            x_mine.store(s_w)
-            mbarrier.arrive(bars.index(FULL + W))
-            # 6. the P.V retires inside the iteration (see the dense kernel); the stage goes back to the producer
-            acc0, acc1 = warpgroup_mma_wait(0, deps=[acc0, acc1])
-            mbarrier.arrive(bars.index(FREE + st))
-            bias = bias_next
-
-        args_out = (
-            sink_ptr, out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, stride_lh, ws_m_ptr, ws_l_ptr, ws_acc_ptr,
-            ws_splits, num_heads,
-        )  # fmt: skip
-        offs_d = W * _HALF + gl.arange(0, _QUARTER, layout=col_o)
-        _write_rows(acc0, offs_d, m_i, l_i, args_out, W == 0)  # W = 0 also writes the lse / split statistics
-        _write_rows(acc1, offs_d + _QUARTER, m_i, l_i, args_out, False)
-
-    @gluon.jit
     def _qk_full(q_s, kb_s, st, zero_s):
         """Issue the logits of the block in stage ``st`` over all 512 dims (q's halves times the stage's half-tiles,
         one accumulator): asynchronous, returns the token."""
@@ -401,14 +302,15 @@ if HAVE_GLUON:
         return warpgroup_mma(q_s.index(1), kb_s.index(2 * st + 1).permute((1, 0)), tok, is_async=True)
 
     @gluon.jit
-    def _consumer_seesaw(W: gl.constexpr, args, PIPE: gl.constexpr):
-        """Consumer warpgroup W in the seesaw schedule (``SEESAW=True``): blocks go in pairs (a, b) = (2 i, 2 i + 1);
+    def _consumer(W: gl.constexpr, args, PIPE: gl.constexpr):
+        """Consumer warpgroup W, seesaw schedule: blocks go in pairs (a, b) = (2 i, 2 i + 1);
         W = 0 computes block a's logits over all 512 dims and its softmax, W = 1 block b's, each on the running max
         the pair has reached (W = 1 starts from W = 0's max of block a).  Each hands its bf16 probabilities, its new
         max and its row sums to the other through shared memory (``x0_s``: W = 0 -> 1, ``x1_s``: 1 -> 0, NVMMA
         [64, BLOCK_N] tiles the other's P.V reads as its A operand; ``v_s`` rows 0-1 / 2-3: max, sum), then both
         multiply P_a and P_b with their own value half.  So one warpgroup's softmax runs under the other's MMAs and
-        neither computes a softmax the other also computes (the lockstep form does each block's softmax twice).
+        neither computes a softmax the other also computes (the lockstep form it replaced, which swapped partial
+        logits, did each block's softmax in both warpgroups).
 
         The accumulator follows the pair's maxima: times 2**(m - m_a) before P_a.V_a, times 2**(m_a - m_b) before
         P_b.V_b; both warpgroups apply the same factors to the same sums, so their (m, l) stay bit-identical.  The
@@ -569,17 +471,11 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _wg0(args, SEESAW: gl.constexpr):
-        if SEESAW:
-            _consumer_seesaw(0, args, SEESAW == 2)
-        else:
-            _consumer(0, args)
+        _consumer(0, args, SEESAW == 2)
 
     @gluon.jit
     def _wg1(args, SEESAW: gl.constexpr):
-        if SEESAW:
-            _consumer_seesaw(1, args, SEESAW == 2)
-        else:
-            _consumer(1, args)
+        _consumer(1, args, SEESAW == 2)
 
     @gluon.jit
     def _prod0(args, DEQ: gl.constexpr, SEESAW: gl.constexpr):
@@ -599,7 +495,7 @@ if HAVE_GLUON:
         num_heads, qk_scale_log2,
         BLOCK_N: gl.constexpr, STAGES: gl.constexpr, RAW: gl.constexpr,
         WORKER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-        DEQ: gl.constexpr = 0, SEESAW: gl.constexpr = 0, PDL: gl.constexpr = False,
+        DEQ: gl.constexpr = 0, SEESAW: gl.constexpr = 1, PDL: gl.constexpr = False,
     ):  # fmt: skip
         """Grid (T, cdiv(H, 64), splits); ``num_warps=4`` (consumer W = 0) + 4 (consumer W = 1) + 4 + 4 (producers).
 
@@ -609,26 +505,26 @@ if HAVE_GLUON:
         ``EntryPages`` views with their (page, row) strides.
 
         Barriers: [0, RAW) raw-ready, [RAW, RAW + STAGES) stage-ready, [RAW + STAGES, RAW + 2 STAGES) stage-free,
-        then FULL + W, EMPTY + W (partial-logit exchange) and QBAR + W."""
+        then FULL + W, EMPTY + W (W's probabilities handed to the other consumer) and QBAR + W.
+
+        ``DEQ``: the producers' dequantisation (``sparse_attention.GLUON_FUSED_DEQUANT``); ``SEESAW``: 1 the seesaw
+        consumers, 2 with W = 0 pipelined (``GLUON_FUSED_SEESAW``)."""
         pdl_enter_gl(PDL)
+        gl.static_assert((SEESAW == 1) or (SEESAW == 2), "SEESAW: expected 1 or 2")
         sw: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         plain8: gl.constexpr = gl.SwizzledSharedLayout(vec=16, per_phase=1, max_phase=1, order=[2, 1, 0])
         plain2: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=1, order=[1, 0])
         flat: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
-        padded: gl.constexpr = gl.PaddedSharedLayout.with_identity_for([[BLOCK_N, 8]], [_BH, BLOCK_N], [1, 0])
         q_s = gl.allocate_shared_memory(gl.bfloat16, [2, _BH, _HALF], sw)
         kb_s = gl.allocate_shared_memory(gl.bfloat16, [2 * STAGES, BLOCK_N, _HALF], sw)
         r8_s = gl.allocate_shared_memory(gl.float8e4nv, [2 * RAW, 4, BLOCK_N, _TILE], plain8)  # producer H at H RAW
         rr_s = gl.allocate_shared_memory(gl.bfloat16, [RAW, BLOCK_N, _TILE], plain2)
         bias_s = gl.allocate_shared_memory(gl.float32, [4, BLOCK_N], flat)  # STAGES <= 4 rows used (a power of 2)
-        if SEESAW:  # each warpgroup's bf16 probabilities, the A operand of the other's P.V
-            p_sh: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_BH, BLOCK_N], gl.bfloat16)
-            x0_s = gl.allocate_shared_memory(gl.bfloat16, [_BH, BLOCK_N], p_sh)
-            x1_s = gl.allocate_shared_memory(gl.bfloat16, [_BH, BLOCK_N], p_sh)
-        else:  # each warpgroup's partial logits
-            x0_s = gl.allocate_shared_memory(gl.float32, [_BH, BLOCK_N], padded)
-            x1_s = gl.allocate_shared_memory(gl.float32, [_BH, BLOCK_N], padded)
-        v_s = gl.allocate_shared_memory(gl.float32, [4, _BH], flat)  # seesaw: max and row sums of blocks a, b
+        # each consumer's bf16 probabilities (the A operand of the other's P.V), max and row sums of blocks a, b
+        p_sh: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_BH, BLOCK_N], gl.bfloat16)
+        x0_s = gl.allocate_shared_memory(gl.bfloat16, [_BH, BLOCK_N], p_sh)
+        x1_s = gl.allocate_shared_memory(gl.bfloat16, [_BH, BLOCK_N], p_sh)
+        v_s = gl.allocate_shared_memory(gl.float32, [4, _BH], flat)
         n_bars: gl.constexpr = 2 * RAW + 2 * STAGES + 6
         bars = gl.allocate_shared_memory(gl.int64, [n_bars, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(2 * RAW):

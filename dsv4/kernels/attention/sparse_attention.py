@@ -446,11 +446,11 @@ GLUON_FUSED_WORKER_REGS = 208
 # and a pack a pair: the conversion pipe), 1 the same with the pack replaced by a ``prmt`` (truncation; exact away
 # from fp32 subnormals), 2 integer ops + ``mul.rn.bf16x2`` (no conversion; every value exact)
 GLUON_FUSED_DEQUANT = 0
-# the fused kernel's consumers in the seesaw schedule (``_consumer_seesaw``: block pairs, one softmax each, under
-# the other's MMAs) instead of the lockstep one (both warpgroups run every block's softmax on exchanged partials).
-# H200 2026-12-06, graph time, lockstep -> seesaw: V4-Pro B = 64 73.4 -> 70.6 us (263 -> 274 TFLOP/s), V4-Flash B = 64
-# 34.3 -> 33.1, HCA-8192 B = 8 61.2 -> 59.2.  0 lockstep, 1 seesaw, 2 seesaw with W = 0 issuing the next pair's QK
-# under its wait for W = 1's probabilities (compiles for sm_90 with that wait asynchronous; not yet run on a GPU)
+# the fused kernel's consumer schedule: 1 seesaw (block pairs, one softmax each, under the other's MMAs; it replaced
+# the lockstep schedule, where both warpgroups ran every block's softmax on exchanged partials -- H200 2026-12-06,
+# graph time, lockstep -> seesaw: V4-Pro B = 64 73.4 -> 70.6 us (263 -> 274 TFLOP/s), V4-Flash B = 64 34.3 -> 33.1,
+# HCA-8192 B = 8 61.2 -> 59.2); 2 seesaw with W = 0 issuing the next pair's QK under its wait for W = 1's
+# probabilities (compiles for sm_90 with that wait asynchronous; not yet run on a GPU)
 GLUON_FUSED_SEESAW = 1
 # consumer W = 1's registers in the pipelined seesaw (W = 0, which carries the next pair's logits, gets 512 - 192 -
 # 2 x 48 = 224): at 208 W = 0 spills ~21 words in its loop (168-byte stack), at 192 a few (64 bytes, as the default)
