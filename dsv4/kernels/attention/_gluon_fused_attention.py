@@ -31,10 +31,11 @@ each block's softmax on the running max the pair has reached (an online-softmax 
 Session 28 (2026-12-06, CUDA-graph time, ``profile_attention.py --fused``):
 
 - The producers' e4m3 -> bf16 step three ways (``DEQ``; all exact for every code and scale byte on the GPU): through
-  fp32 (F2FP unpack, two HADD2.F32, FMUL, F2FP pack a pair), with the pack replaced by a ``prmt``, and with integer
-  bit moves + ``mul.rn.bf16x2`` (no conversion instruction).  H100, V4-Pro B = 64: 74.9 / 76.7 / 74.7 us; V4-Flash
-  B = 64 38.4 / 38.6 / 38.4: the conversion pipe is not what bounds this kernel (FlashMLA's sparse FP8 kernel was
-  dequantisation-bound; ours waits on its consumers' dependent chain).  The default stays the fp32 form.
+  fp32 (F2FP unpack, two HADD2.F32, FMUL, F2FP pack a pair), with the pack replaced by a ``prmt`` (a truncation,
+  since removed), and with integer bit moves + ``mul.rn.bf16x2`` (no conversion instruction).  H100, V4-Pro B = 64:
+  74.9 / 76.7 / 74.7 us; V4-Flash B = 64 38.4 / 38.6 / 38.4: the conversion pipe is not what bounds this kernel
+  (FlashMLA's sparse FP8 kernel was dequantisation-bound; ours waits on its consumers' dependent chain).  The
+  default stays the fp32 form.
 - Seesaw against lockstep (H200): V4-Pro B = 64 73.4 -> 70.6 us (263 -> 274 TFLOP/s), V4-Flash B = 64 34.3 -> 33.1,
   HCA-8192 B = 8 61.2 -> 59.2; with the integer dequantisation as well 70.5 / 33.2 / 59.6.  Every wgmma still
   retires inside its iteration (ptxas serialises them otherwise), so a warpgroup cannot start its next pair's QK
@@ -212,14 +213,6 @@ if HAVE_GLUON:
         )
 
     @gluon.jit
-    def _f32_to_bf16_trunc(y):
-        """fp32 -> bf16 by keeping each value's high half (one ``prmt`` a pair instead of a conversion): exact for
-        values bf16 holds (an e4m3 value times a power of two, away from fp32's subnormal range)."""
-        return gl.inline_asm_elementwise(
-            "prmt.b32 $0, $1, $2, 0x7632;", "=r,r,r", [y], dtype=gl.bfloat16, is_pure=True, pack=2
-        )
-
-    @gluon.jit
     def _dequant_half(H: gl.constexpr, r8, rr, sbytes, valid, kb, bias, BLOCK_N: gl.constexpr, DEQ: gl.constexpr):
         """Raw stage of half H -> the bf16 half-tile ``kb`` [BLOCK_N, 256] (one store): FP8 tile 4 H + t times its
         scale into dims [64 t, 64 t + 64), and for H = 1 the rope lanes into [192, 256) (dims 448-511 of the
@@ -238,7 +231,7 @@ if HAVE_GLUON:
             y = x8.to(gl.float32) * gl.where(sb == 0, 0x400000, sb << 23).to(gl.float32, bitcast=True)[:, :, None]
             if H == 1:
                 y = gl.where((t4 == 3)[None, :, None], rr.load(kl).to(gl.float32)[:, None, :], y)
-            y = _f32_to_bf16_trunc(y) if DEQ == 1 else y.to(gl.bfloat16)
+            y = y.to(gl.bfloat16)
         kb.store(gl.reshape(y, [BLOCK_N, 4 * _TILE]))
         if H == 0:
             bl: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
@@ -511,6 +504,7 @@ if HAVE_GLUON:
         consumers, 2 with W = 0 pipelined (``GLUON_FUSED_SEESAW``)."""
         pdl_enter_gl(PDL)
         gl.static_assert((SEESAW == 1) or (SEESAW == 2), "SEESAW: expected 1 or 2")
+        gl.static_assert((DEQ == 0) or (DEQ == 2), "DEQ: expected 0 or 2")
         sw: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         plain8: gl.constexpr = gl.SwizzledSharedLayout(vec=16, per_phase=1, max_phase=1, order=[2, 1, 0])
         plain2: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=1, order=[1, 0])

@@ -443,8 +443,8 @@ GLUON_FUSED_RAW = 2  # each producer's raw (FP8 + rope) cp.async stages
 GLUON_PRODUCER_REGS = 48
 GLUON_FUSED_WORKER_REGS = 208
 # how the fused kernel's producers turn e4m3 bytes into bf16 (``_dequant_half``): 0 through fp32 (two conversions
-# and a pack a pair: the conversion pipe), 1 the same with the pack replaced by a ``prmt`` (truncation; exact away
-# from fp32 subnormals), 2 integer ops + ``mul.rn.bf16x2`` (no conversion; every value exact)
+# and a pack a pair: the conversion pipe), 2 integer ops + ``mul.rn.bf16x2`` (no conversion); both exact.  (1, the
+# fp32 form with a ``prmt`` truncation for the pack, measured slower on the H100 in session 28 and was removed.)
 GLUON_FUSED_DEQUANT = 0
 # the fused kernel's consumer schedule: 1 seesaw (block pairs, one softmax each, under the other's MMAs; it replaced
 # the lockstep schedule, where both warpgroups ran every block's softmax on exchanged partials -- H200 2026-12-06,
