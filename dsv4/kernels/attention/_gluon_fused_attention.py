@@ -378,7 +378,8 @@ if HAVE_GLUON:
                 fence_async_shared()
                 mbarrier.arrive(bars.index(FULL))
                 # P_a.V_a on dims [0, 256) (the accumulator to m_a first)
-                alpha = gl.convert_layout(gl.exp2(m_i - m_a_safe), row_o)[:, None]
+                alpha_s = gl.exp2(m_i - m_a_safe)
+                alpha = gl.convert_layout(alpha_s, row_o)[:, None]
                 acc0 = acc0 * alpha
                 acc1 = acc1 * alpha
                 pa = gl.convert_layout(p16, p_l)
@@ -430,7 +431,8 @@ if HAVE_GLUON:
                 mbarrier.arrive(bars.index(FULL + 1))
                 # P_a.V_a on dims [256, 512) with W = 0's probabilities
                 m_a_safe = gl.where(m_a == float("-inf"), 0.0, m_a)
-                alpha = gl.convert_layout(gl.exp2(m_i - m_a_safe), row_o)[:, None]
+                alpha_s = gl.exp2(m_i - m_a_safe)
+                alpha = gl.convert_layout(alpha_s, row_o)[:, None]
                 acc0 = acc0 * alpha
                 acc1 = acc1 * alpha
                 mbarrier.wait(bars.index(READY + sa), ph_a)
@@ -451,7 +453,7 @@ if HAVE_GLUON:
                 acc0, acc1 = warpgroup_mma_wait(0, deps=[acc0, acc1])
                 mbarrier.arrive(bars.index(FREE + sb))
             # the same operations on the same values in both warpgroups: (m, l) stay identical
-            l_i = (l_i * gl.exp2(m_i - m_a_safe) + rs_a) * beta + rs_b
+            l_i = (l_i * alpha_s + rs_a) * beta + rs_b
             m_i = m_b
 
         args_out = (
