@@ -56,6 +56,11 @@ def main() -> None:
         for _ in range(CALLS):
             tri()
     elif case in ("attention", "attention:gluon", "attention:gluon_fused"):
+        # DSV4_FUSED_KNOBS="SEESAW=3+STAGES=3": sparse_attention.GLUON_FUSED_* for the fused kernel
+        SA = sys.modules["dsv4.kernels.attention.sparse_attention"]
+        for kv in filter(None, os.environ.get("DSV4_FUSED_KNOBS", "").split("+")):
+            k, v = kv.split("=")
+            setattr(SA, f"GLUON_FUSED_{k}", int(v))
         pro = get_preset("v4-pro")
         q, caches, sink = make_case(64, pro.n_heads, pro.window_size, 4 * pro.index_topk, pro.index_topk, dev)
         for _ in range(CALLS):

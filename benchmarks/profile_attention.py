@@ -90,7 +90,9 @@ def main(argv=None) -> None:
             continue
         run = partial(sparse_attention_triton, q, caches, sink, scale, **kw)
         ok, err = check(run()[0], ref)
-        if not ok:
+        if knobs.get("GLUON_FUSED_ABLATE"):  # an ablation computes something else: timed, not checked
+            print(f"== {name}: an ablation (GLUON_FUSED_ABLATE), its result is not checked")
+        elif not ok:
             raise SystemExit(f"{name}: differs from the reference (max abs err {err:.3e})")
         times = kernel_times(run, 1 if args.smoke else args.reps, cuda)
         total = sum(t for t, _ in times.values())

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One H200 session: environment, GPU tests, then the kernel benchmarks. Results go to $OUT (or ./out).
-# Usage (on the device machine, repo root): bash benchmarks/run_h200.sh [tests|bench|all|pending|ncu|attention|attention_ncu|indexer_gluon|indexer_live|indexer_fold|pending_s12|topk_rows|indexer_default|indexer_p2|indexer_ablate|flush_topk|skeleton|topk_short|fold_auto|hca_online|write_s15|emit_s15|emit2_s15|main_s15|write2_s15|final_s15|gemv_s15|online_regs|write_s16|final_s16|ncu_pool|div_s16|lean_s17|fast_s17|emit_s17|emit2_s17|warps_s17|ipool_s17|final_s17|sweep_s18|overlap_s18|fuse_s19|pdl_s19|pdl_decode_s19|writes_s19|layer_s19|select_s19|grid_s20|tails_s20|linear_s20|layer_s20|topk_s20|validate_s20|prefill_idx_s21|tf32x2_s21|topk_s21|iquery_s21|fp8_linear_s22|fp8_step_s22|hsum_s22|check_s23|step_s23|fp8lin_s23|s25|s25b|s26a|s26b|s27a|s27b|s27c|s27d|s28a|s28b|s28c|s28d]
+# Usage (on the device machine, repo root): bash benchmarks/run_h200.sh [tests|bench|all|pending|ncu|attention|attention_ncu|indexer_gluon|indexer_live|indexer_fold|pending_s12|topk_rows|indexer_default|indexer_p2|indexer_ablate|flush_topk|skeleton|topk_short|fold_auto|hca_online|write_s15|emit_s15|emit2_s15|main_s15|write2_s15|final_s15|gemv_s15|online_regs|write_s16|final_s16|ncu_pool|div_s16|lean_s17|fast_s17|emit_s17|emit2_s17|warps_s17|ipool_s17|final_s17|sweep_s18|overlap_s18|fuse_s19|pdl_s19|pdl_decode_s19|writes_s19|layer_s19|select_s19|grid_s20|tails_s20|linear_s20|layer_s20|topk_s20|validate_s20|prefill_idx_s21|tf32x2_s21|topk_s21|iquery_s21|fp8_linear_s22|fp8_step_s22|hsum_s22|check_s23|step_s23|fp8lin_s23|s25|s25b|s26a|s26b|s27a|s27b|s27c|s27d|s28a|s28b|s28c|s28d|s29a|s29b|s29c|s29d|s29e]
 # "pending": the norm and top-k GPU tests (~4 min, most of it compiling the top-k kernels), launch D's rank
 # threshold on/off, top-k with both flush kinds, the decode step; about 8 minutes.  "ncu": Nsight Compute
 # sections of the indexer scores, dense attention and gather kernels (benchmarks/ncu_cases.py).  "attention": the
@@ -848,4 +848,67 @@ if [ "$what" = s28d ]; then  # left for session 29 (~4 min): the pipelined seesa
   timeout 100 python3 benchmarks/profile_attention.py --model v4-flash --batch 8 --context 8192 --hca \
     --variants gluon_fused --fused SEESAW=1,SEESAW=2 2>&1 | tee -a "$OUT/${stamp}_profile_attention_seesaw2_s28.txt" \
     | grep "^=="
+fi
+if [ "$what" = s29a ]; then  # session 29 (~4 min): what bounds the fused attention kernel -- ablations (results not
+  # checked): 1 no gather, 2 no dequantisation, 3 neither (consumers alone), 4 no MMAs (producers alone), 7 only the
+  # barriers; the consumers alone at 64-key blocks (two stages; the raw rings are unused there)
+  A=SEESAW=1,SEESAW=2,ABLATE=1,ABLATE=2,ABLATE=3,ABLATE=4,ABLATE=5,ABLATE=6,ABLATE=7
+  A=$A,ABLATE=3+PRODUCER_REGS=24+WORKER_REGS=232,ABLATE=3+BLOCK_N=64+STAGES=2+PRODUCER_REGS=24+WORKER_REGS=232
+  A=$A,ABLATE=7+BLOCK_N=64+STAGES=2
+  timeout 280 python3 benchmarks/profile_attention.py --model v4-pro --batch 64 --variants gluon_fused --fused $A \
+    2>&1 | tee -a "$OUT/${stamp}_profile_attention_ablate_s29.txt" | grep "^== .*graph"
+  timeout 150 python3 benchmarks/profile_attention.py --model v4-flash --batch 64 --variants gluon_fused \
+    --fused SEESAW=1,ABLATE=3,ABLATE=4,ABLATE=3+BLOCK_N=64+STAGES=2+PRODUCER_REGS=24+WORKER_REGS=232 2>&1 \
+    | tee -a "$OUT/${stamp}_profile_attention_ablate_s29.txt" | grep "^== .*graph"
+fi
+if [ "$what" = s29b ]; then  # session 29 (~2 min): more ablations of the fused attention kernel: 8 idle consumers
+  # (each stage freed once ready), 16 no index loads (keys 0, 1, ...): producers alone (12), their skeleton (15, 31),
+  # the consumers' softmax + handoffs without index loads (23), at 32- and 64-key blocks
+  A=SEESAW=1,ABLATE=12,ABLATE=28,ABLATE=15,ABLATE=31,ABLATE=7,ABLATE=23,ABLATE=23+BLOCK_N=64+STAGES=2
+  timeout 200 python3 benchmarks/profile_attention.py --model v4-pro --batch 64 --variants gluon_fused --fused $A \
+    2>&1 | tee -a "$OUT/${stamp}_profile_attention_ablate2_s29.txt" | grep "^== .*graph"
+fi
+if [ "$what" = s29c ]; then  # session 29 (~4 min): symmetric pairs (SEESAW=3: the two consumers exchange their
+  # blocks' row maxima and compute their softmaxes at once, one rescale a pair; 4: W = 0 issues its next QK early)
+  timeout 300 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gluon_fused_attention.py -k "reference" \
+    2>&1 | tee "$OUT/${stamp}_gpu_tests_symmetric_s29.txt" | grep -E "passed|failed|^FAILED|^E " | tail -12
+  for c in "v4-pro 64" "v4-flash 64" "v4-pro 8"; do set -- $c
+    timeout 100 python3 benchmarks/profile_attention.py --model $1 --batch $2 --variants gluon_fused \
+      --fused SEESAW=1,SEESAW=2,SEESAW=3,SEESAW=4 2>&1 | tee -a "$OUT/${stamp}_profile_attention_symmetric_s29.txt" \
+      | grep "^== .*graph"
+  done
+  timeout 100 python3 benchmarks/profile_attention.py --model v4-flash --batch 8 --context 8192 --hca \
+    --variants gluon_fused --fused SEESAW=1,SEESAW=3,SEESAW=4 2>&1 \
+    | tee -a "$OUT/${stamp}_profile_attention_symmetric_s29.txt" | grep "^== .*graph"
+fi
+if [ "$what" = s29d ]; then  # session 29 (~4 min): where the seesaw (1) and symmetric (3) consumers wait: Nsight
+  # Compute's per-instruction stall samples of the fused kernel, and the consumers alone (ablation 19: the producers
+  # load and dequantise nothing) for both schedules
+  for sch in 1 3; do
+    DSV4_FUSED_KNOBS="SEESAW=$sch" timeout 200 /usr/local/cuda/bin/ncu -k regex:_sparse_attn_ws_kernel --launch-skip 1 \
+      --launch-count 1 --section WarpStateStats --section SourceCounters --import-source no --page source \
+      --print-source sass --csv python3 benchmarks/ncu_cases.py attention:gluon_fused \
+      > "$OUT/ncu_source_fused_seesaw$sch.csv" 2> "$OUT/ncu_err$sch.txt"
+    python3 benchmarks/ncu_source_summary.py "$OUT/ncu_source_fused_seesaw$sch.csv" --top 30 \
+      | tee "$OUT/${stamp}_ncu_source_fused_seesaw${sch}_s29.txt" | head -12
+    gzip -f "$OUT/ncu_source_fused_seesaw$sch.csv"
+  done
+  timeout 150 python3 benchmarks/profile_attention.py --model v4-pro --batch 64 --variants gluon_fused \
+    --fused SEESAW=1,SEESAW=3,ABLATE=19,SEESAW=3+ABLATE=19 2>&1 \
+    | tee -a "$OUT/${stamp}_profile_attention_symmetric2_s29.txt" | grep "^== .*graph"
+fi
+if [ "$what" = s29e ]; then  # session 29 (~5 min): the producers loading into registers (LOAD=1: no raw stages, room
+  # for a fourth bf16 stage, which lets both symmetric consumers issue their next QK early: SEESAW=4 + STAGES=4):
+  # the fused-kernel GPU tests over the schedules, then the decode shapes
+  timeout 300 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gluon_fused_attention.py \
+    -k "reference or every_code" 2>&1 | tee "$OUT/${stamp}_gpu_tests_load_s29.txt" | grep -E "passed|failed|^FAILED|^E " | tail -12
+  F=SEESAW=1,SEESAW=3,LOAD=1+SEESAW=1,LOAD=1+SEESAW=3,LOAD=1+SEESAW=3+STAGES=4,LOAD=1+SEESAW=4+STAGES=4
+  F=$F,LOAD=1+SEESAW=2+STAGES=4
+  for c in "v4-pro 64" "v4-flash 64"; do set -- $c
+    timeout 150 python3 benchmarks/profile_attention.py --model $1 --batch $2 --variants gluon_fused --fused $F 2>&1 \
+      | tee -a "$OUT/${stamp}_profile_attention_load_s29.txt" | grep "^== .*graph"
+  done
+  timeout 100 python3 benchmarks/profile_attention.py --model v4-flash --batch 8 --context 8192 --hca \
+    --variants gluon_fused --fused SEESAW=1,LOAD=1+SEESAW=3+STAGES=4,LOAD=1+SEESAW=4+STAGES=4 2>&1 \
+    | tee -a "$OUT/${stamp}_profile_attention_load_s29.txt" | grep "^== .*graph"
 fi

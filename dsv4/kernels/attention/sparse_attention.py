@@ -435,12 +435,13 @@ def _dense_gluon(q, sink, kv, bias, out, lse, scale, n_cols, num_splits, interp)
         _combine(ws, ns, sink, out, lse, interp)
 
 
+GLUON_FUSED_BLOCK_N = 32  # keys per block of the fused Gluon kernel (its smem holds STAGES x BLOCK_N x 1 KiB of bf16)
 GLUON_FUSED_STAGES = 3  # bf16 stages the fused Gluon kernel's producers fill ahead (path="gluon_fused")
 GLUON_FUSED_RAW = 2  # each producer's raw (FP8 + rope) cp.async stages
 # registers a thread of each producer warpgroup / of consumer W = 1 gets (W = 0 gets the rest of the 64K: 512 - 208 -
 # 2 x 48 = 208).  Triton 3.6: at 40 a producer spills in its loop, at 56 W = 0 (192) spills a dozen words; 48 leaves
 # a few: the producers' prologues and two of W = 0's loop values (an 8-byte stack).
-GLUON_PRODUCER_REGS = 48
+GLUON_FUSED_PRODUCER_REGS = 48
 GLUON_FUSED_WORKER_REGS = 208
 # how the fused kernel's producers turn e4m3 bytes into bf16 (``_dequant_half``): 0 through fp32 (two conversions
 # and a pack a pair: the conversion pipe), 2 integer ops + ``mul.rn.bf16x2`` (no conversion); both exact.  (1, the
@@ -455,6 +456,12 @@ GLUON_FUSED_SEESAW = 1
 # consumer W = 1's registers in the pipelined seesaw (W = 0, which carries the next pair's logits, gets 512 - 192 -
 # 2 x 48 = 224): at 208 W = 0 spills ~21 words in its loop (168-byte stack), at 192 a few (64 bytes, as the default)
 GLUON_FUSED_PIPE_WORKER_REGS = 192
+# timing experiments only (``profile_attention.py --fused ABLATE=n`` does not check results): bits 1 no gather, 2 no
+# dequantisation, 4 no MMAs (see ``_sparse_attn_ws_kernel``); 0 in every real call
+GLUON_FUSED_ABLATE = 0
+# how the fused kernel's producers read the entries: 0 cp.async into raw shared-memory stages (``GLUON_FUSED_RAW``),
+# 1 loads into registers an iteration ahead (no raw stages: their shared memory can hold a fourth bf16 stage)
+GLUON_FUSED_LOAD = 0
 
 
 def _fused_aligned(pages: EntryPages) -> bool:
@@ -520,7 +527,7 @@ def _fused_gluon(q, caches, sink, scale, out, lse, num_splits) -> tuple[torch.Te
     if len(caches) > 2:
         raise ValueError(f"path='gluon_fused': expected at most 2 caches, got {len(caches)}")
     T, H, D = q.shape
-    bn = GLUON_BLOCK_N
+    bn = GLUON_FUSED_BLOCK_N
     args = []
     for pages, idx in caches:
         scale64 = _scale_words(pages)
@@ -538,9 +545,10 @@ def _fused_gluon(q, caches, sink, scale, out, lse, num_splits) -> tuple[torch.Te
     _sparse_attn_ws_kernel[(T, head_blocks, ns)](
         q, q.stride(0), q.stride(1), sink, *args, a_blocks, n_blocks, bps, out, out.stride(0), out.stride(1), lse,
         lse.stride(0), lse.stride(1), *ws, ns, H, float(scale) * LOG2E, BLOCK_N=bn, STAGES=GLUON_FUSED_STAGES,
-        RAW=GLUON_FUSED_RAW, PRODUCER_REGS=GLUON_PRODUCER_REGS,
-        WORKER_REGS=GLUON_FUSED_PIPE_WORKER_REGS if GLUON_FUSED_SEESAW == 2 else GLUON_FUSED_WORKER_REGS,
-        DEQ=GLUON_FUSED_DEQUANT, SEESAW=GLUON_FUSED_SEESAW, num_warps=4, **pdl_launch(q.device),
+        RAW=GLUON_FUSED_RAW, PRODUCER_REGS=GLUON_FUSED_PRODUCER_REGS,
+        WORKER_REGS=GLUON_FUSED_PIPE_WORKER_REGS if GLUON_FUSED_SEESAW % 2 == 0 else GLUON_FUSED_WORKER_REGS,
+        DEQ=GLUON_FUSED_DEQUANT, SEESAW=GLUON_FUSED_SEESAW, ABLATE=GLUON_FUSED_ABLATE, LOAD=GLUON_FUSED_LOAD,
+        num_warps=4, **pdl_launch(q.device),
     )  # fmt: skip
     if split:
         _combine(ws, ns, sink, out, lse, interpreter_enabled())
