@@ -56,7 +56,7 @@ def main() -> None:
         for _ in range(CALLS):
             tri()
     elif case in ("attention", "attention:gluon", "attention:gluon_fused"):
-        # DSV4_FUSED_KNOBS="SEESAW=3+STAGES=3": sparse_attention.GLUON_FUSED_* for the fused kernel
+        # DSV4_FUSED_KNOBS="DEQUANT=2+STAGES=3": sparse_attention.GLUON_FUSED_* for the fused kernel
         SA = sys.modules["dsv4.kernels.attention.sparse_attention"]
         for kv in filter(None, os.environ.get("DSV4_FUSED_KNOBS", "").split("+")):
             k, v = kv.split("=")

@@ -51,7 +51,7 @@ def main(argv=None) -> None:
     ap.add_argument(
         "--fused",
         help="gluon_fused runs with sparse_attention.GLUON_FUSED_* knobs: comma-separated runs, each KEY=VAL[+KEY=VAL] "
-        "(e.g. DEQUANT=0,DEQUANT=2,SEESAW=1+DEQUANT=2)",
+        "(e.g. DEQUANT=0,DEQUANT=2,ABLATE=3+DEQUANT=2; an ABLATE run is timed, not checked)",
     )
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--smoke", action="store_true")

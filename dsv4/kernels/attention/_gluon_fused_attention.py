@@ -13,20 +13,35 @@ attended entry as bf16 into a workspace and reads it back: at V4-Pro B = 64 the 
   NVMMA half-tile of one of ``STAGES`` stages with one store, H = 0 also writes each key's bias (0, or -inf for
   -1 / out-of-range / past-the-list keys), and arrives on the stage's ready barrier (count 2).  They produce one
   block past the end (all keys masked: zeros, -inf), which pads an odd block count to whole pairs.
-- **Consumers** W = 0, 1, seesaw schedule (``_consumer``, since session 28): blocks in pairs, W computes block
-  2 i + W's logits over all 512 dims (q's two halves, the stage's two half-tiles) and its softmax on the pair's
-  running max (W = 1 after W = 0's), and the two hand each other bf16 probabilities, max and row sums through
-  shared memory; each then multiplies both blocks' P with its own value half (dims [256 W, 256 W + 256)) and frees
-  a stage once its P.V of that block has retired (count 2).  One warpgroup's softmax runs under the other's MMAs,
-  and each block's softmax is computed once.  P.V is two m64 n128 wgmmas: ptxas refuses a 256-wide one under the
-  128 registers a thread gets at launch with 16 warps, even where ``setmaxnreg`` raises the partition's budget
-  (208 for the consumers).
-- Until session 28 the consumers ran the dense kernel's lockstep loop (see ``_gluon_dense_attention``): W owned
-  head dims [256 W, 256 W + 256) of every QK, the two swapped partial logits once per block and both ran every
-  block's softmax.  It was removed after the measurement below.
+- **Consumers** W = 0, 1, symmetric pairs (``_consumer``, since session 29): blocks in pairs, W computes block
+  2 i + W's logits over all 512 dims (q's two halves, the stage's two half-tiles); the two exchange their blocks'
+  row maxima, so both compute their softmax at once in the pair's frame, and hand each other bf16 probabilities
+  and row sums through shared memory; each rescales its accumulator once a pair, multiplies both blocks' P with
+  its own value half (dims [256 W, 256 W + 256)) and frees both stages once those P.V have retired (count 2).
+  P.V is two m64 n128 wgmmas: ptxas refuses a 256-wide one under the 128 registers a thread gets at launch with
+  16 warps, even where ``setmaxnreg`` raises the partition's budget (208 for the consumers).
+- Before: the dense kernel's lockstep loop (until session 28: W owned head dims [256 W, 256 W + 256) of every QK,
+  the two swapped partial logits once per block and both ran every block's softmax), then the seesaw (session 28:
+  W = 1's softmax waited for W = 0's max, probabilities and sums, and each rescaled twice a pair).
 
-Numerics equal the gathered path's (the workspace held the same exact bf16 values); the seesaw schedule applies
-each block's softmax on the running max the pair has reached (an online-softmax order, within the same tolerance).
+Numerics equal the gathered path's (the workspace held the same exact bf16 values); the consumers apply each
+pair's softmax on the running max the pair has reached (an online-softmax order, within the same tolerance).
+
+Session 29 (2026-12-06, H100, CUDA-graph time, ``profile_attention.py --fused``):
+
+- Ablations (``ABLATE``, results not checked), V4-Pro B = 64 at 72.9 us: the consumers alone (the producers copy
+  and dequantise nothing) 57.6, their softmax and handoffs alone (no MMAs either) 30.8; the producers alone (the
+  consumers free each stage once ready) 39.2, with their copies but no index loads 29.8, their skeleton 11.3.  So
+  the consumers bound the kernel, and about half of their time is their non-MMA chain, which the tensor pipe does
+  not overlap.  At 64-key blocks (two stages; only possible here with the raw rings unused) the consumers alone
+  take 50.8, their chain 23.9.
+- Symmetric pairs against the seesaw, three runs: V4-Pro B = 64 72.6 / 73.5 -> 70.9 / 71.7 us, V4-Flash B = 64
+  37.9 / 37.5 -> 37.8 / 37.6, V4-Pro B = 8 25.8 -> 25.3, HCA-8192 B = 8 60.2 -> 59.0; 126 fewer instructions a
+  pair in each consumer.  Measured and removed: issuing the next pair's QK early (W = 0 only, as three stages
+  allow: 73.7; the seesaw's own such variant 70.6 / 73.0 / 70.7 against 72.8 / 72.6 / 72.9), and producers loading
+  the entries into registers as 32-bit words instead of ``cp.async`` into raw stages (no raw rings, so a fourth
+  stage fits and both consumers can issue ahead): 86.1 us with three stages or four, both schedules: the
+  producers, waiting on their loads, fell behind.
 
 Session 28 (2026-12-06, CUDA-graph time, ``profile_attention.py --fused``):
 
@@ -111,8 +126,8 @@ if HAVE_GLUON:
     _BH = gl.constexpr(BLOCK_HEADS)
     _WG_THREADS = gl.constexpr(WG_THREADS)
     _TILE = gl.constexpr(TILE)
-    # e4m3 -> bf16 with integer ops (``_e4m3_to_bf16_int``): $2 four e4m3 bytes, $3 the bf16 scale (low half used),
-    # $0 / $1 bytes 0-1 / 2-3 as bf16 pairs
+    # e4m3 -> bf16 with integer ops (``_e4m3_to_bf16_int``): $2 four e4m3 bytes, $3 the bf16 scale (a pair; the
+    # four bytes share it), $0 / $1 bytes 0-1 / 2-3 as bf16 pairs
     _E4M3_ASM = gl.constexpr(
         """
             {
@@ -231,95 +246,19 @@ if HAVE_GLUON:
         scale into dims [64 t, 64 t + 64), and for H = 1 the rope lanes into [192, 256) (dims 448-511 of the
         entry).  H = 0 also writes ``bias`` [BLOCK_N] fp32: 0 for valid keys, -inf for the others."""
         l3: gl.constexpr = gl.BlockedLayout([1, 1, 16], [8, 1, 4], [4, 1, 1], [2, 1, 0])
-        x8 = r8.permute((1, 0, 2)).load(l3)  # [BLOCK_N, 4, 64] e4m3: key, tile, byte
-        if H == 1:
-            xr = rr.load(gl.SliceLayout(1, l3))
-        else:
-            xr = valid
-        _dequant_regs(H, x8, xr, sbytes, valid, kb, bias, BLOCK_N, DEQ)
-
-    @gluon.jit
-    def _load_words(H: gl.constexpr, b, slot, a_blocks, ca, cb, BLOCK_N: gl.constexpr):
-        """Block ``b``'s half H straight into registers (``LOAD=1``; no raw stage), as 32-bit words: the FP8 tiles
-        4 H .. 4 H + 3 (H = 1: 4-6) as [BLOCK_N, 4, 16] int32 (four e4m3 bytes a word; 16 bytes a thread and
-        tile, one load) and, H = 1, the rope lanes as [BLOCK_N, 32] int32 (two bf16 a word); masked keys and tile
-        7 read as 0.  (Loaded as bytes, the values would be held a byte a register across the loop.)  Returns
-        (valid, scale words as ``_issue_block``, the FP8 words, the rope words (H = 0: ``valid`` again, unused));
-        nothing waits for the loads until the block is dequantised, an iteration later."""
-        lw: gl.constexpr = gl.BlockedLayout([1, 1, 4], [8, 1, 4], [4, 1, 1], [2, 1, 0])
-        lr: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
-        kt: gl.constexpr = gl.SliceLayout(2, lw)
-        use_a = b < a_blocks
-        (_i, _si, _k, bs, n_slots, nope, rope, scale, snp, snr, srp, srr, ssp, ssr) = _pick(use_a, ca, cb)
-        slot = gl.convert_layout(slot, gl.SliceLayout(1, kt))
-        valid = (slot >= 0) & (slot < n_slots)
-        slot = gl.where(valid, slot, 0)
-        page = (slot // bs).to(gl.int64)
-        row = (slot % bs).to(gl.int64)
-        t = gl.arange(0, 4, layout=gl.SliceLayout(0, kt))
-        c = gl.arange(0, _TILE // 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, lw)))
-        rows8 = (nope + gl.multiple_of(page * snp + row * snr, 16)).to(gl.pointer_type(gl.int32), bitcast=True)
-        m8 = valid[:, None, None] & (t < 4 - H)[None, :, None] & (c < _TILE // 4)[None, None, :]
-        col = ((4 * H + t) * (_TILE // 4))[None, :, None] + c[None, None, :]
-        x8 = gl.load(rows8[:, None, None] + col, mask=m8, other=0)
-        sbytes = gl.load(scale + page * ssp + row * ssr, mask=valid, other=0)
-        if H == 1:
-            vr = gl.convert_layout(valid, gl.SliceLayout(1, lr))
-            offr = gl.multiple_of(gl.convert_layout(page * srp + row * srr, gl.SliceLayout(1, lr)), 8)
-            rowsr = (rope + offr).to(gl.pointer_type(gl.int32), bitcast=True)
-            cr = gl.arange(0, _TILE // 2, layout=gl.SliceLayout(0, lr))
-            xr = gl.load(rowsr[:, None] + cr[None, :], mask=vr[:, None] & (cr < _TILE // 2)[None, :], other=0)
-        else:
-            xr = valid
-        return valid, sbytes, x8, xr
-
-    @gluon.jit
-    def _e4m3x4_to_bf16x4(w, sc2):
-        """``_e4m3_to_bf16_int`` on 32-bit words: the four e4m3 bytes of each int32 ``w`` times ``sc2`` (the bf16
-        scale in both halves of an int32) -> (bytes 0-1, bytes 2-3) as bf16 pairs in int32 (the same asm: the
-        byte lanes of one register in, two bf16x2 registers out)."""
-        return gl.inline_asm_elementwise(
-            _E4M3_ASM, "=r,=r,r,r", [w, sc2], dtype=(gl.int32, gl.int32), is_pure=True, pack=1
-        )
-
-    @gluon.jit
-    def _dequant_words(H: gl.constexpr, x8, xr, sbytes, valid, kb, bias, BLOCK_N: gl.constexpr):
-        """``_dequant_half`` on the words of ``_load_words`` (``LOAD=1``), with the integer dequantisation
-        (``DEQ=2``): bf16 pairs joined back into [BLOCK_N, 4, 32] words, the rope words as tile 3 of H = 1, and
-        stored through an int32 view of the half-tile (the same 128-byte swizzle on 32-bit elements)."""
-        lw: gl.constexpr = gl.BlockedLayout([1, 1, 4], [8, 1, 4], [4, 1, 1], [2, 1, 0])
-        t4 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, lw)))
-        sb = ((sbytes[:, None] >> (8 * (4 * H + t4))[None, :]) & 0xFF).to(gl.int32)  # [BLOCK_N, 4] UE8M0 bytes
-        bits = gl.where(sb == 0, 0x40, sb << 7)  # 2**(byte - 127) as bf16 bits (byte 0: the subnormal 2**-127)
-        lo, hi = _e4m3x4_to_bf16x4(x8, (bits | (bits << 16))[:, :, None])
-        y = gl.reshape(gl.join(lo, hi), [BLOCK_N, 4, 2 * _TILE // 4])  # [key, tile, bf16 pair]
-        if H == 1:  # "tile 7" is the rope lanes
-            t3 = gl.convert_layout(t4, gl.SliceLayout(0, gl.SliceLayout(2, y.type.layout)))
-            yr = gl.convert_layout(xr, gl.SliceLayout(1, y.type.layout))
-            y = gl.where((t3 == 3)[None, :, None], yr[:, None, :], y)
-        w32: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
-        kb._reinterpret(gl.int32, [BLOCK_N, 2 * _TILE], w32).store(gl.reshape(y, [BLOCK_N, 2 * _TILE]))
-        if H == 0:
-            bl: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-            bias.store(gl.where(gl.convert_layout(valid, bl), 0.0, float("-inf")))
-
-    @gluon.jit
-    def _dequant_regs(H: gl.constexpr, x8, xr, sbytes, valid, kb, bias, BLOCK_N: gl.constexpr, DEQ: gl.constexpr):
-        """``_dequant_half`` on values in registers: ``x8`` [BLOCK_N, 4, 64] e4m3 and, H = 1, ``xr`` the rope
-        lanes [BLOCK_N, 64] bf16 (layouts of ``_load_block``)."""
-        l3: gl.constexpr = gl.BlockedLayout([1, 1, 16], [8, 1, 4], [4, 1, 1], [2, 1, 0])
         kl: gl.constexpr = gl.SliceLayout(1, l3)
         t4 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, l3)))
+        x8 = r8.permute((1, 0, 2)).load(l3)  # [BLOCK_N, 4, 64] e4m3: key, tile, byte
         sb = ((sbytes[:, None] >> (8 * (4 * H + t4))[None, :]) & 0xFF).to(gl.int32)  # [BLOCK_N, 4] UE8M0 bytes
         if DEQ == 2:  # integer ops + bf16 multiplies; 2**(byte - 127) as bf16 (byte 0: the subnormal 2**-127)
             sc = gl.where(sb == 0, 0x40, sb << 7).to(gl.int16).to(gl.bfloat16, bitcast=True)
             y = _e4m3_to_bf16_int(x8.to(gl.uint8, bitcast=True), sc[:, :, None])
             if H == 1:  # "tile 7" is the rope lanes
-                y = gl.where((t4 == 3)[None, :, None], gl.convert_layout(xr, kl)[:, None, :], y)
+                y = gl.where((t4 == 3)[None, :, None], rr.load(kl)[:, None, :], y)
         else:  # via fp32: e4m3 -> f16 -> f32 conversions, times 2**(byte - 127) (exact; byte 0: 2**-127)
             y = x8.to(gl.float32) * gl.where(sb == 0, 0x400000, sb << 23).to(gl.float32, bitcast=True)[:, :, None]
             if H == 1:
-                y = gl.where((t4 == 3)[None, :, None], gl.convert_layout(xr, kl).to(gl.float32)[:, None, :], y)
+                y = gl.where((t4 == 3)[None, :, None], rr.load(kl).to(gl.float32)[:, None, :], y)
             y = y.to(gl.bfloat16)
         kb.store(gl.reshape(y, [BLOCK_N, 4 * _TILE]))
         if H == 0:
@@ -327,50 +266,7 @@ if HAVE_GLUON:
             bias.store(gl.where(gl.convert_layout(valid, bl), 0.0, float("-inf")))
 
     @gluon.jit
-    def _n_produced(n_my, SEESAW: gl.constexpr, STAGES: gl.constexpr):
-        """Blocks the producers make for a split of ``n_my`` blocks: one past the end (it pads an odd count to
-        whole pairs); a pipelined schedule also needs the block(s) after the last pair, which its consumers issue
-        ahead (blocks past the end: all keys masked)."""
-        if SEESAW == 4 and STAGES >= 4:
-            return 2 * ((n_my + 1) // 2) + 2
-        elif SEESAW % 2 == 0:
-            return 2 * ((n_my + 1) // 2) + 1
-        else:
-            return n_my + 1
-
-    @gluon.jit
-    def _producer_ldg(H: gl.constexpr, args, SEESAW: gl.constexpr):
-        """Producer warpgroup H with ``LOAD=1``: each block's half loaded into registers an iteration ahead
-        (``_load_words``) and dequantised from there with the integer dequantisation; no raw stages."""
-        (
-            q_ptr, stride_qt, stride_qh, sink_ptr, ca, cb, a_blocks, n_blocks, blocks_per_split,
-            out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, stride_lh, ws_m_ptr, ws_l_ptr, ws_acc_ptr, ws_splits,
-            num_heads, qk_scale_log2, q_s, kb_s, r8_s, rr_s, bias_s, x0_s, x1_s, v_s, bars,
-        ) = args  # fmt: skip
-        RAW: gl.constexpr = rr_s.type.shape[0]
-        STAGES: gl.constexpr = kb_s.type.shape[0] // 2
-        BLOCK_N: gl.constexpr = bias_s.type.shape[1]
-        READY: gl.constexpr = 2 * RAW
-        FREE: gl.constexpr = 2 * RAW + STAGES
-        pid_t = gl.program_id(0).to(gl.int64)
-        blk_start, blk_end, n_my = _split_blocks(blocks_per_split, n_blocks)
-        slots_next = _block_slots(blk_start + 1, blk_end, a_blocks, pid_t, ca, cb, BLOCK_N)
-        slots = _block_slots(blk_start, blk_end, a_blocks, pid_t, ca, cb, BLOCK_N)
-        valid, sbytes, x8, xr = _load_words(H, blk_start, slots, a_blocks, ca, cb, BLOCK_N)
-        for i in range(_n_produced(n_my, SEESAW, STAGES)):
-            slots_after = _block_slots(blk_start + i + 2, blk_end, a_blocks, pid_t, ca, cb, BLOCK_N)
-            st = i % STAGES
-            mbarrier.wait(bars.index(FREE + st), ((i // STAGES) & 1) ^ 1, pred=i >= STAGES)
-            _dequant_words(H, x8, xr, sbytes, valid, kb_s.index(2 * st + H), bias_s.index(st), BLOCK_N)
-            fence_async_shared()
-            mbarrier.arrive(bars.index(READY + st))
-            # the next block's loads only now, so one block's words are live at a time: they have the wait for
-            # the next free stage to land in (the producers run ahead of the consumers)
-            valid, sbytes, x8, xr = _load_words(H, blk_start + i + 1, slots_next, a_blocks, ca, cb, BLOCK_N)
-            slots_next = slots_after
-
-    @gluon.jit
-    def _producer(H: gl.constexpr, args, DEQ: gl.constexpr, SEESAW: gl.constexpr, ABLATE: gl.constexpr):
+    def _producer(H: gl.constexpr, args, DEQ: gl.constexpr, ABLATE: gl.constexpr):
         """Producer warpgroup H (half H of every entry): blocks [blk_start, blk_end] (one past the end) of this
         program's split.
 
@@ -400,7 +296,8 @@ if HAVE_GLUON:
         slots = _block_slots(blk_start, blk_end, a_blocks, pid_t, ca, cb, BLOCK_N, IDX)
         valid, sbytes = _issue_block(H, blk_start, slots, a_blocks, ca, cb, r8_s.index(RB), rr_s.index(0),
                                      bars.index(RB), BLOCK_N, GATHER)  # fmt: skip
-        for i in range(_n_produced(n_my, SEESAW, STAGES)):
+        # one block past the end: it pads an odd count to whole pairs (all keys masked)
+        for i in range(n_my + 1):
             slots_after = _block_slots(blk_start + i + 2, blk_end, a_blocks, pid_t, ca, cb, BLOCK_N, IDX)
             # the next block's raw stage was dequantised an iteration ago (all threads passed that stage-ready
             # arrive's warpgroup barrier)
@@ -455,190 +352,21 @@ if HAVE_GLUON:
         return acc0, acc1
 
     @gluon.jit
-    def _consumer(W: gl.constexpr, args, PIPE: gl.constexpr, ABLATE: gl.constexpr):
-        """Consumer warpgroup W, seesaw schedule: blocks go in pairs (a, b) = (2 i, 2 i + 1);
-        W = 0 computes block a's logits over all 512 dims and its softmax, W = 1 block b's, each on the running max
-        the pair has reached (W = 1 starts from W = 0's max of block a).  Each hands its bf16 probabilities, its new
-        max and its row sums to the other through shared memory (``x0_s``: W = 0 -> 1, ``x1_s``: 1 -> 0, NVMMA
-        [64, BLOCK_N] tiles the other's P.V reads as its A operand; ``v_s`` rows 0-1 / 2-3: max, sum), then both
-        multiply P_a and P_b with their own value half.  So one warpgroup's softmax runs under the other's MMAs and
-        neither computes a softmax the other also computes (the lockstep form it replaced, which swapped partial
-        logits, did each block's softmax in both warpgroups).
+    def _consumer(W: gl.constexpr, args, ABLATE: gl.constexpr):
+        """Consumer warpgroup W, symmetric pairs (since session 29): blocks go in pairs (2 i, 2 i + 1) and W computes
+        block 2 i + W's logits over all 512 dims (q's two halves times the stage's two half-tiles).  The two
+        warpgroups settle the pair's running max together: each publishes its block's row maxima (``v_s`` row
+        4 (i % 2) + W), arrives on its max barrier and reads the other's, so both hold the same
+        m = max(m_i, max_a, max_b) (max is exact) and compute their probabilities in that one frame at the same
+        time.  Each hands its bf16 probabilities (``x0_s`` / ``x1_s``, NVMMA [64, BLOCK_N] tiles the other's P.V
+        reads as its A operand) and row sums (row 4 (i % 2) + 2 + W) to the other, rescales its accumulator once a
+        pair (times 2**(m_i - m)) and multiplies its own P (registers) and then the other's (shared memory) with
+        its value half (dims [256 W, 256 W + 256)); it frees both stages once that P.V has retired (count 2).  The
+        maxima and sums rows alternate between two sets by the pair's parity: a warpgroup writes a set again only
+        after the other has passed the next pair's exchange.  The producers make one block past the end, which pads
+        an odd count to whole pairs (all keys masked).
 
-        The accumulator follows the pair's maxima: times 2**(m - m_a) before P_a.V_a, times 2**(m_a - m_b) before
-        P_b.V_b; both warpgroups apply the same factors to the same sums, so their (m, l) stay bit-identical.  The
-        producers make one block past the end, which pads an odd count to whole pairs (all keys masked).
-
-        ``PIPE`` (``SEESAW=2``): W = 0 issues the next pair's QK right after its P_a.V_a, so the tensor pipe has it
-        while W = 1 runs block b's softmax and W = 0 waits for it; the QK retires with the iteration's last wait (no
-        wgmma in flight across the loop's back edge) and its logits are carried into the next iteration."""
-        (
-            q_ptr, stride_qt, stride_qh, sink_ptr, ca, cb, a_blocks, n_blocks, blocks_per_split,
-            out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, stride_lh, ws_m_ptr, ws_l_ptr, ws_acc_ptr, ws_splits,
-            num_heads, qk_scale_log2, q_s, kb_s, r8_s, rr_s, bias_s, x0_s, x1_s, v_s, bars,
-        ) = args  # fmt: skip
-        RAW: gl.constexpr = rr_s.type.shape[0]
-        STAGES: gl.constexpr = kb_s.type.shape[0] // 2
-        BLOCK_N: gl.constexpr = bias_s.type.shape[1]
-        READY: gl.constexpr = 2 * RAW
-        FREE: gl.constexpr = 2 * RAW + STAGES
-        MMA: gl.constexpr = (ABLATE & 4) == 0  # (an ablation: no QK, no P.V)
-        FULL: gl.constexpr = 2 * RAW + 2 * STAGES
-        EMPTY: gl.constexpr = FULL + 2
-        QBAR: gl.constexpr = FULL + 4
-        mma_s: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
-        )
-        mma_o: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, _QUARTER, 16]
-        )
-        p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_o, k_width=2)
-        row_s: gl.constexpr = gl.SliceLayout(1, mma_s)
-        row_o: gl.constexpr = gl.SliceLayout(1, mma_o)
-        col_s: gl.constexpr = gl.SliceLayout(0, mma_s)
-        col_o: gl.constexpr = gl.SliceLayout(0, mma_o)
-
-        _, _, n_my = _split_blocks(blocks_per_split, n_blocks)
-        n_pairs = (n_my + 1) // 2
-        _q_half_to_smem(q_ptr, stride_qt, stride_qh, num_heads, W, q_s.index(W), bars.index(QBAR + W))
-        mbarrier.wait(bars.index(QBAR + 1 - W), 0)  # the other half of q (both halves for the full-width QK)
-
-        zero_s = gl.zeros([_BH, BLOCK_N], gl.float32, mma_s)
-        m_i = gl.full([_BH], float("-inf"), gl.float32, row_s)
-        l_i = gl.zeros([_BH], gl.float32, row_s)
-        acc0 = gl.zeros([_BH, _QUARTER], gl.float32, mma_o)
-        acc1 = gl.zeros([_BH, _QUARTER], gl.float32, mma_o)
-        PRE: gl.constexpr = PIPE and W == 0  # this warpgroup's logits come from the previous iteration
-        gl.static_assert(MMA or not PIPE, "ABLATE bit 2 (no MMAs) needs SEESAW=1")
-        if PRE:  # block 0 (always produced)
-            mbarrier.wait(bars.index(READY), 0)
-            s_next = warpgroup_mma_wait(0, deps=[_qk_full(q_s, kb_s, 0, zero_s)])
-        for i in range(n_pairs):
-            sa = (2 * i) % STAGES
-            sb = (2 * i + 1) % STAGES
-            ph_a = ((2 * i) // STAGES) & 1
-            ph_b = ((2 * i + 1) // STAGES) & 1
-            mine = 2 * i + W  # the block whose logits this warpgroup computes
-            st = mine % STAGES
-            if PRE:
-                s = s_next
-            else:
-                mbarrier.wait(bars.index(READY + st), (mine // STAGES) & 1)
-                s = _qk(q_s, kb_s, st, zero_s, MMA)
-            bias = bias_s.index(st).load(col_s)
-            s = s * qk_scale_log2 + bias[None, :]
-            if W == 0:
-                m_a = gl.maximum(m_i, gl.max(s, 1))
-                m_a_safe = gl.where(m_a == float("-inf"), 0.0, m_a)
-                p = gl.exp2(s - m_a_safe[:, None])
-                rs_a = gl.sum(p, 1)
-                p16 = p.to(gl.bfloat16)
-                mbarrier.wait(bars.index(EMPTY), (i & 1) ^ 1, pred=i > 0)
-                x0_s.store(p16)
-                v_s.index(0).store(m_a)
-                v_s.index(1).store(rs_a)
-                fence_async_shared()
-                mbarrier.arrive(bars.index(FULL))
-                # P_a.V_a on dims [0, 256) (the accumulator to m_a first)
-                alpha_s = gl.exp2(m_i - m_a_safe)
-                alpha = gl.convert_layout(alpha_s, row_o)[:, None]
-                acc0 = acc0 * alpha
-                acc1 = acc1 * alpha
-                pa = gl.convert_layout(p16, p_l)
-                v = kb_s.index(2 * sa)
-                acc0, acc1 = _pv(pa, v, acc0, acc1, MMA)
-                if PRE:  # the next pair's block a (produced: the producers make one block past the pairs)
-                    nxt = 2 * i + 2
-                    mbarrier.wait(bars.index(READY + nxt % STAGES), (nxt // STAGES) & 1)
-                    s_tok = _qk_full(q_s, kb_s, nxt % STAGES, zero_s)
-                # block b's probabilities from W = 1
-                mbarrier.wait(bars.index(FULL + 1), i & 1)
-                m_b = v_s.index(2).load(row_s)
-                rs_b = v_s.index(3).load(row_s)
-                if PRE:  # P_a.V_a retired (groups retire in order; the QK's two may still run)
-                    acc0, acc1 = warpgroup_mma_wait(2, deps=[acc0, acc1])
-                else:
-                    acc0, acc1 = _pv_wait(acc0, acc1, MMA)
-                mbarrier.arrive(bars.index(FREE + sa))
-                m_b_safe = gl.where(m_b == float("-inf"), 0.0, m_b)
-                beta = gl.exp2(m_a - m_b_safe)
-                beta_o = gl.convert_layout(beta, row_o)[:, None]
-                acc0 = acc0 * beta_o
-                acc1 = acc1 * beta_o
-                mbarrier.wait(bars.index(READY + sb), ph_b)
-                v = kb_s.index(2 * sb)
-                acc0, acc1 = _pv(x1_s, v, acc0, acc1, MMA)
-                if PRE:
-                    acc0, acc1, s_next = warpgroup_mma_wait(0, deps=[acc0, acc1, s_tok])
-                else:
-                    acc0, acc1 = _pv_wait(acc0, acc1, MMA)
-                mbarrier.arrive(bars.index(EMPTY + 1))
-                mbarrier.arrive(bars.index(FREE + sb))
-            else:
-                mbarrier.wait(bars.index(FULL), i & 1)
-                m_a = v_s.index(0).load(row_s)
-                rs_a = v_s.index(1).load(row_s)
-                m_b = gl.maximum(m_a, gl.max(s, 1))
-                m_b_safe = gl.where(m_b == float("-inf"), 0.0, m_b)
-                p = gl.exp2(s - m_b_safe[:, None])
-                rs_b = gl.sum(p, 1)
-                p16 = p.to(gl.bfloat16)
-                mbarrier.wait(bars.index(EMPTY + 1), (i & 1) ^ 1, pred=i > 0)
-                x1_s.store(p16)
-                v_s.index(2).store(m_b)
-                v_s.index(3).store(rs_b)
-                fence_async_shared()
-                mbarrier.arrive(bars.index(FULL + 1))
-                # P_a.V_a on dims [256, 512) with W = 0's probabilities
-                m_a_safe = gl.where(m_a == float("-inf"), 0.0, m_a)
-                alpha_s = gl.exp2(m_i - m_a_safe)
-                alpha = gl.convert_layout(alpha_s, row_o)[:, None]
-                acc0 = acc0 * alpha
-                acc1 = acc1 * alpha
-                mbarrier.wait(bars.index(READY + sa), ph_a)
-                v = kb_s.index(2 * sa + 1)
-                acc0, acc1 = _pv(x0_s, v, acc0, acc1, MMA)
-                acc0, acc1 = _pv_wait(acc0, acc1, MMA)
-                mbarrier.arrive(bars.index(EMPTY))
-                mbarrier.arrive(bars.index(FREE + sa))
-                beta = gl.exp2(m_a - m_b_safe)
-                beta_o = gl.convert_layout(beta, row_o)[:, None]
-                acc0 = acc0 * beta_o
-                acc1 = acc1 * beta_o
-                pb = gl.convert_layout(p16, p_l)
-                v = kb_s.index(2 * sb + 1)
-                acc0, acc1 = _pv(pb, v, acc0, acc1, MMA)
-                acc0, acc1 = _pv_wait(acc0, acc1, MMA)
-                mbarrier.arrive(bars.index(FREE + sb))
-            # the same operations on the same values in both warpgroups: (m, l) stay identical
-            l_i = (l_i * alpha_s + rs_a) * beta + rs_b
-            m_i = m_b
-
-        args_out = (
-            sink_ptr, out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, stride_lh, ws_m_ptr, ws_l_ptr, ws_acc_ptr,
-            ws_splits, num_heads,
-        )  # fmt: skip
-        offs_d = W * _HALF + gl.arange(0, _QUARTER, layout=col_o)
-        _write_rows(acc0, offs_d, m_i, l_i, args_out, W == 0)
-        _write_rows(acc1, offs_d + _QUARTER, m_i, l_i, args_out, False)
-
-    @gluon.jit
-    def _consumer_sym(W: gl.constexpr, args, PIPE: gl.constexpr):
-        """Consumer warpgroup W, symmetric pairs (``SEESAW=3``; 4 pipelined): blocks go in pairs (2 i, 2 i + 1) and
-        W computes block 2 i + W's logits over all 512 dims, as in ``_consumer``, but the two warpgroups settle
-        the pair's running max together instead of one after the other: each publishes its block's row maxima
-        (``v_s`` row 4 (i % 2) + W), arrives on its max barrier and reads the other's, so both hold the same
-        m = max(m_i, max_a, max_b) and compute their probabilities in that one frame at the same time.  Each hands
-        its bf16 probabilities (``x0_s`` / ``x1_s``) and row sums (row 4 (i % 2) + 2 + W) to the other, rescales
-        its accumulator once per pair (times 2**(m_i - m)) and multiplies its own and then the other's P with
-        its value half (dims [256 W, 256 W + 256)).  The maxima and sums rows alternate between two sets by the
-        pair's parity: a warpgroup writes a set again only after the other has passed the next pair's exchange.
-
-        ``PIPE`` (``SEESAW=4``): issue my block of the next pair (2 i + 2 + W) right after my own P.V, under the
-        wait for the other's probabilities; it retires with the iteration's last wait and its logits are carried
-        into the next iteration (the producers make the blocks after the last pair: ``_n_produced``).  W = 1 does
-        so only with four or more stages: with three, its next block's stage is block 2 i's, which it frees only
-        after its P.V of that block."""
+        ``ABLATE`` bit 2 (timing only): no QK (logits 0) and no P.V."""
         (
             q_ptr, stride_qt, stride_qh, sink_ptr, ca, cb, a_blocks, n_blocks, blocks_per_split,
             out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, stride_lh, ws_m_ptr, ws_l_ptr, ws_acc_ptr, ws_splits,
@@ -653,6 +381,7 @@ if HAVE_GLUON:
         EMPTY: gl.constexpr = FULL + 2
         QBAR: gl.constexpr = FULL + 4
         MX: gl.constexpr = FULL + 6
+        MMA: gl.constexpr = (ABLATE & 4) == 0
         mma_s: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
         )
@@ -681,21 +410,14 @@ if HAVE_GLUON:
         l_i = gl.zeros([_BH], gl.float32, row_s)
         acc0 = gl.zeros([_BH, _QUARTER], gl.float32, mma_o)
         acc1 = gl.zeros([_BH, _QUARTER], gl.float32, mma_o)
-        PRE: gl.constexpr = PIPE and ((W == 0) or (STAGES >= 4))
-        if PRE:  # block W (always produced; stage W)
-            mbarrier.wait(bars.index(READY + W), 0)
-            s_next = warpgroup_mma_wait(0, deps=[_qk_full(q_s, kb_s, W, zero_s)])
         for i in range(n_pairs):
             vrow = 4 * (i % 2)
             mine = 2 * i + W  # the block whose logits this warpgroup computes
             other = 2 * i + 1 - W
             st = mine % STAGES
             so = other % STAGES
-            if PRE:
-                s = s_next
-            else:
-                mbarrier.wait(bars.index(READY + st), (mine // STAGES) & 1)
-                s = warpgroup_mma_wait(0, deps=[_qk_full(q_s, kb_s, st, zero_s)])
+            mbarrier.wait(bars.index(READY + st), (mine // STAGES) & 1)
+            s = _qk(q_s, kb_s, st, zero_s, MMA)
             bias = bias_s.index(st).load(col_s)
             s = s * qk_scale_log2 + bias[None, :]
             # the pair's max, exchanged (max is exact: both warpgroups get the same m)
@@ -718,19 +440,12 @@ if HAVE_GLUON:
             alpha = gl.convert_layout(alpha_s, row_o)[:, None]
             acc0 = acc0 * alpha
             acc1 = acc1 * alpha
-            acc0, acc1 = _pv(gl.convert_layout(p16, p_l), kb_s.index(2 * st + W), acc0, acc1, True)
-            if PRE:  # my block of the next pair
-                nxt = mine + 2
-                mbarrier.wait(bars.index(READY + nxt % STAGES), (nxt // STAGES) & 1)
-                s_tok = _qk_full(q_s, kb_s, nxt % STAGES, zero_s)
+            acc0, acc1 = _pv(gl.convert_layout(p16, p_l), kb_s.index(2 * st + W), acc0, acc1, MMA)
             # the other block's P.V with its probabilities (shared memory)
             mbarrier.wait(bars.index(FULL + 1 - W), i & 1)
             mbarrier.wait(bars.index(READY + so), (other // STAGES) & 1)
-            acc0, acc1 = _pv(x_oth, kb_s.index(2 * so + W), acc0, acc1, True)
-            if PRE:
-                acc0, acc1, s_next = warpgroup_mma_wait(0, deps=[acc0, acc1, s_tok])
-            else:
-                acc0, acc1 = warpgroup_mma_wait(0, deps=[acc0, acc1])
+            acc0, acc1 = _pv(x_oth, kb_s.index(2 * so + W), acc0, acc1, MMA)
+            acc0, acc1 = _pv_wait(acc0, acc1, MMA)
             mbarrier.arrive(bars.index(EMPTY + 1 - W))
             mbarrier.arrive(bars.index(FREE + st))
             mbarrier.arrive(bars.index(FREE + so))
@@ -764,36 +479,26 @@ if HAVE_GLUON:
             mbarrier.arrive(bars.index(2 * RAW + STAGES + i % STAGES))
 
     @gluon.jit
-    def _wg0(args, SEESAW: gl.constexpr, ABLATE: gl.constexpr):
+    def _wg0(args, ABLATE: gl.constexpr):
         if (ABLATE & 8) != 0:
             _consumer_idle(args)
-        elif SEESAW >= 3:
-            _consumer_sym(0, args, SEESAW == 4)
         else:
-            _consumer(0, args, SEESAW == 2, ABLATE)
+            _consumer(0, args, ABLATE)
 
     @gluon.jit
-    def _wg1(args, SEESAW: gl.constexpr, ABLATE: gl.constexpr):
+    def _wg1(args, ABLATE: gl.constexpr):
         if (ABLATE & 8) != 0:
             _consumer_idle(args)
-        elif SEESAW >= 3:
-            _consumer_sym(1, args, SEESAW == 4)
         else:
-            _consumer(1, args, SEESAW == 2, ABLATE)
+            _consumer(1, args, ABLATE)
 
     @gluon.jit
-    def _prod0(args, DEQ: gl.constexpr, SEESAW: gl.constexpr, ABLATE: gl.constexpr, LOAD: gl.constexpr):
-        if LOAD == 1:
-            _producer_ldg(0, args, SEESAW)
-        else:
-            _producer(0, args, DEQ, SEESAW, ABLATE)
+    def _prod0(args, DEQ: gl.constexpr, ABLATE: gl.constexpr):
+        _producer(0, args, DEQ, ABLATE)
 
     @gluon.jit
-    def _prod1(args, DEQ: gl.constexpr, SEESAW: gl.constexpr, ABLATE: gl.constexpr, LOAD: gl.constexpr):
-        if LOAD == 1:
-            _producer_ldg(1, args, SEESAW)
-        else:
-            _producer(1, args, DEQ, SEESAW, ABLATE)
+    def _prod1(args, DEQ: gl.constexpr, ABLATE: gl.constexpr):
+        _producer(1, args, DEQ, ABLATE)
 
     @gluon.jit
     def _sparse_attn_ws_kernel(
@@ -805,8 +510,7 @@ if HAVE_GLUON:
         num_heads, qk_scale_log2,
         BLOCK_N: gl.constexpr, STAGES: gl.constexpr, RAW: gl.constexpr,
         WORKER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-        DEQ: gl.constexpr = 0, SEESAW: gl.constexpr = 1, PDL: gl.constexpr = False, ABLATE: gl.constexpr = 0,
-        LOAD: gl.constexpr = 0,
+        DEQ: gl.constexpr = 0, PDL: gl.constexpr = False, ABLATE: gl.constexpr = 0,
     ):  # fmt: skip
         """Grid (T, cdiv(H, 64), splits); ``num_warps=4`` (consumer W = 0) + 4 (consumer W = 1) + 4 + 4 (producers).
 
@@ -815,11 +519,11 @@ if HAVE_GLUON:
         ``*_sidx``, ``*_keys`` columns; -1 = none), page size ``*_bs`` and slot count ``*_slots``, and the
         ``EntryPages`` views with their (page, row) strides.
 
-        Barriers: [0, RAW) raw-ready, [RAW, RAW + STAGES) stage-ready, [RAW + STAGES, RAW + 2 STAGES) stage-free,
-        then FULL + W, EMPTY + W (W's probabilities handed to the other consumer) and QBAR + W.
+        Barriers: [0, 2 RAW) raw-ready (producer H at H RAW), then STAGES stage-ready, STAGES stage-free, then
+        FULL + W, EMPTY + W (W's probabilities handed to the other consumer), QBAR + W (W's half of q stored) and
+        MX + W (W's row maxima published).
 
-        ``DEQ``: the producers' dequantisation (``sparse_attention.GLUON_FUSED_DEQUANT``); ``SEESAW``: 1 the seesaw
-        consumers, 2 with W = 0 pipelined (``GLUON_FUSED_SEESAW``).
+        ``DEQ``: the producers' dequantisation (``sparse_attention.GLUON_FUSED_DEQUANT``).
 
         ``ABLATE`` (timing experiments only: the results are wrong; ``GLUON_FUSED_ABLATE``), bits: 1 the producers
         copy and load nothing, 2 they dequantise nothing (H = 0 still writes the bias), 4 the consumers issue no
@@ -827,8 +531,6 @@ if HAVE_GLUON:
         (keys 0, 1, ... of the pool).  With bits 1 and 2 the raw rings shrink to 8 keys (unused), which leaves room
         for ``BLOCK_N = 64`` with two stages."""
         pdl_enter_gl(PDL)
-        gl.static_assert((SEESAW >= 1) and (SEESAW <= 4), "SEESAW: expected 1, 2, 3 or 4")
-        gl.static_assert((SEESAW <= 2) or ((ABLATE & 4) == 0), "ABLATE bit 2 (no MMAs) needs SEESAW 1 or 2")
         gl.static_assert((DEQ == 0) or (DEQ == 2), "DEQ: expected 0 or 2")
         sw: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         plain8: gl.constexpr = gl.SwizzledSharedLayout(vec=16, per_phase=1, max_phase=1, order=[2, 1, 0])
@@ -836,8 +538,7 @@ if HAVE_GLUON:
         flat: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
         q_s = gl.allocate_shared_memory(gl.bfloat16, [2, _BH, _HALF], sw)
         kb_s = gl.allocate_shared_memory(gl.bfloat16, [2 * STAGES, BLOCK_N, _HALF], sw)
-        gl.static_assert((LOAD == 0) or (ABLATE == 0), "ablations are of LOAD=0")
-        RAW_N: gl.constexpr = 8 if ((ABLATE & 3) == 3) or (LOAD == 1) else BLOCK_N  # (unused rings: 8 keys)
+        RAW_N: gl.constexpr = 8 if (ABLATE & 3) == 3 else BLOCK_N  # (ablations: unused rings of 8 keys)
         r8_s = gl.allocate_shared_memory(gl.float8e4nv, [2 * RAW, 4, RAW_N, _TILE], plain8)  # producer H at H RAW
         rr_s = gl.allocate_shared_memory(gl.bfloat16, [RAW, RAW_N, _TILE], plain2)
         bias_s = gl.allocate_shared_memory(gl.float32, [4, BLOCK_N], flat)  # STAGES <= 4 rows used (a power of 2)
@@ -845,16 +546,15 @@ if HAVE_GLUON:
         p_sh: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_BH, BLOCK_N], gl.bfloat16)
         x0_s = gl.allocate_shared_memory(gl.bfloat16, [_BH, BLOCK_N], p_sh)
         x1_s = gl.allocate_shared_memory(gl.bfloat16, [_BH, BLOCK_N], p_sh)
-        SYM: gl.constexpr = SEESAW >= 3  # symmetric pairs: two sets of (max, sum) rows and two max barriers
-        v_s = gl.allocate_shared_memory(gl.float32, [8 if SYM else 4, _BH], flat)
-        n_bars: gl.constexpr = 2 * RAW + 2 * STAGES + (8 if SYM else 6)
+        v_s = gl.allocate_shared_memory(gl.float32, [8, _BH], flat)  # two sets of (max W = 0, 1, sums W = 0, 1)
+        n_bars: gl.constexpr = 2 * RAW + 2 * STAGES + 8
         bars = gl.allocate_shared_memory(gl.int64, [n_bars, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(2 * RAW):
             mbarrier.init(bars.index(i), count=_WG_THREADS)
         for i in gl.static_range(STAGES):
             mbarrier.init(bars.index(2 * RAW + i), count=2)
             mbarrier.init(bars.index(2 * RAW + STAGES + i), count=2)
-        for i in gl.static_range(8 if SYM else 6):
+        for i in gl.static_range(8):
             mbarrier.init(bars.index(2 * RAW + 2 * STAGES + i), count=1)
         ca = (a_idx, a_sidx, a_keys, a_bs, a_slots, a_nope, a_rope, a_scale, a_snp, a_snr, a_srp, a_srr, a_ssp, a_ssr)
         cb = (b_idx, b_sidx, b_keys, b_bs, b_slots, b_nope, b_rope, b_scale, b_snp, b_snr, b_srp, b_srr, b_ssp, b_ssr)
@@ -865,10 +565,10 @@ if HAVE_GLUON:
         )  # fmt: skip
         gl.warp_specialize(
             [
-                (_wg0, (args, SEESAW, ABLATE)),
-                (_wg1, (args, SEESAW, ABLATE)),
-                (_prod0, (args, DEQ, SEESAW, ABLATE, LOAD)),
-                (_prod1, (args, DEQ, SEESAW, ABLATE, LOAD)),
+                (_wg0, (args, ABLATE)),
+                (_wg1, (args, ABLATE)),
+                (_prod0, (args, DEQ, ABLATE)),
+                (_prod1, (args, DEQ, ABLATE)),
             ],
             [4, 4, 4],
             [WORKER_REGS, PRODUCER_REGS, PRODUCER_REGS],

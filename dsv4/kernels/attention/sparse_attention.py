@@ -447,21 +447,9 @@ GLUON_FUSED_WORKER_REGS = 208
 # and a pack a pair: the conversion pipe), 2 integer ops + ``mul.rn.bf16x2`` (no conversion); both exact.  (1, the
 # fp32 form with a ``prmt`` truncation for the pack, measured slower on the H100 in session 28 and was removed.)
 GLUON_FUSED_DEQUANT = 0
-# the fused kernel's consumer schedule: 1 seesaw (block pairs, one softmax each, under the other's MMAs; it replaced
-# the lockstep schedule, where both warpgroups ran every block's softmax on exchanged partials -- H200 2026-12-06,
-# graph time, lockstep -> seesaw: V4-Pro B = 64 73.4 -> 70.6 us (263 -> 274 TFLOP/s), V4-Flash B = 64 34.3 -> 33.1,
-# HCA-8192 B = 8 61.2 -> 59.2); 2 seesaw with W = 0 issuing the next pair's QK under its wait for W = 1's
-# probabilities (compiles for sm_90 with that wait asynchronous; not yet run on a GPU)
-GLUON_FUSED_SEESAW = 1
-# consumer W = 1's registers in the pipelined seesaw (W = 0, which carries the next pair's logits, gets 512 - 192 -
-# 2 x 48 = 224): at 208 W = 0 spills ~21 words in its loop (168-byte stack), at 192 a few (64 bytes, as the default)
-GLUON_FUSED_PIPE_WORKER_REGS = 192
 # timing experiments only (``profile_attention.py --fused ABLATE=n`` does not check results): bits 1 no gather, 2 no
-# dequantisation, 4 no MMAs (see ``_sparse_attn_ws_kernel``); 0 in every real call
+# dequantisation, 4 no MMAs, 8 idle consumers, 16 no index loads (see ``_sparse_attn_ws_kernel``); 0 in every real call
 GLUON_FUSED_ABLATE = 0
-# how the fused kernel's producers read the entries: 0 cp.async into raw shared-memory stages (``GLUON_FUSED_RAW``),
-# 1 loads into registers an iteration ahead (no raw stages: their shared memory can hold a fourth bf16 stage)
-GLUON_FUSED_LOAD = 0
 
 
 def _fused_aligned(pages: EntryPages) -> bool:
@@ -546,9 +534,8 @@ def _fused_gluon(q, caches, sink, scale, out, lse, num_splits) -> tuple[torch.Te
         q, q.stride(0), q.stride(1), sink, *args, a_blocks, n_blocks, bps, out, out.stride(0), out.stride(1), lse,
         lse.stride(0), lse.stride(1), *ws, ns, H, float(scale) * LOG2E, BLOCK_N=bn, STAGES=GLUON_FUSED_STAGES,
         RAW=GLUON_FUSED_RAW, PRODUCER_REGS=GLUON_FUSED_PRODUCER_REGS,
-        WORKER_REGS=GLUON_FUSED_PIPE_WORKER_REGS if GLUON_FUSED_SEESAW % 2 == 0 else GLUON_FUSED_WORKER_REGS,
-        DEQ=GLUON_FUSED_DEQUANT, SEESAW=GLUON_FUSED_SEESAW, ABLATE=GLUON_FUSED_ABLATE, LOAD=GLUON_FUSED_LOAD,
-        num_warps=4, **pdl_launch(q.device),
+        WORKER_REGS=GLUON_FUSED_WORKER_REGS, DEQ=GLUON_FUSED_DEQUANT, ABLATE=GLUON_FUSED_ABLATE, num_warps=4,
+        **pdl_launch(q.device),
     )  # fmt: skip
     if split:
         _combine(ws, ns, sink, out, lse, interpreter_enabled())
