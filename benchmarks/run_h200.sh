@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One H200 session: environment, GPU tests, then the kernel benchmarks. Results go to $OUT (or ./out).
-# Usage (on the device machine, repo root): bash benchmarks/run_h200.sh [tests|bench|all|pending|ncu|attention|attention_ncu|indexer_gluon|indexer_live|indexer_fold|pending_s12|topk_rows|indexer_default|indexer_p2|indexer_ablate|flush_topk|skeleton|topk_short|fold_auto|hca_online|write_s15|emit_s15|emit2_s15|main_s15|write2_s15|final_s15|gemv_s15|online_regs|write_s16|final_s16|ncu_pool|div_s16|lean_s17|fast_s17|emit_s17|emit2_s17|warps_s17|ipool_s17|final_s17|sweep_s18|overlap_s18|fuse_s19|pdl_s19|pdl_decode_s19|writes_s19|layer_s19|select_s19|grid_s20|tails_s20|linear_s20|layer_s20|topk_s20|validate_s20|prefill_idx_s21|tf32x2_s21|topk_s21|iquery_s21|fp8_linear_s22|fp8_step_s22|hsum_s22|check_s23|step_s23|fp8lin_s23|s25|s25b|s26a|s26b|s27a|s27b|s27c|s27d|s28a|s28b|s28c|s28d|s29a|s29b|s29c|s29d|s29e|s29f]
+# Usage (on the device machine, repo root): bash benchmarks/run_h200.sh [tests|bench|all|pending|ncu|attention|attention_ncu|indexer_gluon|indexer_live|indexer_fold|pending_s12|topk_rows|indexer_default|indexer_p2|indexer_ablate|flush_topk|skeleton|topk_short|fold_auto|hca_online|write_s15|emit_s15|emit2_s15|main_s15|write2_s15|final_s15|gemv_s15|online_regs|write_s16|final_s16|ncu_pool|div_s16|lean_s17|fast_s17|emit_s17|emit2_s17|warps_s17|ipool_s17|final_s17|sweep_s18|overlap_s18|fuse_s19|pdl_s19|pdl_decode_s19|writes_s19|layer_s19|select_s19|grid_s20|tails_s20|linear_s20|layer_s20|topk_s20|validate_s20|prefill_idx_s21|tf32x2_s21|topk_s21|iquery_s21|fp8_linear_s22|fp8_step_s22|hsum_s22|check_s23|step_s23|fp8lin_s23|s25|s25b|s26a|s26b|s27a|s27b|s27c|s27d|s28a|s28b|s28c|s28d|s29a|s29b|s29c|s29d|s29e|s29f|s29g]
 # "pending": the norm and top-k GPU tests (~4 min, most of it compiling the top-k kernels), launch D's rank
 # threshold on/off, top-k with both flush kinds, the decode step; about 8 minutes.  "ncu": Nsight Compute
 # sections of the indexer scores, dense attention and gather kernels (benchmarks/ncu_cases.py).  "attention": the
@@ -924,4 +924,17 @@ if [ "$what" = s29f ]; then  # session 29 (~3 min): symmetric pairs as the only 
   done
   timeout 60 python3 benchmarks/profile_attention.py --model v4-flash --batch 8 --context 8192 --hca \
     --variants gluon_fused 2>&1 | tee -a "$OUT/${stamp}_profile_attention_symmetric_default_s29.txt" | grep "^== .*graph"
+fi
+if [ "$what" = s29g ]; then  # session 29 (~2 min): lazy rescaling (GLUON_FUSED_LAZY=8: the consumers move their
+  # frame, and rescale, only in pairs where a row's max grew by more than 8 in log2 units): the fused-kernel GPU tests
+  # (the default and LAZY=8), then the decode shapes
+  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gluon_fused_attention.py -m gpu \
+    2>&1 | tee "$OUT/${stamp}_gpu_tests_lazy_s29.txt" | grep -E "passed|failed|^FAILED|^E " | tail -8
+  for c in "v4-pro 64" "v4-flash 64" "v4-pro 8"; do set -- $c
+    timeout 60 python3 benchmarks/profile_attention.py --model $1 --batch $2 --variants gluon_fused \
+      --fused LAZY=0,LAZY=8 2>&1 | tee -a "$OUT/${stamp}_profile_attention_lazy_s29.txt" | grep "^== .*graph"
+  done
+  timeout 60 python3 benchmarks/profile_attention.py --model v4-flash --batch 8 --context 8192 --hca \
+    --variants gluon_fused --fused LAZY=0,LAZY=8 2>&1 | tee -a "$OUT/${stamp}_profile_attention_lazy_s29.txt" \
+    | grep "^== .*graph"
 fi

@@ -167,7 +167,9 @@ def test_gluon_fused_compiles_for_sm90(sass_report):
         (96, 64, 512, None, False),  # a prefill chunk: every row its own lists
     ],
 )
-def test_gluon_fused_matches_reference_gpu(T, H, k_pool, splits, one_cache):
+@pytest.mark.parametrize("lazy", [0, 8])  # the consumers' frame moved in every pair / only on growth past 2**8
+def test_gluon_fused_matches_reference_gpu(T, H, k_pool, splits, one_cache, lazy, monkeypatch):
+    monkeypatch.setattr(SA, "GLUON_FUSED_LAZY", lazy)
     gen = torch.Generator().manual_seed(23)
     caches = _caches(T, k_pool, gen, "cuda", pool_pages=160)
     if one_cache:

@@ -352,7 +352,7 @@ if HAVE_GLUON:
         return acc0, acc1
 
     @gluon.jit
-    def _consumer(W: gl.constexpr, args, ABLATE: gl.constexpr):
+    def _consumer(W: gl.constexpr, args, ABLATE: gl.constexpr, LAZY: gl.constexpr):
         """Consumer warpgroup W, symmetric pairs (since session 29): blocks go in pairs (2 i, 2 i + 1) and W computes
         block 2 i + W's logits over all 512 dims (q's two halves times the stage's two half-tiles).  The two
         warpgroups settle the pair's running max together: each publishes its block's row maxima (``v_s`` row
@@ -365,6 +365,10 @@ if HAVE_GLUON:
         maxima and sums rows alternate between two sets by the pair's parity: a warpgroup writes a set again only
         after the other has passed the next pair's exchange.  The producers make one block past the end, which pads
         an odd count to whole pairs (all keys masked).
+
+        ``LAZY`` > 0 (``GLUON_FUSED_LAZY``): the frame moves, and the accumulator is rescaled, only in pairs where
+        some row's max grew by more than ``LAZY`` (log2 units): otherwise the pair's probabilities are taken on the
+        old max (up to 2**LAZY; exact in bf16's relative precision, and the sums and accumulator are fp32).
 
         ``ABLATE`` bit 2 (timing only): no QK (logits 0) and no P.V."""
         (
@@ -426,6 +430,9 @@ if HAVE_GLUON:
             mbarrier.arrive(bars.index(MX + W))
             mbarrier.wait(bars.index(MX + 1 - W), i & 1)
             m_new = gl.maximum(m_i, gl.maximum(mx, v_s.index(vrow + 1 - W).load(row_s)))
+            if LAZY > 0:  # keep the frame unless some row's max grew by more than LAZY (the same in both)
+                grow = gl.max((m_new > m_i + LAZY).to(gl.int32), 0)
+                m_new = gl.where(grow > 0, m_new, m_i)
             m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
             p = gl.exp2(s - m_safe[:, None])
             rs = gl.sum(p, 1)
@@ -437,9 +444,15 @@ if HAVE_GLUON:
             mbarrier.arrive(bars.index(FULL + W))
             # one rescale a pair, then my block's P.V (probabilities from registers)
             alpha_s = gl.exp2(m_i - m_safe)
-            alpha = gl.convert_layout(alpha_s, row_o)[:, None]
-            acc0 = acc0 * alpha
-            acc1 = acc1 * alpha
+            if LAZY > 0:
+                if grow > 0:
+                    alpha = gl.convert_layout(alpha_s, row_o)[:, None]
+                    acc0 = acc0 * alpha
+                    acc1 = acc1 * alpha
+            else:
+                alpha = gl.convert_layout(alpha_s, row_o)[:, None]
+                acc0 = acc0 * alpha
+                acc1 = acc1 * alpha
             acc0, acc1 = _pv(gl.convert_layout(p16, p_l), kb_s.index(2 * st + W), acc0, acc1, MMA)
             # the other block's P.V with its probabilities (shared memory)
             mbarrier.wait(bars.index(FULL + 1 - W), i & 1)
@@ -479,18 +492,18 @@ if HAVE_GLUON:
             mbarrier.arrive(bars.index(2 * RAW + STAGES + i % STAGES))
 
     @gluon.jit
-    def _wg0(args, ABLATE: gl.constexpr):
+    def _wg0(args, ABLATE: gl.constexpr, LAZY: gl.constexpr):
         if (ABLATE & 8) != 0:
             _consumer_idle(args)
         else:
-            _consumer(0, args, ABLATE)
+            _consumer(0, args, ABLATE, LAZY)
 
     @gluon.jit
-    def _wg1(args, ABLATE: gl.constexpr):
+    def _wg1(args, ABLATE: gl.constexpr, LAZY: gl.constexpr):
         if (ABLATE & 8) != 0:
             _consumer_idle(args)
         else:
-            _consumer(1, args, ABLATE)
+            _consumer(1, args, ABLATE, LAZY)
 
     @gluon.jit
     def _prod0(args, DEQ: gl.constexpr, ABLATE: gl.constexpr):
@@ -510,7 +523,7 @@ if HAVE_GLUON:
         num_heads, qk_scale_log2,
         BLOCK_N: gl.constexpr, STAGES: gl.constexpr, RAW: gl.constexpr,
         WORKER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-        DEQ: gl.constexpr = 0, PDL: gl.constexpr = False, ABLATE: gl.constexpr = 0,
+        DEQ: gl.constexpr = 0, PDL: gl.constexpr = False, ABLATE: gl.constexpr = 0, LAZY: gl.constexpr = 0,
     ):  # fmt: skip
         """Grid (T, cdiv(H, 64), splits); ``num_warps=4`` (consumer W = 0) + 4 (consumer W = 1) + 4 + 4 (producers).
 
@@ -565,8 +578,8 @@ if HAVE_GLUON:
         )  # fmt: skip
         gl.warp_specialize(
             [
-                (_wg0, (args, ABLATE)),
-                (_wg1, (args, ABLATE)),
+                (_wg0, (args, ABLATE, LAZY)),
+                (_wg1, (args, ABLATE, LAZY)),
                 (_prod0, (args, DEQ, ABLATE)),
                 (_prod1, (args, DEQ, ABLATE)),
             ],

@@ -450,6 +450,11 @@ GLUON_FUSED_DEQUANT = 0
 # timing experiments only (``profile_attention.py --fused ABLATE=n`` does not check results): bits 1 no gather, 2 no
 # dequantisation, 4 no MMAs, 8 idle consumers, 16 no index loads (see ``_sparse_attn_ws_kernel``); 0 in every real call
 GLUON_FUSED_ABLATE = 0
+# the fused kernel's consumers move their softmax frame (and rescale the accumulator) only in pairs where a row's max
+# grew by more than this (log2 units; 0: in every pair).  Opt-in and not yet run on a GPU (session 29 had no device
+# time left): its GPU test and timing are queued as ``run_h200.sh s29g``; at 8 each consumer's loop carries the 128
+# rescale FMULs a pair under a branch (and 52 more uniform-register moves), sm_90 SASS
+GLUON_FUSED_LAZY = 0
 
 
 def _fused_aligned(pages: EntryPages) -> bool:
@@ -534,8 +539,8 @@ def _fused_gluon(q, caches, sink, scale, out, lse, num_splits) -> tuple[torch.Te
         q, q.stride(0), q.stride(1), sink, *args, a_blocks, n_blocks, bps, out, out.stride(0), out.stride(1), lse,
         lse.stride(0), lse.stride(1), *ws, ns, H, float(scale) * LOG2E, BLOCK_N=bn, STAGES=GLUON_FUSED_STAGES,
         RAW=GLUON_FUSED_RAW, PRODUCER_REGS=GLUON_FUSED_PRODUCER_REGS,
-        WORKER_REGS=GLUON_FUSED_WORKER_REGS, DEQ=GLUON_FUSED_DEQUANT, ABLATE=GLUON_FUSED_ABLATE, num_warps=4,
-        **pdl_launch(q.device),
+        WORKER_REGS=GLUON_FUSED_WORKER_REGS, DEQ=GLUON_FUSED_DEQUANT, ABLATE=GLUON_FUSED_ABLATE,
+        LAZY=GLUON_FUSED_LAZY, num_warps=4, **pdl_launch(q.device),
     )  # fmt: skip
     if split:
         _combine(ws, ns, sink, out, lse, interpreter_enabled())
