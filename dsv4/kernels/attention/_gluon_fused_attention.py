@@ -492,18 +492,20 @@ if HAVE_GLUON:
             mbarrier.arrive(bars.index(2 * RAW + STAGES + i % STAGES))
 
     @gluon.jit
-    def _wg0(args, ABLATE: gl.constexpr, LAZY: gl.constexpr):
+    def _consumer_or_idle(W: gl.constexpr, args, ABLATE: gl.constexpr, LAZY: gl.constexpr):
+        """Consumer warpgroup W: ``_consumer``, or ``_consumer_idle`` under ``ABLATE`` bit 3."""
         if (ABLATE & 8) != 0:
             _consumer_idle(args)
         else:
-            _consumer(0, args, ABLATE, LAZY)
+            _consumer(W, args, ABLATE, LAZY)
+
+    @gluon.jit
+    def _wg0(args, ABLATE: gl.constexpr, LAZY: gl.constexpr):
+        _consumer_or_idle(0, args, ABLATE, LAZY)
 
     @gluon.jit
     def _wg1(args, ABLATE: gl.constexpr, LAZY: gl.constexpr):
-        if (ABLATE & 8) != 0:
-            _consumer_idle(args)
-        else:
-            _consumer(1, args, ABLATE, LAZY)
+        _consumer_or_idle(1, args, ABLATE, LAZY)
 
     @gluon.jit
     def _prod0(args, DEQ: gl.constexpr, ABLATE: gl.constexpr):
