@@ -927,12 +927,14 @@ if [ "$what" = s29f ]; then  # session 29 (~3 min): symmetric pairs as the only 
 fi
 if [ "$what" = s29g ]; then  # session 29 (~2 min): lazy rescaling (GLUON_FUSED_LAZY=8: the consumers move their
   # frame, and rescale, only in pairs where a row's max grew by more than 8 in log2 units): the fused-kernel GPU tests
-  # (the default and LAZY=8), then the decode shapes
+  # (the default and LAZY=8), then the decode shapes; also W = 1 at 192 registers (W = 0 at 224: no spills in either
+  # symmetric consumer's loop, sass_report --loops; the default 208 / 208 leaves W = 0 11 words a pair)
   timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gluon_fused_attention.py -m gpu \
     2>&1 | tee "$OUT/${stamp}_gpu_tests_lazy_s29.txt" | grep -E "passed|failed|^FAILED|^E " | tail -8
   for c in "v4-pro 64" "v4-flash 64" "v4-pro 8"; do set -- $c
     timeout 60 python3 benchmarks/profile_attention.py --model $1 --batch $2 --variants gluon_fused \
-      --fused LAZY=0,LAZY=8 2>&1 | tee -a "$OUT/${stamp}_profile_attention_lazy_s29.txt" | grep "^== .*graph"
+      --fused LAZY=0,WORKER_REGS=192,LAZY=8 2>&1 | tee -a "$OUT/${stamp}_profile_attention_lazy_s29.txt" \
+      | grep "^== .*graph"
   done
   timeout 60 python3 benchmarks/profile_attention.py --model v4-flash --batch 8 --context 8192 --hca \
     --variants gluon_fused --fused LAZY=0,LAZY=8 2>&1 | tee -a "$OUT/${stamp}_profile_attention_lazy_s29.txt" \

@@ -9,6 +9,8 @@ ptxas made of each: registers, spill / local-memory bytes, shared memory, SASS i
     python benchmarks/sass_report.py iquery:65536:0 rope_inv:65536:1    # indexer query tail, inverse RoPE in place
     python benchmarks/sass_report.py prefill_idx:4096:16384             # prefill indexer: fold_keys + prefill_scores
     python benchmarks/sass_report.py fp8_linear:1:all --model v4-pro    # the projections on FP8 weights, 1 token
+    python benchmarks/sass_report.py attention:v4-pro:64 --loops        # + each kernel's innermost loops' mix
+    python benchmarks/sass_report.py --loops-of DIR/KERNEL.sass         # the loops of a SASS file --sass wrote
 
 The operation is built by ``bench_write``'s case builders on CPU tensors; every Triton launch is replaced by
 a compile-only ``warmup`` against a stand-in driver that reports an H100/H200 (``GPUTarget("cuda", 90, 32)``),
@@ -137,6 +139,35 @@ def mix(sass: str, top: int = 12) -> str:
     return f"{total} instructions: " + ", ".join(f"{k} {v}" for k, v in ops.most_common(top))
 
 
+_INSTR = re.compile(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
+
+
+def loops(sass: str, top: int = 10, min_len: int = 8) -> list[str]:
+    """The innermost loops of one kernel's SASS, one line each: address range, static instructions per iteration,
+    local-memory traffic (LDL / STL: spills) and the opcode mix.  A loop is a backward branch over at least
+    ``min_len`` instructions (an mbarrier's try-wait spin is shorter) that contains no other such loop (the wait
+    stubs after a warp-specialised kernel's code branch back across whole partitions) and no ``EXIT``."""
+    ins = [(int(m[1], 16), m[2]) for m in map(_INSTR.match, sass.splitlines()) if m]
+    at = {a: i for i, (a, _) in enumerate(ins)}
+    spans = []
+    for i, (a, text) in enumerate(ins):
+        m = re.search(r"\bBRA\s+(?:`\(\S+\)\s*)?(0x[0-9a-f]+)", text)
+        if m and int(m[1], 16) < a and int(m[1], 16) in at and i - at[int(m[1], 16)] + 1 >= min_len:
+            spans.append((at[int(m[1], 16)], i))
+    out = []
+    for lo, hi in spans:
+        body = [t for _, t in ins[lo : hi + 1]]
+        if any(lo <= lo2 and hi2 <= hi and (lo2, hi2) != (lo, hi) for lo2, hi2 in spans) or any(
+            t.split()[-1] == "EXIT" or t == "EXIT" for t in body
+        ):
+            continue
+        ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in body)
+        spill = ops["LDL"] + ops["STL"]
+        mixed = ", ".join(f"{k} {v}" for k, v in ops.most_common(top))
+        out.append(f"loop {ins[lo][0]:#x}-{ins[hi][0]:#x}: {len(body)} instructions, LDL+STL {spill}: {mixed}")
+    return out
+
+
 def wgmma_waits(sass: str) -> str:
     """``wgmma N, waits M`` for a kernel with Hopper warpgroup MMAs: when ptxas serialises them (its C7512 / C7514
     notes) every HGMMA is followed by its own ``WARPGROUP.DEPBAR`` wait, so M approaches N."""
@@ -149,14 +180,22 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument(
         "cases",
-        nargs="+",
+        nargs="*",
         help="bench_write op:mode:n (csa_indexer:prefill:8192, hca:decode:64), indexer:B:entries or attention:MODEL:B",
     )
     ap.add_argument("--model", default="v4-flash")
     ap.add_argument("--tune", action="append", default=[], metavar="OP:KEY=VAL[,KEY=VAL]", help="as bench_write")
     ap.add_argument("--sass", help="write each kernel's SASS (also with source lines) and PTX into this folder")
     ap.add_argument("--pdl", action="store_true", help="compile with PDL where dispatch.pdl_launch applies")
+    ap.add_argument("--loops", action="store_true", help="also print each kernel's innermost loops (static mix)")
+    ap.add_argument("--loops-of", metavar="SASS", help="only print the innermost loops of a saved .sass file")
     args = ap.parse_args()
+    if args.loops_of:
+        with open(args.loops_of) as f:
+            print("\n".join(loops(f.read())) or "no loops")
+        return
+    if not args.cases:
+        ap.error("expected at least one case (or --loops-of)")
     _install(args.pdl)
     import bench_write as bw
     from bench_indexer import make_problem
@@ -286,6 +325,8 @@ def main() -> None:
                 calls = sorted(set(re.findall(r"CALL\.\w+\s+(?:\S+\s+)?`?\(?([\w.$]+)", sass)))
                 print(f"   {name:40s} {res_usage(cubin)}  warps {k.metadata.num_warps}")
                 print(f"      {mix(sass)}" + (f"; calls {', '.join(calls)}" if calls else "") + wgmma_waits(sass))
+                for line in loops(sass) if args.loops else ():
+                    print(f"      {line}")
                 if args.sass:
                     os.makedirs(args.sass, exist_ok=True)
                     with open(os.path.join(args.sass, f"{name}.sass"), "w") as f:

@@ -55,3 +55,17 @@ def test_fp8_linear_converts_weights_without_f2f(sass_report, tmp_path):
     cast = (tmp_path / "cast" / "_fp8_linear_kernel.sass").read_text()
     assert "HMUL2" in asm and not re.search(r"\bF2F\.", asm) and "HGMMA" in asm
     assert re.search(r"\bF2F\.BF16", cast)
+
+
+def test_loops_of_a_saved_sass_finds_the_innermost_loops(sass_report, tmp_path):
+    """``--loops-of FILE`` (no compiling, no ptxas): a backward branch over enough instructions is a loop, reported
+    with its instruction count, spills and mix; an mbarrier spin (a short backward branch) and a wait stub's branch
+    back across a loop and the kernel's EXIT are not."""
+    code = ["BAR.SYNC.DEFER_BLOCKING 0x0", "SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [R2], R3", "@!P0 BRA 0x10"]
+    code += ["HGMMA.64x32x16.F32.BF16 R24, gdesc[UR4], R24", "FMUL R4, R4, R5", "STL [R1], R4", "LDL R4, [R1]"]
+    code += ["FMUL R6, R6, R5"] * 4 + ["ISETP.NE.AND P1, PT, R7, RZ, PT", "@P1 BRA 0x30", "EXIT"]
+    code += ["SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [R2], R3", "BRA 0x10"]
+    sass = "\n".join(f"        /*{16 * i:04x}*/                   {t} ;" for i, t in enumerate(code))
+    (tmp_path / "k.sass").write_text(sass)
+    out = sass_report("--loops-of", str(tmp_path / "k.sass")).strip().splitlines()
+    assert out == ["loop 0x30-0xc0: 10 instructions, LDL+STL 2: FMUL 5, HGMMA 1, STL 1, LDL 1, ISETP 1, BRA 1"], out

@@ -442,6 +442,8 @@ GLUON_FUSED_RAW = 2  # each producer's raw (FP8 + rope) cp.async stages
 # 2 x 48 = 208).  Triton 3.6: at 40 a producer spills in its loop, at 56 W = 0 (192) spills a dozen words; 48 leaves
 # a few: the producers' prologues and two of W = 0's loop values (an 8-byte stack).
 GLUON_FUSED_PRODUCER_REGS = 48
+# (session 29, symmetric consumers, triton 3.6 ``sass_report.py --loops``: at 208 / 208 W = 0's loop has 11 spill
+# loads and stores a pair, W = 1's none; at 192 / 224 neither has any and the stack is 0 B.  Timing queued, s29g.)
 GLUON_FUSED_WORKER_REGS = 208
 # how the fused kernel's producers turn e4m3 bytes into bf16 (``_dequant_half``): 0 through fp32 (two conversions
 # and a pack a pair: the conversion pipe), 2 integer ops + ``mul.rn.bf16x2`` (no conversion); both exact.  (1, the
