@@ -269,14 +269,6 @@ if HAVE_GLUON:
         _write_rows(acc, W * _HALF + gl.arange(0, _HALF, layout=col_o), m_i, l_i, args_out, W == 0)
 
     @gluon.jit
-    def _wg0(args):
-        _wg_body(0, args)
-
-    @gluon.jit
-    def _wg1(args):
-        _wg_body(1, args)
-
-    @gluon.jit
     def _dense_attn_ws_kernel(
         q_ptr,
         stride_qt,
@@ -327,7 +319,7 @@ if HAVE_GLUON:
             out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, stride_lh, ws_m_ptr, ws_l_ptr, ws_acc_ptr, ws_splits,
             num_heads, qk_scale_log2, q_s, k_s, x0_s, x1_s, bars,
         )  # fmt: skip
-        gl.warp_specialize([(_wg0, (args,)), (_wg1, (args,))], [4], [WORKER_REGS])
+        gl.warp_specialize([(_wg_body, (0, args)), (_wg_body, (1, args))], [4], [WORKER_REGS])
 
 
 __all__ = ["BLOCK_HEADS", "HALF", "HAVE_GLUON"] + (["_dense_attn_ws_kernel"] if HAVE_GLUON else [])

@@ -126,29 +126,6 @@ if HAVE_GLUON:
     _BH = gl.constexpr(BLOCK_HEADS)
     _WG_THREADS = gl.constexpr(WG_THREADS)
     _TILE = gl.constexpr(TILE)
-    # e4m3 -> bf16 with integer ops (``_e4m3_to_bf16_int``): $2 four e4m3 bytes, $3 the bf16 scale (a pair; the
-    # four bytes share it), $0 / $1 bytes 0-1 / 2-3 as bf16 pairs
-    _E4M3_ASM = gl.constexpr(
-        """
-            {
-            .reg .b32 lo, hi, s, c, z;
-            mov.b32 z, 0;
-            mov.b32 c, 0x7B807B80;  // 2**120 twice (BF16_2_POW_120)
-            prmt.b32 lo, $2, z, 0x4140;
-            prmt.b32 hi, $2, z, 0x4342;
-            and.b32 s, lo, 0x00800080;
-            mad.lo.u32 lo, s, 15, lo;
-            shl.b32 lo, lo, 4;
-            and.b32 s, hi, 0x00800080;
-            mad.lo.u32 hi, s, 15, hi;
-            shl.b32 hi, hi, 4;
-            mul.rn.bf16x2 lo, lo, c;
-            mul.rn.bf16x2 hi, hi, c;
-            mul.rn.bf16x2 $0, lo, $3;
-            mul.rn.bf16x2 $1, hi, $3;
-            }
-        """
-    )
 
     @gluon.jit
     def _pick(use_a, ca, cb):
@@ -166,10 +143,10 @@ if HAVE_GLUON:
         )  # fmt: skip
 
     @gluon.jit
-    def _block_slots(b, blk_end, a_blocks, pid_t, ca, cb, BLOCK_N: gl.constexpr, LOAD: gl.constexpr = True):
+    def _block_slots(b, blk_end, a_blocks, pid_t, ca, cb, BLOCK_N: gl.constexpr, IDX: gl.constexpr = True):
         """Block ``b``'s index entries (physical slots, -1 = none or past the list / the split), [BLOCK_N] int32 in
         the key layout of ``_issue_block``.  Loaded a block before ``_issue_block`` needs them (one load, nothing
-        computed from it here, so its latency overlaps the iteration).  ``LOAD`` False (an ablation, ``ABLATE`` bit
+        computed from it here, so its latency overlaps the iteration).  ``IDX`` False (an ablation, ``ABLATE`` bit
         4): no load, the block's key positions as slots."""
         l3: gl.constexpr = gl.BlockedLayout([1, 1, 16], [1, 8, 4], [1, 4, 1], [2, 1, 0])
         key_l: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, l3))
@@ -177,7 +154,7 @@ if HAVE_GLUON:
         use_a = b < a_blocks
         (idx, sidx, keys, _bs, _sl, _n, _r, _s, _a, _b, _c, _d, _e, _f) = _pick(use_a, ca, cb)
         offs = gl.where(use_a, b, b - a_blocks) * BLOCK_N + gl.arange(0, BLOCK_N, layout=key_l)
-        if LOAD:
+        if IDX:
             return gl.load(idx + pid_t * sidx + offs, mask=(offs < keys) & (b < blk_end), other=-1)
         return gl.where((offs < keys) & (b < blk_end), offs, -1)  # (an ablation: slots 0, 1, ... of the page pool)
 
@@ -232,7 +209,25 @@ if HAVE_GLUON:
         the scale (one rounding, as the reference's fp32 product rounded to bf16).  Four elements a call: two
         ``prmt`` spread the bytes into 16-bit lanes, then per pair and, shift, mad, and two ``mul.rn.bf16x2``."""
         return gl.inline_asm_elementwise(
-            _E4M3_ASM,
+            """
+            {
+            .reg .b32 lo, hi, s, c, z;
+            mov.b32 z, 0;
+            mov.b32 c, 0x7B807B80;  // 2**120 twice (BF16_2_POW_120)
+            prmt.b32 lo, $2, z, 0x4140;
+            prmt.b32 hi, $2, z, 0x4342;
+            and.b32 s, lo, 0x00800080;
+            mad.lo.u32 lo, s, 15, lo;
+            shl.b32 lo, lo, 4;
+            and.b32 s, hi, 0x00800080;
+            mad.lo.u32 hi, s, 15, hi;
+            shl.b32 hi, hi, 4;
+            mul.rn.bf16x2 lo, lo, c;
+            mul.rn.bf16x2 hi, hi, c;
+            mul.rn.bf16x2 $0, lo, $3;
+            mul.rn.bf16x2 $1, hi, $3;
+            }
+            """,
             "=r,=r,r,r,r",
             [x8, sc],
             dtype=gl.bfloat16,
@@ -352,6 +347,12 @@ if HAVE_GLUON:
         return acc0, acc1
 
     @gluon.jit
+    def _rescaled(acc0, acc1, alpha_s):
+        """The accumulator halves times the per-row factor ``alpha_s`` [64] (the row layout of the logits)."""
+        alpha = gl.convert_layout(alpha_s, gl.SliceLayout(1, acc0.type.layout))[:, None]
+        return acc0 * alpha, acc1 * alpha
+
+    @gluon.jit
     def _consumer(W: gl.constexpr, args, ABLATE: gl.constexpr, LAZY: gl.constexpr):
         """Consumer warpgroup W, symmetric pairs (since session 29): blocks go in pairs (2 i, 2 i + 1) and W computes
         block 2 i + W's logits over all 512 dims (q's two halves times the stage's two half-tiles).  The two
@@ -394,7 +395,6 @@ if HAVE_GLUON:
         )
         p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_o, k_width=2)
         row_s: gl.constexpr = gl.SliceLayout(1, mma_s)
-        row_o: gl.constexpr = gl.SliceLayout(1, mma_o)
         col_s: gl.constexpr = gl.SliceLayout(0, mma_s)
         col_o: gl.constexpr = gl.SliceLayout(0, mma_o)
 
@@ -446,13 +446,9 @@ if HAVE_GLUON:
             alpha_s = gl.exp2(m_i - m_safe)
             if LAZY > 0:
                 if grow > 0:
-                    alpha = gl.convert_layout(alpha_s, row_o)[:, None]
-                    acc0 = acc0 * alpha
-                    acc1 = acc1 * alpha
+                    acc0, acc1 = _rescaled(acc0, acc1, alpha_s)
             else:
-                alpha = gl.convert_layout(alpha_s, row_o)[:, None]
-                acc0 = acc0 * alpha
-                acc1 = acc1 * alpha
+                acc0, acc1 = _rescaled(acc0, acc1, alpha_s)
             acc0, acc1 = _pv(gl.convert_layout(p16, p_l), kb_s.index(2 * st + W), acc0, acc1, MMA)
             # the other block's P.V with its probabilities (shared memory)
             mbarrier.wait(bars.index(FULL + 1 - W), i & 1)
@@ -498,22 +494,6 @@ if HAVE_GLUON:
             _consumer_idle(args)
         else:
             _consumer(W, args, ABLATE, LAZY)
-
-    @gluon.jit
-    def _wg0(args, ABLATE: gl.constexpr, LAZY: gl.constexpr):
-        _consumer_or_idle(0, args, ABLATE, LAZY)
-
-    @gluon.jit
-    def _wg1(args, ABLATE: gl.constexpr, LAZY: gl.constexpr):
-        _consumer_or_idle(1, args, ABLATE, LAZY)
-
-    @gluon.jit
-    def _prod0(args, DEQ: gl.constexpr, ABLATE: gl.constexpr):
-        _producer(0, args, DEQ, ABLATE)
-
-    @gluon.jit
-    def _prod1(args, DEQ: gl.constexpr, ABLATE: gl.constexpr):
-        _producer(1, args, DEQ, ABLATE)
 
     @gluon.jit
     def _sparse_attn_ws_kernel(
@@ -580,10 +560,10 @@ if HAVE_GLUON:
         )  # fmt: skip
         gl.warp_specialize(
             [
-                (_wg0, (args, ABLATE, LAZY)),
-                (_wg1, (args, ABLATE, LAZY)),
-                (_prod0, (args, DEQ, ABLATE)),
-                (_prod1, (args, DEQ, ABLATE)),
+                (_consumer_or_idle, (0, args, ABLATE, LAZY)),
+                (_consumer_or_idle, (1, args, ABLATE, LAZY)),
+                (_producer, (0, args, DEQ, ABLATE)),
+                (_producer, (1, args, DEQ, ABLATE)),
             ],
             [4, 4, 4],
             [WORKER_REGS, PRODUCER_REGS, PRODUCER_REGS],

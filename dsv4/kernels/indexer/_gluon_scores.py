@@ -251,18 +251,6 @@ if HAVE_GLUON:
                 _tma_load(s_desc, [pc, r0], bar, raw_c.index(r * NP + k))
 
     @gluon.jit
-    def _producer(args):
-        _producer_of(0, 1, args)
-
-    @gluon.jit
-    def _producer0of2(args):
-        _producer_of(0, 2, args)
-
-    @gluon.jit
-    def _producer1of2(args):
-        _producer_of(1, 2, args)
-
-    @gluon.jit
     def _producer_of(P: gl.constexpr, NPROD: gl.constexpr, args):
         """Producer P of NPROD (four warps each; tiles i = P, P + NPROD, ... of the program's live tiles): re-encode
         each raw tile into a stage and decode each entry's scale word into the consumers' factors: ``f0``-``f3`` 2**(s_b
@@ -680,14 +668,6 @@ if HAVE_GLUON:
         return warpgroup_mma(kt, qt, zero, use_acc=False, is_async=True)
 
     @gluon.jit
-    def _wg0(args):
-        _consumer(0, args)
-
-    @gluon.jit
-    def _wg1(args):
-        _consumer(1, args)
-
-    @gluon.jit
     def _mxfp4_scores_ws_kernel(
         q_ptr, w_ptr, d_desc, s_desc, bt_ptr, row_ptr, nv_ptr, out_ptr, stride_qt, stride_qh, stride_wt,
         stride_bt, stride_ot, N, MAX_BLOCKS, NUM_PAGES, BS: gl.constexpr, STAGES: gl.constexpr,
@@ -751,14 +731,14 @@ if HAVE_GLUON:
         )  # fmt: skip
         if PRODUCERS == 2:  # alternate tiles, each its own stages and raw slots (STAGES, RAW even)
             gl.warp_specialize(
-                [(_wg0, (args,)), (_wg1, (args,)), (_producer0of2, (args,)), (_producer1of2, (args,)),
-                 (_loader, (args,))],
+                [(_consumer, (0, args)), (_consumer, (1, args)), (_producer_of, (0, 2, args)),
+                 (_producer_of, (1, 2, args)), (_loader, (args,))],
                 [4, 4, 4, 1],
                 [WORKER_REGS, PRODUCER_REGS, PRODUCER_REGS, LOADER_REGS],
             )  # fmt: skip
         else:
             gl.warp_specialize(
-                [(_wg0, (args,)), (_wg1, (args,)), (_producer, (args,)), (_loader, (args,))],
+                [(_consumer, (0, args)), (_consumer, (1, args)), (_producer_of, (0, 1, args)), (_loader, (args,))],
                 [4, 4, 1],
                 [WORKER_REGS, PRODUCER_REGS, LOADER_REGS],
             )
