@@ -129,12 +129,21 @@ def sass_lines_of(cubin: bytes) -> str:
         return subprocess.run(cmd, capture_output=True, text=True).stdout
 
 
+_OPCODE = re.compile(r"(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")  # an instruction's text -> its opcode, less modifiers
+
+
+def _opcode(text: str) -> str | None:
+    m = _OPCODE.match(text)
+    return m[1] if m else None
+
+
 def mix(sass: str, top: int = 12) -> str:
     ops = collections.Counter()
     for line in sass.splitlines():
-        m = re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)(\.[A-Z0-9_.]+)?", line)
-        if m:
-            ops[m[1]] += 1
+        m = re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+(.*)", line)
+        op = _opcode(m[1]) if m else None
+        if op:
+            ops[op] += 1
     total = sum(ops.values())
     return f"{total} instructions: " + ", ".join(f"{k} {v}" for k, v in ops.most_common(top))
 
@@ -150,21 +159,19 @@ def loops(sass: str, top: int = 10, min_len: int = 8) -> list[str]:
     ins = [(int(m[1], 16), m[2]) for m in map(_INSTR.match, sass.splitlines()) if m]
     at = {a: i for i, (a, _) in enumerate(ins)}
     spans = []
-    for i, (a, text) in enumerate(ins):
+    for i, (_, text) in enumerate(ins):
         m = re.search(r"\bBRA\s+(?:`\(\S+\)\s*)?(0x[0-9a-f]+)", text)
-        if m and int(m[1], 16) < a and int(m[1], 16) in at and i - at[int(m[1], 16)] + 1 >= min_len:
-            spans.append((at[int(m[1], 16)], i))
+        lo = at.get(int(m[1], 16)) if m else None
+        if lo is not None and lo < i and i - lo + 1 >= min_len:
+            spans.append((lo, i))
     out = []
     for lo, hi in spans:
-        body = [t for _, t in ins[lo : hi + 1]]
-        if any(lo <= lo2 and hi2 <= hi and (lo2, hi2) != (lo, hi) for lo2, hi2 in spans) or any(
-            t.split()[-1] == "EXIT" or t == "EXIT" for t in body
-        ):
+        ops = collections.Counter(_opcode(t) for _, t in ins[lo : hi + 1])
+        if ops["EXIT"] or any(lo <= lo2 and hi2 <= hi and (lo2, hi2) != (lo, hi) for lo2, hi2 in spans):
             continue
-        ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in body)
         spill = ops["LDL"] + ops["STL"]
         mixed = ", ".join(f"{k} {v}" for k, v in ops.most_common(top))
-        out.append(f"loop {ins[lo][0]:#x}-{ins[hi][0]:#x}: {len(body)} instructions, LDL+STL {spill}: {mixed}")
+        out.append(f"loop {ins[lo][0]:#x}-{ins[hi][0]:#x}: {hi - lo + 1} instructions, LDL+STL {spill}: {mixed}")
     return out
 
 
