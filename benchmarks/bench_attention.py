@@ -57,6 +57,18 @@ def _us(t: float | None) -> str:
 
 
 # ---------------------------------------------------------------------------- data
+def fused_knobs(spec: str) -> dict[str, int]:
+    """``"KEY=VAL[+KEY=VAL]"`` -> ``{"GLUON_FUSED_KEY": VAL}``, the fused Gluon kernel's module knobs
+    (``sparse_attention.GLUON_FUSED_*``) for one run of ``profile_attention.py --fused`` or ``ncu_cases.py``; a key
+    the module does not have is refused (SystemExit), so a typo does not time the default."""
+    SA = sys.modules["dsv4.kernels.attention.sparse_attention"]
+    known = sorted(k for k in dir(SA) if k.startswith("GLUON_FUSED_"))
+    knobs = {f"GLUON_FUSED_{k}": int(v) for k, v in (kv.split("=") for kv in spec.split("+") if kv)}
+    if not knobs.keys() <= set(known):
+        raise SystemExit(f"--fused {spec}: expected knobs among {known}")
+    return knobs
+
+
 def make_pool(num_entries: int, bs: int, device, gen: torch.Generator):
     """A pool of ``num_entries`` random unit-RMS entries in MODEL1 pages of ``bs`` rows."""
     pages_n = math.ceil(num_entries / bs)

@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from benchmarks.bench_attention import make_case  # noqa: E402
+from benchmarks.bench_attention import fused_knobs, make_case  # noqa: E402
 from benchmarks.bench_indexer import make_problem  # noqa: E402
 from dsv4.config import get_preset  # noqa: E402
 from dsv4.kernels.attention import sparse_attention_triton  # noqa: E402
@@ -58,9 +58,8 @@ def main() -> None:
     elif case in ("attention", "attention:gluon", "attention:gluon_fused"):
         # DSV4_FUSED_KNOBS="DEQUANT=2+STAGES=3": sparse_attention.GLUON_FUSED_* for the fused kernel
         SA = sys.modules["dsv4.kernels.attention.sparse_attention"]
-        for kv in filter(None, os.environ.get("DSV4_FUSED_KNOBS", "").split("+")):
-            k, v = kv.split("=")
-            setattr(SA, f"GLUON_FUSED_{k}", int(v))
+        for k, v in fused_knobs(os.environ.get("DSV4_FUSED_KNOBS", "")).items():
+            setattr(SA, k, v)
         pro = get_preset("v4-pro")
         q, caches, sink = make_case(64, pro.n_heads, pro.window_size, 4 * pro.index_topk, pro.index_topk, dev)
         for _ in range(CALLS):

@@ -26,7 +26,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from benchmarks.bench_attention import FMT, check, make_case  # noqa: E402
+from benchmarks.bench_attention import FMT, check, fused_knobs, make_case  # noqa: E402
 from benchmarks.profile_decode import kernel_times  # noqa: E402
 from benchmarks.sweep_indexer import GraphTimer  # noqa: E402
 from dsv4.config import get_preset  # noqa: E402
@@ -76,10 +76,7 @@ def main(argv=None) -> None:
     for name in args.variants.split(","):
         if name == "gluon_fused" and args.fused:
             for spec in args.fused.split(","):
-                knobs = {f"GLUON_FUSED_{k}": int(v) for k, v in (kv.split("=") for kv in spec.split("+"))}
-                if not knobs.keys() <= defaults.keys():
-                    raise SystemExit(f"--fused {spec}: expected knobs among {sorted(defaults)}")
-                runs.append((f"{name}:{spec}", VARIANTS[name], knobs))
+                runs.append((f"{name}:{spec}", VARIANTS[name], fused_knobs(spec)))
         else:
             runs.append((name, VARIANTS[name], {}))
     for name, kw, knobs in runs:
